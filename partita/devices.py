@@ -1,0 +1,133 @@
+"""The device catalog: datasheet figures for the accelerators Partita plans for.
+
+Every number is a vendor datasheet figure (dense, i.e. without structured sparsity), with
+its source named beside it. They feed the analytic (roofline) cost model when no measured
+profile exists; a measured profile (``partita profile``) overrides them.
+
+Bandwidths are per GPU and per direction, in GB/s (1e9 bytes/s):
+  * ``intra_node_gbps``: what one GPU can push to its peers inside a node (NVLink, or PCIe);
+  * ``network_gbps``: the usual inter-node network share of one GPU (e.g. one 400 Gb/s
+    InfiniBand NIC per GPU = 50 GB/s). A cluster spec may override both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from partita.errors import PartitaError
+from partita.specio import nearest
+from partita.units import GiB
+
+LINKS = ("nvlink", "pcie", "xgmi", "loopback")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceType:
+    name: str
+    memory_bytes: int
+    bf16_tflops: float  # dense tensor-core peak; 0 where the chip has no bf16 (V100: use fp16)
+    fp16_tflops: float
+    fp32_tflops: float
+    hbm_gbps: float
+    intra_link: str  # one of LINKS
+    intra_node_gbps: float
+    network_gbps: float
+    gpus_per_node: int  # the usual node size, the default for a short-form cluster
+    source: str
+
+    def peak_tflops(self, dtype: str) -> float:
+        if dtype == "bf16":
+            return self.bf16_tflops or self.fp16_tflops
+        if dtype == "fp16":
+            return self.fp16_tflops
+        if dtype == "fp32":
+            return self.fp32_tflops
+        raise PartitaError(f"unknown dtype {dtype!r}; valid: bf16, fp16, fp32")
+
+    @property
+    def is_cpu(self) -> bool:
+        return self.name == "cpu"
+
+
+def _gb(n: float) -> int:
+    """Marketing GB (1e9) to bytes."""
+    return int(n * 1e9)
+
+
+CATALOG: dict[str, DeviceType] = {
+    d.name: d
+    for d in [
+        # NVIDIA H100 Tensor Core GPU datasheet (SXM5): 80 GB HBM3, 3.35 TB/s, BF16 989 TFLOPS dense
+        # (1,979 with sparsity), FP32 67 TFLOPS, NVLink 900 GB/s bidirectional; DGX H100: 8x 400 Gb/s NDR.
+        DeviceType(name="H100", memory_bytes=80 * GiB, bf16_tflops=989, fp16_tflops=989, fp32_tflops=67,
+                   hbm_gbps=3350, intra_link="nvlink", intra_node_gbps=450, network_gbps=50, gpus_per_node=8,
+                   source="NVIDIA H100 datasheet, SXM5"),
+        # Same datasheet, PCIe card: 80 GB HBM2e, 2.0 TB/s, BF16 756 dense, FP32 51; PCIe Gen5 x16 128 GB/s bidir.
+        DeviceType(name="H100-PCIe", memory_bytes=80 * GiB, bf16_tflops=756, fp16_tflops=756, fp32_tflops=51,
+                   hbm_gbps=2000, intra_link="pcie", intra_node_gbps=64, network_gbps=25, gpus_per_node=8,
+                   source="NVIDIA H100 datasheet, PCIe"),
+        # NVIDIA H200 datasheet (SXM): 141 GB HBM3e, 4.8 TB/s, BF16 989 dense, FP32 67, NVLink 900 GB/s bidir.
+        DeviceType(name="H200", memory_bytes=_gb(141), bf16_tflops=989, fp16_tflops=989, fp32_tflops=67,
+                   hbm_gbps=4800, intra_link="nvlink", intra_node_gbps=450, network_gbps=50, gpus_per_node=8,
+                   source="NVIDIA H200 datasheet, SXM"),
+        # NVIDIA A100 datasheet (SXM4 80GB): HBM2e 2,039 GB/s, BF16 312 dense, FP32 19.5,
+        # NVLink 600 GB/s bidir; DGX A100: 8x 200 Gb/s HDR.
+        DeviceType(name="A100-80GB", memory_bytes=80 * GiB, bf16_tflops=312, fp16_tflops=312, fp32_tflops=19.5,
+                   hbm_gbps=2039, intra_link="nvlink", intra_node_gbps=300, network_gbps=25, gpus_per_node=8,
+                   source="NVIDIA A100 datasheet, SXM4 80GB"),
+        # Same datasheet, SXM4 40GB: HBM2 1,555 GB/s.
+        DeviceType(name="A100-40GB", memory_bytes=40 * GiB, bf16_tflops=312, fp16_tflops=312, fp32_tflops=19.5,
+                   hbm_gbps=1555, intra_link="nvlink", intra_node_gbps=300, network_gbps=25, gpus_per_node=8,
+                   source="NVIDIA A100 datasheet, SXM4 40GB"),
+        # NVIDIA V100 datasheet (SXM2): 900 GB/s HBM2, FP16 tensor 125 TFLOPS, FP32 15.7, no bf16,
+        # NVLink 300 GB/s bidir; DGX-1: 4x 100 Gb/s EDR for 8 GPUs.
+        DeviceType(name="V100-16GB", memory_bytes=16 * GiB, bf16_tflops=0, fp16_tflops=125, fp32_tflops=15.7,
+                   hbm_gbps=900, intra_link="nvlink", intra_node_gbps=150, network_gbps=6.25, gpus_per_node=8,
+                   source="NVIDIA V100 datasheet, SXM2 16GB"),
+        DeviceType(name="V100-32GB", memory_bytes=32 * GiB, bf16_tflops=0, fp16_tflops=125, fp32_tflops=15.7,
+                   hbm_gbps=900, intra_link="nvlink", intra_node_gbps=150, network_gbps=6.25, gpus_per_node=8,
+                   source="NVIDIA V100 datasheet, SXM2 32GB"),
+        # NVIDIA L40S datasheet: 48 GB GDDR6, 864 GB/s, BF16 362 dense (733 sparse), FP32 91.6; PCIe Gen4 x16.
+        DeviceType(name="L40S", memory_bytes=48 * GiB, bf16_tflops=362, fp16_tflops=362, fp32_tflops=91.6,
+                   hbm_gbps=864, intra_link="pcie", intra_node_gbps=32, network_gbps=12.5, gpus_per_node=8,
+                   source="NVIDIA L40S datasheet"),
+        # NVIDIA L4 datasheet: 24 GB GDDR6, 300 GB/s, BF16 121 dense (242 sparse), FP32 30.3; PCIe Gen4 x16.
+        DeviceType(name="L4", memory_bytes=24 * GiB, bf16_tflops=121, fp16_tflops=121, fp32_tflops=30.3,
+                   hbm_gbps=300, intra_link="pcie", intra_node_gbps=32, network_gbps=6.25, gpus_per_node=8,
+                   source="NVIDIA L4 datasheet"),
+        # NVIDIA A10 datasheet (A10G is AWS's variant of it): 24 GB GDDR6, 600 GB/s, BF16 125 dense
+        # (250 sparse), FP32 31.2; PCIe Gen4 x16.
+        DeviceType(name="A10G", memory_bytes=24 * GiB, bf16_tflops=125, fp16_tflops=125, fp32_tflops=31.2,
+                   hbm_gbps=600, intra_link="pcie", intra_node_gbps=32, network_gbps=6.25, gpus_per_node=8,
+                   source="NVIDIA A10 datasheet"),
+        # AMD Instinct MI300X datasheet: 192 GB HBM3, 5.3 TB/s, BF16 1,307.4 dense, FP32 163.4;
+        # Infinity Fabric links: 7 x 128 GB/s bidir per GPU (64 GB/s per peer per direction, 448 to all peers).
+        DeviceType(name="MI300X", memory_bytes=_gb(192), bf16_tflops=1307.4, fp16_tflops=1307.4, fp32_tflops=163.4,
+                   hbm_gbps=5300, intra_link="xgmi", intra_node_gbps=448, network_gbps=50, gpus_per_node=8,
+                   source="AMD Instinct MI300X datasheet"),
+        # A CPU "device" is one process (rank) on this machine, for tests and laptops, trained with gloo.
+        # No datasheet: nominal figures for a couple of modern cores; measure with `partita profile --device cpu`.
+        DeviceType(name="cpu", memory_bytes=4 * GiB, bf16_tflops=0.05, fp16_tflops=0.05, fp32_tflops=0.1,
+                   hbm_gbps=20, intra_link="loopback", intra_node_gbps=2, network_gbps=1, gpus_per_node=1,
+                   source="nominal; measure with partita profile --device cpu"),
+    ]
+}
+
+# Names people type for the same thing.
+ALIASES = {
+    "H100-SXM": "H100", "H100-80GB": "H100", "H100-SXM5": "H100", "H200-SXM": "H200",
+    "A100": "A100-80GB", "A100-SXM": "A100-80GB", "A100-40G": "A100-40GB", "A100-80G": "A100-80GB",
+    "V100": "V100-32GB", "A10": "A10G", "MI300": "MI300X", "CPU": "cpu",
+}
+
+
+def get_device(name: str) -> DeviceType:
+    """Look up a device type by name (case-insensitive, common aliases accepted)."""
+    if name in CATALOG:
+        return CATALOG[name]
+    if name in ALIASES:
+        return CATALOG[ALIASES[name]]
+    folded = {k.lower(): v for k, v in CATALOG.items()} | {k.lower(): CATALOG[v] for k, v in ALIASES.items()}
+    if isinstance(name, str) and name.lower() in folded:
+        return folded[name.lower()]
+    raise PartitaError(f"unknown device {name!r}; {nearest(str(name), list(CATALOG) + list(ALIASES))}")

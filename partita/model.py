@@ -1,0 +1,260 @@
+"""The model spec: the layer sequence the planner reasons about.
+
+A model is an embedding, ``n_layers`` identical decoder blocks and a head (final norm + LM
+projection). Identical blocks share one *layer kind*, so the solver and the profiler see
+three kinds however deep the model is. Layer names are the runtime's module names:
+``embed``, ``layers.0`` ... ``layers.{n-1}``, ``head``.
+
+Specs come from built-in names (``partita models``), YAML files, or Hugging Face
+``config.json`` files (see ``partita.hf``); all become the same frozen ``ModelSpec``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Mapping
+
+from partita.errors import PartitaError
+from partita import specio
+
+SCHEMA_VERSION = 1
+FAMILIES = ("llama", "gpt2")
+ROLES = ("embed", "block", "head")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    schema_version: int = SCHEMA_VERSION
+    name: str
+    # "llama": RMSNorm, rotary positions, grouped-query attention, SwiGLU MLP, no biases
+    # (mistral and qwen2 are this family; qwen2 adds q/k/v biases).
+    # "gpt2": LayerNorm, learned positions, GELU MLP, biases everywhere (gpt3, gpt_neox shapes).
+    family: str
+    hidden: int
+    n_layers: int
+    heads: int
+    kv_heads: int
+    ffn: int  # intermediate width of the MLP
+    vocab: int
+    seq_len: int  # the sequence length trained by default (and the learned-position table size)
+    qkv_bias: bool = False
+    tie_embeddings: bool = False
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    # Sequences per optimizer step when the user gives no --global-batch: the published
+    # recipe's batch where there is one.
+    default_global_batch: int = 512
+
+    def __post_init__(self) -> None:
+        what = f"model {self.name!r}"
+        if self.family not in FAMILIES:
+            raise PartitaError(f"{what}: family {self.family!r} is not supported; supported: {', '.join(FAMILIES)}")
+        for key in ("hidden", "n_layers", "heads", "kv_heads", "ffn", "vocab", "seq_len", "default_global_batch"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise PartitaError(f"{what}: {key} must be a positive integer, got {value!r}")
+        if self.hidden % self.heads:
+            raise PartitaError(f"{what}: hidden {self.hidden} is not divisible by heads {self.heads}")
+        if self.heads % self.kv_heads:
+            raise PartitaError(f"{what}: heads {self.heads} is not divisible by kv_heads {self.kv_heads}")
+        if self.family == "gpt2" and self.kv_heads != self.heads:
+            raise PartitaError(f"{what}: the gpt2 family has no grouped-query attention (kv_heads must equal heads)")
+
+    # ---- shapes -------------------------------------------------------------------------
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def layer_names(self) -> list[str]:
+        return ["embed"] + [f"layers.{i}" for i in range(self.n_layers)] + ["head"]
+
+    def role_of(self, layer_name: str) -> str:
+        if layer_name in ("embed", "head"):
+            return layer_name
+        return "block"
+
+    @cached_property
+    def kinds(self) -> dict[str, "LayerKind"]:
+        return {role: LayerKind.of(self, role) for role in ROLES}
+
+    def kind_of(self, layer_name: str) -> "LayerKind":
+        return self.kinds[self.role_of(layer_name)]
+
+    @property
+    def n_params(self) -> int:
+        total = sum(self.kind_of(n).params for n in self.layer_names())
+        if self.tie_embeddings:
+            total -= self.vocab * self.hidden
+        return total
+
+    def train_flops_per_token(self, seq_len: int) -> float:
+        """Model FLOPs of forward + backward per token (3x forward), no recomputation:
+        the numerator of MFU. Attention scores count in full (the Megatron convention)."""
+        return 3.0 * sum(self.kind_of(n).forward_flops_per_token(seq_len) for n in self.layer_names())
+
+    # ---- files --------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "model spec") -> "ModelSpec":
+        data = specio.require_mapping(data, where)
+        specio.check_keys(data, cls, where, required=("name", "family", "hidden", "n_layers", "heads", "ffn", "vocab", "seq_len"))
+        specio.check_version(data, SCHEMA_VERSION, where)
+        kwargs = dict(data)
+        kwargs.setdefault("kv_heads", kwargs.get("heads"))
+        for key in ("qkv_bias", "tie_embeddings"):
+            if key in kwargs:
+                specio.get_bool(kwargs, key, where)
+        for key in ("rope_theta", "norm_eps"):
+            if key in kwargs:
+                kwargs[key] = specio.get_float(kwargs, key, where)
+        if not isinstance(kwargs.get("name"), str):
+            raise PartitaError(f"{where}: name must be a string")
+        return cls(**kwargs)
+
+    @property
+    def fingerprint(self) -> str:
+        d = self.to_dict()
+        d.pop("name")
+        d.pop("default_global_batch")
+        return specio.fingerprint(d)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerKind:
+    """One distinct layer shape. Its fields are what sets its cost; ``role`` is embed/block/head."""
+
+    role: str
+    family: str
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    qkv_bias: bool
+    learned_positions: int  # rows of a learned position table (gpt2 embed), else 0
+
+    @classmethod
+    def of(cls, model: ModelSpec, role: str) -> "LayerKind":
+        return cls(role=role, family=model.family, hidden=model.hidden, heads=model.heads,
+                   kv_heads=model.kv_heads, ffn=model.ffn, vocab=model.vocab, qkv_bias=model.qkv_bias,
+                   learned_positions=model.seq_len if (model.family == "gpt2" and role == "embed") else 0)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], where: str = "layer kind") -> "LayerKind":
+        specio.check_keys(data, cls, where, required=[f.name for f in dataclasses.fields(cls)])
+        return cls(**data)
+
+    # ---- parameters ---------------------------------------------------------------------
+    @property
+    def matmul_params(self) -> int:
+        """Parameters that take part in matrix products (the 2*N FLOPs per token)."""
+        h, hd = self.hidden, self.head_dim
+        if self.role == "embed":
+            return 0  # a lookup, no FLOPs
+        if self.role == "head":
+            return self.vocab * h
+        qkv = h * hd * (self.heads + 2 * self.kv_heads)
+        out = self.heads * hd * h
+        mlp = (3 if self.family == "llama" else 2) * h * self.ffn
+        return qkv + out + mlp
+
+    @property
+    def params(self) -> int:
+        h, hd = self.hidden, self.head_dim
+        if self.role == "embed":
+            return self.vocab * h + self.learned_positions * h
+        norm = h if self.family == "llama" else 2 * h  # LayerNorm has a bias
+        if self.role == "head":
+            return self.vocab * h + norm
+        biases = 0
+        if self.family == "gpt2":
+            biases = 3 * h + h + self.ffn + h
+        elif self.qkv_bias:
+            biases = hd * (self.heads + 2 * self.kv_heads)
+        return self.matmul_params + 2 * norm + biases
+
+    def forward_flops_per_token(self, seq_len: int) -> float:
+        flops = 2.0 * self.matmul_params
+        if self.role == "block":
+            # scores (QK^T) and weighted values (AV), counted over the full seq x seq square
+            flops += 2.0 * 2.0 * seq_len * self.heads * self.head_dim
+        return flops
+
+    def tp_divides(self, tp: int) -> str | None:
+        """Why this kind cannot be split ``tp`` ways, or None if it can."""
+        if tp == 1:
+            return None
+        if self.role == "block":
+            for what, n in (("heads", self.heads), ("kv_heads", self.kv_heads), ("ffn", self.ffn)):
+                if n % tp:
+                    return f"{what} {n} is not divisible by tensor-parallel degree {tp}"
+        elif self.vocab % tp:
+            return f"vocab {self.vocab} is not divisible by tensor-parallel degree {tp}"
+        return None
+
+
+def _llama(name: str, hidden: int, n_layers: int, heads: int, kv_heads: int, ffn: int, vocab: int,
+           seq_len: int, batch: int, **kw: Any) -> ModelSpec:
+    return ModelSpec(name=name, family="llama", hidden=hidden, n_layers=n_layers, heads=heads,
+                     kv_heads=kv_heads, ffn=ffn, vocab=vocab, seq_len=seq_len, default_global_batch=batch, **kw)
+
+
+def _gpt2(name: str, hidden: int, n_layers: int, heads: int, vocab: int, seq_len: int, batch: int,
+          ffn: int | None = None) -> ModelSpec:
+    return ModelSpec(name=name, family="gpt2", hidden=hidden, n_layers=n_layers, heads=heads, kv_heads=heads,
+                     ffn=ffn or 4 * hidden, vocab=vocab, seq_len=seq_len, tie_embeddings=True,
+                     default_global_batch=batch)
+
+
+# Shapes from the models' published configs; batches from their papers where given
+# (Llama 2: 4M tokens/step; Llama 3: 8k-token sequences, 16M tokens; GPT-3: 3.2M tokens = 1536 x 2048).
+BUILTIN: dict[str, ModelSpec] = {
+    m.name: m
+    for m in [
+        _gpt2("gpt2", 768, 12, 12, 50257, 1024, 512),
+        _gpt2("gpt2-medium", 1024, 24, 16, 50257, 1024, 512),
+        _gpt2("gpt2-large", 1280, 36, 20, 50257, 1024, 512),
+        _gpt2("gpt2-xl", 1600, 48, 25, 50257, 1024, 512),
+        _llama("llama-2-7b", 4096, 32, 32, 32, 11008, 32000, 4096, 1024),
+        _llama("llama-2-13b", 5120, 40, 40, 40, 13824, 32000, 4096, 1024),
+        _llama("llama-2-70b", 8192, 80, 64, 8, 28672, 32000, 4096, 1024),
+        _llama("llama-3-8b", 4096, 32, 32, 8, 14336, 128256, 8192, 2048, rope_theta=500000.0),
+        _llama("llama-3-70b", 8192, 80, 64, 8, 28672, 128256, 8192, 2048, rope_theta=500000.0),
+        _llama("llama-3-405b", 16384, 126, 128, 8, 53248, 128256, 8192, 2048, rope_theta=500000.0),
+        _gpt2("gpt3-175b", 12288, 96, 96, 50257, 2048, 1536),
+        # Tiny models that train on a CPU in seconds (tests, CI, laptops).
+        _llama("tiny-llama", 64, 6, 4, 2, 128, 256, 64, 8),
+        _gpt2("tiny-gpt2", 64, 4, 4, 256, 64, 8),
+    ]
+}
+BUILTIN_ALIASES = {"gpt2-small": "gpt2", "gpt-3-175b": "gpt3-175b", "gpt3": "gpt3-175b"}
+
+
+def load_model(ref: str) -> ModelSpec:
+    """A built-in name, a Partita model YAML file, or a Hugging Face config.json."""
+    if not isinstance(ref, str) or not ref:
+        raise PartitaError("model: give a built-in name (see `partita models`), a YAML file or a config.json")
+    name = BUILTIN_ALIASES.get(ref, ref)
+    if name in BUILTIN:
+        return BUILTIN[name]
+    path = Path(ref)
+    if path.suffix in (".yaml", ".yml", ".json") or path.exists():
+        if path.suffix == ".json":
+            from partita.hf import load_hf_config
+
+            return load_hf_config(path)
+        data = specio.load_yaml(path)
+        return ModelSpec.from_dict(data, where=str(path))
+    raise PartitaError(f"unknown model {ref!r}; {specio.nearest(ref, list(BUILTIN))}")

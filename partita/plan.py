@@ -1,0 +1,255 @@
+"""The plan: which ranks run which layers, how, and what that is predicted to cost.
+
+A plan is versioned YAML that a person can read and write by hand; the search produces the
+same type. It speaks the runtime's words: module names (``embed``, ``layers.3``, ``head``),
+named mesh dimensions (``pp``, ``dp``, ``tp``) and named per-layer choices.
+
+Mesh layout. Every stage has ``dp * tp`` ranks, listed dp-major: the rank at data-parallel
+index ``d`` and tensor-parallel index ``t`` is ``stage.ranks[d * tp + t]``. Pipeline
+replica ``(d, t)`` runs through ``stages[s].ranks[d * tp + t]`` for s = 0..pp-1.
+
+Per-layer choices (``LayerStrategy``):
+  * ``tensor_parallel``: 1 (the layer is replicated across the stage's tensor group) or the
+    stage's ``tp`` (Megatron-style: attention heads and MLP columns split, vocab split for
+    embed/head);
+  * ``sequence_parallel``: with tensor parallelism, norms and the residual stream are split
+    along the sequence, trading all-reduces for all-gather + reduce-scatter;
+  * ``zero``: 0 = replicated weights, gradients all-reduced once per step; 1 = optimizer state
+    sharded over dp; 2 = gradients too; 3 = parameters too (FSDP), gathered per micro-batch;
+  * ``recompute``: the layer's activations are recomputed in backward (full checkpointing).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from partita import specio
+from partita.errors import PartitaError
+
+SCHEMA_VERSION = 1
+ZERO_LEVELS = (0, 1, 2, 3)
+SCHEDULES = ("1f1b",)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerStrategy:
+    name: str
+    tensor_parallel: int = 1
+    sequence_parallel: bool = False
+    zero: int = 0
+    recompute: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> "LayerStrategy":
+        data = specio.require_mapping(data, where)
+        specio.check_keys(data, cls, where, required=("name",))
+        return cls(name=specio.get_str(data, "name", where),
+                   tensor_parallel=specio.get_int(data, "tensor_parallel", where, default=1),
+                   sequence_parallel=specio.get_bool(data, "sequence_parallel", where, default=False),
+                   zero=specio.get_int(data, "zero", where, minimum=0, default=0),
+                   recompute=specio.get_bool(data, "recompute", where, default=False))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Stage:
+    index: int
+    group: str  # node group name in the cluster spec
+    device: str  # device type, for reading; must match the group's
+    ranks: tuple[int, ...]
+    layers: tuple[LayerStrategy, ...]
+
+    @property
+    def layer_names(self) -> list[str]:
+        return [l.name for l in self.layers]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"index": self.index, "group": self.group, "device": self.device,
+                "ranks": list(self.ranks), "layers": [l.to_dict() for l in self.layers]}
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> "Stage":
+        data = specio.require_mapping(data, where)
+        specio.check_keys(data, cls, where, required=("index", "group", "device", "ranks", "layers"))
+        ranks = data["ranks"]
+        if not isinstance(ranks, list) or not ranks or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in ranks):
+            raise PartitaError(f"{where}: ranks must be a non-empty list of non-negative integers")
+        layers = data["layers"]
+        if not isinstance(layers, list) or not layers:
+            raise PartitaError(f"{where}: layers must be a non-empty list")
+        return cls(index=specio.get_int(data, "index", where, minimum=0),
+                   group=specio.get_str(data, "group", where), device=specio.get_str(data, "device", where),
+                   ranks=tuple(ranks),
+                   layers=tuple(LayerStrategy.from_dict(l, f"{where}: layers[{i}]") for i, l in enumerate(layers)))
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageMemory:
+    """Predicted peak memory of one device of a stage, by what holds it."""
+
+    stage: int
+    device: str
+    capacity_bytes: int
+    weights_bytes: int
+    gradients_bytes: int
+    optimizer_bytes: int
+    activations_bytes: int
+    transient_bytes: int  # gathered ZeRO-3 parameters, communication buffers
+    reserve_bytes: int  # CUDA context, allocator fragmentation, workspace
+
+    @property
+    def peak_bytes(self) -> int:
+        return (self.weights_bytes + self.gradients_bytes + self.optimizer_bytes + self.activations_bytes
+                + self.transient_bytes + self.reserve_bytes)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["peak_bytes"] = self.peak_bytes
+        return d
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> "StageMemory":
+        data = dict(specio.require_mapping(data, where))
+        data.pop("peak_bytes", None)
+        specio.check_keys(data, cls, where, required=[f.name for f in dataclasses.fields(cls)])
+        return cls(**data)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Prediction:
+    step_time_s: float
+    tokens_per_s: float
+    mfu: float  # model FLOPs per second over the summed dense peak of the devices used
+    stage_time_s: tuple[float, ...]  # one micro-batch's forward + backward per stage, comms included
+    breakdown: Mapping[str, float]  # seconds per step by cause
+    memory: tuple[StageMemory, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s, "mfu": self.mfu,
+                "stage_time_s": list(self.stage_time_s), "breakdown": dict(self.breakdown),
+                "memory": [m.to_dict() for m in self.memory]}
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> "Prediction":
+        data = specio.require_mapping(data, where)
+        specio.check_keys(data, cls, where, required=[f.name for f in dataclasses.fields(cls)])
+        return cls(step_time_s=float(data["step_time_s"]), tokens_per_s=float(data["tokens_per_s"]),
+                   mfu=float(data["mfu"]), stage_time_s=tuple(float(x) for x in data["stage_time_s"]),
+                   breakdown={str(k): float(v) for k, v in dict(data["breakdown"]).items()},
+                   memory=tuple(StageMemory.from_dict(m, f"{where}: memory[{i}]") for i, m in enumerate(data["memory"])))
+
+
+@dataclass(frozen=True, kw_only=True)
+class SolverReport:
+    method: str  # "uniform" or "cpsat"
+    status: str  # "optimal", "feasible" (time ran out), or "exhaustive" for the uniform grid
+    objective_us: int  # the step time the search minimised, integer microseconds
+    bound_us: int  # proven lower bound on the objective over the search space
+    gap: float  # (objective - bound) / objective
+    wall_s: float
+    workers: int = 1
+    seed: int = 0
+    ortools_version: str = ""
+    uniform_objective_us: int = 0  # the best uniform plan's step time, for comparison
+    candidates: int = 0  # plans the uniform grid evaluated
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> "SolverReport":
+        data = specio.require_mapping(data, where)
+        specio.check_keys(data, cls, where, required=("method", "status", "objective_us", "bound_us", "gap", "wall_s"))
+        return cls(**data)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    schema_version: int = SCHEMA_VERSION
+    model: Mapping[str, Any]  # the full model spec, so a plan is self-contained
+    model_fingerprint: str
+    cluster: Mapping[str, Any]  # the full cluster spec
+    cluster_fingerprint: str
+    profile_fingerprint: str
+    cost_sources: Mapping[str, str]  # device type -> "measured" | "analytic" | "mixed"
+    dtype: str  # bf16 on GPUs, fp32 on CPU
+    seq_len: int
+    global_batch: int  # sequences per optimizer step = dp * micro_batch * num_micro_batches
+    micro_batch: int
+    num_micro_batches: int
+    dp: int
+    tp: int
+    pp: int
+    schedule: str = "1f1b"
+    stages: tuple[Stage, ...]
+    prediction: Prediction | None = None
+    solver: SolverReport | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def ranks(self) -> list[int]:
+        return [r for s in self.stages for r in s.ranks]
+
+    def stage_of_rank(self, rank: int) -> Stage:
+        for s in self.stages:
+            if rank in s.ranks:
+                return s
+        raise PartitaError(f"rank {rank} is in no stage of this plan")
+
+    def layer_strategies(self) -> list[LayerStrategy]:
+        return [l for s in self.stages for l in s.layers]
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name == "stages":
+                v = [s.to_dict() for s in v]
+            elif f.name in ("prediction", "solver"):
+                v = v.to_dict() if v is not None else None
+            elif isinstance(v, Mapping):
+                v = dict(v)
+            d[f.name] = v
+        return d
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "plan") -> "Plan":
+        data = specio.require_mapping(data, where)
+        specio.check_version(data, SCHEMA_VERSION, where)
+        required = [f.name for f in dataclasses.fields(cls)
+                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        specio.check_keys(data, cls, where, required=required)
+        stages = data["stages"]
+        if not isinstance(stages, list) or not stages:
+            raise PartitaError(f"{where}: stages must be a non-empty list")
+        kwargs: dict[str, Any] = dict(data)
+        kwargs["stages"] = tuple(Stage.from_dict(s, f"{where}: stages[{i}]") for i, s in enumerate(stages))
+        for key in ("seq_len", "global_batch", "micro_batch", "num_micro_batches", "dp", "tp", "pp"):
+            kwargs[key] = specio.get_int(data, key, where)
+        for key in ("model", "cluster", "cost_sources"):
+            kwargs[key] = dict(specio.require_mapping(data[key], f"{where}: {key}"))
+        kwargs["dtype"] = specio.get_str(data, "dtype", where, choices=("bf16", "fp16", "fp32"))
+        kwargs["schedule"] = specio.get_str(data, "schedule", where, default="1f1b", choices=SCHEDULES)
+        if data.get("prediction") is not None:
+            kwargs["prediction"] = Prediction.from_dict(data["prediction"], f"{where}: prediction")
+        if data.get("solver") is not None:
+            kwargs["solver"] = SolverReport.from_dict(data["solver"], f"{where}: solver")
+        try:
+            return cls(**kwargs)
+        except TypeError as e:
+            raise PartitaError(f"{where}: {e}") from None
+
+    def save(self, path: str | Path) -> None:
+        specio.save_yaml(self.to_dict(), path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Plan":
+        return cls.from_dict(specio.load_yaml(path), where=str(path))

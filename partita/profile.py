@@ -1,0 +1,162 @@
+"""The profile: per-layer-kind compute and memory costs, and collective costs, of one device type.
+
+A profile is a typed table with provenance. Measured profiles come from ``partita profile``
+on the real device; with none, the search derives the same quantities analytically from the
+device catalog (``partita.search.roofline``) and says so in the plan.
+
+Layer entries are keyed by the layer kind's shapes (a ``LayerKind``), the tensor-parallel
+width it was sharded to, the micro-batch size and the sequence length. Comm entries fit
+``time = latency + bytes / bandwidth`` per collective, link class and group size, where
+``bytes`` is the collective's *bus* traffic per rank (ring algorithms: all-reduce moves
+2(n-1)/n of the buffer, all-gather and reduce-scatter (n-1)/n of the full buffer).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from partita import specio
+from partita.errors import PartitaError
+from partita.model import LayerKind
+
+SCHEMA_VERSION = 1
+COMM_OPS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
+LINK_CLASSES = ("nvlink", "pcie", "xgmi", "loopback", "network")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Provenance:
+    source: str  # "measured" or "analytic"
+    device_name: str  # what the driver calls the device (torch.cuda.get_device_name, or the CPU model)
+    torch: str = ""
+    cuda: str = ""
+    driver: str = ""
+    dtype: str = "bf16"
+    date: str = ""
+    command: str = ""
+    host: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> "Provenance":
+        data = specio.require_mapping(data, where)
+        specio.check_keys(data, cls, where, required=("source", "device_name"))
+        specio.get_str(data, "source", where, choices=("measured", "analytic"))
+        return cls(**{k: str(v) for k, v in data.items()})
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerCost:
+    kind: LayerKind
+    tp: int
+    micro_batch: int
+    seq_len: int
+    forward_s: float
+    backward_s: float  # gradient of inputs and weights, without recomputation
+    recompute_s: float  # the extra forward a checkpointed layer runs in backward
+    activation_bytes: int  # kept from forward for backward, one micro-batch, one rank
+    param_bytes: int  # this rank's shard of the layer's parameters, in the profile's dtype
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["kind"] = self.kind.to_dict()
+        return d
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> "LayerCost":
+        data = specio.require_mapping(data, where)
+        names = [f.name for f in dataclasses.fields(cls)]
+        specio.check_keys(data, cls, where, required=names)
+        kind = LayerKind.from_dict(specio.require_mapping(data["kind"], f"{where}: kind"), f"{where}: kind")
+        return cls(kind=kind, tp=specio.get_int(data, "tp", where), micro_batch=specio.get_int(data, "micro_batch", where),
+                   seq_len=specio.get_int(data, "seq_len", where),
+                   forward_s=specio.get_float(data, "forward_s", where),
+                   backward_s=specio.get_float(data, "backward_s", where),
+                   recompute_s=specio.get_float(data, "recompute_s", where, strict_min=False),
+                   activation_bytes=specio.get_int(data, "activation_bytes", where, minimum=0),
+                   param_bytes=specio.get_int(data, "param_bytes", where, minimum=0))
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommCost:
+    op: str  # one of COMM_OPS
+    link: str  # one of LINK_CLASSES
+    ranks: int  # group size it was measured on
+    latency_s: float
+    bandwidth_gbps: float  # bus bandwidth, GB/s per rank per direction
+
+    def time_s(self, bus_bytes: float) -> float:
+        return self.latency_s + bus_bytes / (self.bandwidth_gbps * 1e9)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> "CommCost":
+        data = specio.require_mapping(data, where)
+        specio.check_keys(data, cls, where, required=[f.name for f in dataclasses.fields(cls)])
+        return cls(op=specio.get_str(data, "op", where, choices=COMM_OPS),
+                   link=specio.get_str(data, "link", where, choices=LINK_CLASSES),
+                   ranks=specio.get_int(data, "ranks", where, minimum=2),
+                   latency_s=specio.get_float(data, "latency_s", where, strict_min=False),
+                   bandwidth_gbps=specio.get_float(data, "bandwidth_gbps", where))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Profile:
+    schema_version: int = SCHEMA_VERSION
+    device: str  # catalog name the costs apply to
+    dtype: str
+    provenance: Provenance
+    layers: tuple[LayerCost, ...] = ()
+    comm: tuple[CommCost, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"schema_version": self.schema_version, "device": self.device, "dtype": self.dtype,
+                "provenance": self.provenance.to_dict(), "layers": [l.to_dict() for l in self.layers],
+                "comm": [c.to_dict() for c in self.comm]}
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "profile") -> "Profile":
+        from partita.devices import get_device
+
+        data = specio.require_mapping(data, where)
+        specio.check_keys(data, cls, where, required=("device", "dtype", "provenance"))
+        specio.check_version(data, SCHEMA_VERSION, where)
+        layers = data.get("layers") or []
+        comm = data.get("comm") or []
+        if not isinstance(layers, list) or not isinstance(comm, list):
+            raise PartitaError(f"{where}: layers and comm must be lists")
+        device = get_device(specio.get_str(data, "device", where)).name
+        return cls(device=device, dtype=specio.get_str(data, "dtype", where, choices=("bf16", "fp16", "fp32")),
+                   provenance=Provenance.from_dict(data["provenance"], f"{where}: provenance"),
+                   layers=tuple(LayerCost.from_dict(l, f"{where}: layers[{i}]") for i, l in enumerate(layers)),
+                   comm=tuple(CommCost.from_dict(c, f"{where}: comm[{i}]") for i, c in enumerate(comm)))
+
+    def save(self, path: str | Path) -> None:
+        specio.save_yaml(self.to_dict(), path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Profile":
+        return cls.from_dict(specio.load_yaml(path), where=str(path))
+
+    @property
+    def fingerprint(self) -> str:
+        return specio.fingerprint(self.to_dict())
+
+    def layer_points(self, kind: LayerKind, tp: int, seq_len: int) -> list[LayerCost]:
+        """Measured points for this kind, width and sequence length, by micro-batch."""
+        return sorted((l for l in self.layers if l.kind == kind and l.tp == tp and l.seq_len == seq_len),
+                      key=lambda l: l.micro_batch)
+
+    def comm_fit(self, op: str, link: str, ranks: int) -> CommCost | None:
+        """The fit for this op and link measured on the nearest group size (exact first)."""
+        fits = [c for c in self.comm if c.op == op and c.link == link]
+        if not fits:
+            return None
+        return min(fits, key=lambda c: (abs(c.ranks - ranks), -c.ranks))
