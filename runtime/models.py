@@ -1,0 +1,270 @@
+"""Torch models built from a ``ModelSpec``: the llama family and the gpt2 family.
+
+    from partita.model import load_model
+    from partita.runtime.models import build_model, build_layer, init_layer
+    model = build_model(load_model("tiny-llama"), device="cpu")   # meta by default
+    logits = model(tokens)                                         # [b, s] -> [b, s, vocab]
+
+The model's children are the plan's module names: ``embed``, ``layers`` (an ``nn.ModuleDict``
+with keys "0".."n-1") and ``head`` (final norm + LM projection). A pipeline stage deletes
+what it does not own (``del model.embed`` or ``model.embed = None``); ``forward`` runs what
+is left, so a stage takes whatever its first owned module takes (tokens or hidden states).
+
+Every projection is its own ``nn.Linear`` (``wq``, ``wk``, ``wv``, ``wo``; ``w1``, ``w3``, ``w2``)
+so tensor parallelism is a plain dict from module name to style. Attention reshapes with
+``-1`` heads, so the same classes run a tensor-parallel shard: ``build_layer(spec, role, tp=k)``
+builds the 1/k shard of one layer (heads, kv heads and ffn, or the vocabulary, divided by k;
+head_dim kept), which is what the profiler times.
+
+Initialisation is per layer from a seed and the layer's name (``init_layer``), so a rank that
+materialises only its own layers gets the same numbers as a single process holding them all.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from partita.errors import PartitaError
+from partita.model import ModelSpec
+
+ROLES = ("embed", "block", "head")
+INIT_STD = 0.02
+
+
+# ---- building blocks ----------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, *, device=None, dtype=None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def _rotary(x: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary position embedding on [b, s, heads, head_dim], rotating the two halves."""
+    seq, head_dim = x.shape[1], x.shape[-1]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=x.device, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(seq, device=x.device, dtype=torch.float32), inv_freq)
+    cos = torch.cat((angles.cos(), angles.cos()), dim=-1)[None, :, None, :].to(x.dtype)
+    sin = torch.cat((angles.sin(), angles.sin()), dim=-1)[None, :, None, :].to(x.dtype)
+    half = head_dim // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    """Causal self-attention with grouped-query heads; rotary positions for llama."""
+
+    def __init__(self, *, hidden: int, heads: int, kv_heads: int, head_dim: int, bias: bool, out_bias: bool,
+                 rope_theta: float | None, device=None, dtype=None) -> None:
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        self.head_dim = head_dim
+        self.group = heads // kv_heads  # query heads per kv head (unchanged by tensor parallelism)
+        self.rope_theta = rope_theta
+        self.wq = nn.Linear(hidden, heads * head_dim, bias=bias, **kw)
+        self.wk = nn.Linear(hidden, kv_heads * head_dim, bias=bias, **kw)
+        self.wv = nn.Linear(hidden, kv_heads * head_dim, bias=bias, **kw)
+        self.wo = nn.Linear(heads * head_dim, hidden, bias=out_bias, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        # -1 heads: under tensor parallelism each rank holds a slice of the heads.
+        q = self.wq(x).view(b, s, -1, self.head_dim)
+        k = self.wk(x).view(b, s, -1, self.head_dim)
+        v = self.wv(x).view(b, s, -1, self.head_dim)
+        if self.rope_theta is not None:
+            q, k = _rotary(q, self.rope_theta), _rotary(k, self.rope_theta)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if self.group > 1:
+            k = k.repeat_interleave(self.group, dim=1)
+            v = v.repeat_interleave(self.group, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden: int, ffn: int, *, device=None, dtype=None) -> None:
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        self.w1 = nn.Linear(hidden, ffn, bias=False, **kw)  # gate
+        self.w3 = nn.Linear(hidden, ffn, bias=False, **kw)  # up
+        self.w2 = nn.Linear(ffn, hidden, bias=False, **kw)  # down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class GeluMLP(nn.Module):
+    def __init__(self, hidden: int, ffn: int, *, device=None, dtype=None) -> None:
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        self.w1 = nn.Linear(hidden, ffn, bias=True, **kw)
+        self.w2 = nn.Linear(ffn, hidden, bias=True, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.gelu(self.w1(x), approximate="tanh"))
+
+
+def _norm(spec: ModelSpec, device, dtype) -> nn.Module:
+    if spec.family == "llama":
+        return RMSNorm(spec.hidden, spec.norm_eps, device=device, dtype=dtype)
+    return nn.LayerNorm(spec.hidden, eps=spec.norm_eps, device=device, dtype=dtype)
+
+
+# ---- the three layer roles -----------------------------------------------------------------
+
+
+class Embed(nn.Module):
+    """Tokens [b, s] -> hidden [b, s, h]; gpt2 adds learned positions."""
+
+    def __init__(self, spec: ModelSpec, *, vocab: int, device=None, dtype=None) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, spec.hidden, device=device, dtype=dtype)
+        self.pos = nn.Embedding(spec.seq_len, spec.hidden, device=device, dtype=dtype) if spec.family == "gpt2" else None
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok(tokens)
+        if self.pos is not None:
+            h = h + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
+        return h
+
+
+class Block(nn.Module):
+    """Pre-norm decoder block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, spec: ModelSpec, *, heads: int, kv_heads: int, ffn: int, device=None, dtype=None) -> None:
+        super().__init__()
+        llama = spec.family == "llama"
+        self.attention_norm = _norm(spec, device, dtype)
+        self.attention = Attention(hidden=spec.hidden, heads=heads, kv_heads=kv_heads, head_dim=spec.head_dim,
+                                   bias=spec.qkv_bias or not llama, out_bias=not llama,
+                                   rope_theta=spec.rope_theta if llama else None, device=device, dtype=dtype)
+        self.ffn_norm = _norm(spec, device, dtype)
+        mlp = SwiGLU if llama else GeluMLP
+        self.feed_forward = mlp(spec.hidden, ffn, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Head(nn.Module):
+    """Final norm + LM projection: hidden [b, s, h] -> logits [b, s, vocab]."""
+
+    def __init__(self, spec: ModelSpec, *, vocab: int, device=None, dtype=None) -> None:
+        super().__init__()
+        self.norm = _norm(spec, device, dtype)
+        self.output = nn.Linear(spec.hidden, vocab, bias=False, device=device, dtype=dtype)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.output(self.norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, spec: ModelSpec, *, device=None, dtype=None) -> None:
+        super().__init__()
+        self.spec = spec
+        self.embed = Embed(spec, vocab=spec.vocab, device=device, dtype=dtype)
+        self.layers = nn.ModuleDict({str(i): Block(spec, heads=spec.heads, kv_heads=spec.kv_heads, ffn=spec.ffn,
+                                                   device=device, dtype=dtype) for i in range(spec.n_layers)})
+        self.head = Head(spec, vocab=spec.vocab, device=device, dtype=dtype)
+        if spec.tie_embeddings:
+            self.head.output.weight = self.embed.tok.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Any part may be missing on a pipeline stage (deleted or set to None).
+        embed = getattr(self, "embed", None)
+        if embed is not None:
+            x = embed(x)
+        layers = getattr(self, "layers", None)
+        if layers is not None:
+            for block in layers.values():
+                x = block(x)
+        head = getattr(self, "head", None)
+        if head is not None:
+            x = head(x)
+        return x
+
+    def owned_layer_names(self) -> list[str]:
+        """The plan's names of the layers this module still holds, in order."""
+        names = []
+        if getattr(self, "embed", None) is not None:
+            names.append("embed")
+        if getattr(self, "layers", None) is not None:
+            names += [f"layers.{k}" for k in self.layers]
+        if getattr(self, "head", None) is not None:
+            names.append("head")
+        return names
+
+    def layer(self, name: str) -> nn.Module:
+        return self.get_submodule(name)
+
+
+# ---- public constructors --------------------------------------------------------------------
+
+
+def build_model(spec: ModelSpec, *, device: str | torch.device = "meta", dtype: torch.dtype = torch.float32) -> Transformer:
+    """The whole model, on ``device`` (meta by default: no memory until ``materialize``)."""
+    return Transformer(spec, device=device, dtype=dtype)
+
+
+def build_layer(spec: ModelSpec, role: str, *, tp: int = 1, device: str | torch.device = "meta",
+                dtype: torch.dtype = torch.float32) -> nn.Module:
+    """One layer of ``role`` ("embed", "block", "head"), or its 1/``tp`` tensor-parallel shard."""
+    if role not in ROLES:
+        raise PartitaError(f"unknown layer role {role!r}; valid: {', '.join(ROLES)}")
+    why = spec.kinds[role].tp_divides(tp)
+    if why:
+        raise PartitaError(f"model {spec.name!r}: cannot build a 1/{tp} shard of the {role} layer: {why}")
+    if role == "embed":
+        return Embed(spec, vocab=spec.vocab // tp, device=device, dtype=dtype)
+    if role == "head":
+        return Head(spec, vocab=spec.vocab // tp, device=device, dtype=dtype)
+    return Block(spec, heads=spec.heads // tp, kv_heads=spec.kv_heads // tp, ffn=spec.ffn // tp,
+                 device=device, dtype=dtype)
+
+
+def layer_seed(seed: int, layer_name: str) -> int:
+    """A layer's own seed: the same on every rank and in a single-process reference."""
+    return (seed * 1_000_003 + zlib.crc32(layer_name.encode())) % (2**63)
+
+
+@torch.no_grad()
+def init_layer(layer: nn.Module, layer_name: str, seed: int, *, n_layers: int) -> None:
+    """Deterministic init of a materialised (non-meta) layer: normal(0, 0.02) weights with the
+    output projections scaled by depth (GPT-2), zero biases, unit norms. Values are drawn on the
+    CPU so every device type gets the same numbers."""
+    gen = torch.Generator().manual_seed(layer_seed(seed, layer_name))
+    for name, p in layer.named_parameters(remove_duplicate=True):
+        leaf = name.rsplit(".", 1)[-1]
+        owner = layer.get_submodule(name.rsplit(".", 1)[0]) if "." in name else layer
+        if isinstance(owner, (RMSNorm, nn.LayerNorm)):
+            value = torch.ones(p.shape) if leaf == "weight" else torch.zeros(p.shape)
+        elif leaf == "bias":
+            value = torch.zeros(p.shape)
+        else:
+            std = INIT_STD
+            if name.endswith(("wo.weight", "w2.weight")):
+                std = INIT_STD / math.sqrt(2 * n_layers)
+            value = torch.empty(p.shape).normal_(0.0, std, generator=gen)
+        p.copy_(value.to(dtype=p.dtype, device=p.device))
+
+
+def materialize(model: Transformer, *, device: str | torch.device, seed: int) -> Transformer:
+    """Allocate the layers ``model`` still holds on ``device`` and initialise each from ``seed``."""
+    model.to_empty(device=device)
+    for name in model.owned_layer_names():
+        init_layer(model.layer(name), name, seed, n_layers=model.spec.n_layers)
+    if model.spec.tie_embeddings and getattr(model, "embed", None) is not None and getattr(model, "head", None) is not None:
+        model.head.output.weight = model.embed.tok.weight  # to_empty keeps the tie; say so anyway
+    return model
