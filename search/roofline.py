@@ -1,0 +1,163 @@
+"""Time of the primitive kernels (GEMM, fused attention, memory-bound elementwise) on any catalog device.
+
+The analytic cost model has datasheet peaks only (``partita.devices``); real kernels reach a
+shape-dependent fraction of them. One curve, calibrated on real H200 measurements
+(``/work/shared/data/h200``, PyTorch eager, bf16), turns peaks into times::
+
+    device_s = flops / (peak * efficiency) + memory_weight * bytes / bandwidth
+    time_s   = (floor_s**sharpness + device_s**sharpness) ** (1 / sharpness)
+
+``device_s`` is the kernel's own time: compute at a fixed fraction of peak, plus the part of
+its memory traffic that does not hide behind the math (the fit says: nearly all of a GEMM's
+output write; this is what makes k=1024 products slow). ``floor_s`` is the time an isolated
+kernel cannot go below, measured on an idle GPU: mostly the host's dispatch of one eager op
+(tens of µs), which a busy training step partly hides behind earlier work. The soft maximum
+with exponent ``sharpness`` blends the floor-bound and device-bound regimes, which gives the
+saturating efficiency small matrices show (1024³: 58 TFLOP/s, large ones 700-780). Only peaks
+and bandwidths are per device, so the curve transfers across devices by scaling with them; the
+floor is a host property and is kept as is.
+
+The catalog's ``cpu`` device is nominal; it gets a plain roofline at its catalog peaks with
+a modest efficiency. ``benchmarks/calibrate_roofline.py`` re-fits the constants below and
+prints the fit; ``docs/calibration.md`` records the errors. Nothing here reads those files.
+
+Usage::
+
+    from partita.devices import get_device
+    from partita.search.roofline import matmul_time_s
+    matmul_time_s(get_device("H100"), 8192, 4096, 4096)  # seconds
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+import numpy as np
+
+from partita.devices import DeviceType
+from partita.errors import PartitaError
+
+ArrayLike = Union[float, np.ndarray]
+
+ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+def element_bytes(dtype: str) -> int:
+    if dtype not in ELEMENT_BYTES:
+        raise PartitaError(f"unknown dtype {dtype!r}; valid: {', '.join(ELEMENT_BYTES)}")
+    return ELEMENT_BYTES[dtype]
+
+
+@dataclass(frozen=True, kw_only=True)
+class KernelCurve:
+    """How one family of kernels turns FLOPs and bytes into time (see the module docstring)."""
+
+    floor_s: float  # the least time an isolated kernel takes (host dispatch + launch)
+    efficiency: float  # fraction of peak FLOP/s the math runs at once the device is busy
+    memory_weight: float  # multiples of bytes/bandwidth that add to the math time
+    sharpness: float  # exponent of the soft maximum of floor and device time (inf: plain max)
+
+    def time_s(self, flops: ArrayLike, nbytes: ArrayLike, peak_flops: float, bandwidth: float) -> ArrayLike:
+        device_s = np.asarray(flops, dtype=float) / (peak_flops * self.efficiency) \
+            + self.memory_weight * np.asarray(nbytes, dtype=float) / bandwidth
+        q = self.sharpness
+        # Soft maximum, scaled by the larger term so that large q cannot overflow.
+        top = np.maximum(device_s, self.floor_s)
+        result = top * ((self.floor_s / top) ** q + (device_s / top) ** q) ** (1.0 / q)
+        return float(result) if np.ndim(result) == 0 else result
+
+
+# ---- constants ---------------------------------------------------------------------------
+# Fitted by `python benchmarks/calibrate_roofline.py` (least squares on log time) to
+# /work/shared/data/h200/gemm.jsonl: 37 bf16 products a@b, m in {1024, 4096, 16384, 8192},
+# n in {1024..28672}, k in {1024, 4096, 8192}, H200 SXM, torch 2.11 eager, CUDA events.
+# Bytes per GEMM: (m*k + k*n + m*n) elements, each read or written once.
+GEMM_CURVE = KernelCurve(floor_s=3.420e-05, efficiency=0.7573, memory_weight=1.016, sharpness=1.834)
+
+# Fitted by the same script to /work/shared/data/h200/attn.jsonl: 24 causal bf16
+# scaled_dot_product_attention calls, b in {1, 4}, heads in {8, 32, 64}, seq 1024..8192,
+# head_dim 128. Forward: 4*b*h*s^2*d FLOPs (halved when causal), bytes q, k, v, out.
+# Backward (fitted on forward+backward minus the forward curve): 2.5x the forward FLOPs
+# (five products against two), bytes twice the forward's (q, k, v, out, dout in; dq, dk, dv out).
+# The backward floor (~0.25 ms) is most likely autograd dispatching the backward to an idle GPU.
+ATTENTION_FWD_CURVE = KernelCurve(floor_s=2.301e-05, efficiency=0.7170, memory_weight=0.1561, sharpness=0.5621)
+ATTENTION_BWD_CURVE = KernelCurve(floor_s=2.474e-04, efficiency=0.5881, memory_weight=3.768, sharpness=1.928)
+
+# /work/shared/data/h200/copy.jsonl: a 1 GiB device copy moves 2 GiB (read + write) at
+# 4112 GB/s = 0.857 of the 4800 GB/s datasheet. One point, so only the bandwidth is fitted;
+# the floor of an elementwise kernel is an assumed launch latency, not a measurement.
+MEMORY_EFFICIENCY = 0.857
+MEMORY_CURVE = KernelCurve(floor_s=5e-06, efficiency=1.0, memory_weight=1.0 / MEMORY_EFFICIENCY, sharpness=2.0)
+
+# The nominal "cpu" device: a plain roofline, max(compute, memory), at a modest fraction of
+# the catalog's nominal peaks. Not calibrated; measure CPUs with `partita profile --device cpu`.
+CPU_EFFICIENCY = 0.5
+CPU_FLOOR_S = 2e-06
+
+# Flash attention's backward runs five block products to the forward's two.
+ATTENTION_BWD_FLOPS_RATIO = 2.5
+
+
+# ---- primitives ----------------------------------------------------------------------------
+def _peaks(dev: DeviceType, dtype: str) -> tuple[float, float]:
+    peak = dev.peak_tflops(dtype) * 1e12
+    if peak <= 0:
+        raise PartitaError(f"device {dev.name} has no {dtype} peak in the catalog; choose another dtype")
+    return peak, dev.hbm_gbps * 1e9
+
+
+def _cpu_time_s(flops: float, nbytes: float, peak: float, bandwidth: float) -> float:
+    return CPU_FLOOR_S + max(flops / (peak * CPU_EFFICIENCY), nbytes / (bandwidth * CPU_EFFICIENCY))
+
+
+def _time_s(curve: KernelCurve, dev: DeviceType, flops: float, nbytes: float, dtype: str) -> float:
+    peak, bandwidth = _peaks(dev, dtype)
+    if dev.is_cpu:
+        return _cpu_time_s(flops, nbytes, peak, bandwidth)
+    return float(curve.time_s(flops, nbytes, peak, bandwidth))
+
+
+def _check_positive(**dims: int) -> None:
+    bad = {k: v for k, v in dims.items() if v <= 0}
+    if bad:
+        raise PartitaError(f"kernel shape must be positive, got {bad}")
+
+
+def matmul_flops_bytes(m: int, n: int, k: int, dtype: str) -> tuple[float, float]:
+    """FLOPs and bytes moved by C[m,n] = A[m,k] @ B[k,n] (each operand read or written once)."""
+    return 2.0 * m * n * k, float(element_bytes(dtype) * (m * k + k * n + m * n))
+
+
+def matmul_time_s(dev: DeviceType, m: int, n: int, k: int, dtype: str = "bf16") -> float:
+    """Seconds for C[m,n] = A[m,k] @ B[k,n] on ``dev``."""
+    _check_positive(m=m, n=n, k=k)
+    flops, nbytes = matmul_flops_bytes(m, n, k, dtype)
+    return _time_s(GEMM_CURVE, dev, flops, nbytes, dtype)
+
+
+def attention_flops_bytes(batch: int, heads: int, seq: int, head_dim: int, *, causal: bool,
+                          dtype: str) -> tuple[float, float]:
+    """Forward FLOPs (QK^T and AV; half the square when causal) and bytes (q, k, v, out)."""
+    flops = 4.0 * batch * heads * seq * seq * head_dim * (0.5 if causal else 1.0)
+    return flops, float(4 * batch * heads * seq * head_dim * element_bytes(dtype))
+
+
+def attention_time_s(dev: DeviceType, batch: int, heads: int, seq: int, head_dim: int, *,
+                     causal: bool = True, dtype: str = "bf16") -> tuple[float, float]:
+    """(forward, backward) seconds of fused (flash / SDPA) attention over ``heads`` query heads."""
+    _check_positive(batch=batch, heads=heads, seq=seq, head_dim=head_dim)
+    flops, nbytes = attention_flops_bytes(batch, heads, seq, head_dim, causal=causal, dtype=dtype)
+    forward = _time_s(ATTENTION_FWD_CURVE, dev, flops, nbytes, dtype)
+    backward = _time_s(ATTENTION_BWD_CURVE, dev, ATTENTION_BWD_FLOPS_RATIO * flops, 2.0 * nbytes, dtype)
+    return forward, backward
+
+
+def memory_time_s(dev: DeviceType, nbytes: float) -> float:
+    """Seconds for one memory-bound elementwise kernel moving ``nbytes`` (read + written)."""
+    if nbytes < 0:
+        raise PartitaError(f"bytes must be non-negative, got {nbytes}")
+    bandwidth = dev.hbm_gbps * 1e9
+    if dev.is_cpu:
+        return CPU_FLOOR_S + nbytes / (bandwidth * CPU_EFFICIENCY)
+    return float(MEMORY_CURVE.time_s(0.0, nbytes, 1.0, bandwidth))
