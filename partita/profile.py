@@ -160,3 +160,34 @@ class Profile:
         if not fits:
             return None
         return min(fits, key=lambda c: (abs(c.ranks - ranks), -c.ranks))
+
+
+def layer_cost_at(profile: Profile, kind: LayerKind, tp: int, micro_batch: int, seq_len: int) -> LayerCost | None:
+    """A measured layer cost at any micro-batch, or None if the profile has no point for
+    this kind, width and sequence length.
+
+    Between measured micro-batches: linear interpolation of every field. Outside the
+    measured range: proportional scaling from the nearest point (time and activations grow
+    linearly with micro-batch there; parameters do not change).
+    """
+    points = profile.layer_points(kind, tp, seq_len)
+    if not points:
+        return None
+    for p in points:
+        if p.micro_batch == micro_batch:
+            return p
+    lo = [p for p in points if p.micro_batch < micro_batch]
+    hi = [p for p in points if p.micro_batch > micro_batch]
+    if lo and hi:
+        a, b = lo[-1], hi[0]
+        w = (micro_batch - a.micro_batch) / (b.micro_batch - a.micro_batch)
+        mix = lambda x, y: x + w * (y - x)  # noqa: E731
+        return dataclasses.replace(
+            a, micro_batch=micro_batch, forward_s=mix(a.forward_s, b.forward_s),
+            backward_s=mix(a.backward_s, b.backward_s), recompute_s=mix(a.recompute_s, b.recompute_s),
+            activation_bytes=int(round(mix(a.activation_bytes, b.activation_bytes))))
+    near = lo[-1] if lo else hi[0]
+    scale = micro_batch / near.micro_batch
+    return dataclasses.replace(
+        near, micro_batch=micro_batch, forward_s=near.forward_s * scale, backward_s=near.backward_s * scale,
+        recompute_s=near.recompute_s * scale, activation_bytes=int(round(near.activation_bytes * scale)))

@@ -1,0 +1,157 @@
+"""The `partita` command.
+
+    partita plan --model llama-2-70b --cluster 8x8xH100 -o plan.yaml
+    partita plan --model config.json --cluster 4x8xA100-80GB+2x8xH100 --profile h100.yaml
+    partita check plan.yaml --cluster 8x8xH100
+    partita show plan.yaml
+    partita models | partita devices
+    partita launch plan.yaml --steps 20          (needs torch)
+    partita profile --model tiny-llama --device cpu -o prof.yaml   (needs torch)
+
+Exit codes: 0 ok; 2 bad input (one line on stderr); 3 no plan fits (with the reason).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Sequence
+
+from partita.errors import InfeasibleError, PartitaError
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but usage errors are one line and exit 2 like every other bad input."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"partita: error: {message} (see `{self.prog} --help`)\n")
+
+
+def build_parser(with_torch_commands: bool = False) -> argparse.ArgumentParser:
+    """The argument parser. The torch-backed commands' flags load only when one of them runs,
+    so planning never pays for importing torch."""
+    p = _Parser(prog="partita", description="Plan and run large-model training across (mixed) GPU clusters.")
+    p.add_argument("-v", "--verbose", action="store_true", help="log progress and details")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    plan = sub.add_parser("plan", help="search for the fastest plan that fits and write it")
+    plan.add_argument("--model", required=True, help="built-in name (partita models), model YAML, or HF config.json")
+    plan.add_argument("--cluster", required=True, help="short form like 4x8xA100-80GB+2x8xH100, or a cluster YAML")
+    plan.add_argument("--profile", action="append", default=[], metavar="P",
+                      help="measured profile (one per device type; repeat); analytic costs elsewhere")
+    plan.add_argument("--seq-len", type=_positive_int, help="tokens per sequence (default: the model's)")
+    plan.add_argument("--global-batch", type=_positive_int, help="sequences per step (default: the model's recipe)")
+    plan.add_argument("--search", choices=("cpsat", "uniform"), default="cpsat",
+                      help="cpsat: exact per-layer search (default); uniform: the Megatron-style grid alone")
+    plan.add_argument("--time-limit", type=_positive_float, default=10.0, help="CP-SAT wall-time limit, s (default 10)")
+    plan.add_argument("--workers", type=_positive_int, default=1, help="CP-SAT workers (default 1: deterministic)")
+    plan.add_argument("--seed", type=int, default=0, help="CP-SAT random seed (default 0)")
+    plan.add_argument("-o", "--output", default="plan.yaml", help="where to write the plan (default plan.yaml)")
+
+    check = sub.add_parser("check", help="validate a plan against a cluster and re-price it")
+    check.add_argument("plan")
+    check.add_argument("--cluster", required=True)
+    check.add_argument("--profile", action="append", default=[], metavar="P")
+
+    show = sub.add_parser("show", help="print a plan")
+    show.add_argument("plan")
+
+    sub.add_parser("models", help="list the built-in models")
+    sub.add_parser("devices", help="list the device catalog")
+
+    launch = sub.add_parser("launch", help="train a plan with torch.distributed (torchrun)")
+    profile = sub.add_parser("profile", help="measure layer and collective costs on this machine's devices")
+    if with_torch_commands:
+        _add_torch_commands(launch, profile)
+    return p
+
+
+def _add_torch_commands(launch: argparse.ArgumentParser, profile: argparse.ArgumentParser) -> None:
+    """Their flags live with their code; without torch installed they say so when run."""
+    try:
+        from partita.runtime.launch import add_launch_arguments
+    except ImportError as e:
+        launch.set_defaults(_missing=f"`partita launch` needs torch ({e})")
+        launch.add_argument("rest", nargs=argparse.REMAINDER)
+    else:
+        add_launch_arguments(launch)
+    try:
+        from partita.profiler.cli import add_profile_arguments
+    except ImportError as e:
+        profile.set_defaults(_missing=f"`partita profile` needs torch ({e})")
+        profile.add_argument("rest", nargs=argparse.REMAINDER)
+    else:
+        add_profile_arguments(profile)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    torch_command = next((a for a in argv if not a.startswith("-")), None) in ("launch", "profile")
+    args = build_parser(torch_command).parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    if args.command is None:
+        build_parser().print_help()
+        return 2
+    try:
+        return _dispatch(args)
+    except InfeasibleError as e:
+        print(f"partita: infeasible: {e}", file=sys.stderr)
+        return e.exit_code
+    except PartitaError as e:
+        print(f"partita: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("partita: interrupted", file=sys.stderr)
+        return 130
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    from partita import commands
+
+    if getattr(args, "_missing", None):
+        raise PartitaError(args._missing)
+    if args.command == "plan":
+        return commands.plan(args)
+    if args.command == "check":
+        return commands.check(args)
+    if args.command == "show":
+        return commands.show(args)
+    if args.command == "models":
+        return commands.models()
+    if args.command == "devices":
+        return commands.devices()
+    if args.command == "launch":
+        from partita.runtime.launch import launch_command
+
+        return launch_command(args)
+    if args.command == "profile":
+        from partita.profiler.cli import profile_command
+
+        return profile_command(args)
+    raise PartitaError(f"unknown command {args.command!r}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""The one plan validator: used after solving, by `partita check`, and before launch.
+
+It checks that a plan is well formed for the model and cluster given, and that every choice
+in it is one the runtime executes. It does not price the plan (``partita check`` does that
+with the cost model). Every failure is one PartitaError that names the numbers.
+"""
+
+from __future__ import annotations
+
+from partita.cluster import ClusterSpec
+from partita.errors import PartitaError
+from partita.model import ModelSpec
+from partita.plan import ZERO_LEVELS, Plan
+
+
+def validate_plan(plan: Plan, model: ModelSpec, cluster: ClusterSpec) -> None:
+    _check_inputs(plan, model, cluster)
+    _check_degrees(plan)
+    _check_ranks(plan, cluster)
+    _check_layers(plan, model)
+    _check_dtype(plan, cluster)
+
+
+def _check_inputs(plan: Plan, model: ModelSpec, cluster: ClusterSpec) -> None:
+    if plan.model_fingerprint != model.fingerprint:
+        raise PartitaError(f"plan was made for model {plan.model.get('name')!r} (fingerprint {plan.model_fingerprint}), "
+                           f"not {model.name!r} ({model.fingerprint}); re-plan with `partita plan`")
+    if plan.cluster_fingerprint != cluster.fingerprint:
+        raise PartitaError(f"plan was made for cluster {plan.cluster.get('name')!r} (fingerprint {plan.cluster_fingerprint}), "
+                           f"not {cluster.short!r} ({cluster.fingerprint}); re-plan for this cluster")
+    if model.family == "gpt2" and plan.seq_len > model.seq_len:
+        raise PartitaError(f"seq_len {plan.seq_len} exceeds the {model.seq_len} positions {model.name} learns")
+
+
+def _check_degrees(plan: Plan) -> None:
+    if plan.pp != len(plan.stages):
+        raise PartitaError(f"pp is {plan.pp} but the plan lists {len(plan.stages)} stages")
+    if plan.global_batch != plan.dp * plan.micro_batch * plan.num_micro_batches:
+        raise PartitaError(f"global_batch {plan.global_batch} != dp {plan.dp} x micro_batch {plan.micro_batch} x "
+                           f"num_micro_batches {plan.num_micro_batches}")
+    for i, s in enumerate(plan.stages):
+        if s.index != i:
+            raise PartitaError(f"stage {i} has index {s.index}; stages must be listed in pipeline order 0..{plan.pp - 1}")
+        if len(s.ranks) != plan.dp * plan.tp:
+            raise PartitaError(f"stage {i} has {len(s.ranks)} ranks; every stage needs dp x tp = "
+                               f"{plan.dp} x {plan.tp} = {plan.dp * plan.tp}")
+
+
+def _check_ranks(plan: Plan, cluster: ClusterSpec) -> None:
+    ranks = plan.ranks
+    if len(set(ranks)) != len(ranks):
+        raise PartitaError("a rank appears in more than one stage (or twice in one)")
+    if plan.world_size > cluster.world_size:
+        raise PartitaError(f"plan needs {plan.world_size} ranks (dp {plan.dp} x tp {plan.tp} x pp {plan.pp}) but the "
+                           f"cluster has {cluster.world_size}")
+    for s in plan.stages:
+        group = cluster.group(s.group)
+        if s.device != group.device:
+            raise PartitaError(f"stage {s.index} says device {s.device} but group {group.name!r} holds {group.device}")
+        first = cluster.first_rank(group.name)
+        outside = [r for r in s.ranks if not first <= r < first + group.size]
+        if outside:
+            raise PartitaError(f"stage {s.index}: ranks {outside[:4]} are not in group {group.name!r} "
+                               f"(ranks {first}..{first + group.size - 1})")
+        for d in range(plan.dp):
+            tp_ranks = s.ranks[d * plan.tp:(d + 1) * plan.tp]
+            nodes = {(r - first) // group.gpus_per_node for r in tp_ranks}
+            if len(nodes) > 1:
+                raise PartitaError(f"stage {s.index}: tensor-parallel group {list(tp_ranks)} spans nodes; "
+                                   f"tp {plan.tp} must fit in one node of {group.gpus_per_node}")
+
+
+def _check_layers(plan: Plan, model: ModelSpec) -> None:
+    names = [l.name for s in plan.stages for l in s.layers]
+    expected = model.layer_names()
+    if names != expected:
+        missing = [n for n in expected if n not in names]
+        extra = [n for n in names if n not in expected]
+        detail = (f"missing {missing[:3]}" if missing else "") + (f" unknown {extra[:3]}" if extra else "")
+        raise PartitaError(f"the stages must hold {expected[0]}, layers.0..layers.{model.n_layers - 1}, head exactly once "
+                           f"and in order; {detail.strip() or 'they are out of order'}")
+    for s in plan.stages:
+        for l in s.layers:
+            where = f"stage {s.index} layer {l.name}"
+            if l.tensor_parallel not in (1, plan.tp):
+                raise PartitaError(f"{where}: tensor_parallel {l.tensor_parallel} must be 1 or the stage's tp {plan.tp}")
+            why = model.kind_of(l.name).tp_divides(l.tensor_parallel)
+            if why:
+                raise PartitaError(f"{where}: {why}")
+            if l.sequence_parallel and l.tensor_parallel == 1:
+                raise PartitaError(f"{where}: sequence_parallel needs tensor_parallel > 1")
+            if l.zero not in ZERO_LEVELS:
+                raise PartitaError(f"{where}: zero {l.zero} is not one of {ZERO_LEVELS}")
+            if l.zero > 0 and plan.dp == 1:
+                raise PartitaError(f"{where}: zero {l.zero} shards over data parallelism, but dp is 1; use zero 0")
+            if l.recompute and model.role_of(l.name) != "block":
+                raise PartitaError(f"{where}: recompute applies to decoder blocks only")
+
+
+def _check_dtype(plan: Plan, cluster: ClusterSpec) -> None:
+    for s in plan.stages:
+        group = cluster.group(s.group)
+        if group.device == "cpu" and plan.dtype != "fp32":
+            raise PartitaError(f"stage {s.index} runs on CPU ranks, which train in fp32; the plan says {plan.dtype}")
+        if group.device != "cpu" and plan.dtype == "bf16" and group.device_type.bf16_tflops == 0:
+            raise PartitaError(f"stage {s.index}: {group.device} has no bf16; plan with dtype fp16")

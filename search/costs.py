@@ -1,0 +1,400 @@
+"""The cost model: what one layer, one stage and one training step cost, in seconds and bytes.
+
+There is one cost model. The uniform planner, the CP-SAT search and the plan evaluator all
+price plans through ``CostModel``; the search turns its numbers into integers with
+``partita.units`` and nothing else.
+
+Conventions (all per device of a stage, per micro-batch unless said otherwise):
+
+* Compute: forward, backward and recompute time of a layer's 1/tp shard come from a measured
+  profile of that device type when it has the point (interpolated in micro-batch), else from
+  the analytic roofline (``partita.search.analytic``). ``cost_sources`` records which.
+* Tensor parallelism (Megatron): a block does 2 all-reduces of the activation ``b*s*h`` in
+  forward and 2 in backward; with sequence parallelism they become all-gather +
+  reduce-scatter pairs of the same volume. The embedding (vocab-parallel) reduces once in
+  forward, the head once in backward. Recomputation repeats the forward collectives. TP
+  collectives are on the critical path (not overlapped).
+* ZeRO over the dp group, on the layer's parameter shard (``P`` bytes, in the training dtype):
+  level 0: all-reduce of gradients once per step; 1: reduce-scatter of gradients + all-gather
+  of parameters once per step; 2: all-gather in forward and reduce-scatter in backward, every
+  micro-batch; 3: all-gather in forward, all-gather + reduce-scatter in backward, every
+  micro-batch. Per-micro-batch ZeRO traffic overlaps the layer's compute (FSDP prefetch):
+  a layer costs max(compute, gather traffic) per pass. Per-step traffic (levels 0, 1) overlaps
+  the stage's last backward; what sticks out is exposed.
+* Memory, bytes per parameter in mixed precision with Adam: 2 (bf16 weights) + 2 (bf16
+  gradients) + 12 (fp32 master weights, Adam m and v) = 16. In fp32 training: 4 + 4 + 8 = 16.
+  ZeRO-1 shards the 12 (8), ZeRO-2 also the gradients, ZeRO-3 everything; ZeRO-3 holds two
+  gathered layers at a time (the one running and the one prefetched).
+* Activations: one micro-batch's saved tensors times the micro-batches in flight at that
+  stage under 1F1B: ``min(pp - stage, micro_batches)``; a recomputed layer keeps only its
+  input, plus, transiently, the largest recomputed layer's full activations during backward.
+* A fixed reserve per device for the CUDA context, communication buffers and allocator
+  fragmentation: ``RESERVE_GPU_BYTES`` (3 GiB) on GPUs, ``RESERVE_CPU_BYTES`` on CPU ranks.
+* Pipeline: 1F1B step time = (m - 1) * max_s T_s + sum_s T_s, with T_s one micro-batch's
+  forward + backward at stage s including its TP/ZeRO collectives and point-to-point sends.
+* Collectives are ring algorithms priced on the links the ranks actually use: inside one
+  node the group's intra-node link, else the inter-node network; between node groups the
+  slower side (or the cluster's inter-group bandwidth).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Iterable, Mapping, Sequence
+
+from partita.cluster import ClusterSpec, NodeGroup
+from partita.devices import get_device
+from partita.errors import PartitaError
+from partita.model import LayerKind, ModelSpec
+from partita.plan import LayerStrategy
+from partita.profile import LayerCost, Profile, layer_cost_at
+from partita.units import GiB, MiB
+
+RESERVE_GPU_BYTES = 3 * GiB
+RESERVE_CPU_BYTES = 256 * MiB
+# Per-message latency of one ring step, by link class (seconds). NVLink/NCCL ~ a few us,
+# inter-node RDMA ~ 10 us, gloo over loopback ~ 50 us.
+LINK_LATENCY_S = {"nvlink": 5e-6, "xgmi": 5e-6, "pcie": 10e-6, "network": 15e-6, "loopback": 50e-6}
+# Adam's update reads and writes master weights, m, v (fp32) and reads the gradient: bytes
+# touched per parameter of the local shard.
+OPTIMIZER_BYTES_PER_PARAM = 32
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+@dataclass(frozen=True)
+class Link:
+    kind: str  # "nvlink", "pcie", "xgmi", "loopback" or "network"
+    gbps: float  # per rank, per direction
+    latency_s: float
+
+
+@dataclass(frozen=True)
+class LayerTime:
+    """One layer's time per micro-batch on one device, and its per-step traffic."""
+
+    forward_s: float  # compute + exposed TP collectives, or the ZeRO gather if longer
+    backward_s: float
+    compute_s: float  # forward + backward + recompute, without communication
+    tp_comm_s: float
+    zero_comm_s: float  # per micro-batch ZeRO traffic (overlapped with compute)
+    dp_sync_s: float  # per step: gradient all-reduce (ZeRO 0) or reduce-scatter + all-gather (1)
+
+    @property
+    def total_s(self) -> float:
+        return self.forward_s + self.backward_s
+
+
+@dataclass(frozen=True)
+class LayerMemory:
+    """One layer's share of a device's memory (bytes)."""
+
+    weights: int
+    gradients: int
+    optimizer: int
+    activations: int  # one micro-batch, as kept for backward
+    recompute_peak: int  # extra bytes while this layer is recomputed in backward
+    gathered: int  # a ZeRO-3 layer's full parameters while it runs
+    params: int  # parameters on this device (for the optimizer step)
+
+
+def ring_bus_bytes(op: str, nbytes: float, n: int) -> float:
+    """Bytes each rank sends for a ring collective over ``n`` ranks on a buffer of ``nbytes``."""
+    if n <= 1:
+        return 0.0
+    if op == "all_reduce":
+        return 2.0 * (n - 1) / n * nbytes
+    if op in ("all_gather", "reduce_scatter"):
+        return (n - 1) / n * nbytes
+    if op == "p2p":
+        return float(nbytes)
+    raise ValueError(f"unknown collective {op!r}")
+
+
+def ring_steps(op: str, n: int) -> int:
+    if n <= 1:
+        return 0
+    return {"all_reduce": 2 * (n - 1), "all_gather": n - 1, "reduce_scatter": n - 1, "p2p": 1}[op]
+
+
+class CostModel:
+    """Prices layers, stages and steps for one model, cluster, sequence length and dtype."""
+
+    def __init__(self, model: ModelSpec, cluster: ClusterSpec, *, seq_len: int, dtype: str | None = None,
+                 profiles: Iterable[Profile] = ()) -> None:
+        self.model = model
+        self.cluster = cluster
+        self.seq_len = seq_len
+        self.dtype = dtype or default_dtype(cluster)
+        if self.dtype not in DTYPE_BYTES:
+            raise PartitaError(f"unknown dtype {self.dtype!r}; valid: {', '.join(DTYPE_BYTES)}")
+        self.elem = DTYPE_BYTES[self.dtype]
+        self.profiles: dict[str, Profile] = {}
+        for p in profiles:
+            if p.device in self.profiles:
+                raise PartitaError(f"two profiles for device {p.device}; give one profile per device type")
+            if p.device not in cluster.device_types:
+                raise PartitaError(f"profile for {p.device} but the cluster has {', '.join(cluster.device_types)}; "
+                                   f"drop it or change the cluster")
+            self.profiles[p.device] = p
+        self._used_sources: dict[str, set[str]] = {d: set() for d in cluster.device_types}
+        self._compute = lru_cache(maxsize=None)(self._compute_uncached)
+        self._layer_time = lru_cache(maxsize=None)(self._layer_time_uncached)
+        self._layer_memory = lru_cache(maxsize=None)(self._layer_memory_uncached)
+
+    # ---- compute ------------------------------------------------------------------------
+    def compute(self, role: str, device: str, tp: int, micro_batch: int) -> LayerCost:
+        return self._compute(role, device, tp, micro_batch)
+
+    def _compute_uncached(self, role: str, device: str, tp: int, micro_batch: int) -> LayerCost:
+        from partita.search.analytic import layer_cost
+
+        kind = self.model.kinds[role]
+        profile = self.profiles.get(device)
+        if profile is not None and profile.dtype == self.dtype:
+            measured = layer_cost_at(profile, kind, tp, micro_batch, self.seq_len)
+            if measured is not None:
+                self._used_sources[device].add("measured")
+                return measured
+        self._used_sources[device].add("analytic")
+        return layer_cost(kind, get_device(device), tp=tp, micro_batch=micro_batch, seq_len=self.seq_len,
+                          dtype=self.dtype)
+
+    def cost_sources(self) -> dict[str, str]:
+        """Per device type: "measured", "analytic" or "mixed", for the costs asked so far."""
+        out = {}
+        for device in self.cluster.device_types:
+            used = self._used_sources[device] or {"measured" if device in self.profiles else "analytic"}
+            out[device] = used.pop() if len(used) == 1 else "mixed"
+        return out
+
+    @property
+    def profile_fingerprint(self) -> str:
+        if not self.profiles:
+            return "analytic"
+        return "+".join(self.profiles[d].fingerprint for d in sorted(self.profiles))
+
+    # ---- links --------------------------------------------------------------------------
+    def _link(self, group: NodeGroup, span: int) -> Link:
+        """The link a group of ``span`` consecutive ranks of ``group`` communicates over."""
+        if span <= group.gpus_per_node:
+            kind = group.intra_link
+            return Link(kind, group.intra_node_gbps, LINK_LATENCY_S[kind])
+        return Link("network", group.network_gbps, LINK_LATENCY_S["network"])
+
+    def tp_link(self, group: NodeGroup, tp: int) -> Link:
+        return self._link(group, tp)
+
+    def dp_link(self, group: NodeGroup, dp: int, tp: int) -> Link:
+        # dp peers are tp ranks apart; the group spans dp * tp consecutive ranks.
+        return self._link(group, dp * tp)
+
+    def pp_link(self, a: NodeGroup, b: NodeGroup, stage_size: int) -> Link:
+        """Between consecutive stages: same node if both fit in one node of one group."""
+        if a.name == b.name and 2 * stage_size <= a.gpus_per_node:
+            return Link(a.intra_link, a.intra_node_gbps, LINK_LATENCY_S[a.intra_link])
+        return Link("network", self.cluster.between_groups_gbps(a, b), LINK_LATENCY_S["network"])
+
+    def collective_s(self, op: str, nbytes: float, n: int, link: Link, device: str | None = None) -> float:
+        """Ring collective time: latency per step plus bus bytes over bandwidth. A measured
+        comm fit of the device's profile replaces the link's datasheet figures."""
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        bus = ring_bus_bytes(op, nbytes, n)
+        profile = self.profiles.get(device) if device else None
+        if profile is not None:
+            fit = profile.comm_fit(op, link.kind, n)
+            if fit is not None:
+                return fit.time_s(bus)
+        return ring_steps(op, n) * link.latency_s + bus / (link.gbps * 1e9)
+
+    # ---- one layer ----------------------------------------------------------------------
+    def layer_time(self, role: str, group: NodeGroup, s: LayerStrategy, *, dp: int, micro_batch: int) -> LayerTime:
+        return self._layer_time(role, group, s.tensor_parallel, s.sequence_parallel, s.zero, s.recompute, dp,
+                                micro_batch)
+
+    def _layer_time_uncached(self, role: str, group: NodeGroup, tp: int, sp: bool, zero: int, recompute: bool,
+                             dp: int, micro_batch: int) -> LayerTime:
+        device = group.device
+        c = self.compute(role, device, tp, micro_batch)
+        act_bytes = micro_batch * self.seq_len * self.model.hidden * self.elem
+        link = self.tp_link(group, tp)
+        # TP collectives: (forward, backward) counts of activation-sized all-reduces.
+        n_fwd, n_bwd = {"embed": (1, 0), "block": (2, 2), "head": (0, 1)}[role]
+        one = self.collective_s("all_reduce", act_bytes, tp, link, device)
+        if sp:  # all-gather + reduce-scatter of the same volume, and ring steps
+            one = (self.collective_s("all_gather", act_bytes, tp, link, device)
+                   + self.collective_s("reduce_scatter", act_bytes, tp, link, device))
+        tp_fwd, tp_bwd = n_fwd * one, n_bwd * one
+        if recompute:
+            tp_bwd += tp_fwd
+        fwd_compute = c.forward_s
+        bwd_compute = c.backward_s + (c.recompute_s if recompute else 0.0)
+
+        param_bytes = self._param_count(role, tp) * self.elem
+        dlink = self.dp_link(group, dp, tp)
+        ag = self.collective_s("all_gather", param_bytes, dp, dlink, device)
+        rs = self.collective_s("reduce_scatter", param_bytes, dp, dlink, device)
+        zero_fwd, zero_bwd, dp_sync = 0.0, 0.0, 0.0
+        if dp > 1:
+            if zero == 0:
+                dp_sync = self.collective_s("all_reduce", param_bytes, dp, dlink, device)
+            elif zero == 1:
+                dp_sync = ag + rs
+            elif zero == 2:
+                zero_fwd, zero_bwd = ag, rs
+            else:
+                zero_fwd, zero_bwd = ag, ag + rs
+        forward = max(fwd_compute + tp_fwd, zero_fwd)
+        backward = max(bwd_compute + tp_bwd, zero_bwd)
+        return LayerTime(forward_s=forward, backward_s=backward, compute_s=fwd_compute + bwd_compute,
+                         tp_comm_s=tp_fwd + tp_bwd, zero_comm_s=zero_fwd + zero_bwd, dp_sync_s=dp_sync)
+
+    def _param_count(self, role: str, tp: int) -> int:
+        """Parameters of one tp shard of the layer (norms and biases of replicated parts
+        are counted whole on each shard; they are tiny)."""
+        kind = self.model.kinds[role]
+        return kind.matmul_params // tp + (kind.params - kind.matmul_params) // (1 if role != "embed" else tp)
+
+    def layer_memory(self, role: str, device: str, s: LayerStrategy, *, dp: int, micro_batch: int) -> LayerMemory:
+        return self._layer_memory(role, device, s.tensor_parallel, s.sequence_parallel, s.zero, s.recompute, dp,
+                                  micro_batch)
+
+    def _layer_memory_uncached(self, role: str, device: str, tp: int, sp: bool, zero: int, recompute: bool,
+                               dp: int, micro_batch: int) -> LayerMemory:
+        from partita.search.analytic import activation_bytes
+
+        params = self._param_count(role, tp)
+        w_b, g_b, o_b = self.elem, self.elem, (12 if self.elem == 2 else 8)
+        shard = max(dp, 1)
+        z = zero if dp > 1 else 0
+        weights = params * w_b if z < 3 else params * w_b // shard
+        gradients = params * g_b if z < 2 else params * g_b // shard
+        optimizer = params * o_b if z < 1 else params * o_b // shard
+        local_params = params if z < 1 else params // shard
+        kind: LayerKind = self.model.kinds[role]
+        kw = dict(tp=tp, micro_batch=micro_batch, seq_len=self.seq_len, dtype=self.dtype, sequence_parallel=sp)
+        full = activation_bytes(kind, recompute=False, **kw)
+        kept = activation_bytes(kind, recompute=True, **kw) if recompute else full
+        c = self.compute(role, device, tp, micro_batch)
+        if device in self.profiles and c.activation_bytes:
+            # A measured count (no SP, no recompute) replaces the analytic one; the variants
+            # keep the analytic ratio to it.
+            analytic_plain = activation_bytes(kind, recompute=False, **(kw | {"sequence_parallel": False}))
+            scale = c.activation_bytes / analytic_plain if analytic_plain else 1.0
+            full, kept = int(full * scale), int(kept * scale)
+        return LayerMemory(weights=weights, gradients=gradients, optimizer=optimizer, activations=kept,
+                           recompute_peak=(full - kept) if recompute else 0,
+                           gathered=params * w_b if z == 3 else 0, params=local_params)
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """One stage's costs on one of its devices."""
+
+    time_s: float  # one micro-batch forward + backward, collectives and sends included
+    forward_s: float
+    backward_s: float
+    compute_s: float
+    tp_comm_s: float
+    zero_comm_s: float
+    p2p_s: float
+    dp_sync_s: float  # per step
+    optimizer_s: float  # per step
+    weights: int
+    gradients: int
+    optimizer: int
+    activations: int  # all micro-batches in flight, plus the recompute transient
+    transient: int
+    reserve: int
+    capacity: int
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.weights + self.gradients + self.optimizer + self.activations + self.transient + self.reserve
+
+    @property
+    def exposed_dp_s(self) -> float:
+        return max(0.0, self.dp_sync_s - self.backward_s)
+
+
+def in_flight(stage: int, pp: int, num_micro_batches: int) -> int:
+    """Micro-batches whose activations a 1F1B stage holds at its peak."""
+    return min(pp - stage, num_micro_batches)
+
+
+def stage_cost(cm: CostModel, group: NodeGroup, layers: Sequence[LayerStrategy], *, stage: int, pp: int, dp: int,
+               tp: int, micro_batch: int, num_micro_batches: int, prev_group: NodeGroup | None,
+               next_group: NodeGroup | None) -> StageCost:
+    """Cost of one pipeline stage, layer by layer."""
+    fwd = bwd = compute = tp_comm = zero_comm = dp_sync = 0.0
+    weights = grads = opt = acts = params = 0
+    recompute_peak = gathered = 0
+    for s in layers:
+        role = cm.model.role_of(s.name)
+        t = cm.layer_time(role, group, s, dp=dp, micro_batch=micro_batch)
+        m = cm.layer_memory(role, group.device, s, dp=dp, micro_batch=micro_batch)
+        fwd += t.forward_s
+        bwd += t.backward_s
+        compute += t.compute_s
+        tp_comm += t.tp_comm_s
+        zero_comm += t.zero_comm_s
+        dp_sync += t.dp_sync_s
+        weights += m.weights
+        grads += m.gradients
+        opt += m.optimizer
+        acts += m.activations
+        params += m.params
+        recompute_peak = max(recompute_peak, m.recompute_peak)
+        gathered = max(gathered, m.gathered)
+    act_msg = micro_batch * cm.seq_len * cm.model.hidden * cm.elem
+    p2p = 0.0
+    stage_size = dp * tp
+    if next_group is not None:  # send activations forward, receive their gradient back
+        p2p += 2 * cm.collective_s("p2p", act_msg, 2, cm.pp_link(group, next_group, stage_size), group.device)
+    dev = get_device(group.device)
+    optimizer_s = params * OPTIMIZER_BYTES_PER_PARAM / (dev.hbm_gbps * 1e9)
+    k = in_flight(stage, pp, num_micro_batches)
+    reserve = RESERVE_CPU_BYTES if dev.is_cpu else RESERVE_GPU_BYTES
+    return StageCost(time_s=fwd + bwd + p2p, forward_s=fwd, backward_s=bwd, compute_s=compute, tp_comm_s=tp_comm,
+                     zero_comm_s=zero_comm, p2p_s=p2p, dp_sync_s=dp_sync, optimizer_s=optimizer_s,
+                     weights=weights, gradients=grads, optimizer=opt, activations=acts * k + recompute_peak,
+                     transient=2 * gathered, reserve=reserve, capacity=group.memory_bytes)
+
+
+def pipeline_time_s(stage_times: Sequence[float], num_micro_batches: int) -> float:
+    """1F1B: (m - 1) * slowest stage + sum of stages."""
+    return (num_micro_batches - 1) * max(stage_times) + sum(stage_times)
+
+
+def step_time_s(stages: Sequence[StageCost], num_micro_batches: int) -> tuple[float, dict[str, float]]:
+    """Step time and its breakdown by cause (seconds per step)."""
+    times = [s.time_s for s in stages]
+    pipe = pipeline_time_s(times, num_micro_batches)
+    exposed_dp = max(s.exposed_dp_s for s in stages)
+    optimizer = max(s.optimizer_s for s in stages)
+    total = pipe + exposed_dp + optimizer
+    m = num_micro_batches
+    slowest = max(stages, key=lambda s: s.time_s)
+    busy = m * slowest.time_s
+    breakdown = {
+        "compute": m * slowest.compute_s,
+        "tensor_parallel_comm": m * slowest.tp_comm_s,
+        "zero_exposed": max(0.0, busy - m * (slowest.compute_s + slowest.tp_comm_s + slowest.p2p_s)),
+        "pipeline_send": m * slowest.p2p_s,
+        "pipeline_bubble": pipe - busy,
+        "data_parallel_exposed": exposed_dp,
+        "optimizer": optimizer,
+    }
+    return total, breakdown
+
+
+def default_dtype(cluster: ClusterSpec) -> str:
+    """fp32 on CPU ranks; bf16 on GPUs, or fp16 where a device has no bf16 (V100)."""
+    if cluster.is_cpu:
+        return "fp32"
+    if any(get_device(d).bf16_tflops == 0 for d in cluster.device_types):
+        return "fp16"
+    return "bf16"

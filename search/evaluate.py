@@ -1,0 +1,67 @@
+"""One function evaluates any plan: predicted step time, its breakdown, each device's memory."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from partita.cluster import NodeGroup
+from partita.devices import get_device
+from partita.plan import LayerStrategy, Plan, Prediction, StageMemory
+from partita.search.costs import CostModel, StageCost, stage_cost, step_time_s
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    step_time_s: float
+    breakdown: dict[str, float]
+    stages: tuple[StageCost, ...]
+
+    @property
+    def fits(self) -> bool:
+        return all(s.peak_bytes <= s.capacity for s in self.stages)
+
+    @property
+    def peak_over_capacity(self) -> float:
+        """Largest peak / capacity over stages (> 1: does not fit)."""
+        return max(s.peak_bytes / s.capacity for s in self.stages)
+
+
+def evaluate_layout(cm: CostModel, stages: Sequence[tuple[NodeGroup, Sequence[LayerStrategy]]], *, dp: int, tp: int,
+                    micro_batch: int, num_micro_batches: int) -> Evaluation:
+    """Evaluate stages given as (node group, layer strategies) in pipeline order."""
+    pp = len(stages)
+    costs = []
+    for i, (group, layers) in enumerate(stages):
+        prev_group = stages[i - 1][0] if i > 0 else None
+        next_group = stages[i + 1][0] if i + 1 < pp else None
+        costs.append(stage_cost(cm, group, layers, stage=i, pp=pp, dp=dp, tp=tp, micro_batch=micro_batch,
+                                num_micro_batches=num_micro_batches, prev_group=prev_group, next_group=next_group))
+    step, breakdown = step_time_s(costs, num_micro_batches)
+    return Evaluation(step_time_s=step, breakdown=breakdown, stages=tuple(costs))
+
+
+def evaluate_plan(plan: Plan, cm: CostModel) -> Evaluation:
+    stages = [(cm.cluster.group(s.group), s.layers) for s in plan.stages]
+    return evaluate_layout(cm, stages, dp=plan.dp, tp=plan.tp, micro_batch=plan.micro_batch,
+                           num_micro_batches=plan.num_micro_batches)
+
+
+def prediction(cm: CostModel, ev: Evaluation, *, devices: Sequence[str], global_batch: int) -> Prediction:
+    """The plan's prediction block. ``devices`` lists the device type of every rank used."""
+    tokens = global_batch * cm.seq_len
+    flops = cm.model.train_flops_per_token(cm.seq_len) * tokens
+    peak = sum(get_device(d).peak_tflops(cm.dtype) * 1e12 for d in devices)
+    memory = tuple(
+        StageMemory(stage=i, device=devices_of_stage, capacity_bytes=s.capacity, weights_bytes=s.weights,
+                    gradients_bytes=s.gradients, optimizer_bytes=s.optimizer, activations_bytes=s.activations,
+                    transient_bytes=s.transient, reserve_bytes=s.reserve)
+        for i, (s, devices_of_stage) in enumerate(zip(ev.stages, _stage_devices(devices, len(ev.stages)))))
+    return Prediction(step_time_s=ev.step_time_s, tokens_per_s=tokens / ev.step_time_s,
+                      mfu=flops / ev.step_time_s / peak, stage_time_s=tuple(s.time_s for s in ev.stages),
+                      breakdown={k: round(v, 9) for k, v in ev.breakdown.items()}, memory=memory)
+
+
+def _stage_devices(devices: Sequence[str], pp: int) -> list[str]:
+    per = len(devices) // pp
+    return [devices[i * per] for i in range(pp)]

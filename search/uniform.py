@@ -1,0 +1,192 @@
+"""The uniform planner: an exhaustive Megatron-style grid, every layer alike.
+
+Over the whole cluster and, on a mixed cluster, over each node group alone, it tries every
+tensor-parallel degree (inside a node), stage size (dp * tp ranks, stages never straddle
+node groups), hence pipeline degree, micro-batch size, ZeRO level, recomputation on/off and
+sequence parallelism on/off, with blocks split as evenly as the pipeline allows (embedding
+in the first stage, head in the last). It is the CP-SAT search's warm start, fallback and
+yardstick.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+from partita.cluster import ClusterSpec, NodeGroup
+from partita.errors import InfeasibleError, PartitaError
+from partita.model import ModelSpec
+from partita.plan import LayerStrategy
+from partita.search.costs import CostModel
+from partita.search.evaluate import Evaluation, evaluate_layout
+from partita.units import fmt_bytes
+
+MAX_MICRO_BATCH = 32
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchSpace:
+    """What a search may choose. Defaults are everything the runtime executes."""
+
+    zero_levels: tuple[int, ...] = (0, 1, 2, 3)
+    recompute: tuple[bool, ...] = (False, True)
+    sequence_parallel: tuple[bool, ...] = (False, True)
+    micro_batches: tuple[int, ...] | None = None  # None: every divisor up to MAX_MICRO_BATCH
+    tensor_parallel: tuple[int, ...] | None = None  # None: every degree that fits a node
+    pipeline: tuple[int, ...] | None = None  # None: any
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """A candidate: which groups' ranks form the stages, the degrees, the per-layer strategies."""
+
+    stage_groups: tuple[NodeGroup, ...]
+    stage_layers: tuple[tuple[LayerStrategy, ...], ...]
+    dp: int
+    tp: int
+    micro_batch: int
+    num_micro_batches: int
+
+    @property
+    def pp(self) -> int:
+        return len(self.stage_groups)
+
+
+@dataclass
+class UniformResult:
+    best: Layout | None
+    best_eval: Evaluation | None
+    evaluated: int
+    wall_s: float
+    # The candidate closest to fitting, for the infeasibility message.
+    closest: Layout | None = None
+    closest_eval: Evaluation | None = None
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def device_subsets(cluster: ClusterSpec) -> list[tuple[NodeGroup, ...]]:
+    """The whole cluster, and each node group alone when there are several."""
+    subsets = [tuple(cluster.groups)]
+    if len(cluster.groups) > 1:
+        subsets += [(g,) for g in cluster.groups]
+    return subsets
+
+
+def split_blocks(n_blocks: int, pp: int) -> list[int]:
+    """Blocks per stage, as even as possible; the remainder goes to the inner stages first
+    (the first holds the embedding and the last the head)."""
+    base, extra = divmod(n_blocks, pp)
+    counts = [base] * pp
+    order = list(range(1, pp - 1)) + [pp - 1, 0] if pp > 2 else list(range(pp - 1, -1, -1))
+    for i in order[:extra]:
+        counts[i] += 1
+    return counts
+
+
+def stage_layer_names(model: ModelSpec, block_counts: Sequence[int]) -> list[list[str]]:
+    names: list[list[str]] = []
+    start = 0
+    for i, count in enumerate(block_counts):
+        layer = [f"layers.{j}" for j in range(start, start + count)]
+        start += count
+        if i == 0:
+            layer = ["embed"] + layer
+        if i == len(block_counts) - 1:
+            layer = layer + ["head"]
+        names.append(layer)
+    return names
+
+
+def layer_tp(model: ModelSpec, role: str, tp: int) -> int:
+    """The degree a layer takes in a stage of width tp: tp where its shapes divide, else 1."""
+    return tp if model.kinds[role].tp_divides(tp) is None else 1
+
+
+def strategy(model: ModelSpec, name: str, *, tp: int, sp: bool, zero: int, recompute: bool) -> LayerStrategy:
+    role = model.role_of(name)
+    t = layer_tp(model, role, tp)
+    return LayerStrategy(name=name, tensor_parallel=t, sequence_parallel=sp and t > 1, zero=zero,
+                         recompute=recompute and role == "block")
+
+
+def grid(cm: CostModel, global_batch: int, space: SearchSpace) -> Iterator[tuple[tuple[NodeGroup, ...], int, int, int, int]]:
+    """(groups, tp, dp, micro_batch, num_micro_batches) for every shape the grid allows."""
+    model = cm.model
+    for groups in device_subsets(cm.cluster):
+        gpn = min(g.gpus_per_node for g in groups)
+        sizes = [g.size for g in groups]
+        common = [s for s in divisors(min(sizes)) if all(n % s == 0 for n in sizes)]
+        for stage_size in common:
+            pp = sum(n // stage_size for n in sizes)
+            if pp > max(model.n_layers, 1) or (space.pipeline and pp not in space.pipeline):
+                continue
+            for tp in divisors(stage_size):
+                if gpn % tp or model.kinds["block"].tp_divides(tp):
+                    continue
+                if space.tensor_parallel and tp not in space.tensor_parallel:
+                    continue
+                dp = stage_size // tp
+                if global_batch % dp:
+                    continue
+                per_replica = global_batch // dp
+                mbs = space.micro_batches or tuple(d for d in divisors(per_replica) if d <= MAX_MICRO_BATCH)
+                for mb in mbs:
+                    if per_replica % mb:
+                        continue
+                    yield groups, tp, dp, mb, per_replica // mb
+
+
+def uniform_search(cm: CostModel, *, global_batch: int, space: SearchSpace = SearchSpace()) -> UniformResult:
+    """Evaluate every uniform candidate; keep the fastest that fits and the closest to fitting."""
+    start = time.perf_counter()
+    model = cm.model
+    result = UniformResult(best=None, best_eval=None, evaluated=0, wall_s=0.0)
+    for groups, tp, dp, mb, m in grid(cm, global_batch, space):
+        stage_groups = tuple(g for g in groups for _ in range(g.size // (dp * tp)))
+        pp = len(stage_groups)
+        names = stage_layer_names(model, split_blocks(model.n_layers, pp))
+        for zero in (space.zero_levels if dp > 1 else (0,)):
+            for recompute in space.recompute:
+                for sp in (space.sequence_parallel if tp > 1 else (False,)):
+                    layers = tuple(tuple(strategy(model, n, tp=tp, sp=sp, zero=zero, recompute=recompute) for n in stage)
+                                   for stage in names)
+                    ev = evaluate_layout(cm, list(zip(stage_groups, layers)), dp=dp, tp=tp, micro_batch=mb,
+                                         num_micro_batches=m)
+                    result.evaluated += 1
+                    layout = Layout(stage_groups=stage_groups, stage_layers=layers, dp=dp, tp=tp, micro_batch=mb,
+                                    num_micro_batches=m)
+                    if ev.fits:
+                        if result.best_eval is None or ev.step_time_s < result.best_eval.step_time_s:
+                            result.best, result.best_eval = layout, ev
+                    elif result.closest_eval is None or ev.peak_over_capacity < result.closest_eval.peak_over_capacity:
+                        result.closest, result.closest_eval = layout, ev
+    result.wall_s = time.perf_counter() - start
+    return result
+
+
+def infeasible_error(cm: CostModel, result: UniformResult, global_batch: int) -> PartitaError:
+    """Exit 3 with the least memory any candidate needs and what would make it fit."""
+    if result.closest is None or result.closest_eval is None:
+        return PartitaError(
+            f"no parallel layout of {cm.model.name} fits the cluster's shape with global batch {global_batch}: "
+            f"choose a global batch divisible by the data-parallel degree, or a cluster whose group sizes "
+            f"share a divisor")
+    ev, lay = result.closest_eval, result.closest
+    worst = max(ev.stages, key=lambda s: s.peak_bytes / s.capacity)
+    need = worst.peak_bytes
+    hints = []
+    if not any(l.recompute for st in lay.stage_layers for l in st):
+        hints.append("recompute")
+    if not all(l.zero == 3 for st in lay.stage_layers for l in st):
+        hints.append("ZeRO-3")
+    if lay.micro_batch > 1:
+        hints.append("a smaller micro-batch")
+    hints.append(f"about {need / worst.capacity:.1f}x more devices")
+    return InfeasibleError(
+        f"{cm.model.name} does not fit on {cm.cluster.short}: the least memory per device any plan in the space "
+        f"needs is {fmt_bytes(need)} (dp={lay.dp} tp={lay.tp} pp={lay.pp} micro-batch {lay.micro_batch}), "
+        f"against {fmt_bytes(worst.capacity)}; try {', '.join(hints)} (or a shorter --seq-len)")
