@@ -1,0 +1,291 @@
+"""The analytic profile: one layer's time and memory from its shapes and a device's datasheet.
+
+    from partita.devices import get_device
+    from partita.model import load_model
+    from partita.search.analytic import analytic_profile, layer_cost
+    spec = load_model("llama-2-7b")
+    cost = layer_cost(spec.kinds["block"], get_device("H100"), tp=2, micro_batch=1, seq_len=4096, dtype="bf16")
+    profile = analytic_profile(get_device("H100"), spec.kinds.values(), tps=(1, 2, 4, 8),
+                               micro_batches=(1, 2, 4), seq_len=4096, dtype="bf16")
+
+A layer's forward is the sum of the kernels PyTorch eager runs for it (``partita.runtime.models``):
+its matrix products (``roofline.matmul_time_s`` with m = micro_batch * seq_len tokens), fused
+attention, and the memory-bound elementwise kernels (norms, rotary, activations, residual adds),
+each priced by the bytes it reads and writes. The backward runs two products per forward product
+(dX = dY @ W^T and dW = X^T @ dY), the attention backward, and elementwise kernels that move
+twice the forward's bytes, plus the reductions only the backward has (bias gradients, the
+embedding's gradient table). Recomputing a checkpointed layer repeats its forward.
+
+Tensor parallelism over ``tp`` ranks splits q, k, v, w1, w3 by columns and wo, w2 by rows, so a
+rank holds heads/tp query heads, kv_heads/tp kv heads and ffn/tp of the MLP; embed and head hold
+vocab/tp rows. The collectives that tensor parallelism adds are not here: the cost model prices
+them from the profile's comm entries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+from partita.devices import DeviceType
+from partita.errors import PartitaError
+from partita.model import LayerKind
+from partita.profile import LayerCost, Profile, Provenance
+from partita.search.roofline import attention_time_s, element_bytes, matmul_time_s, memory_time_s
+
+INDEX_BYTES = 8  # token ids, targets and position ids are int64
+STAT_BYTES = 4  # norm statistics and attention's logsumexp are fp32 whatever the dtype
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One rank's share of a layer for one micro-batch: the dimensions its kernels see."""
+
+    batch: int
+    seq: int
+    hidden: int
+    heads: int  # query heads on this rank
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    elem: int  # bytes per element of the compute dtype
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq
+
+    @classmethod
+    def of(cls, kind: LayerKind, *, tp: int, micro_batch: int, seq_len: int, dtype: str) -> "Shard":
+        why = kind.tp_divides(tp)
+        if why:
+            raise PartitaError(f"{kind.role} layer cannot be split {tp} ways: {why}")
+        if micro_batch < 1 or seq_len < 1 or tp < 1:
+            raise PartitaError(f"micro_batch, seq_len and tp must be positive, got {micro_batch}, {seq_len}, {tp}")
+        if kind.learned_positions and seq_len > kind.learned_positions:
+            raise PartitaError(f"sequence length {seq_len} exceeds the model's {kind.learned_positions} learned "
+                               f"positions; train with seq_len <= {kind.learned_positions}")
+        return cls(batch=micro_batch, seq=seq_len, hidden=kind.hidden, heads=kind.heads // tp,
+                   kv_heads=kind.kv_heads // tp, head_dim=kind.head_dim, ffn=kind.ffn // tp,
+                   vocab=kind.vocab // tp, elem=element_bytes(dtype))
+
+
+# ---- what the forward runs ------------------------------------------------------------------
+def forward_matmuls(kind: LayerKind, sh: Shard) -> list[tuple[str, int, int, int]]:
+    """(name, m, n, k) of each forward product C[m,n] = X[m,k] @ W[k,n]."""
+    t, h, q, kv, f = sh.tokens, sh.hidden, sh.heads * sh.head_dim, sh.kv_heads * sh.head_dim, sh.ffn
+    if kind.role == "embed":
+        return []
+    if kind.role == "head":
+        return [("output", t, sh.vocab, h)]
+    attention = [("wq", t, q, h), ("wk", t, kv, h), ("wv", t, kv, h), ("wo", t, h, q)]
+    if kind.family == "llama":
+        return attention + [("w1", t, f, h), ("w3", t, f, h), ("w2", t, h, f)]
+    return attention + [("w1", t, f, h), ("w2", t, h, f)]
+
+
+def _rope_kernels(name: str, nbytes: float) -> list[tuple[str, float]]:
+    # The runtime's rotate-half form: neg of one half, cat, x*cos, rotated*sin, add.
+    return [(f"{name} neg", nbytes), (f"{name} cat", 2 * nbytes), (f"{name} *cos", 2 * nbytes),
+            (f"{name} *sin", 2 * nbytes), (f"{name} add", 3 * nbytes)]
+
+
+def forward_elementwise(kind: LayerKind, sh: Shard) -> list[tuple[str, float]]:
+    """(name, bytes read + written) of each memory-bound forward kernel."""
+    e, t, h = sh.elem, sh.tokens, sh.hidden
+    act = t * h * e  # one [tokens, hidden] activation
+    if kind.role == "embed":
+        ops = [("token gather", 2 * act)]
+        if kind.learned_positions:
+            ops += [("position gather", 2 * sh.seq * h * e), ("add positions", 3 * act)]
+        return ops
+    if kind.role == "head":
+        logits = t * sh.vocab
+        ops = [("norm", 2 * act)]
+        if e != 4:
+            ops.append(("logits to fp32", logits * (e + 4)))
+        return ops + [("log_softmax", 2 * logits * 4), ("nll_loss", t * (INDEX_BYTES + 4))]
+    q_bytes = t * sh.heads * sh.head_dim * e
+    kv_bytes = t * sh.kv_heads * sh.head_dim * e
+    ops = [("attention norm", 2 * act)]
+    if kind.family == "llama":
+        ops += _rope_kernels("rope q", q_bytes) + _rope_kernels("rope k", kv_bytes)
+    if sh.heads != sh.kv_heads:
+        ops += [("repeat k", kv_bytes + q_bytes), ("repeat v", kv_bytes + q_bytes)]
+    ops += [("residual add", 3 * act), ("ffn norm", 2 * act)]
+    mlp = t * sh.ffn * e
+    if kind.family == "llama":
+        ops += [("silu", 2 * mlp), ("gate mul", 3 * mlp)]
+    else:
+        ops += [("gelu", 2 * mlp)]
+    return ops + [("residual add", 3 * act)]
+
+
+def backward_only_kernels(kind: LayerKind, sh: Shard) -> list[tuple[str, float]]:
+    """Memory-bound backward kernels with no forward counterpart."""
+    e, t = sh.elem, sh.tokens
+    if kind.role == "embed":
+        # Zero the gradient table, then scatter-add the incoming gradient rows into it.
+        ops = [("zero token grad", sh.vocab * sh.hidden * e), ("scatter token grad", 3 * t * sh.hidden * e)]
+        if kind.learned_positions:
+            ops += [("zero position grad", kind.learned_positions * sh.hidden * e),
+                    ("scatter position grad", 3 * t * sh.hidden * e)]
+        return ops
+    biased = []
+    if kind.role == "block" and kind.family == "gpt2":
+        biased = ["wq", "wk", "wv", "wo", "w1", "w2"]
+    elif kind.role == "block" and kind.qkv_bias:
+        biased = ["wq", "wk", "wv"]
+    return [(f"{name} bias grad", m * n * e) for name, m, n, _ in forward_matmuls(kind, sh) if name in biased]
+
+
+# ---- time -----------------------------------------------------------------------------------
+def forward_s(kind: LayerKind, dev: DeviceType, sh: Shard, dtype: str) -> float:
+    total = sum(matmul_time_s(dev, m, n, k, dtype) for _, m, n, k in forward_matmuls(kind, sh))
+    total += sum(memory_time_s(dev, nbytes) for _, nbytes in forward_elementwise(kind, sh))
+    if kind.role == "block":
+        total += attention_time_s(dev, sh.batch, sh.heads, sh.seq, sh.head_dim, causal=True, dtype=dtype)[0]
+    return total
+
+
+def backward_s(kind: LayerKind, dev: DeviceType, sh: Shard, dtype: str) -> float:
+    # dX[m,k] = dY[m,n] @ W^T[n,k] and dW[k,n] = X^T[k,m] @ dY[m,n].
+    total = sum(matmul_time_s(dev, m, k, n, dtype) + matmul_time_s(dev, k, n, m, dtype)
+                for _, m, n, k in forward_matmuls(kind, sh))
+    total += sum(memory_time_s(dev, 2 * nbytes) for _, nbytes in forward_elementwise(kind, sh))
+    total += sum(memory_time_s(dev, nbytes) for _, nbytes in backward_only_kernels(kind, sh))
+    if kind.role == "block":
+        total += attention_time_s(dev, sh.batch, sh.heads, sh.seq, sh.head_dim, causal=True, dtype=dtype)[1]
+    return total
+
+
+# ---- memory ---------------------------------------------------------------------------------
+def activation_bytes(kind: LayerKind, *, tp: int, micro_batch: int, seq_len: int, dtype: str,
+                     sequence_parallel: bool = False, recompute: bool = False,
+                     on_cpu: bool = False) -> int:
+    """Bytes autograd keeps from one micro-batch's forward for the backward, on one rank.
+
+    Counted as distinct storages (a tensor saved by several ops, like the norm output that
+    wq, wk and wv all save, counts once), parameters excluded. With b = micro_batch, s = seq_len,
+    t = b*s tokens, e = bytes per element of ``dtype``, h = hidden, d = head_dim, the per-rank
+    H = heads/tp, f = ffn/tp, V = vocab/tp, n = t*h*e (one residual-stream activation), and R
+    what one norm keeps::
+
+        R (RMSNorm, CUDA fused kernel)   = t*h*e + 4t               input, fp32 rstd
+        R (RMSNorm, CPU: torch composite) = 2*t*h*max(e,4) + 4t     fp32 upcast input, fp32 x*rstd, rstd
+        R (LayerNorm, CUDA)              = t*h*e + 8t               input, fp32 mean and rstd
+        R (LayerNorm, CPU)               = t*h*e + 2*t*e            input, mean and rstd in e
+
+    ``on_cpu`` picks the CPU rows (``layer_cost`` sets it for the catalog's "cpu" device).
+
+        block, llama = 2*(R + n) + 4*t*H*d*e + 4*b*H*s + 4*s*d*e + 4*t*f*e
+        block, gpt2  = 2*(R + n) + 4*t*H*d*e + 4*b*H*s           + 2*t*f*e
+        head         =    R + n  + 4*t*V + 8t + 4
+        embed        = 8t  (+ 8s for gpt2's position ids)
+
+    Term by term, for the block, in the runtime's order (``partita.runtime.models``):
+      * each of the two norms keeps R; its output (n), the linears' shared input, is kept once
+        for wq, wk, wv (and once for w1, w3 / gpt2's w1);
+      * rotary (llama): the cos and sin tables, [1, s, 1, d] each, for q and for k (4*s*d*e);
+      * SDPA (CUDA flash / efficient, CPU flash): q, k, v, the output, and the fp32 logsumexp
+        [b, H, s]. k and v are kept at H heads, not kv_heads: the runtime repeats kv heads
+        (``repeat_interleave``) before SDPA, and with no repetition kv_heads = heads anyway.
+        wo keeps the output's [b, s, H*d] view, the same storage;
+      * MLP, llama: w1's output (silu's input), silu's output and w3's output (the gate product's
+        two inputs), and the product (w2's input): 4*t*f*e. gpt2: w1's output (gelu's input) and
+        gelu's output (w2's input): 2*t*f*e;
+      * residual adds, bias adds, transposes and reshapes keep nothing; dropout is off.
+    The head: final norm (R), the output linear's input (n), then the loss, which the planner
+    counts with the head: ``cross_entropy(logits.float())`` keeps log_softmax's fp32 output
+    (4*t*V; the logits themselves are not kept), the int64 targets (8t) and nll_loss's fp32
+    total weight (4). The embedding keeps only its int64 indices.
+
+    Variants:
+      * ``sequence_parallel``: the residual stream and the norms run on t/tp tokens, so R
+        divides by tp. The linears' input is the all-gathered norm output, which DTensor's
+        autograd keeps whole: n does not divide (unlike Megatron-LM, PyTorch does not re-gather it in the backward).
+      * ``recompute`` (full activation checkpointing of the layer): only the layer's input is
+        kept: n for a block or the head (n/tp with sequence parallelism), the token ids for embed.
+
+    Not counted: CUDA SDPA's two int64 RNG scalars, the memory-efficient kernel's padding of
+    logsumexp to a multiple of 32 rows, and tensors that live only during the forward.
+    """
+    sh = Shard.of(kind, tp=tp, micro_batch=micro_batch, seq_len=seq_len, dtype=dtype)
+    t, e, h = sh.tokens, sh.elem, sh.hidden
+    sp = tp if sequence_parallel else 1
+    if kind.role == "embed":
+        return t * INDEX_BYTES + (seq_len * INDEX_BYTES if kind.learned_positions else 0)
+    if recompute:
+        return t * h * e // sp
+    norm_output = t * h * e  # saved by the linears that follow the norm
+    if kind.role == "head":
+        loss = t * sh.vocab * 4 + t * INDEX_BYTES + 4
+        return _norm_bytes(kind, sh, on_cpu) // sp + norm_output + loss
+    attention = 4 * t * sh.heads * sh.head_dim * e + STAT_BYTES * sh.batch * sh.heads * seq_len
+    if kind.family == "llama":
+        rotary = 4 * seq_len * sh.head_dim * e
+        mlp = 4 * t * sh.ffn * e
+    else:
+        rotary = 0
+        mlp = 2 * t * sh.ffn * e
+    return 2 * (_norm_bytes(kind, sh, on_cpu) // sp + norm_output) + attention + rotary + mlp
+
+
+def _norm_bytes(kind: LayerKind, sh: Shard, on_cpu: bool) -> int:
+    """What one norm keeps for all t tokens (R in ``activation_bytes``)."""
+    t, e, h = sh.tokens, sh.elem, sh.hidden
+    if kind.family == "gpt2":
+        # LayerNorm: input, mean and rstd; the CUDA kernel keeps the statistics in fp32, the CPU one in e.
+        return t * h * e + 2 * t * (e if on_cpu else STAT_BYTES)
+    if on_cpu:
+        # torch's composite rms_norm: the fp32 upcast input and the fp32 normalised tensor, fp32 rstd.
+        return 2 * t * h * max(e, 4) + STAT_BYTES * t
+    return t * h * e + STAT_BYTES * t  # the fused CUDA kernel: input, fp32 rstd
+
+
+def param_bytes(kind: LayerKind, *, tp: int, dtype: str) -> int:
+    """This rank's shard of the layer's parameters: split matrices and column-split biases
+    divide by tp; norms, row-split biases and learned positions are replicated."""
+    e = element_bytes(dtype)
+    h, q, kv = kind.hidden, kind.heads * kind.head_dim, kind.kv_heads * kind.head_dim
+    norm = h if kind.family == "llama" else 2 * h  # LayerNorm has a bias
+    if kind.role == "embed":
+        return e * (kind.vocab // tp * h + kind.learned_positions * h)
+    if kind.role == "head":
+        return e * (kind.vocab // tp * h + norm)
+    split = kind.matmul_params // tp
+    if kind.family == "gpt2":
+        split += (q + 2 * kv + kind.ffn) // tp  # wq, wk, wv, w1 biases
+        replicated = 2 * h  # wo and w2 biases
+    else:
+        split += (q + 2 * kv) // tp if kind.qkv_bias else 0
+        replicated = 0
+    return e * (split + replicated + 2 * norm)
+
+
+# ---- public ---------------------------------------------------------------------------------
+def layer_cost(kind: LayerKind, dev: DeviceType, *, tp: int, micro_batch: int, seq_len: int,
+               dtype: str) -> LayerCost:
+    """Time and memory of one layer on one rank of a ``tp``-wide tensor-parallel group, for one
+    micro-batch, without tensor-parallel communication. ``activation_bytes`` is the plain
+    variant (no sequence parallelism, no recomputation); see ``activation_bytes`` for the others."""
+    sh = Shard.of(kind, tp=tp, micro_batch=micro_batch, seq_len=seq_len, dtype=dtype)
+    fwd = forward_s(kind, dev, sh, dtype)
+    return LayerCost(kind=kind, tp=tp, micro_batch=micro_batch, seq_len=seq_len, forward_s=fwd,
+                     backward_s=backward_s(kind, dev, sh, dtype), recompute_s=fwd,
+                     activation_bytes=activation_bytes(kind, tp=tp, micro_batch=micro_batch, seq_len=seq_len,
+                                                       dtype=dtype, on_cpu=dev.is_cpu),
+                     param_bytes=param_bytes(kind, tp=tp, dtype=dtype))
+
+
+def analytic_profile(dev: DeviceType, kinds: Iterable[LayerKind], tps: Iterable[int],
+                     micro_batches: Iterable[int], seq_len: int, dtype: str) -> Profile:
+    """A profile of ``dev`` derived from its datasheet: every kind at every tp it can be split
+    to (a width a kind's heads or vocabulary do not divide is left out: no plan can use it),
+    every micro-batch. It has no comm entries."""
+    kinds, tps, micro_batches = list(dict.fromkeys(kinds)), sorted(set(tps)), sorted(set(micro_batches))
+    layers = tuple(layer_cost(kind, dev, tp=tp, micro_batch=mb, seq_len=seq_len, dtype=dtype)
+                   for kind in kinds for tp in tps if kind.tp_divides(tp) is None for mb in micro_batches)
+    provenance = Provenance(source="analytic", device_name=dev.name, dtype=dtype,
+                            command="partita.search.analytic.analytic_profile")
+    return Profile(device=dev.name, dtype=dtype, provenance=provenance, layers=layers)
