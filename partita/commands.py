@@ -17,7 +17,10 @@ from partita.plan import LayerStrategy, Plan
 from partita.profile import Profile
 from partita.units import GiB, fmt_bytes, fmt_seconds
 
-console = Console(highlight=False)
+import sys
+
+# Wide enough for the plan table when output is piped to a file or a log.
+console = Console(highlight=False, width=None if sys.stdout.isatty() else 150)
 
 
 def _profiles(paths: Sequence[str]) -> tuple[Profile, ...]:
@@ -114,7 +117,8 @@ def _runs(layers: Sequence[LayerStrategy]) -> list[str]:
     while i < len(layers):
         j = i
         key = _strategy_text(layers[i])
-        while j + 1 < len(layers) and _strategy_text(layers[j + 1]) == key and layers[j + 1].name.startswith("layers."):
+        while (layers[i].name.startswith("layers.") and j + 1 < len(layers)
+               and layers[j + 1].name.startswith("layers.") and _strategy_text(layers[j + 1]) == key):
             j += 1
         first, last = layers[i].name, layers[j].name
         span = first if i == j else f"{first}-{last.split('.')[-1]}"

@@ -40,6 +40,7 @@ Conventions (all per device of a stage, per micro-batch unless said otherwise):
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Iterable, Mapping, Sequence
@@ -212,11 +213,17 @@ class CostModel:
 
     # ---- one layer ----------------------------------------------------------------------
     def layer_time(self, role: str, group: NodeGroup, s: LayerStrategy, *, dp: int, micro_batch: int) -> LayerTime:
-        return self._layer_time(role, group, s.tensor_parallel, s.sequence_parallel, s.zero, s.recompute, dp,
+        return self._layer_time(role, group.name, s.tensor_parallel, s.sequence_parallel, s.zero, s.recompute, dp,
                                 micro_batch)
 
-    def _layer_time_uncached(self, role: str, group: NodeGroup, tp: int, sp: bool, zero: int, recompute: bool,
+    def layer_time_of(self, choice: tuple[str, int, bool, int, bool], group: NodeGroup, *, dp: int,
+                      micro_batch: int) -> LayerTime:
+        role, tp, sp, zero, recompute = choice
+        return self._layer_time(role, group.name, tp, sp, zero, recompute, dp, micro_batch)
+
+    def _layer_time_uncached(self, role: str, group_name: str, tp: int, sp: bool, zero: int, recompute: bool,
                              dp: int, micro_batch: int) -> LayerTime:
+        group = self.cluster.group(group_name)
         device = group.device
         c = self.compute(role, device, tp, micro_batch)
         act_bytes = micro_batch * self.seq_len * self.model.hidden * self.elem
@@ -261,6 +268,11 @@ class CostModel:
     def layer_memory(self, role: str, device: str, s: LayerStrategy, *, dp: int, micro_batch: int) -> LayerMemory:
         return self._layer_memory(role, device, s.tensor_parallel, s.sequence_parallel, s.zero, s.recompute, dp,
                                   micro_batch)
+
+    def layer_memory_of(self, choice: tuple[str, int, bool, int, bool], device: str, *, dp: int,
+                        micro_batch: int) -> LayerMemory:
+        role, tp, sp, zero, recompute = choice
+        return self._layer_memory(role, device, tp, sp, zero, recompute, dp, micro_batch)
 
     def _layer_memory_uncached(self, role: str, device: str, tp: int, sp: bool, zero: int, recompute: bool,
                                dp: int, micro_batch: int) -> LayerMemory:
@@ -325,28 +337,44 @@ def in_flight(stage: int, pp: int, num_micro_batches: int) -> int:
     return min(pp - stage, num_micro_batches)
 
 
+# A layer's choices without its name: (role, tensor_parallel, sequence_parallel, zero, recompute).
+LayerChoice = tuple[str, int, bool, int, bool]
+
+
+def choice_of(model: ModelSpec, s: LayerStrategy) -> LayerChoice:
+    return (model.role_of(s.name), s.tensor_parallel, s.sequence_parallel, s.zero, s.recompute)
+
+
 def stage_cost(cm: CostModel, group: NodeGroup, layers: Sequence[LayerStrategy], *, stage: int, pp: int, dp: int,
-               tp: int, micro_batch: int, num_micro_batches: int, prev_group: NodeGroup | None,
-               next_group: NodeGroup | None) -> StageCost:
-    """Cost of one pipeline stage, layer by layer."""
+               tp: int, micro_batch: int, num_micro_batches: int, next_group: NodeGroup | None) -> StageCost:
+    """Cost of one pipeline stage holding these layers."""
+    counts = Counter(choice_of(cm.model, s) for s in layers)
+    return stage_cost_counts(cm, group, counts, stage=stage, pp=pp, dp=dp, tp=tp, micro_batch=micro_batch,
+                             num_micro_batches=num_micro_batches, next_group=next_group)
+
+
+def stage_cost_counts(cm: CostModel, group: NodeGroup, counts: Mapping[LayerChoice, int], *, stage: int, pp: int,
+                      dp: int, tp: int, micro_batch: int, num_micro_batches: int,
+                      next_group: NodeGroup | None) -> StageCost:
+    """Cost of one stage from how many of its layers make each choice. Identical blocks cost
+    the same, so each distinct choice is priced once."""
     fwd = bwd = compute = tp_comm = zero_comm = dp_sync = 0.0
     weights = grads = opt = acts = params = 0
     recompute_peak = gathered = 0
-    for s in layers:
-        role = cm.model.role_of(s.name)
-        t = cm.layer_time(role, group, s, dp=dp, micro_batch=micro_batch)
-        m = cm.layer_memory(role, group.device, s, dp=dp, micro_batch=micro_batch)
-        fwd += t.forward_s
-        bwd += t.backward_s
-        compute += t.compute_s
-        tp_comm += t.tp_comm_s
-        zero_comm += t.zero_comm_s
-        dp_sync += t.dp_sync_s
-        weights += m.weights
-        grads += m.gradients
-        opt += m.optimizer
-        acts += m.activations
-        params += m.params
+    for choice, n in counts.items():
+        t = cm.layer_time_of(choice, group, dp=dp, micro_batch=micro_batch)
+        m = cm.layer_memory_of(choice, group.device, dp=dp, micro_batch=micro_batch)
+        fwd += n * t.forward_s
+        bwd += n * t.backward_s
+        compute += n * t.compute_s
+        tp_comm += n * t.tp_comm_s
+        zero_comm += n * t.zero_comm_s
+        dp_sync += n * t.dp_sync_s
+        weights += n * m.weights
+        grads += n * m.gradients
+        opt += n * m.optimizer
+        acts += n * m.activations
+        params += n * m.params
         recompute_peak = max(recompute_peak, m.recompute_peak)
         gathered = max(gathered, m.gathered)
     act_msg = micro_batch * cm.seq_len * cm.model.hidden * cm.elem

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from partita.cluster import NodeGroup
 from partita.devices import get_device
 from partita.plan import LayerStrategy, Plan, Prediction, StageMemory
-from partita.search.costs import CostModel, StageCost, stage_cost, step_time_s
+from partita.search.costs import CostModel, LayerChoice, StageCost, stage_cost, stage_cost_counts, step_time_s
 
 
 @dataclass(frozen=True)
@@ -33,10 +33,20 @@ def evaluate_layout(cm: CostModel, stages: Sequence[tuple[NodeGroup, Sequence[La
     pp = len(stages)
     costs = []
     for i, (group, layers) in enumerate(stages):
-        prev_group = stages[i - 1][0] if i > 0 else None
         next_group = stages[i + 1][0] if i + 1 < pp else None
         costs.append(stage_cost(cm, group, layers, stage=i, pp=pp, dp=dp, tp=tp, micro_batch=micro_batch,
-                                num_micro_batches=num_micro_batches, prev_group=prev_group, next_group=next_group))
+                                num_micro_batches=num_micro_batches, next_group=next_group))
+    step, breakdown = step_time_s(costs, num_micro_batches)
+    return Evaluation(step_time_s=step, breakdown=breakdown, stages=tuple(costs))
+
+
+def evaluate_counts(cm: CostModel, stages: Sequence[tuple[NodeGroup, Mapping[LayerChoice, int]]], *, dp: int,
+                    tp: int, micro_batch: int, num_micro_batches: int) -> Evaluation:
+    """The same, with each stage given as counts of layer choices (the search's fast path)."""
+    pp = len(stages)
+    costs = [stage_cost_counts(cm, group, counts, stage=i, pp=pp, dp=dp, tp=tp, micro_batch=micro_batch,
+                               num_micro_batches=num_micro_batches, next_group=stages[i + 1][0] if i + 1 < pp else None)
+             for i, (group, counts) in enumerate(stages)]
     step, breakdown = step_time_s(costs, num_micro_batches)
     return Evaluation(step_time_s=step, breakdown=breakdown, stages=tuple(costs))
 

@@ -18,8 +18,8 @@ from partita.cluster import ClusterSpec, NodeGroup
 from partita.errors import InfeasibleError, PartitaError
 from partita.model import ModelSpec
 from partita.plan import LayerStrategy
-from partita.search.costs import CostModel
-from partita.search.evaluate import Evaluation, evaluate_layout
+from partita.search.costs import CostModel, LayerChoice, choice_of
+from partita.search.evaluate import Evaluation, evaluate_counts
 from partita.units import fmt_bytes
 
 MAX_MICRO_BATCH = 32
@@ -147,25 +147,47 @@ def uniform_search(cm: CostModel, *, global_batch: int, space: SearchSpace = Sea
     result = UniformResult(best=None, best_eval=None, evaluated=0, wall_s=0.0)
     for groups, tp, dp, mb, m in grid(cm, global_batch, space):
         stage_groups = tuple(g for g in groups for _ in range(g.size // (dp * tp)))
-        pp = len(stage_groups)
-        names = stage_layer_names(model, split_blocks(model.n_layers, pp))
+        blocks = split_blocks(model.n_layers, len(stage_groups))
         for zero in (space.zero_levels if dp > 1 else (0,)):
             for recompute in space.recompute:
                 for sp in (space.sequence_parallel if tp > 1 else (False,)):
-                    layers = tuple(tuple(strategy(model, n, tp=tp, sp=sp, zero=zero, recompute=recompute) for n in stage)
-                                   for stage in names)
-                    ev = evaluate_layout(cm, list(zip(stage_groups, layers)), dp=dp, tp=tp, micro_batch=mb,
-                                         num_micro_batches=m)
+                    choice = {role: choice_of(model, strategy(model, role, tp=tp, sp=sp, zero=zero, recompute=recompute))
+                              for role in ("embed", "block", "head")}
+                    ev = evaluate_counts(cm, list(zip(stage_groups, stage_counts(choice, blocks))), dp=dp, tp=tp,
+                                         micro_batch=mb, num_micro_batches=m)
                     result.evaluated += 1
-                    layout = Layout(stage_groups=stage_groups, stage_layers=layers, dp=dp, tp=tp, micro_batch=mb,
-                                    num_micro_batches=m)
+                    lazy = (stage_groups, blocks, tp, dp, mb, m, sp, zero, recompute)
                     if ev.fits:
                         if result.best_eval is None or ev.step_time_s < result.best_eval.step_time_s:
-                            result.best, result.best_eval = layout, ev
+                            result.best, result.best_eval = lazy, ev
                     elif result.closest_eval is None or ev.peak_over_capacity < result.closest_eval.peak_over_capacity:
-                        result.closest, result.closest_eval = layout, ev
+                        result.closest, result.closest_eval = lazy, ev
+    result.best = _layout(model, *result.best) if result.best else None
+    result.closest = _layout(model, *result.closest) if result.closest else None
     result.wall_s = time.perf_counter() - start
     return result
+
+
+def stage_counts(choice: dict[str, LayerChoice], blocks: Sequence[int]) -> list[dict[LayerChoice, int]]:
+    """Per stage, how many layers make each choice: embed first, head last."""
+    out = []
+    for i, n in enumerate(blocks):
+        counts: dict[LayerChoice, int] = {}
+        if i == 0:
+            counts[choice["embed"]] = 1
+        if n:
+            counts[choice["block"]] = counts.get(choice["block"], 0) + n
+        if i == len(blocks) - 1:
+            counts[choice["head"]] = counts.get(choice["head"], 0) + 1
+        out.append(counts)
+    return out
+
+
+def _layout(model: ModelSpec, stage_groups: tuple[NodeGroup, ...], blocks: Sequence[int], tp: int, dp: int, mb: int,
+            m: int, sp: bool, zero: int, recompute: bool) -> Layout:
+    layers = tuple(tuple(strategy(model, n, tp=tp, sp=sp, zero=zero, recompute=recompute) for n in names)
+                   for names in stage_layer_names(model, blocks))
+    return Layout(stage_groups=stage_groups, stage_layers=layers, dp=dp, tp=tp, micro_batch=mb, num_micro_batches=m)
 
 
 def infeasible_error(cm: CostModel, result: UniformResult, global_batch: int) -> PartitaError:

@@ -1,0 +1,538 @@
+"""The CP-SAT planner: stage split, stage placement and every layer's strategy in one exact model.
+
+The outer loop enumerates the few *shapes* a plan can take — stage size ``S = dp * tp``,
+tensor degree ``tp``, micro-batch size ``b`` (hence the micro-batch count ``m``) — and orders
+them by a proven lower bound. For each shape worth solving, one CP-SAT model decides jointly:
+
+* the pipeline degree and which node group each stage sits on (a stage's ``S`` ranks belong
+  to one group; a group hosts at most ``size // S`` stages);
+* the stage boundaries, uneven: how many blocks each stage takes;
+* every layer's choices: tensor-parallel or replicated, sequence parallelism, ZeRO level,
+  recomputation.
+
+Identical blocks are one kind, so the model counts blocks per (stage, group, strategy)
+instead of assigning each block: its size grows with stages x groups x strategies, not with
+layers (``c[r, g, k]`` integer counts, one per slot, group and strategy). Blocks of a stage
+are then laid out in strategy order; the cost model is additive over a stage's blocks, so the
+order inside a stage changes nothing.
+
+Slots are indexed from the *end* of the pipeline (r = 0 is the last stage, holding the head),
+so the micro-batches a 1F1B stage keeps in flight, ``min(r + 1, m)``, are constants and the
+pipeline degree stays a decision: used slots are a prefix, and the first stage (holding the
+embedding) is the highest used slot.
+
+Objective (the cost model's step time, integer microseconds; ``partita.units`` rounding):
+``(m - 1) * max_r T_r + sum_r T_r + max_r exposed_dp_r + max_r optimizer_r``. The solver's
+objective equals the evaluator's prediction of the returned plan up to that rounding: each
+per-layer term is rounded to the nearest microsecond, so they differ by at most
+``(m - 1 + pp) * (layers per stage + 1) / 2`` microseconds. Memory terms are rounded *up* to
+MiB and capacities *down*, so a plan the solver accepts fits under the evaluator too.
+
+The uniform planner's best plan is the warm start (a hint, and an upper bound every shape
+must beat), the fallback, and the yardstick reported in the plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+from ortools.sat.python import cp_model
+
+import ortools
+from partita.cluster import NodeGroup
+from partita.errors import PartitaError
+from partita.plan import LayerStrategy, Plan, SolverReport
+from partita.search.costs import RESERVE_CPU_BYTES, RESERVE_GPU_BYTES, OPTIMIZER_BYTES_PER_PARAM, CostModel, in_flight
+from partita.search.evaluate import evaluate_layout
+from partita.search.uniform import MAX_MICRO_BATCH, Layout, SearchSpace, UniformResult, divisors, layer_tp
+from partita.units import MiB, to_mib, to_us
+
+log = logging.getLogger(__name__)
+
+
+# ---- the problem: integer cost tables for one shape ----------------------------------------
+@dataclass(frozen=True)
+class Shape:
+    stage_size: int
+    tp: int
+    dp: int
+    micro_batch: int
+    num_micro_batches: int
+
+
+@dataclass(frozen=True)
+class LayerTable:
+    """Integer costs of one layer kind per (group, strategy)."""
+
+    strategies: tuple[LayerStrategy, ...]  # name is a placeholder
+    time_us: tuple[tuple[int, ...], ...]  # [g][k] forward + backward per micro-batch
+    backward_us: tuple[tuple[int, ...], ...]
+    sync_us: tuple[tuple[int, ...], ...]  # per-step data-parallel sync
+    optimizer_us: tuple[tuple[int, ...], ...]
+    static_mib: tuple[tuple[int, ...], ...]  # weights + gradients + optimizer state
+    act_mib: tuple[tuple[int, ...], ...]  # kept activations, one micro-batch
+    recompute_mib: tuple[tuple[int, ...], ...]
+    gathered_mib: tuple[tuple[int, ...], ...]  # ZeRO-3 transient, counted twice per stage
+
+
+@dataclass(frozen=True)
+class Problem:
+    shape: Shape
+    groups: tuple[NodeGroup, ...]
+    slots: int  # most stages the shape allows (K)
+    stages_per_group: tuple[int, ...]
+    n_blocks: int
+    block: LayerTable
+    embed: LayerTable
+    head: LayerTable
+    p2p_us: tuple[tuple[int, ...], ...]  # [g][h] send + receive between a stage on g and the next on h
+    capacity_mib: tuple[int, ...]  # per group, minus the reserve, rounded down
+    lower_bound_us: int
+
+
+def strategies_for(cm: CostModel, role: str, shape: Shape, space: SearchSpace) -> list[LayerStrategy]:
+    """Every choice the runtime executes for this layer kind in this shape."""
+    out = []
+    tps = sorted({1, layer_tp(cm.model, role, shape.tp)})
+    zeros = space.zero_levels if shape.dp > 1 else (0,)
+    recomputes = space.recompute if role == "block" else (False,)
+    for t in tps:
+        for sp in (space.sequence_parallel if t > 1 else (False,)):
+            for z in zeros:
+                for rc in recomputes:
+                    out.append(LayerStrategy(name=role, tensor_parallel=t, sequence_parallel=sp, zero=z, recompute=rc))
+    return out
+
+
+def layer_table(cm: CostModel, role: str, shape: Shape, groups: Sequence[NodeGroup], space: SearchSpace) -> LayerTable:
+    strategies = strategies_for(cm, role, shape, space)
+    rows: dict[str, list[list[int]]] = {k: [] for k in ("time", "bwd", "sync", "opt", "static", "act", "rc", "gath")}
+    for g in groups:
+        hbm = cm_device(g).hbm_gbps * 1e9
+        cols: dict[str, list[int]] = {k: [] for k in rows}
+        for s in strategies:
+            t = cm.layer_time(role, g, s, dp=shape.dp, micro_batch=shape.micro_batch)
+            m = cm.layer_memory(role, g.device, s, dp=shape.dp, micro_batch=shape.micro_batch)
+            cols["time"].append(to_us(t.total_s))
+            cols["bwd"].append(to_us(t.backward_s))
+            cols["sync"].append(to_us(t.dp_sync_s))
+            cols["opt"].append(to_us(m.params * OPTIMIZER_BYTES_PER_PARAM / hbm))
+            cols["static"].append(to_mib(m.weights + m.gradients + m.optimizer))
+            cols["act"].append(to_mib(m.activations))
+            cols["rc"].append(to_mib(m.recompute_peak))
+            cols["gath"].append(to_mib(2 * m.gathered))
+        for k in rows:
+            rows[k].append(cols[k])
+    tup = lambda k: tuple(tuple(r) for r in rows[k])  # noqa: E731
+    return LayerTable(strategies=tuple(strategies), time_us=tup("time"), backward_us=tup("bwd"), sync_us=tup("sync"),
+                      optimizer_us=tup("opt"), static_mib=tup("static"), act_mib=tup("act"),
+                      recompute_mib=tup("rc"), gathered_mib=tup("gath"))
+
+
+def cm_device(group: NodeGroup):
+    return group.device_type
+
+
+def shapes(cm: CostModel, global_batch: int, space: SearchSpace) -> list[Shape]:
+    """Every (stage size, tp, micro-batch) some node group can host."""
+    model = cm.model
+    sizes = sorted({s for g in cm.cluster.groups for s in divisors(g.size)})
+    out = []
+    for stage_size in sizes:
+        for tp in divisors(stage_size):
+            if model.kinds["block"].tp_divides(tp):
+                continue
+            if space.tensor_parallel and tp not in space.tensor_parallel:
+                continue
+            if not any(g.gpus_per_node % tp == 0 and g.size >= stage_size for g in cm.cluster.groups):
+                continue
+            dp = stage_size // tp
+            if global_batch % dp:
+                continue
+            per_replica = global_batch // dp
+            mbs = space.micro_batches or tuple(d for d in divisors(per_replica) if d <= MAX_MICRO_BATCH)
+            for mb in mbs:
+                if per_replica % mb == 0:
+                    out.append(Shape(stage_size, tp, dp, mb, per_replica // mb))
+    return out
+
+
+def build_problem(cm: CostModel, shape: Shape, space: SearchSpace) -> Problem | None:
+    """Integer tables for one shape, or None if no group can host a stage of it."""
+    groups = tuple(g for g in cm.cluster.groups if g.gpus_per_node % shape.tp == 0 and g.size >= shape.stage_size)
+    if not groups:
+        return None
+    per_group = tuple(g.size // shape.stage_size for g in groups)
+    slots = min(sum(per_group), cm.model.n_layers)
+    if space.pipeline:
+        slots = min(slots, max(space.pipeline))
+    block = layer_table(cm, "block", shape, groups, space)
+    embed = layer_table(cm, "embed", shape, groups, space)
+    head = layer_table(cm, "head", shape, groups, space)
+    p2p = tuple(tuple(_p2p_us(cm, a, b, shape) for b in groups) for a in groups)
+    capacity = tuple((g.memory_bytes - (RESERVE_CPU_BYTES if g.device == "cpu" else RESERVE_GPU_BYTES)) // MiB
+                     for g in groups)
+    lb = _lower_bound_us(cm, shape, block, embed, head, slots)
+    return Problem(shape=shape, groups=groups, slots=slots, stages_per_group=per_group, n_blocks=cm.model.n_layers,
+                   block=block, embed=embed, head=head, p2p_us=p2p, capacity_mib=capacity, lower_bound_us=lb)
+
+
+def _p2p_us(cm: CostModel, a: NodeGroup, b: NodeGroup, shape: Shape) -> int:
+    msg = shape.micro_batch * cm.seq_len * cm.model.hidden * cm.elem
+    return to_us(2 * cm.collective_s("p2p", msg, 2, cm.pp_link(a, b, shape.stage_size), a.device))
+
+
+def _lower_bound_us(cm: CostModel, shape: Shape, block: LayerTable, embed: LayerTable, head: LayerTable,
+                    slots: int) -> int:
+    """A proven bound for the shape: the least total work W (each layer at its cheapest group and
+    strategy), and (m - 1) * max T + sum T >= W * (m - 1 + pp) / pp >= W * (m - 1 + K) / K."""
+    least = lambda t: min(min(row) for row in t.time_us)  # noqa: E731
+    work = cm.model.n_layers * least(block) + least(embed) + least(head)
+    m = shape.num_micro_batches
+    return int(math.floor(work * (m - 1 + slots) / slots))
+
+
+# ---- the model ----------------------------------------------------------------------------
+class PlanModel:
+    """Variables and one method per constraint family (labels as in the module docstring)."""
+
+    def __init__(self, p: Problem, upper_bound_us: int | None) -> None:
+        self.p = p
+        self.m = cp_model.CpModel()
+        K, G = p.slots, len(p.groups)
+        nb, ne, nh = len(p.block.strategies), len(p.embed.strategies), len(p.head.strategies)
+        m = self.m
+        self.y = [[m.new_bool_var(f"y[{r},{g}]") for g in range(G)] for r in range(K)]  # slot r on group g
+        self.used = [m.new_bool_var(f"used[{r}]") for r in range(K)]
+        self.c = [[[m.new_int_var(0, p.n_blocks, f"c[{r},{g},{k}]") for k in range(nb)] for g in range(G)] for r in range(K)]
+        self.e = [[[m.new_bool_var(f"e[{r},{g},{k}]") for k in range(ne)] for g in range(G)] for r in range(K)]
+        self.h = [[m.new_bool_var(f"h[{g},{k}]") for k in range(nh)] for g in range(G)]
+        self.u = [[m.new_bool_var(f"u[{r},{k}]") for k in range(nb)] for r in range(K)]  # strategy k used in slot r
+        # The longest a stage can take: every layer at its slowest choice, plus a send.
+        most = lambda t: max(max(row) for row in t.time_us)  # noqa: E731
+        horizon = p.n_blocks * most(p.block) + most(p.embed) + most(p.head) + max(max(r) for r in p.p2p_us)
+        self.T = [m.new_int_var(0, horizon, f"T[{r}]") for r in range(K)]
+        self.T_max = m.new_int_var(0, horizon, "T_max")
+        self.E = m.new_int_var(0, horizon, "exposed_dp")
+        self.O = m.new_int_var(0, horizon, "optimizer")
+        self.upper_bound_us = upper_bound_us
+
+    def build(self) -> None:
+        self.add_slot_placement()
+        self.add_group_capacity()
+        self.add_block_cover()
+        self.add_embed_and_head()
+        self.add_stage_time()
+        self.add_memory()
+        self.add_data_parallel_and_optimizer()
+        self.add_objective()
+
+    def _block_sum(self, r: int, table: tuple[tuple[int, ...], ...]) -> cp_model.LinearExpr:
+        p = self.p
+        return sum(table[g][k] * self.c[r][g][k] for g in range(len(p.groups)) for k in range(len(p.block.strategies)))
+
+    def _embed_sum(self, r: int, table: tuple[tuple[int, ...], ...]) -> cp_model.LinearExpr:
+        return sum(table[g][k] * self.e[r][g][k] for g in range(len(self.p.groups)) for k in range(len(self.p.embed.strategies)))
+
+    def _head_sum(self, r: int, table: tuple[tuple[int, ...], ...]) -> cp_model.LinearExpr:
+        if r != 0:
+            return 0
+        return sum(table[g][k] * self.h[g][k] for g in range(len(self.p.groups)) for k in range(len(self.p.head.strategies)))
+
+    # (P) each used slot sits on exactly one group; used slots are a prefix from the end of
+    # the pipeline (r = 0 is the last stage), which also breaks the symmetry of empty slots.
+    def add_slot_placement(self) -> None:
+        for r in range(self.p.slots):
+            self.m.add(sum(self.y[r]) == self.used[r])
+            if r > 0:
+                self.m.add_implication(self.used[r], self.used[r - 1])
+        self.m.add(self.used[0] == 1)
+
+    # (C) a group hosts at most size // S stages.
+    def add_group_capacity(self) -> None:
+        for g, cap in enumerate(self.p.stages_per_group):
+            self.m.add(sum(self.y[r][g] for r in range(self.p.slots)) <= cap)
+
+    # (B) every block is in exactly one stage; counts only on the slot's group; each used stage
+    # holds at least one block; u marks strategies present in a slot.
+    def add_block_cover(self) -> None:
+        p = self.p
+        G, nb = len(p.groups), len(p.block.strategies)
+        self.m.add(sum(self.c[r][g][k] for r in range(p.slots) for g in range(G) for k in range(nb)) == p.n_blocks)
+        for r in range(p.slots):
+            for g in range(G):
+                self.m.add(sum(self.c[r][g]) <= p.n_blocks * self.y[r][g])
+            self.m.add(sum(self.c[r][g][k] for g in range(G) for k in range(nb)) >= self.used[r])
+            for k in range(nb):
+                self.m.add(sum(self.c[r][g][k] for g in range(G)) <= p.n_blocks * self.u[r][k])
+
+    # (E) the embedding sits on the first stage (the highest used slot), the head on the last.
+    def add_embed_and_head(self) -> None:
+        p = self.p
+        G = len(p.groups)
+        for r in range(p.slots):
+            first = self.used[r] - (self.used[r + 1] if r + 1 < p.slots else 0)
+            self.m.add(sum(self.e[r][g][k] for g in range(G) for k in range(len(p.embed.strategies))) == first)
+            for g in range(G):
+                for k in range(len(p.embed.strategies)):
+                    self.m.add_implication(self.e[r][g][k], self.y[r][g])
+        for g in range(G):
+            self.m.add(sum(self.h[g]) == self.y[0][g])
+
+    # (T) stage time: its layers plus the send to the next stage (slot r - 1) and back.
+    def add_stage_time(self) -> None:
+        p = self.p
+        G = len(p.groups)
+        for r in range(p.slots):
+            expr = self._block_sum(r, p.block.time_us) + self._embed_sum(r, p.embed.time_us) + self._head_sum(r, p.head.time_us)
+            if r > 0:
+                expr += self._p2p(r)
+            self.m.add(self.T[r] == expr)
+            self.m.add(self.T_max >= self.T[r])
+
+    def _p2p(self, r: int) -> cp_model.LinearExpr:
+        """Send cost between slot r and slot r - 1, through pair booleans w[g][h] = y[r][g] and y[r-1][h]."""
+        p = self.p
+        G = len(p.groups)
+        terms = []
+        for g in range(G):
+            for h in range(G):
+                w = self.m.new_bool_var(f"w[{r},{g},{h}]")
+                self.m.add_bool_and([self.y[r][g], self.y[r - 1][h]]).only_enforce_if(w)
+                self.m.add_bool_or([self.y[r][g].Not(), self.y[r - 1][h].Not(), w])
+                terms.append(p.p2p_us[g][h] * w)
+        return sum(terms)
+
+    # (M) per device memory: static state + activations x micro-batches in flight + the largest
+    # recompute and ZeRO-3 transients, within the group's capacity (reserve already taken off).
+    def add_memory(self) -> None:
+        p = self.p
+        G, nb = len(p.groups), len(p.block.strategies)
+        m_count = p.shape.num_micro_batches
+        for r in range(p.slots):
+            k_in_flight = min(r + 1, m_count)
+            # The evaluator adds the largest recompute transient and, separately, the largest
+            # gathered ZeRO-3 layer (twice: running + prefetched) of the stage.
+            recompute = self.m.new_int_var(0, 1 << 40, f"recompute_peak[{r}]")
+            gathered = self.m.new_int_var(0, 1 << 40, f"gathered[{r}]")
+            for k in range(nb):
+                rc = max(p.block.recompute_mib[g][k] for g in range(G))
+                ga = max(p.block.gathered_mib[g][k] for g in range(G))
+                if rc:
+                    self.m.add(recompute >= rc * self.u[r][k])
+                if ga:
+                    self.m.add(gathered >= ga * self.u[r][k])
+            for g in range(G):
+                for k in range(len(p.embed.strategies)):
+                    if p.embed.gathered_mib[g][k]:
+                        self.m.add(gathered >= p.embed.gathered_mib[g][k] * self.e[r][g][k])
+                if r == 0:
+                    for k in range(len(p.head.strategies)):
+                        if p.head.gathered_mib[g][k]:
+                            self.m.add(gathered >= p.head.gathered_mib[g][k] * self.h[g][k])
+            transient = recompute + gathered
+            for g in range(G):
+                static = sum(p.block.static_mib[g][k] * self.c[r][g][k] for k in range(nb))
+                acts = sum(p.block.act_mib[g][k] * self.c[r][g][k] for k in range(nb))
+                static += sum(p.embed.static_mib[g][k] * self.e[r][g][k] for k in range(len(p.embed.strategies)))
+                acts += sum(p.embed.act_mib[g][k] * self.e[r][g][k] for k in range(len(p.embed.strategies)))
+                if r == 0:
+                    static += sum(p.head.static_mib[g][k] * self.h[g][k] for k in range(len(p.head.strategies)))
+                    acts += sum(p.head.act_mib[g][k] * self.h[g][k] for k in range(len(p.head.strategies)))
+                self.m.add(static + k_in_flight * acts + transient <= p.capacity_mib[g]).only_enforce_if(self.y[r][g])
+
+    # (D) exposed data-parallel sync (what sticks out of a stage's last backward) and the
+    # optimizer step, each the maximum over stages.
+    def add_data_parallel_and_optimizer(self) -> None:
+        p = self.p
+        for r in range(p.slots):
+            sync = self._block_sum(r, p.block.sync_us) + self._embed_sum(r, p.embed.sync_us) + self._head_sum(r, p.head.sync_us)
+            bwd = self._block_sum(r, p.block.backward_us) + self._embed_sum(r, p.embed.backward_us) + self._head_sum(r, p.head.backward_us)
+            self.m.add(self.E >= sync - bwd)
+            opt = (self._block_sum(r, p.block.optimizer_us) + self._embed_sum(r, p.embed.optimizer_us)
+                   + self._head_sum(r, p.head.optimizer_us))
+            self.m.add(self.O >= opt)
+
+    # (O) the 1F1B step time; bounded by the incumbent so only better plans are searched.
+    def add_objective(self) -> None:
+        m_count = self.p.shape.num_micro_batches
+        self.objective = (m_count - 1) * self.T_max + sum(self.T) + self.E + self.O
+        if self.upper_bound_us is not None:
+            self.m.add(self.objective <= self.upper_bound_us)
+        self.m.add(self.objective >= self.p.lower_bound_us)
+        self.m.minimize(self.objective)
+
+    # ---- hint and read-back -----------------------------------------------------------------
+    def add_hint(self, layout: Layout) -> None:
+        """Feed a plan of this shape (the uniform best) as the solver's starting point."""
+        p = self.p
+        pp = layout.pp
+        if pp > p.slots:
+            return
+        gi = {g.name: i for i, g in enumerate(p.groups)}
+        for r in range(p.slots):
+            s = pp - 1 - r  # forward stage index of slot r
+            self.m.add_hint(self.used[r], s >= 0)
+            for g in range(len(p.groups)):
+                on = s >= 0 and gi.get(layout.stage_groups[s].name) == g
+                self.m.add_hint(self.y[r][g], on)
+                for k, strat in enumerate(p.block.strategies):
+                    n = 0
+                    if on:
+                        n = sum(1 for l in layout.stage_layers[s] if l.name.startswith("layers.") and _same(l, strat))
+                    self.m.add_hint(self.c[r][g][k], n)
+                for k, strat in enumerate(p.embed.strategies):
+                    self.m.add_hint(self.e[r][g][k], on and s == 0 and _same(layout.stage_layers[0][0], strat))
+        for g in range(len(p.groups)):
+            last = layout.stage_layers[-1][-1]
+            for k, strat in enumerate(p.head.strategies):
+                self.m.add_hint(self.h[g][k], gi.get(layout.stage_groups[-1].name) == g and _same(last, strat))
+
+    def read_layout(self, solver: cp_model.CpSolver) -> Layout:
+        p = self.p
+        G = len(p.groups)
+        used = [r for r in range(p.slots) if solver.value(self.used[r])]
+        pp = len(used)
+        stage_groups, stage_layers = [], []
+        next_block = 0
+        for s in range(pp):
+            r = pp - 1 - s
+            g = next(g for g in range(G) if solver.value(self.y[r][g]))
+            layers: list[LayerStrategy] = []
+            if s == 0:
+                k = next(k for g2 in range(G) for k in range(len(p.embed.strategies)) if solver.value(self.e[r][g2][k]))
+                layers.append(dataclasses.replace(p.embed.strategies[k], name="embed"))
+            for k, strat in enumerate(p.block.strategies):
+                for _ in range(solver.value(self.c[r][g][k])):
+                    layers.append(dataclasses.replace(strat, name=f"layers.{next_block}"))
+                    next_block += 1
+            if r == 0:
+                k = next(k for k in range(len(p.head.strategies)) if solver.value(self.h[g][k]))
+                layers.append(dataclasses.replace(p.head.strategies[k], name="head"))
+            stage_groups.append(p.groups[g])
+            stage_layers.append(tuple(layers))
+        sh = p.shape
+        return Layout(stage_groups=tuple(stage_groups), stage_layers=tuple(stage_layers), dp=sh.dp, tp=sh.tp,
+                      micro_batch=sh.micro_batch, num_micro_batches=sh.num_micro_batches)
+
+
+def _same(a: LayerStrategy, b: LayerStrategy) -> bool:
+    return (a.tensor_parallel, a.sequence_parallel, a.zero, a.recompute) == (
+        b.tensor_parallel, b.sequence_parallel, b.zero, b.recompute)
+
+
+# ---- solve ------------------------------------------------------------------------------------
+@dataclass
+class ShapeResult:
+    shape: Shape
+    status: str  # optimal, feasible, infeasible (nothing better than the bound given), unknown, pruned
+    bound_us: int
+    layout: Layout | None = None
+    objective_us: int | None = None
+    wall_s: float = 0.0
+
+
+def solve_shape(p: Problem, *, upper_bound_us: int | None, hint: Layout | None, time_limit_s: float, workers: int,
+                seed: int) -> ShapeResult:
+    """The only place that runs CpSolver."""
+    start = time.perf_counter()
+    pm = PlanModel(p, upper_bound_us)
+    pm.build()
+    if hint is not None:
+        pm.add_hint(hint)
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = max(0.05, time_limit_s)
+    solver.parameters.num_workers = workers
+    solver.parameters.random_seed = seed
+    solver.parameters.log_search_progress = False
+    status = solver.solve(pm.m)
+    wall = time.perf_counter() - start
+    if status == cp_model.MODEL_INVALID:
+        raise RuntimeError(f"CP-SAT model invalid for {p.shape}: {pm.m.validate()}")
+    if status == cp_model.OPTIMAL:
+        return ShapeResult(p.shape, "optimal", int(solver.objective_value), pm.read_layout(solver),
+                           int(solver.objective_value), wall)
+    if status == cp_model.FEASIBLE:
+        return ShapeResult(p.shape, "feasible", int(math.floor(solver.best_objective_bound)), pm.read_layout(solver),
+                           int(solver.objective_value), wall)
+    if status == cp_model.INFEASIBLE:
+        # Nothing in this shape is at or below the upper bound we imposed (or it does not fit).
+        bound = (upper_bound_us + 1) if upper_bound_us is not None else (1 << 62)
+        return ShapeResult(p.shape, "infeasible", bound, wall_s=wall)
+    return ShapeResult(p.shape, "unknown", p.lower_bound_us, wall_s=wall)
+
+
+def memory_infeasible(p: Problem) -> bool:
+    """Quick proof that a shape cannot fit: even the least static memory of every layer,
+    spread over every slot of the largest group, exceeds what those slots hold."""
+    least = lambda t: min(min(row) for row in t.static_mib)  # noqa: E731
+    need = p.n_blocks * least(p.block) + least(p.embed) + least(p.head)
+    room = sum(n * cap for n, cap in zip(p.stages_per_group, p.capacity_mib))
+    return need > room
+
+
+def solve_plan(cm: CostModel, req, uniform: UniformResult) -> Plan:
+    """Search every shape, best bound first; return the best plan (never worse than uniform)."""
+    from partita.search.planner import layout_to_plan
+
+    start = time.perf_counter()
+    deadline = start + req.time_limit_s
+    incumbent_layout = uniform.best
+    incumbent_eval = uniform.best_eval
+    assert incumbent_layout is not None and incumbent_eval is not None  # the caller raised infeasible otherwise
+    incumbent_us = to_us(incumbent_eval.step_time_s)
+    uniform_us = incumbent_us
+    problems = []
+    for shape in shapes(cm, req.global_batch, req.space):
+        p = build_problem(cm, shape, req.space)
+        if p is not None:
+            problems.append(p)
+    problems.sort(key=lambda p: p.lower_bound_us)
+    results: list[ShapeResult] = []
+    timed_out = False
+    for i, p in enumerate(problems):
+        remaining = deadline - time.perf_counter()
+        if p.lower_bound_us >= incumbent_us:
+            results.append(ShapeResult(p.shape, "pruned", p.lower_bound_us))
+            continue
+        if memory_infeasible(p):
+            results.append(ShapeResult(p.shape, "infeasible", 1 << 62))
+            continue
+        if remaining <= 0:
+            timed_out = True
+            results.append(ShapeResult(p.shape, "unknown", p.lower_bound_us))
+            continue
+        hint = incumbent_layout if _shape_of(incumbent_layout) == p.shape else None
+        # Share what is left among the shapes still worth solving, at least 0.2 s each.
+        todo = sum(1 for q in problems[i:] if q.lower_bound_us < incumbent_us)
+        r = solve_shape(p, upper_bound_us=incumbent_us - 1, hint=hint, time_limit_s=max(0.2, remaining / max(todo, 1) * 2),
+                        workers=req.workers, seed=req.seed)
+        results.append(r)
+        log.info("shape %s: %s, bound %d us, %.2f s", p.shape, r.status, r.bound_us, r.wall_s)
+        if r.layout is not None:
+            ev = evaluate_layout(cm, list(zip(r.layout.stage_groups, r.layout.stage_layers)), dp=r.layout.dp,
+                                 tp=r.layout.tp, micro_batch=r.layout.micro_batch,
+                                 num_micro_batches=r.layout.num_micro_batches)
+            if ev.fits and ev.step_time_s < incumbent_eval.step_time_s:
+                incumbent_layout, incumbent_eval = r.layout, ev
+                incumbent_us = min(incumbent_us, r.objective_us or incumbent_us)
+    bound = min([incumbent_us] + [r.bound_us for r in results])
+    objective = to_us(incumbent_eval.step_time_s)
+    exact = all(r.status in ("optimal", "infeasible", "pruned") for r in results) and not timed_out
+    status = "optimal" if exact else "feasible"
+    bound = min(bound, objective)
+    gap = (objective - bound) / objective if objective else 0.0
+    report = SolverReport(method="cpsat", status=status, objective_us=objective, bound_us=bound,
+                          gap=round(max(gap, 0.0), 6), wall_s=round(time.perf_counter() - start + uniform.wall_s, 4),
+                          workers=req.workers, seed=req.seed, ortools_version=ortools.__version__,
+                          uniform_objective_us=uniform_us, candidates=len(problems))
+    return layout_to_plan(cm, incumbent_layout, global_batch=req.global_batch, solver=report)
+
+
+def _shape_of(layout: Layout) -> Shape:
+    return Shape(layout.dp * layout.tp, layout.tp, layout.dp, layout.micro_batch, layout.num_micro_batches)
