@@ -1,0 +1,235 @@
+"""``partita profile``: measure this machine's devices and write a profile.
+
+    partita profile --model tiny-llama --device cpu --micro-batches 1,16 -o prof.yaml
+    partita profile --model llama-3-8b --device cuda --tp 1,2,4,8 --micro-batches 1,2,4,8 -o h200.yaml
+    partita profile --comm-only --device cpu --nproc 4 -o comm.yaml          # spawns 4 gloo ranks
+    torchrun --nnodes 2 --nproc-per-node 8 ... -m partita.cli profile --comm --model M -o p.yaml
+
+``add_profile_arguments`` adds the flags to a parser; ``profile_command`` runs them and returns
+the exit code; bad input raises ``PartitaError`` (one line, exit 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import shlex
+import sys
+import time
+from typing import Sequence
+
+from partita.errors import PartitaError
+from partita.model import ModelSpec, load_model
+from partita.profile import LINK_CLASSES, Profile
+from partita.units import KiB, MiB, GiB, fmt_bytes, fmt_seconds
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TPS = (1, 2, 4, 8)
+DEFAULT_MICRO_BATCHES = (1, 2, 4, 8)
+
+
+def add_profile_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="built-in name (partita models), model YAML, or HF config.json; "
+                                   "needed unless --comm-only")
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if a GPU is visible, else cpu)")
+    p.add_argument("--device-type", default=None,
+                   help="catalog name the costs apply to (default: read from the GPU's name; cpu for the CPU)")
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None,
+                   help="training dtype (default: bf16 on GPUs, fp32 on the CPU)")
+    p.add_argument("--seq-len", type=str, default=None, help="tokens per sequence (default: the model's)")
+    p.add_argument("--micro-batches", default=None, metavar="LIST",
+                   help=f"micro-batch sizes to measure, comma-separated (default {','.join(map(str, DEFAULT_MICRO_BATCHES))})")
+    p.add_argument("--tp", default=None, metavar="LIST",
+                   help="tensor-parallel shard widths, comma-separated (default: those of 1,2,4,8 the model divides)")
+    p.add_argument("--warmup", type=str, default=None, help="untimed iterations per point (default 2)")
+    p.add_argument("--repeats", type=str, default=None, help="timed iterations per point; the median is kept (default 5, CPU 7)")
+    p.add_argument("--threads", type=str, default=None,
+                   help="CPU threads per rank (default 1: a CPU rank shares the machine with its peers)")
+    p.add_argument("--comm", action="store_true", help="also measure collectives (under torchrun, or spawning --nproc ranks)")
+    p.add_argument("--comm-only", action="store_true", help="measure collectives only (no --model needed)")
+    p.add_argument("--nproc", type=str, default=None,
+                   help="local ranks to spawn for --comm without torchrun (default: all GPUs; 4 on the CPU)")
+    p.add_argument("--comm-sizes", default=None, metavar="MIN:MAX",
+                   help="message sizes, e.g. 4KiB:4MiB (default 1KiB:1GiB on GPUs, 4KiB:4MiB on the CPU)")
+    p.add_argument("-o", "--output", default="profile.yaml", help="where to write the profile (default profile.yaml)")
+
+
+def profile_command(args: argparse.Namespace) -> int:
+    import torch
+
+    from partita.profiler import comm as comm_mod
+    from partita.profiler.provenance import catalog_device, provenance, resolve_device
+
+    started = time.perf_counter()
+    device = resolve_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
+    catalog = catalog_device(device, args.device_type)
+    threads = _positive(args.threads, "--threads", default=1) if device.type == "cpu" else None
+    want_layers = not args.comm_only
+    want_comm = args.comm or args.comm_only
+    spec = _model(args) if want_layers else None
+    layer_opts = _layer_options(args, spec, device, dtype) if want_layers else None
+    comm_opts = _comm_options(args, device, catalog) if want_comm else None
+    if threads:
+        torch.set_num_threads(threads)
+
+    samples: list = []
+    if want_comm:
+        if comm_mod.under_launcher():
+            samples = comm_mod.measure_under_launcher(comm_opts)
+            if int(os.environ["RANK"]) != 0:
+                return 0  # rank 0 measures the layers and writes the file
+        else:
+            nproc = _positive(args.nproc, "--nproc",
+                              default=torch.cuda.device_count() if device.type == "cuda" else 4)
+            samples = comm_mod.spawn_and_measure(comm_opts, nproc, threads_per_rank=threads or 1)
+    comm_costs = comm_mod.fit_comm(samples)
+
+    measurements = _measure_layers(spec, layer_opts) if want_layers else []
+    elapsed = time.perf_counter() - started
+
+    profile = Profile(device=catalog, dtype=dtype,
+                      provenance=provenance(device, dtype=dtype, command=_command_line(args), threads=threads),
+                      layers=tuple(m.cost for m in measurements), comm=comm_costs)
+    profile.save(args.output)
+    _report(profile, measurements, samples, elapsed, args.output)
+    return 0
+
+
+# ---- flags -> options -------------------------------------------------------------------
+def _positive(text: str | None, flag: str, *, default: int) -> int:
+    if text is None:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        raise PartitaError(f"{flag}: expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise PartitaError(f"{flag}: expected a positive integer, got {value}")
+    return value
+
+
+def parse_int_list(text: str, flag: str) -> tuple[int, ...]:
+    parts = [t.strip() for t in text.split(",") if t.strip()]
+    if not parts:
+        raise PartitaError(f"{flag}: empty list; give comma-separated positive integers, e.g. 1,2,4")
+    values = tuple(sorted({_positive(t, flag, default=0) for t in parts}))
+    return values
+
+
+def parse_size(text: str, flag: str) -> int:
+    m = re.fullmatch(r"\s*(\d+)\s*(B|KiB|MiB|GiB|K|M|G)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise PartitaError(f"{flag}: cannot read size {text!r}; write e.g. 4KiB, 16MiB, 1GiB")
+    unit = (m.group(2) or "B").lower()[0]
+    return int(m.group(1)) * {"b": 1, "k": KiB, "m": MiB, "g": GiB}[unit]
+
+
+def _model(args: argparse.Namespace) -> ModelSpec:
+    if not args.model:
+        raise PartitaError("--model is required (or give --comm-only to measure collectives alone)")
+    return load_model(args.model)
+
+
+def _layer_options(args: argparse.Namespace, spec: ModelSpec, device, dtype: str):
+    from partita.profiler.layers import LayerOptions
+
+    if args.tp is None:
+        tps = tuple(t for t in DEFAULT_TPS if spec.kinds["block"].tp_divides(t) is None)
+    else:
+        tps = parse_int_list(args.tp, "--tp")
+    cpu = device.type == "cpu"
+    return LayerOptions(
+        device=device, dtype=dtype, seq_len=_positive(args.seq_len, "--seq-len", default=spec.seq_len),
+        micro_batches=parse_int_list(args.micro_batches, "--micro-batches") if args.micro_batches else DEFAULT_MICRO_BATCHES,
+        tps=tps, warmup=_positive(args.warmup, "--warmup", default=2) if args.warmup != "0" else 0,
+        repeats=_positive(args.repeats, "--repeats", default=7 if cpu else 5))
+
+
+def _comm_options(args: argparse.Namespace, device, catalog: str):
+    from partita.devices import get_device
+    from partita.profiler.comm import CommOptions
+
+    cpu = device.type == "cpu"
+    lo, hi = (4 * KiB, 4 * MiB) if cpu else (KiB, GiB)
+    if args.comm_sizes:
+        if ":" not in args.comm_sizes:
+            raise PartitaError(f"--comm-sizes {args.comm_sizes!r}: write MIN:MAX, e.g. 4KiB:4MiB")
+        a, b = args.comm_sizes.split(":", 1)
+        lo, hi = parse_size(a, "--comm-sizes"), parse_size(b, "--comm-sizes")
+        if not (64 <= lo <= hi):
+            raise PartitaError(f"--comm-sizes: need 64 B <= MIN <= MAX, got {lo} and {hi} bytes")
+    link = "loopback" if cpu else get_device(catalog).intra_link
+    assert link in LINK_CLASSES
+    return CommOptions(device="cpu" if cpu else "cuda", intra_link=link, min_bytes=lo, max_bytes=hi)
+
+
+def _command_line(args: argparse.Namespace) -> str:
+    argv = getattr(args, "command_line", None)
+    if argv is None:
+        argv = ["partita", *sys.argv[1:]]
+    return shlex.join(argv)
+
+
+# ---- measuring with a progress bar -----------------------------------------------------------
+def _measure_layers(spec: ModelSpec, opts) -> list:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from partita.profiler.layers import plan_shards, profile_layers
+
+    shards, _ = plan_shards(spec, opts)
+    total = len(shards) * len(opts.micro_batches)
+    console = Console(stderr=True)
+    columns = (TextColumn("[bold]profiling {task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    out = []
+    with Progress(*columns, console=console, transient=True) as progress:
+        task = progress.add_task(spec.name, total=total)
+        describe = lambda what: progress.update(task, description=f"{spec.name}: {what}")  # noqa: E731
+        for m in profile_layers(spec, opts, on_point=describe):
+            out.append(m)
+            progress.advance(task)
+    return out
+
+
+# ---- what the person sees -------------------------------------------------------------------
+def _report(profile: Profile, measurements: list, samples: list, elapsed: float, output: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from partita.profiler.compare import compare
+
+    console = Console()
+    if measurements:
+        table = Table(title=f"{profile.device} ({profile.provenance.device_name}), {profile.dtype}")
+        for col in ("layer", "tp", "micro-batch", "forward", "backward", "recompute", "activations", "params"):
+            table.add_column(col, justify="left" if col == "layer" else "right")
+        for m in measurements:
+            c = m.cost
+            table.add_row(m.role, str(c.tp), str(c.micro_batch), fmt_seconds(c.forward_s), fmt_seconds(c.backward_s),
+                          fmt_seconds(c.recompute_s) + ("*" if m.recompute_fallback else ""),
+                          fmt_bytes(c.activation_bytes), fmt_bytes(c.param_bytes))
+        console.print(table)
+        if any(m.recompute_fallback for m in measurements):
+            console.print("* recompute lost in timing noise; the forward time is used")
+        comparisons = compare(profile.layers, profile.device, profile.dtype)
+        if comparisons:
+            t = Table(title="measured / analytic")
+            for col in ("layer", "tp", "micro-batch", "forward", "backward", "recompute", "activations"):
+                t.add_column(col, justify="left" if col == "layer" else "right")
+            for c in comparisons:
+                t.add_row(c.measured.kind.role, str(c.measured.tp), str(c.measured.micro_batch),
+                          *(f"{c.ratio(f):.2f}" for f in ("forward_s", "backward_s", "recompute_s", "activation_bytes")))
+            console.print(t)
+    if profile.comm:
+        t = Table(title="collectives: time = latency + bus bytes / bandwidth")
+        for col in ("op", "link", "ranks", "latency", "bandwidth"):
+            t.add_column(col, justify="left" if col in ("op", "link") else "right")
+        for c in profile.comm:
+            t.add_row(c.op, c.link, str(c.ranks), fmt_seconds(c.latency_s), f"{c.bandwidth_gbps:.2f} GB/s")
+        console.print(t)
+    console.print(f"wrote {output}: {len(profile.layers)} layer points, {len(profile.comm)} collective fits "
+                  f"({len(samples)} sizes measured); profiling took {elapsed:.1f} s")

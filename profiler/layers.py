@@ -1,0 +1,196 @@
+"""Time and memory of one layer shard: forward, backward, recompute, activations, parameters.
+
+Each distinct layer kind of the model (embed, block, head: however deep the model, three) is
+built once per shard width with the runtime's own constructor
+(``partita.runtime.models.build_layer``: heads, kv heads and ffn, or the vocabulary, divided by
+the TP degree) and measured at every micro-batch. A TP shard is timed alone on one device; its
+collectives are priced apart, from the profile's comm section.
+
+Per (kind, width, micro-batch), after ``warmup`` untimed iterations, ``repeats`` iterations of:
+
+* forward: ``out = layer(x)`` with autograd recording, as in training;
+* backward: ``out.backward(grad)``, gradients of the input and the weights (accumulating into
+  ``.grad``, as under gradient accumulation);
+* recompute: the same backward through ``torch.utils.checkpoint`` (non-reentrant), whose extra
+  cost over the plain backward is the recomputed forward; per iteration the plain backward is
+  subtracted, and the median of the differences kept.
+
+Each reported time is the median over the repeats. Activation memory comes from one more
+forward: autograd's saved tensors, storages de-duplicated and parameters excluded
+(``partita.profiler.memory``); on a GPU the CUDA allocator's growth over that forward (less the
+output, which the next layer keeps; plus the input where it is saved) is reported instead, with
+the saved-tensor count logged beside it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from partita.errors import PartitaError
+from partita.model import ROLES, ModelSpec
+from partita.profile import LayerCost
+from partita.profiler.memory import SavedTensors, param_bytes, tensor_storage_bytes
+from partita.profiler.timing import Clock, median
+
+log = logging.getLogger(__name__)
+
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+BuildLayer = Callable[..., torch.nn.Module]
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerOptions:
+    device: torch.device
+    dtype: str  # bf16, fp16, fp32
+    seq_len: int
+    micro_batches: tuple[int, ...]
+    tps: tuple[int, ...]
+    warmup: int = 2
+    repeats: int = 5
+
+
+@dataclass(frozen=True, kw_only=True)
+class Measurement:
+    """One measured point, with the detail the profile's ``LayerCost`` leaves out."""
+
+    cost: LayerCost
+    role: str
+    saved_bytes: int  # autograd's saved tensors (the CPU number)
+    allocator_bytes: int | None  # CUDA allocator growth (the GPU number), None on CPU
+    recompute_fallback: bool  # True where the recompute difference was lost in noise
+
+
+@dataclass(frozen=True, kw_only=True)
+class Shard:
+    role: str
+    tp: int
+
+
+def plan_shards(spec: ModelSpec, opts: LayerOptions) -> tuple[list[Shard], list[str]]:
+    """The (role, width) pairs to build, and notes on those skipped.
+
+    A width that does not divide the blocks' heads, kv heads or ffn is bad input: no plan
+    could use it. A width that divides the blocks but not the vocabulary (gpt2: 50257) is
+    skipped for embed and head only, with a note: the runtime cannot shard those layers so.
+    """
+    if opts.seq_len > spec.seq_len and spec.family == "gpt2":
+        raise PartitaError(f"model {spec.name!r}: --seq-len {opts.seq_len} is longer than its learned position "
+                           f"table ({spec.seq_len}); use --seq-len {spec.seq_len} or less")
+    for tp in opts.tps:
+        why = spec.kinds["block"].tp_divides(tp)
+        if why:
+            raise PartitaError(f"model {spec.name!r}: --tp {tp} does not divide its blocks: {why}; "
+                               f"use widths that divide heads {spec.heads}, kv_heads {spec.kv_heads} and ffn {spec.ffn}")
+    shards, notes = [], []
+    for role in ROLES:
+        for tp in opts.tps:
+            why = spec.kinds[role].tp_divides(tp)
+            if why:
+                notes.append(f"{role} not measured at tp={tp}: {why}")
+                continue
+            shards.append(Shard(role=role, tp=tp))
+    return shards, notes
+
+
+def profile_layers(spec: ModelSpec, opts: LayerOptions, build_layer: BuildLayer | None = None,
+                   on_point: Callable[[str], None] | None = None) -> Iterator[Measurement]:
+    """Measure every shard at every micro-batch; ``on_point(description)`` before each point."""
+    if build_layer is None:
+        from partita.runtime.models import build_layer
+    shards, notes = plan_shards(spec, opts)
+    for note in notes:
+        log.warning(note)
+    clock = Clock(opts.device)
+    for shard in shards:
+        layer = build_layer(spec, shard.role, tp=shard.tp, device=opts.device, dtype=TORCH_DTYPES[opts.dtype])
+        for mb in sorted(opts.micro_batches):
+            if on_point is not None:
+                on_point(f"{shard.role} tp={shard.tp} micro-batch={mb}")
+            try:
+                yield measure_point(spec, layer, shard, mb, opts, clock)
+            except torch.cuda.OutOfMemoryError:
+                log.warning("%s tp=%d: out of memory at micro-batch %d; larger micro-batches skipped",
+                            shard.role, shard.tp, mb)
+                torch.cuda.empty_cache()
+                break
+        del layer
+        if opts.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def measure_point(spec: ModelSpec, layer: torch.nn.Module, shard: Shard, micro_batch: int, opts: LayerOptions,
+                  clock: Clock) -> Measurement:
+    x = make_input(spec, shard, micro_batch, opts)
+    grad = None
+    forward, backward, recompute = [], [], []
+    for i in range(opts.warmup + opts.repeats):
+        f_s, out = _timed_forward(layer, x, clock)
+        if grad is None:
+            grad = torch.randn_like(out)
+        b_s = clock.time(lambda: out.backward(grad))
+        del out
+        x.grad = None
+        ckpt_out = checkpoint(layer, x, use_reentrant=False)
+        c_s = clock.time(lambda: ckpt_out.backward(grad))
+        del ckpt_out
+        x.grad = None
+        if i >= opts.warmup:
+            forward.append(f_s)
+            backward.append(b_s)
+            recompute.append(c_s - b_s)
+    forward_s, backward_s, recompute_s = median(forward), median(backward), median(recompute)
+    fallback = recompute_s <= 0
+    if fallback:
+        # Noise larger than the recomputed forward (tiny layers on a busy CPU): the recomputed
+        # forward is a forward, so take its measured time.
+        log.info("%s tp=%d mb=%d: recompute lost in noise (%.1f us); using the forward time",
+                 shard.role, shard.tp, micro_batch, recompute_s * 1e6)
+        recompute_s = forward_s
+    saved, allocated = activation_memory(layer, x, clock)
+    cost = LayerCost(kind=spec.kinds[shard.role], tp=shard.tp, micro_batch=micro_batch, seq_len=opts.seq_len,
+                     forward_s=forward_s, backward_s=backward_s, recompute_s=recompute_s,
+                     activation_bytes=allocated if allocated is not None else saved,
+                     param_bytes=param_bytes(layer))
+    return Measurement(cost=cost, role=shard.role, saved_bytes=saved, allocator_bytes=allocated,
+                       recompute_fallback=fallback)
+
+
+def make_input(spec: ModelSpec, shard: Shard, micro_batch: int, opts: LayerOptions) -> torch.Tensor:
+    shape = (micro_batch, opts.seq_len)
+    if shard.role == "embed":
+        # Token ids inside this rank's vocabulary shard (a vocab-parallel embedding masks the rest).
+        return torch.randint(0, spec.vocab // shard.tp, shape, device=opts.device)
+    return torch.randn(*shape, spec.hidden, device=opts.device, dtype=TORCH_DTYPES[opts.dtype], requires_grad=True)
+
+
+def _timed_forward(layer: torch.nn.Module, x: torch.Tensor, clock: Clock) -> tuple[float, torch.Tensor]:
+    box: list[torch.Tensor] = []
+    seconds = clock.time(lambda: box.append(layer(x)))
+    return seconds, box[0]
+
+
+def activation_memory(layer: torch.nn.Module, x: torch.Tensor, clock: Clock) -> tuple[int, int | None]:
+    """(saved-tensor bytes, CUDA allocator bytes or None) kept by one forward for backward."""
+    cuda = clock.cuda
+    clock.sync()
+    before = torch.cuda.memory_allocated(clock.device) if cuda else 0
+    with SavedTensors(exclude=list(layer.parameters())) as saved:
+        out = layer(x)
+    clock.sync()
+    allocated = None
+    if cuda:
+        grown = torch.cuda.memory_allocated(clock.device) - before
+        # The output is the next layer's input (its memory, where saved); the input is ours if saved.
+        out_bytes = 0 if saved.holds(out) else tensor_storage_bytes(out)
+        in_bytes = tensor_storage_bytes(x) if saved.holds(x) else 0
+        allocated = grown - out_bytes + in_bytes
+        if saved.nbytes and abs(allocated - saved.nbytes) > 0.1 * saved.nbytes:
+            log.info("allocator says %d B kept, saved tensors %d B", allocated, saved.nbytes)
+    del out
+    return saved.nbytes, allocated
