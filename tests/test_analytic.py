@@ -1,0 +1,201 @@
+"""The analytic layer profile: activation counts by hand and against autograd, time and parameters."""
+
+from __future__ import annotations
+
+import pytest
+
+from partita.devices import get_device
+from partita.errors import PartitaError
+from partita.model import ModelSpec, load_model
+from partita.profile import Profile
+from partita.search.analytic import activation_bytes, analytic_profile, layer_cost, param_bytes
+
+H100 = get_device("H100")
+TINY_LLAMA = load_model("tiny-llama")  # hidden 64, heads 4, kv_heads 2 (head_dim 16), ffn 128, vocab 256
+TINY_GPT2 = load_model("tiny-gpt2")  # hidden 64, heads 4, ffn 256, vocab 256, 64 positions
+
+
+# ---- activation bytes, by hand ----------------------------------------------------------------
+def test_llama_block_activations_by_hand():
+    # b=2, s=64: t=128 tokens, bf16 (2 bytes), GPU kernels (fused RMSNorm).
+    expected = (
+        128 * 64 * 2 + 128 * 4  # attention norm: input, fp32 rstd
+        + 128 * 64 * 2  # its output, the input wq, wk, wv share
+        + 4 * 64 * 16 * 2  # rotary cos and sin, [1, s, 1, d], for q and for k
+        + 4 * 128 * 4 * 16 * 2  # SDPA: q, k and v (repeated to 4 heads), output
+        + 2 * 4 * 64 * 4  # SDPA: fp32 logsumexp [b, heads, s]
+        + 128 * 64 * 2 + 128 * 4  # ffn norm: input, rstd
+        + 128 * 64 * 2  # its output, the input w1 and w3 share
+        + 4 * 128 * 128 * 2  # w1 out (silu in), silu out, w3 out, product (w2 in)
+    )
+    assert expected == 273408
+    got = activation_bytes(TINY_LLAMA.kinds["block"], tp=1, micro_batch=2, seq_len=64, dtype="bf16")
+    assert got == expected
+    assert layer_cost(TINY_LLAMA.kinds["block"], H100, tp=1, micro_batch=2, seq_len=64,
+                      dtype="bf16").activation_bytes == expected
+
+
+def test_llama_block_activations_with_tp_sequence_parallel_and_recompute():
+    # tp=2: 2 query heads, 1 kv head, ffn 64 per rank; SP shards the norms' inputs over 128/2 tokens.
+    expected = (
+        2 * (64 * 64 * 2 + 64 * 4)  # two norms on 64 of the tokens: input, rstd
+        + 2 * 128 * 64 * 2  # two all-gathered norm outputs, kept whole by the linears
+        + 4 * 64 * 16 * 2  # rotary tables
+        + 4 * 128 * 2 * 16 * 2 + 2 * 2 * 64 * 4  # SDPA on 2 heads: q, k, v, out; logsumexp
+        + 4 * 128 * 64 * 2  # the MLP's four [t, ffn/2] tensors
+    )
+    kind = TINY_LLAMA.kinds["block"]
+    common = dict(tp=2, micro_batch=2, seq_len=64, dtype="bf16")
+    assert activation_bytes(kind, **common, sequence_parallel=True) == expected == 157184
+    # Full recompute keeps the block's input only: [128, 64] bf16, split over 2 ranks with SP.
+    assert activation_bytes(kind, **common, recompute=True) == 128 * 64 * 2
+    assert activation_bytes(kind, **common, recompute=True, sequence_parallel=True) == 128 * 64
+
+
+def test_gpt2_block_embed_and_head_activations_by_hand():
+    block = (
+        64 * 64 * 2 + 2 * 64 * 4  # LayerNorm: input, fp32 mean and rstd (b=1, s=64, bf16)
+        + 64 * 64 * 2  # its output (wq, wk, wv input)
+        + 4 * 64 * 4 * 16 * 2 + 4 * 64 * 4  # SDPA: q, k, v, out; logsumexp
+        + 64 * 64 * 2 + 2 * 64 * 4 + 64 * 64 * 2  # second LayerNorm and its output
+        + 2 * 64 * 256 * 2  # w1 out (gelu in), gelu out (w2 in)
+    )
+    assert activation_bytes(TINY_GPT2.kinds["block"], tp=1, micro_batch=1, seq_len=64, dtype="bf16") == block
+    # Embed: int64 token ids [2, 64] and position ids [64].
+    assert activation_bytes(TINY_GPT2.kinds["embed"], tp=1, micro_batch=2, seq_len=64, dtype="bf16") == 1536
+    # Head, fp32: norm input + mean + rstd, norm output, fp32 log-probs [128, 256], targets, total weight.
+    head = 128 * 64 * 4 + 2 * 128 * 4 + 128 * 64 * 4 + 128 * 256 * 4 + 128 * 8 + 4
+    assert activation_bytes(TINY_GPT2.kinds["head"], tp=1, micro_batch=2, seq_len=64, dtype="fp32") == head
+
+
+def test_cpu_counts_torchs_composite_rms_norm():
+    # On the CPU, rms_norm keeps the fp32 input and the fp32 normalised tensor, not just the input.
+    kind = TINY_LLAMA.kinds["head"]
+    common = dict(tp=1, micro_batch=2, seq_len=64, dtype="fp32")
+    cpu = activation_bytes(kind, **common, on_cpu=True)
+    assert cpu == (2 * 128 * 64 * 4 + 128 * 4) + 128 * 64 * 4 + 128 * 256 * 4 + 128 * 8 + 4 == 230916
+    assert cpu - activation_bytes(kind, **common) == 128 * 64 * 4
+    assert layer_cost(kind, get_device("cpu"), **common).activation_bytes == cpu
+
+
+# ---- activation bytes, against autograd ---------------------------------------------------------
+MHA_LLAMA = ModelSpec(name="mha-llama", family="llama", hidden=96, n_layers=2, heads=6, kv_heads=6, ffn=160,
+                      vocab=128, seq_len=32, qkv_bias=True)
+
+
+@pytest.mark.parametrize("spec", [TINY_LLAMA, TINY_GPT2, MHA_LLAMA], ids=lambda s: s.name)
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_activation_bytes_match_what_autograd_saves_on_cpu(spec, dtype, tp):
+    """Sum the distinct storages autograd saves for one layer of the runtime's model (parameters
+    excluded); the head includes ``cross_entropy(logits.float())`` as the training loop runs it."""
+    torch = pytest.importorskip("torch")
+    models = pytest.importorskip("partita.runtime.models")
+    import torch.nn.functional as F
+
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    batch, seq = 3, 16
+    gen = torch.Generator().manual_seed(0)
+    for role in ("embed", "block", "head"):
+        layer = models.build_layer(spec, role, tp=tp, device="cpu", dtype=torch_dtype)
+        models.init_layer(layer, role, seed=0, n_layers=spec.n_layers)
+        if role == "embed":
+            inputs = torch.randint(0, spec.vocab // tp, (batch, seq), generator=gen)
+        else:
+            inputs = torch.randn(batch, seq, spec.hidden, generator=gen).to(torch_dtype).requires_grad_()
+        targets = torch.randint(0, spec.vocab // tp, (batch * seq,), generator=gen)
+        params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+        saved: dict[int, int] = {}
+
+        def pack(t):
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in params:
+                saved[storage.data_ptr()] = storage.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = layer(inputs)
+            if role == "head":
+                F.cross_entropy(out.float().view(-1, out.shape[-1]), targets)
+        expected = activation_bytes(spec.kinds[role], tp=tp, micro_batch=batch, seq_len=seq, dtype=dtype, on_cpu=True)
+        assert sum(saved.values()) == expected, role
+
+
+# ---- time -----------------------------------------------------------------------------------
+LLAMA_7B = load_model("llama-2-7b")
+
+
+def test_time_and_activations_grow_with_micro_batch():
+    costs = [layer_cost(LLAMA_7B.kinds["block"], H100, tp=1, micro_batch=mb, seq_len=4096, dtype="bf16")
+             for mb in (1, 2, 4)]
+    for small, large in zip(costs, costs[1:]):
+        assert large.forward_s > small.forward_s and large.backward_s > small.backward_s
+        assert large.activation_bytes > small.activation_bytes
+        assert large.param_bytes == small.param_bytes
+
+
+def test_time_grows_with_sequence_length():
+    seqs = [layer_cost(LLAMA_7B.kinds["block"], H100, tp=1, micro_batch=1, seq_len=s, dtype="bf16") for s in
+            (512, 1024, 2048, 4096)]
+    assert all(b.forward_s > a.forward_s for a, b in zip(seqs, seqs[1:]))
+
+
+def test_backward_costs_about_twice_the_forward_and_recompute_repeats_it():
+    cost = layer_cost(LLAMA_7B.kinds["block"], H100, tp=1, micro_batch=2, seq_len=4096, dtype="bf16")
+    assert 1.8 < cost.backward_s / cost.forward_s < 2.5
+    assert cost.recompute_s == cost.forward_s
+
+
+def test_tensor_parallel_roughly_halves_a_large_block():
+    one, two = (layer_cost(LLAMA_7B.kinds["block"], H100, tp=tp, micro_batch=4, seq_len=4096, dtype="bf16")
+                for tp in (1, 2))
+    assert 0.48 < two.forward_s / one.forward_s < 0.6
+    assert 0.48 < two.backward_s / one.backward_s < 0.6
+
+
+def test_block_time_is_close_to_its_flops_at_the_gemm_efficiency():
+    # A big block is mostly products at ~0.76 of peak, with attention and elementwise work on top.
+    kind = LLAMA_7B.kinds["block"]
+    cost = layer_cost(kind, H100, tp=1, micro_batch=4, seq_len=4096, dtype="bf16")
+    model_flops = 3 * kind.forward_flops_per_token(4096) * 4 * 4096
+    mfu = model_flops / (cost.forward_s + cost.backward_s) / 989e12
+    assert 0.45 < mfu < 0.75
+
+
+# ---- parameters -------------------------------------------------------------------------------
+def test_param_bytes_add_up_to_the_model():
+    layers = LLAMA_7B.layer_names()
+    total = sum(param_bytes(LLAMA_7B.kind_of(n), tp=1, dtype="bf16") for n in layers)
+    assert total == 2 * LLAMA_7B.n_params
+    gpt2 = load_model("gpt2")  # ties the head to the embedding: the model counts that matrix once
+    total = sum(param_bytes(gpt2.kind_of(n), tp=1, dtype="fp32") for n in gpt2.layer_names())
+    assert total == 4 * (gpt2.n_params + gpt2.vocab * gpt2.hidden)
+
+
+def test_tensor_parallel_replicates_norms_and_row_biases():
+    llama = LLAMA_7B.kinds["block"]
+    assert 2 * param_bytes(llama, tp=2, dtype="bf16") - param_bytes(llama, tp=1, dtype="bf16") == 2 * (2 * 4096)
+    gpt2 = load_model("gpt2").kinds["block"]  # two LayerNorms (weight, bias) and the wo, w2 biases
+    assert 2 * param_bytes(gpt2, tp=2, dtype="fp32") - param_bytes(gpt2, tp=1, dtype="fp32") == 4 * (4 * 768 + 2 * 768)
+
+
+# ---- the profile and bad input ----------------------------------------------------------------
+def test_analytic_profile_covers_every_splittable_width_and_round_trips(tmp_path):
+    gpt2 = load_model("gpt2")  # vocab 50257 is odd: embed and head only at tp=1
+    profile = analytic_profile(H100, gpt2.kinds.values(), tps=(1, 2), micro_batches=(1, 2), seq_len=1024,
+                               dtype="bf16")
+    assert profile.provenance.source == "analytic" and profile.device == "H100"
+    widths = {(c.kind.role, c.tp) for c in profile.layers}
+    assert widths == {("embed", 1), ("block", 1), ("block", 2), ("head", 1)}
+    assert len(profile.layers) == 8
+    profile.save(tmp_path / "p.yaml")
+    assert Profile.load(tmp_path / "p.yaml") == profile
+
+
+def test_bad_widths_and_lengths_raise_with_the_numbers():
+    with pytest.raises(PartitaError, match="heads 4 is not divisible by tensor-parallel degree 3"):
+        layer_cost(TINY_LLAMA.kinds["block"], H100, tp=3, micro_batch=1, seq_len=64, dtype="bf16")
+    with pytest.raises(PartitaError, match="128 exceeds the model's 64 learned positions"):
+        layer_cost(TINY_GPT2.kinds["embed"], H100, tp=1, micro_batch=1, seq_len=128, dtype="bf16")
+    with pytest.raises(PartitaError, match="positive"):
+        activation_bytes(TINY_GPT2.kinds["block"], tp=1, micro_batch=0, seq_len=64, dtype="bf16")
