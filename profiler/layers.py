@@ -8,8 +8,10 @@ collectives are priced apart, from the profile's comm section.
 
 Per (kind, width, micro-batch), after ``warmup`` untimed iterations, ``repeats`` iterations of:
 
-* forward: ``out = layer(x)`` with autograd recording, as in training;
-* backward: ``out.backward(grad)``, gradients of the input and the weights (accumulating into
+* forward: ``out = layer(x)`` with autograd recording, as in training; for the head, the loss
+  too (``cross_entropy(logits.float(), targets)`` over this rank's vocabulary shard), which the
+  planner counts with the head;
+* backward: ``out.backward(grad)`` (the loss's backward for the head), gradients of the input and the weights (accumulating into
   ``.grad``, as under gradient accumulation);
 * recompute: the same backward through ``torch.utils.checkpoint`` (non-reentrant), whose extra
   cost over the plain backward is the recomputed forward; per iteration the plain backward is
@@ -30,6 +32,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
+import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from partita.errors import PartitaError
@@ -127,16 +130,19 @@ def profile_layers(spec: ModelSpec, opts: LayerOptions, build_layer: BuildLayer 
 def measure_point(spec: ModelSpec, layer: torch.nn.Module, shard: Shard, micro_batch: int, opts: LayerOptions,
                   clock: Clock) -> Measurement:
     x = make_input(spec, shard, micro_batch, opts)
+    target = torch.randint(0, spec.vocab // shard.tp, x.shape[:2], device=opts.device) if shard.role == "head" else None
     grad = None
     forward, backward, recompute = [], [], []
     for i in range(opts.warmup + opts.repeats):
-        f_s, out = _timed_forward(layer, x, clock)
-        if grad is None:
+        box: list[torch.Tensor] = []
+        f_s = clock.time(lambda: box.append(_forward(layer, x, target)))
+        out = box.pop()
+        if grad is None and out.dim():
             grad = torch.randn_like(out)
         b_s = clock.time(lambda: out.backward(grad))
         del out
         x.grad = None
-        ckpt_out = checkpoint(layer, x, use_reentrant=False)
+        ckpt_out = _forward(layer, x, target, checkpointed=True)
         c_s = clock.time(lambda: ckpt_out.backward(grad))
         del ckpt_out
         x.grad = None
@@ -152,13 +158,22 @@ def measure_point(spec: ModelSpec, layer: torch.nn.Module, shard: Shard, micro_b
         log.info("%s tp=%d mb=%d: recompute lost in noise (%.1f us); using the forward time",
                  shard.role, shard.tp, micro_batch, recompute_s * 1e6)
         recompute_s = forward_s
-    saved, allocated = activation_memory(layer, x, clock)
+    saved, allocated = activation_memory(layer, x, target, clock)
     cost = LayerCost(kind=spec.kinds[shard.role], tp=shard.tp, micro_batch=micro_batch, seq_len=opts.seq_len,
                      forward_s=forward_s, backward_s=backward_s, recompute_s=recompute_s,
                      activation_bytes=allocated if allocated is not None else saved,
                      param_bytes=param_bytes(layer))
     return Measurement(cost=cost, role=shard.role, saved_bytes=saved, allocator_bytes=allocated,
                        recompute_fallback=fallback)
+
+
+def _forward(layer: torch.nn.Module, x: torch.Tensor, target: torch.Tensor | None, *,
+             checkpointed: bool = False) -> torch.Tensor:
+    """The layer's training forward; for the head, through the loss (fp32, as the runtime)."""
+    out = checkpoint(layer, x, use_reentrant=False) if checkpointed else layer(x)
+    if target is not None:
+        out = F.cross_entropy(out.float().flatten(0, 1), target.flatten())
+    return out
 
 
 def make_input(spec: ModelSpec, shard: Shard, micro_batch: int, opts: LayerOptions) -> torch.Tensor:
@@ -169,19 +184,14 @@ def make_input(spec: ModelSpec, shard: Shard, micro_batch: int, opts: LayerOptio
     return torch.randn(*shape, spec.hidden, device=opts.device, dtype=TORCH_DTYPES[opts.dtype], requires_grad=True)
 
 
-def _timed_forward(layer: torch.nn.Module, x: torch.Tensor, clock: Clock) -> tuple[float, torch.Tensor]:
-    box: list[torch.Tensor] = []
-    seconds = clock.time(lambda: box.append(layer(x)))
-    return seconds, box[0]
-
-
-def activation_memory(layer: torch.nn.Module, x: torch.Tensor, clock: Clock) -> tuple[int, int | None]:
+def activation_memory(layer: torch.nn.Module, x: torch.Tensor, target: torch.Tensor | None,
+                      clock: Clock) -> tuple[int, int | None]:
     """(saved-tensor bytes, CUDA allocator bytes or None) kept by one forward for backward."""
     cuda = clock.cuda
     clock.sync()
     before = torch.cuda.memory_allocated(clock.device) if cuda else 0
     with SavedTensors(exclude=list(layer.parameters())) as saved:
-        out = layer(x)
+        out = _forward(layer, x, target)
     clock.sync()
     allocated = None
     if cuda:
