@@ -57,11 +57,11 @@ class Shard:
 
     @classmethod
     def of(cls, kind: LayerKind, *, tp: int, micro_batch: int, seq_len: int, dtype: str) -> "Shard":
+        if micro_batch < 1 or seq_len < 1 or tp < 1:
+            raise PartitaError(f"micro_batch, seq_len and tp must be positive, got {micro_batch}, {seq_len}, {tp}")
         why = kind.tp_divides(tp)
         if why:
             raise PartitaError(f"{kind.role} layer cannot be split {tp} ways: {why}")
-        if micro_batch < 1 or seq_len < 1 or tp < 1:
-            raise PartitaError(f"micro_batch, seq_len and tp must be positive, got {micro_batch}, {seq_len}, {tp}")
         if kind.learned_positions and seq_len > kind.learned_positions:
             raise PartitaError(f"sequence length {seq_len} exceeds the model's {kind.learned_positions} learned "
                                f"positions; train with seq_len <= {kind.learned_positions}")
@@ -140,7 +140,7 @@ def backward_only_kernels(kind: LayerKind, sh: Shard) -> list[tuple[str, float]]
 
 
 # ---- time -----------------------------------------------------------------------------------
-def forward_s(kind: LayerKind, dev: DeviceType, sh: Shard, dtype: str) -> float:
+def forward_time_s(kind: LayerKind, dev: DeviceType, sh: Shard, dtype: str) -> float:
     total = sum(matmul_time_s(dev, m, n, k, dtype) for _, m, n, k in forward_matmuls(kind, sh))
     total += sum(memory_time_s(dev, nbytes) for _, nbytes in forward_elementwise(kind, sh))
     if kind.role == "block":
@@ -148,7 +148,7 @@ def forward_s(kind: LayerKind, dev: DeviceType, sh: Shard, dtype: str) -> float:
     return total
 
 
-def backward_s(kind: LayerKind, dev: DeviceType, sh: Shard, dtype: str) -> float:
+def backward_time_s(kind: LayerKind, dev: DeviceType, sh: Shard, dtype: str) -> float:
     # dX[m,k] = dY[m,n] @ W^T[n,k] and dW[k,n] = X^T[k,m] @ dY[m,n].
     total = sum(matmul_time_s(dev, m, k, n, dtype) + matmul_time_s(dev, k, n, m, dtype)
                 for _, m, n, k in forward_matmuls(kind, sh))
@@ -270,9 +270,9 @@ def layer_cost(kind: LayerKind, dev: DeviceType, *, tp: int, micro_batch: int, s
     micro-batch, without tensor-parallel communication. ``activation_bytes`` is the plain
     variant (no sequence parallelism, no recomputation); see ``activation_bytes`` for the others."""
     sh = Shard.of(kind, tp=tp, micro_batch=micro_batch, seq_len=seq_len, dtype=dtype)
-    fwd = forward_s(kind, dev, sh, dtype)
+    fwd = forward_time_s(kind, dev, sh, dtype)
     return LayerCost(kind=kind, tp=tp, micro_batch=micro_batch, seq_len=seq_len, forward_s=fwd,
-                     backward_s=backward_s(kind, dev, sh, dtype), recompute_s=fwd,
+                     backward_s=backward_time_s(kind, dev, sh, dtype), recompute_s=fwd,
                      activation_bytes=activation_bytes(kind, tp=tp, micro_batch=micro_batch, seq_len=seq_len,
                                                        dtype=dtype, on_cpu=dev.is_cpu),
                      param_bytes=param_bytes(kind, tp=tp, dtype=dtype))

@@ -56,7 +56,10 @@ class KernelCurve:
     floor_s: float  # the least time an isolated kernel takes (host dispatch + launch)
     efficiency: float  # fraction of peak FLOP/s the math runs at once the device is busy
     memory_weight: float  # multiples of bytes/bandwidth that add to the math time
-    sharpness: float  # exponent of the soft maximum of floor and device time (inf: plain max)
+    # Exponent of the blend of floor and device time. Above 1 a soft maximum (large: a plain
+    # max); below 1 the floor keeps costing a little beyond the sum, i.e. efficiency approaches
+    # its limit slowly with size, which is what the attention forward shows.
+    sharpness: float
 
     def time_s(self, flops: ArrayLike, nbytes: ArrayLike, peak_flops: float, bandwidth: float) -> ArrayLike:
         device_s = np.asarray(flops, dtype=float) / (peak_flops * self.efficiency) \

@@ -199,3 +199,5 @@ def test_bad_widths_and_lengths_raise_with_the_numbers():
         layer_cost(TINY_GPT2.kinds["embed"], H100, tp=1, micro_batch=1, seq_len=128, dtype="bf16")
     with pytest.raises(PartitaError, match="positive"):
         activation_bytes(TINY_GPT2.kinds["block"], tp=1, micro_batch=0, seq_len=64, dtype="bf16")
+    with pytest.raises(PartitaError, match="positive"):
+        layer_cost(TINY_GPT2.kinds["block"], H100, tp=0, micro_batch=1, seq_len=64, dtype="bf16")
