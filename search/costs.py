@@ -287,7 +287,8 @@ class CostModel:
         optimizer = params * o_b if z < 1 else params * o_b // shard
         local_params = params if z < 1 else params // shard
         kind: LayerKind = self.model.kinds[role]
-        kw = dict(tp=tp, micro_batch=micro_batch, seq_len=self.seq_len, dtype=self.dtype, sequence_parallel=sp)
+        kw = dict(tp=tp, micro_batch=micro_batch, seq_len=self.seq_len, dtype=self.dtype, sequence_parallel=sp,
+                  on_cpu=get_device(device).is_cpu)
         full = activation_bytes(kind, recompute=False, **kw)
         kept = activation_bytes(kind, recompute=True, **kw) if recompute else full
         c = self.compute(role, device, tp, micro_batch)

@@ -128,10 +128,30 @@ def layer_table(cm: CostModel, role: str, shape: Shape, groups: Sequence[NodeGro
             cols["gath"].append(to_mib(2 * m.gathered))
         for k in rows:
             rows[k].append(cols[k])
-    tup = lambda k: tuple(tuple(r) for r in rows[k])  # noqa: E731
+    keep = undominated([[rows[k][g][j] for k in ("time", "opt", "static", "act", "rc", "gath") for g in range(len(groups))]
+                        + [rows["sync"][g][j] - rows["bwd"][g][j] for g in range(len(groups))]
+                        for j in range(len(strategies))])
+    strategies = [strategies[j] for j in keep]
+    tup = lambda k: tuple(tuple(r[j] for j in keep) for r in rows[k])  # noqa: E731
     return LayerTable(strategies=tuple(strategies), time_us=tup("time"), backward_us=tup("bwd"), sync_us=tup("sync"),
                       optimizer_us=tup("opt"), static_mib=tup("static"), act_mib=tup("act"),
                       recompute_mib=tup("rc"), gathered_mib=tup("gath"))
+
+
+def undominated(vectors: list[list[int]]) -> list[int]:
+    """Indices of the choices no other choice beats or ties on every cost (time, exposed sync,
+    optimizer, each memory term, on every group). Dropping the others cannot make the optimum
+    worse, and shrinks the model; of exact ties the first is kept."""
+    keep = []
+    for j, v in enumerate(vectors):
+        dominated = False
+        for i, w in enumerate(vectors):
+            if i != j and all(a <= b for a, b in zip(w, v)) and (w != v or i < j):
+                dominated = True
+                break
+        if not dominated:
+            keep.append(j)
+    return keep
 
 
 def cm_device(group: NodeGroup):
@@ -510,7 +530,8 @@ def solve_plan(cm: CostModel, req, uniform: UniformResult) -> Plan:
         hint = incumbent_layout if _shape_of(incumbent_layout) == p.shape else None
         # Share what is left among the shapes still worth solving, at least 0.2 s each.
         todo = sum(1 for q in problems[i:] if q.lower_bound_us < incumbent_us)
-        r = solve_shape(p, upper_bound_us=incumbent_us - 1, hint=hint, time_limit_s=max(0.2, remaining / max(todo, 1) * 2),
+        r = solve_shape(p, upper_bound_us=incumbent_us - 1, hint=hint,
+                        time_limit_s=min(remaining, max(0.2, remaining / max(todo, 1) * 2)),
                         workers=req.workers, seed=req.seed)
         results.append(r)
         log.info("shape %s: %s, bound %d us, %.2f s", p.shape, r.status, r.bound_us, r.wall_s)

@@ -1,0 +1,96 @@
+"""The cost model against hand computation."""
+
+import pytest
+
+from partita.cluster import parse_short
+from partita.model import load_model
+from partita.plan import LayerStrategy
+from partita.search.costs import CostModel, Link, pipeline_time_s, ring_bus_bytes
+from partita.search.evaluate import evaluate_layout
+from partita.units import GB
+
+
+def test_7b_weights_and_adam_state_bytes():
+    model = load_model("llama-2-7b")
+    cm = CostModel(model, parse_short("8xH100"), seq_len=4096)
+    n = {"embed": 0, "block": 0, "head": 0}
+    total = {"weights": 0, "gradients": 0, "optimizer": 0}
+    for name in model.layer_names():
+        role = model.role_of(name)
+        mem = cm.layer_memory(role, "H100", LayerStrategy(name=name), dp=1, micro_batch=1)
+        total["weights"] += mem.weights
+        total["gradients"] += mem.gradients
+        total["optimizer"] += mem.optimizer
+        n[role] += 1
+    params = model.n_params  # 6.738e9: llama-2-7b is untied, so every layer's parameters count
+    assert abs(params - 6.738e9) / 6.738e9 < 1e-3
+    # bf16 weights (2 B) + bf16 gradients (2 B) + fp32 master, Adam m and v (12 B) = 16 B/param.
+    assert total["weights"] == 2 * params
+    assert total["gradients"] == 2 * params
+    assert total["optimizer"] == 12 * params
+    assert abs(sum(total.values()) - 107.8e9) < 0.1e9
+
+
+def test_zero_levels_shard_what_they_should():
+    model = load_model("llama-2-7b")
+    cm = CostModel(model, parse_short("8xH100"), seq_len=4096)
+    p = model.kinds["block"].params
+    mem = {z: cm.layer_memory("block", "H100", LayerStrategy(name="layers.0", zero=z), dp=8, micro_batch=1)
+           for z in range(4)}
+    assert (mem[0].weights, mem[0].gradients, mem[0].optimizer) == (2 * p, 2 * p, 12 * p)
+    assert (mem[1].weights, mem[1].gradients, mem[1].optimizer) == (2 * p, 2 * p, 12 * p // 8)
+    assert (mem[2].weights, mem[2].gradients, mem[2].optimizer) == (2 * p, 2 * p // 8, 12 * p // 8)
+    assert (mem[3].weights, mem[3].gradients, mem[3].optimizer) == (2 * p // 8, 2 * p // 8, 12 * p // 8)
+    assert mem[3].gathered == 2 * p
+
+
+def test_one_f_one_b_on_four_stages():
+    # 4 stages of 10, 12, 11, 9 ms and 8 micro-batches: (8 - 1) * 12 + (10 + 12 + 11 + 9) = 126 ms.
+    assert pipeline_time_s([0.010, 0.012, 0.011, 0.009], 8) == pytest.approx(0.126)
+    # one micro-batch: the stages run one after another
+    assert pipeline_time_s([0.010, 0.012, 0.011, 0.009], 1) == pytest.approx(0.042)
+
+
+def test_ring_all_reduce_time():
+    cm = CostModel(load_model("llama-2-7b"), parse_short("8xH100"), seq_len=4096)
+    link = Link("nvlink", 450.0, 5e-6)
+    nbytes = 1 << 30
+    # 8 ranks: each sends 2 * 7/8 of the buffer, in 2 * 7 latency-bound steps.
+    expected = 14 * 5e-6 + 2 * 7 / 8 * nbytes / (450 * GB)
+    assert cm.collective_s("all_reduce", nbytes, 8, link) == pytest.approx(expected)
+    assert ring_bus_bytes("all_gather", nbytes, 4) == pytest.approx(0.75 * nbytes)
+    assert cm.collective_s("all_reduce", nbytes, 1, link) == 0.0
+
+
+def test_links_follow_where_ranks_sit():
+    cluster = parse_short("2x8xH100")
+    cm = CostModel(load_model("llama-2-7b"), cluster, seq_len=4096)
+    g = cluster.groups[0]
+    assert cm.tp_link(g, 8).kind == "nvlink"
+    assert cm.dp_link(g, 2, 8).kind == "network"  # 16 ranks span two nodes
+    mixed = parse_short("8xH100+8xA100-80GB")
+    cm2 = CostModel(load_model("llama-2-7b"), mixed, seq_len=4096)
+    link = cm2.pp_link(mixed.groups[0], mixed.groups[1], 8)
+    assert link.kind == "network" and link.gbps == min(g.network_gbps for g in mixed.groups)
+
+
+def test_recompute_trades_time_for_memory_and_in_flight_scales_activations():
+    model = load_model("llama-2-7b")
+    cluster = parse_short("8xH100")
+    cm = CostModel(model, cluster, seq_len=4096)
+    g = cluster.groups[0]
+    plain = LayerStrategy(name="layers.0", tensor_parallel=8)
+    rc = LayerStrategy(name="layers.0", tensor_parallel=8, recompute=True)
+    assert cm.layer_time("block", g, rc, dp=1, micro_batch=1).total_s > cm.layer_time("block", g, plain, dp=1, micro_batch=1).total_s
+    m_plain = cm.layer_memory("block", "H100", plain, dp=1, micro_batch=1)
+    m_rc = cm.layer_memory("block", "H100", rc, dp=1, micro_batch=1)
+    assert m_rc.activations < m_plain.activations
+    # two stages, 4 micro-batches: stage 0 holds 2 in flight, stage 1 holds 1
+    names = model.layer_names()
+    half = len(names) // 2
+    stages = [(g, [LayerStrategy(name=n) for n in names[:half]]), (g, [LayerStrategy(name=n) for n in names[half:]])]
+    ev = evaluate_layout(cm, stages, dp=1, tp=1, micro_batch=1, num_micro_batches=4)
+    per_mb = [sum(cm.layer_memory(model.role_of(l.name), "H100", l, dp=1, micro_batch=1).activations for l in ls)
+              for _, ls in stages]
+    assert ev.stages[0].activations == 2 * per_mb[0]
+    assert ev.stages[1].activations == 1 * per_mb[1]

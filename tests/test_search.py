@@ -1,0 +1,207 @@
+"""The uniform grid and the CP-SAT search: against a brute-force oracle, the evaluator and each other."""
+
+import itertools
+from collections import Counter
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from partita.cluster import ClusterSpec, make_group, parse_short
+from partita.devices import get_device
+from partita.errors import InfeasibleError, PartitaError
+from partita.model import ModelSpec, load_model
+from partita.search import cpsat
+from partita.search.costs import CostModel, choice_of
+from partita.search.evaluate import evaluate_counts, evaluate_plan
+from partita.search.planner import PlanRequest, make_plan
+from partita.search.uniform import SearchSpace, uniform_search
+from partita.units import GiB, to_us
+from partita.validate import validate_plan
+
+SMALL = ModelSpec(name="small", family="llama", hidden=1024, n_layers=2, heads=8, kv_heads=4, ffn=4096, vocab=1024,
+                  seq_len=512, default_global_batch=4)
+SPACE = SearchSpace(zero_levels=(0, 3), sequence_parallel=(False,))
+
+
+def two_type_cluster(mem_a_gib: float, mem_b_gib: float, n_a: int = 2, n_b: int = 2) -> ClusterSpec:
+    return ClusterSpec(name="test", groups=(
+        make_group(name="h100", device=get_device("H100"), nodes=1, gpus_per_node=n_a, memory_bytes=int(mem_a_gib * GiB)),
+        make_group(name="a100", device=get_device("A100-80GB"), nodes=1, gpus_per_node=n_b, memory_bytes=int(mem_b_gib * GiB))))
+
+
+def brute_force_best(cm: CostModel, global_batch: int, space: SearchSpace) -> float | None:
+    """The fastest plan that fits, by enumerating every shape, pipeline degree, stage
+    placement, block split and multiset of per-block choices (blocks are identical)."""
+    best = None
+    for shape in cpsat.shapes(cm, global_batch, space):
+        groups = [g for g in cm.cluster.groups if g.gpus_per_node % shape.tp == 0 and g.size >= shape.stage_size]
+        if not groups:
+            continue
+        cap = {g.name: g.size // shape.stage_size for g in groups}
+        choices = {r: [choice_of(cm.model, s.__class__(**{**s.to_dict(), "name": {"block": "layers.0"}.get(r, r)}))
+                       for s in cpsat.strategies_for(cm, r, shape, space)] for r in ("embed", "block", "head")}
+        n = cm.model.n_layers
+        for pp in range(1, min(n, sum(cap.values())) + 1):
+            for seq in itertools.product(groups, repeat=pp):
+                if any(Counter(g.name for g in seq)[k] > v for k, v in cap.items()):
+                    continue
+                for split in _compositions(n, pp):
+                    per_stage = [list(itertools.combinations_with_replacement(choices["block"], k)) for k in split]
+                    for blocks in itertools.product(*per_stage):
+                        for e in choices["embed"]:
+                            for h in choices["head"]:
+                                stages = []
+                                for i, (g, bl) in enumerate(zip(seq, blocks)):
+                                    c = Counter(bl)
+                                    if i == 0:
+                                        c[e] += 1
+                                    if i == pp - 1:
+                                        c[h] += 1
+                                    stages.append((g, c))
+                                ev = evaluate_counts(cm, stages, dp=shape.dp, tp=shape.tp, micro_batch=shape.micro_batch,
+                                                     num_micro_batches=shape.num_micro_batches)
+                                if ev.fits and (best is None or ev.step_time_s < best):
+                                    best = ev.step_time_s
+    return best
+
+
+def _compositions(n: int, k: int):
+    """Ways to split n blocks into k stages of at least one block each."""
+    for cuts in itertools.combinations(range(1, n), k - 1):
+        bounds = (0,) + cuts + (n,)
+        yield [bounds[i + 1] - bounds[i] for i in range(k)]
+
+
+def _plan(cm_model, cluster, space=SPACE, global_batch=4, search="cpsat"):
+    req = PlanRequest(model=cm_model, cluster=cluster, seq_len=cm_model.seq_len, global_batch=global_batch,
+                      search=search, time_limit_s=20, space=space)
+    return make_plan(req)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
+@given(mem_a=st.sampled_from([3.15, 3.3, 3.6, 8.0]), mem_b=st.sampled_from([3.2, 3.4, 8.0]),
+       global_batch=st.sampled_from([2, 4]))
+def test_cpsat_matches_brute_force_oracle(mem_a, mem_b, global_batch):
+    cluster = two_type_cluster(mem_a, mem_b)
+    cm = CostModel(SMALL, cluster, seq_len=SMALL.seq_len)
+    best = brute_force_best(cm, global_batch, SPACE)
+    try:
+        plan, uni = _plan(SMALL, cluster, global_batch=global_batch)
+    except InfeasibleError:
+        assert best is None
+        return
+    assert best is not None
+    got = evaluate_plan(plan, CostModel(SMALL, cluster, seq_len=SMALL.seq_len)).step_time_s
+    # The solver optimises integer microseconds: per-layer rounding, at most
+    # (m - 1 + pp) * (layers per stage + 1) / 2 us in all.
+    tol = (plan.num_micro_batches - 1 + plan.pp) * (SMALL.n_layers + 3) * 0.5e-6
+    assert best - 1e-12 <= got <= best + tol
+    assert plan.solver.status == "optimal"
+
+
+def test_solver_objective_equals_evaluator_prediction():
+    model = load_model("llama-2-7b")
+    cluster = parse_short("2x8xH100")
+    req = PlanRequest(model=model, cluster=cluster, seq_len=4096, global_batch=64, time_limit_s=30)
+    plan, _ = make_plan(req)
+    cm = CostModel(model, cluster, seq_len=4096)
+    ev = evaluate_plan(plan, cm)
+    assert plan.solver.objective_us == to_us(ev.step_time_s)
+    assert plan.prediction.step_time_s == pytest.approx(ev.step_time_s)
+    # and the solver's own integer objective for that shape agrees within the rounding bound
+    shape = cpsat.Shape(plan.dp * plan.tp, plan.tp, plan.dp, plan.micro_batch, plan.num_micro_batches)
+    p = cpsat.build_problem(cm, shape, req.space)
+    r = cpsat.solve_shape(p, upper_bound_us=None, hint=None, time_limit_s=30, workers=1, seed=0)
+    layers_per_stage = max(len(s.layers) for s in plan.stages)
+    tol_us = (plan.num_micro_batches - 1 + plan.pp) * (layers_per_stage + 1) / 2
+    assert abs(r.objective_us - plan.solver.objective_us) <= tol_us
+
+
+@settings(max_examples=5, deadline=None, suppress_health_check=list(HealthCheck))
+@given(name=st.sampled_from(["tiny-llama", "gpt2", "llama-2-7b"]),
+       cluster=st.sampled_from(["4xcpu", "8xH100", "8xH100+8xA100-40GB", "2x4xL4+4xA10G"]),
+       global_batch=st.sampled_from([8, 16, 32]))
+def test_plan_validates_and_is_never_worse_than_uniform(name, cluster, global_batch):
+    model = load_model(name)
+    c = parse_short(cluster)
+    if model.name == "tiny-llama" and not c.is_cpu or model.name != "tiny-llama" and c.is_cpu:
+        return
+    req = PlanRequest(model=model, cluster=c, seq_len=min(model.seq_len, 1024), global_batch=global_batch,
+                      time_limit_s=5)
+    try:
+        plan, uni = make_plan(req)
+    except InfeasibleError:
+        return
+    validate_plan(plan, model, c)
+    assert plan.solver.objective_us <= to_us(uni.best_eval.step_time_s)
+    assert plan.solver.bound_us <= plan.solver.objective_us
+
+
+def test_uniform_plan_for_cpu_cluster_validates():
+    model = load_model("tiny-llama")
+    cluster = parse_short("4xcpu")
+    plan, uni = _plan(model, cluster, space=SearchSpace(), global_batch=8, search="uniform")
+    validate_plan(plan, model, cluster)
+    assert plan.dtype == "fp32" and plan.world_size <= 4 and uni.evaluated > 10
+
+
+def test_infeasible_model_says_why():
+    with pytest.raises(InfeasibleError, match="least memory per device"):
+        make_plan(PlanRequest(model=load_model("gpt3-175b"), cluster=parse_short("8xL4"), seq_len=2048,
+                              global_batch=1536))
+
+
+# ---- one feasible and one infeasible case per constraint family ----------------------------
+def _problem(mem_gib=8.0):
+    cluster = two_type_cluster(mem_gib, mem_gib)
+    cm = CostModel(SMALL, cluster, seq_len=SMALL.seq_len)
+    return cpsat.build_problem(cm, cpsat.Shape(1, 1, 1, 1, 4), SPACE)
+
+
+def _solve(pm):
+    from ortools.sat.python import cp_model
+
+    s = cp_model.CpSolver()
+    s.parameters.num_workers = 1
+    s.parameters.max_time_in_seconds = 10
+    return s.solve(pm.m) in (cp_model.OPTIMAL, cp_model.FEASIBLE)
+
+
+def _force(family, ok):
+    p = _problem()
+    pm = cpsat.PlanModel(p, None)
+    pm.build()
+    m = pm.m
+    if family == "placement":  # a used slot sits on one group; two is infeasible
+        m.add(pm.y[0][0] == 1)
+        m.add(pm.y[0][1] == (0 if ok else 1))
+    elif family == "group_capacity":  # group 0 hosts 2 stages of 1 rank; 3 is too many
+        m.add(sum(pm.y[r][0] for r in range(p.slots)) == (2 if ok else 3))
+    elif family == "block_cover":  # 2 blocks: all in slot 0 is fine, 3 counted is not
+        m.add(sum(pm.c[0][g][k] for g in range(2) for k in range(len(p.block.strategies))) == (2 if ok else 3))
+    elif family == "embed_head":  # the embedding goes to the first stage only
+        m.add(pm.used[1] == 1)
+        m.add(sum(pm.e[0][g][k] for g in range(2) for k in range(len(p.embed.strategies))) == (0 if ok else 1))
+    elif family == "stage_time":  # the max stage time bounds every stage
+        m.add(pm.T_max <= (10**9 if ok else 0))
+    elif family == "data_parallel":  # exposure and optimizer step are non-negative maxima
+        m.add(pm.O <= (10**9 if ok else 0))
+    elif family == "objective":
+        m.add(pm.objective <= (10**12 if ok else p.lower_bound_us - 1))
+    return _solve(pm)
+
+
+@pytest.mark.parametrize("family", ["placement", "group_capacity", "block_cover", "embed_head", "stage_time",
+                                    "data_parallel", "objective"])
+def test_constraint_family_feasible_and_infeasible(family):
+    assert _force(family, ok=True)
+    assert not _force(family, ok=False)
+
+
+def test_memory_constraint_feasible_and_infeasible():
+    roomy = cpsat.PlanModel(_problem(8.0), None)
+    roomy.build()
+    assert _solve(roomy)
+    tight = cpsat.PlanModel(_problem(3.01), None)  # 3 GiB reserve leaves ~10 MiB: nothing fits
+    tight.build()
+    assert not _solve(tight)
