@@ -73,9 +73,23 @@ def profile_command(args: argparse.Namespace) -> int:
     spec = _model(args) if want_layers else None
     layer_opts = _layer_options(args, spec, device, dtype) if want_layers else None
     comm_opts = _comm_options(args, device, catalog) if want_comm else None
+    threads_before = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
+    try:
+        return _run(args, spec, device, dtype, catalog, threads, layer_opts, comm_opts, started)
+    finally:
+        torch.set_num_threads(threads_before)
 
+
+def _run(args: argparse.Namespace, spec: ModelSpec | None, device, dtype: str, catalog: str, threads: int | None,
+         layer_opts, comm_opts, started: float) -> int:
+    import torch
+
+    from partita.profiler import comm as comm_mod
+    from partita.profiler.provenance import provenance
+
+    want_layers, want_comm = layer_opts is not None, comm_opts is not None
     samples: list = []
     if want_comm:
         if comm_mod.under_launcher():
@@ -167,10 +181,25 @@ def _comm_options(args: argparse.Namespace, device, catalog: str):
     return CommOptions(device="cpu" if cpu else "cuda", intra_link=link, min_bytes=lo, max_bytes=hi)
 
 
+# Flags in the order ``_command_line`` writes them back: (flag, attribute, takes a value).
+_FLAGS = (("--model", "model", True), ("--device", "device", True), ("--device-type", "device_type", True),
+          ("--dtype", "dtype", True), ("--seq-len", "seq_len", True), ("--micro-batches", "micro_batches", True),
+          ("--tp", "tp", True), ("--warmup", "warmup", True), ("--repeats", "repeats", True),
+          ("--threads", "threads", True), ("--comm", "comm", False), ("--comm-only", "comm_only", False),
+          ("--nproc", "nproc", True), ("--comm-sizes", "comm_sizes", True), ("-o", "output", True))
+
+
 def _command_line(args: argparse.Namespace) -> str:
+    """The command that made the profile, as typed (``args.command_line``) or rebuilt from the flags."""
     argv = getattr(args, "command_line", None)
     if argv is None:
-        argv = ["partita", *sys.argv[1:]]
+        argv = ["partita", "profile"]
+        for flag, attr, takes_value in _FLAGS:
+            value = getattr(args, attr, None)
+            if takes_value and value is not None:
+                argv += [flag, str(value)]
+            elif not takes_value and value:
+                argv.append(flag)
     return shlex.join(argv)
 
 
