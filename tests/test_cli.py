@@ -1,0 +1,75 @@
+"""The command line as a user runs it: exit codes, one-line errors, files written."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from partita.cli import main
+
+
+def run(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "partita.cli", *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=300)
+
+
+def test_plan_tiny_on_cpu_writes_a_valid_plan(tmp_path):
+    out = tmp_path / "plan.yaml"
+    assert main(["plan", "--model", "tiny-llama", "--cluster", "4xcpu", "-o", str(out)]) == 0
+    data = yaml.safe_load(out.read_text())
+    assert data["schema_version"] == 1 and data["dtype"] == "fp32"
+    assert main(["check", str(out), "--cluster", "4xcpu"]) == 0
+    assert main(["show", str(out)]) == 0
+    # a different cluster is refused
+    assert main(["check", str(out), "--cluster", "8xcpu"]) == 2
+
+
+def test_bad_input_is_one_line_and_exit_2():
+    for args, needle in [
+        (["plan", "--model", "llama-2-7c", "--cluster", "8xH100"], "did you mean"),
+        (["plan", "--model", "llama-2-7b", "--cluster", "8xH1000"], "unknown device"),
+        (["plan", "--model", "llama-2-7b", "--cluster", "0x8xH100"], ">= 1"),
+        (["plan", "--model", "llama-2-7b", "--cluster", "8xH100", "--global-batch", "-4"], "must be >= 1"),
+        (["show", "/nonexistent/plan.yaml"], "no such file"),
+    ]:
+        r = run(*args)
+        assert r.returncode == 2, (args, r.stderr)
+        assert needle in r.stderr, (args, r.stderr)
+        assert "Traceback" not in r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_malformed_yaml_names_file_and_line(tmp_path):
+    bad = tmp_path / "m.yaml"
+    bad.write_text("name: x\nfamily: llama\nhidden: [1, 2\n")
+    r = run("plan", "--model", str(bad), "--cluster", "8xH100")
+    assert r.returncode == 2 and f"{bad}:" in r.stderr and "malformed YAML" in r.stderr
+
+
+def test_model_that_cannot_fit_exits_3():
+    r = run("plan", "--model", "gpt3-175b", "--cluster", "1x8xL4")
+    assert r.returncode == 3
+    assert "least memory per device" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_models_and_devices_list():
+    r = run("models")
+    assert r.returncode == 0 and "llama-3-405b" in r.stdout
+    r = run("devices")
+    assert r.returncode == 0 and "MI300X" in r.stdout
+
+
+def test_search_imports_without_torch(tmp_path):
+    code = ("import sys\n"
+            "class Block:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name == 'torch' or name.startswith('torch.'):\n"
+            "            raise ImportError('torch blocked')\n"
+            "sys.meta_path.insert(0, Block())\n"
+            "import partita, partita.cli, partita.commands, partita.validate\n"
+            "import partita.search.costs, partita.search.cpsat, partita.search.uniform, partita.search.planner\n"
+            "from partita.cli import main\n"
+            "sys.exit(main(['plan', '--model', 'gpt2', '--cluster', '8xA100-80GB', '-o', sys.argv[1]]))\n")
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "p.yaml")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
