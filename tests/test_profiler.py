@@ -168,3 +168,17 @@ def test_width_that_misses_only_the_vocabulary_skips_embed_and_head():
                                                    micro_batches=(1,), tps=(1, 2)))
     assert {(s.role, s.tp) for s in shards} == {("embed", 1), ("block", 1), ("head", 1), ("block", 2)}
     assert len(notes) == 2 and all("vocab 50257" in n for n in notes)
+
+
+def test_a_plan_from_the_measured_profile_validates(tiny_llama_profile, tmp_path, capsys):
+    from partita.plan import Plan
+
+    prof, path = tiny_llama_profile
+    plan_path = tmp_path / "plan.yaml"
+    rc = partita_main(["plan", "--model", "tiny-llama", "--cluster", "4xcpu", "--profile", path,
+                       "--time-limit", "5", "-o", str(plan_path)])
+    assert rc == 0, capsys.readouterr().err
+    plan = Plan.load(plan_path)
+    assert plan.cost_sources == {"cpu": "measured"}
+    assert plan.profile_fingerprint == prof.fingerprint
+    assert partita_main(["check", str(plan_path), "--cluster", "4xcpu", "--profile", path]) == 0
