@@ -111,8 +111,8 @@ def measure_collectives(opts: CommOptions, *, rank: int, world: int, local_world
             if op == "p2p" and len(ranks) != 2:
                 continue
             for size in opts.sizes():
-                run = _make_op(op, size, ranks, rank, group, device)
-                seconds = _time_slowest_rank(run, opts, group, device)
+                run, messages = _make_op(op, size, ranks, rank, group, device)
+                seconds = _time_slowest_rank(run, opts, group, device) / messages
                 if rank == 0:
                     samples.append(CommSample(op=op, link=link, ranks=len(ranks), message_bytes=size, seconds=seconds))
                     log.debug("%s %s x%d %d B: %.1f us", op, link, len(ranks), size, seconds * 1e6)
@@ -120,21 +120,23 @@ def measure_collectives(opts: CommOptions, *, rank: int, world: int, local_world
     return samples
 
 
-def _make_op(op: str, size: int, ranks: list[int], rank: int, group, device: torch.device) -> Callable[[], None]:
+def _make_op(op: str, size: int, ranks: list[int], rank: int, group,
+             device: torch.device) -> tuple[Callable[[], None], int]:
+    """One run of ``op`` on a ``size``-byte buffer, and how many messages one run is."""
     g = len(ranks)
     numel = max(g, size // 4 // g * g)  # float32 elements, divisible by the group size
     full = torch.ones(numel, dtype=torch.float32, device=device)
     shard = torch.ones(numel // g, dtype=torch.float32, device=device)
     if op == "all_reduce":
-        return lambda: dist.all_reduce(full, group=group)
+        return (lambda: dist.all_reduce(full, group=group)), 1
     if op == "all_gather":
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        return lambda: gather(full, shard, group=group)
+        return (lambda: gather(full, shard, group=group)), 1
     if op == "reduce_scatter":
         scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        return lambda: scatter(shard, full, group=group)
+        return (lambda: scatter(shard, full, group=group)), 1
     if op == "p2p":
-        me, peer = rank, ranks[1] if rank == ranks[0] else ranks[0]
+        peer = ranks[1] if rank == ranks[0] else ranks[0]
         first = rank == ranks[0]
 
         def ping_pong() -> None:
@@ -145,7 +147,7 @@ def _make_op(op: str, size: int, ranks: list[int], rank: int, group, device: tor
                 dist.recv(full, peer, group=group)
                 dist.send(full, peer, group=group)
 
-        return ping_pong
+        return ping_pong, 2  # a round trip: two one-way messages
     raise PartitaError(f"unknown collective {op!r}; valid: {', '.join(OPS)}")
 
 
@@ -165,8 +167,7 @@ def _time_slowest_rank(run: Callable[[], None], opts: CommOptions, group, device
         times.append((time.perf_counter() - start) / opts.iters)
     slowest = torch.tensor(times, dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
-    median = statistics.median(slowest.tolist())
-    return median / 2 if run.__name__ == "ping_pong" else median
+    return statistics.median(slowest.tolist())
 
 
 # ---- fitting -------------------------------------------------------------------------------
