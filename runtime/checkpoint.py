@@ -1,0 +1,49 @@
+"""Checkpoints with ``torch.distributed.checkpoint``: every rank writes its shards of the model
+and optimizer state (FSDP2 and tensor-parallel DTensors included; pipeline stages write
+disjoint module names) into ``DIR/step-000012/``. ``.metadata`` is written last, so a
+directory without it is an interrupted save and is skipped on resume.
+
+The learning rate is a function of the step and batches are a function of (seed, step), so
+the step number is the only training state besides the tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+log = logging.getLogger(__name__)
+PREFIX = "step-"
+
+
+def step_dir(root: str | Path, step: int) -> Path:
+    return Path(root) / f"{PREFIX}{step:06d}"
+
+
+def latest_step(root: str | Path) -> int | None:
+    """The last completed checkpoint's step (the number of steps it holds), or None."""
+    steps = [int(p.name[len(PREFIX):]) for p in Path(root).glob(f"{PREFIX}*")
+             if p.name[len(PREFIX):].isdigit() and (p / ".metadata").is_file()]
+    return max(steps) if steps else None
+
+
+def save(root: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state, "train": {"step": torch.tensor(step)}}
+    dcp.save(state, checkpoint_id=str(step_dir(root, step)))
+    log.info("saved checkpoint %s", step_dir(root, step))
+
+
+def load(root: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Load the checkpoint of ``step`` in place; returns the step to continue from."""
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state, "train": {"step": torch.tensor(0)}}
+    dcp.load(state, checkpoint_id=str(step_dir(root, step)))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    log.info("resumed from %s", step_dir(root, step))
+    return int(state["train"]["step"])

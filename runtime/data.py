@@ -1,0 +1,55 @@
+"""Training data: synthetic tokens or a local text file through a byte-level tokenizer.
+
+Batches are a pure function of (seed, step): every rank draws the same global batch and keeps
+its data-parallel slice, and a resumed run sees exactly the batches the first run would have.
+Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from partita.errors import PartitaError
+
+BYTE_VOCAB = 256
+
+
+class TokenSource:
+    """``batch(step)`` -> (inputs, targets), each [global_batch, seq_len] int64 on the CPU."""
+
+    def __init__(self, kind: str, *, vocab: int, seq_len: int, global_batch: int, seed: int) -> None:
+        self.vocab, self.seq_len, self.global_batch, self.seed = vocab, seq_len, global_batch, seed
+        self.text: torch.Tensor | None = None
+        if kind != "synthetic":
+            self.text = _read_bytes(Path(kind), vocab=vocab, seq_len=seq_len)
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        n, s = self.global_batch, self.seq_len
+        if self.text is None:
+            rows = torch.randint(0, self.vocab, (n, s + 1), generator=gen)
+        else:
+            starts = torch.randint(0, len(self.text) - s - 1 + 1, (n,), generator=gen)
+            rows = torch.stack([self.text[i:i + s + 1] for i in starts.tolist()])
+        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+
+
+def _read_bytes(path: Path, *, vocab: int, seq_len: int) -> torch.Tensor:
+    if not path.is_file():
+        raise PartitaError(f"--data: {path} is not a file; give 'synthetic' or a local text file")
+    if vocab < BYTE_VOCAB:
+        raise PartitaError(f"--data {path}: the byte-level tokenizer needs a vocabulary of at least {BYTE_VOCAB} "
+                           f"tokens, the model has {vocab}; use --data synthetic")
+    data = np.frombuffer(path.read_bytes(), dtype=np.uint8)
+    if len(data) < seq_len + 1:
+        raise PartitaError(f"--data {path}: {len(data)} bytes is shorter than one sequence of {seq_len + 1} tokens")
+    return torch.from_numpy(data.astype(np.int64))
+
+
+def local_slice(inputs: torch.Tensor, dp: int, dp_index: int) -> torch.Tensor:
+    """Rows of the global batch that data-parallel replica ``dp_index`` trains on."""
+    per_replica = inputs.shape[0] // dp
+    return inputs[dp_index * per_replica:(dp_index + 1) * per_replica]

@@ -1,0 +1,201 @@
+"""``partita launch plan.yaml``: check the plan against the world it is given, then run it
+under ``torchrun``.
+
+    partita launch plan.yaml --steps 20                      # one node: starts the ranks itself
+    partita launch plan.yaml --steps 20 --data input.txt --checkpoint-dir ckpt --checkpoint-every 5
+    partita launch plan.yaml --steps 20 --checkpoint-dir ckpt --resume
+
+On one node the ranks are started here (``torchrun --standalone``) and the table of measured
+against predicted step time and memory is printed at the end. A plan for several nodes is not
+started: the exact ``torchrun`` command for every node is printed instead (static rendezvous,
+so node ranks, hence global ranks, are the plan's), each running the same entry point,
+``python -m partita.runtime.worker``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from partita.cluster import ClusterSpec, load_cluster
+from partita.errors import PartitaError
+from partita.model import ModelSpec, load_model
+from partita.plan import Plan
+
+log = logging.getLogger(__name__)
+WORKER = "partita.runtime.worker"
+
+
+def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("plan", help="plan.yaml written by `partita plan` (or by hand)")
+    parser.add_argument("--steps", type=int, default=20, help="optimizer steps to train in all (default 20)")
+    parser.add_argument("--data", default="synthetic", help="'synthetic' tokens or a local text file (bytes as tokens)")
+    parser.add_argument("--checkpoint-dir", default=None, help="directory for torch.distributed.checkpoint saves")
+    parser.add_argument("--checkpoint-every", type=int, default=0, help="save every K steps (0: at the end only)")
+    parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --checkpoint-dir")
+    parser.add_argument("--metrics", default=None, help="metrics.jsonl path, written by all ranks "
+                                                        "(default runs/<plan name>/metrics.jsonl)")
+    parser.add_argument("--nproc", type=int, default=None, help="ranks to start on this node (default: the plan's world size)")
+    parser.add_argument("--model", default=None, help="the model you mean to train; refused if the plan was made for another")
+    parser.add_argument("--cluster", default=None, help="the cluster you run on; refused if the plan was made for another")
+    parser.add_argument("--seed", type=int, default=0, help="model init and data seed")
+    parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW, warm-up + cosine)")
+    parser.add_argument("--warmup-steps", type=int, default=None, help="default: a tenth of --steps")
+    parser.add_argument("--master-addr", default="$MASTER_ADDR", help="rendezvous host for multi-node commands")
+    parser.add_argument("--master-port", type=int, default=29500, help="rendezvous port for multi-node commands")
+
+
+def launch_command(args: argparse.Namespace) -> int:
+    plan = Plan.load(args.plan)
+    cluster = check_launch(plan, args)
+    metrics = args.metrics or str(Path("runs") / Path(args.plan).stem / "metrics.jsonl")
+    if _nodes(plan, cluster) > 1:
+        for line in torchrun_commands(plan, cluster, args, metrics):
+            print(line)
+        return 0
+    with tempfile.TemporaryDirectory(prefix="partita-") as tmp:
+        summary_path = Path(tmp) / "summary.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
+               f"--nproc-per-node={plan.world_size}", "-m", WORKER,
+               *worker_arguments(args, metrics), "--summary", str(summary_path)]
+        log.info("running %s", shlex.join(cmd))
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", "1")
+        rc = subprocess.run(cmd, env=env).returncode
+        if rc != 0:
+            log.error("training exited with status %d", rc)
+            return 1
+        if summary_path.is_file():
+            from partita.runtime.metrics import RunSummary
+
+            summary = RunSummary.from_dict(json.loads(summary_path.read_text()))
+            print(f"{summary.steps} steps, final loss {summary.losses[-1]:.4f}" if summary.losses else "no steps run")
+            print(summary.table())
+    return 0
+
+
+def check_launch(plan: Plan, args: argparse.Namespace) -> ClusterSpec:
+    """Everything that can be refused before a rank starts; each refusal is one PartitaError line."""
+    model = ModelSpec.from_dict(plan.model, where=f"{args.plan}: model")
+    cluster = ClusterSpec.from_dict(plan.cluster, where=f"{args.plan}: cluster")
+    if args.model is not None:
+        model = load_model(args.model)
+    if args.cluster is not None:
+        cluster = load_cluster(args.cluster)
+    _validate(plan, model, cluster)
+    from partita.runtime.parallelize import check_stage_supported
+
+    check_stage_supported(plan, model.tie_embeddings)
+    if args.steps < 1:
+        raise PartitaError(f"--steps must be at least 1, got {args.steps}")
+    if args.checkpoint_every < 0:
+        raise PartitaError(f"--checkpoint-every must be >= 0, got {args.checkpoint_every}")
+    if args.resume and not args.checkpoint_dir:
+        raise PartitaError("--resume needs --checkpoint-dir")
+    if args.data != "synthetic" and not Path(args.data).is_file():
+        raise PartitaError(f"--data {args.data}: no such file; give 'synthetic' or a local text file")
+    if sorted(plan.ranks) != list(range(plan.world_size)):
+        raise PartitaError(f"plan uses ranks {_span(plan.ranks)}; the runtime starts ranks 0..{plan.world_size - 1} "
+                           f"and needs a plan that uses exactly those")
+    if _nodes(plan, cluster) == 1:
+        _check_local_world(plan, cluster, args.nproc)
+    return cluster
+
+
+def _validate(plan: Plan, model: ModelSpec, cluster: ClusterSpec) -> None:
+    try:
+        from partita.validate import validate_plan
+    except ImportError:  # the validator is optional during development; fingerprints still matter
+        if plan.model_fingerprint != model.fingerprint or plan.cluster_fingerprint != cluster.fingerprint:
+            raise PartitaError("plan fingerprints do not match its model and cluster; re-plan") from None
+        return
+    validate_plan(plan, model, cluster)
+
+
+def _check_local_world(plan: Plan, cluster: ClusterSpec, nproc: int | None) -> None:
+    if nproc is not None and nproc != plan.world_size:
+        raise PartitaError(f"plan needs world size {plan.world_size} (dp {plan.dp} x tp {plan.tp} x pp {plan.pp}) "
+                           f"but --nproc is {nproc}")
+    devices = {cluster.group(s.group).device for s in plan.stages}
+    if devices == {"cpu"}:
+        return
+    if "cpu" in devices:
+        raise PartitaError(f"plan mixes CPU and GPU stages ({', '.join(sorted(devices))}); the runtime needs one backend")
+    import torch
+
+    if not torch.cuda.is_available():
+        raise PartitaError(f"plan runs on {', '.join(sorted(devices))} but this machine has no CUDA device")
+    if torch.cuda.device_count() < plan.world_size:
+        raise PartitaError(f"plan needs {plan.world_size} GPUs on this node, it has {torch.cuda.device_count()}")
+    for s in plan.stages:
+        want = cluster.group(s.group).device
+        for rank in s.ranks:
+            have = torch.cuda.get_device_name(rank)
+            if not _same_device(want, have):
+                raise PartitaError(f"stage {s.index} expects {want} but rank {rank} is a {have!r}; "
+                                   f"plan for this cluster with `partita plan --cluster ...`")
+
+
+def _same_device(catalog_name: str, torch_name: str) -> bool:
+    """'H100' ~ 'NVIDIA H100 80GB HBM3'; 'A100-80GB' ~ 'NVIDIA A100-SXM4-80GB'."""
+    have = torch_name.upper().replace(" ", "-")
+    return all(part in have for part in catalog_name.upper().split("-"))
+
+
+def _span(ranks) -> str:
+    ranks = sorted(ranks)
+    return f"{ranks[0]}..{ranks[-1]} ({len(ranks)} ranks)" if ranks else "none"
+
+
+def _used_nodes(plan: Plan, cluster: ClusterSpec) -> list[tuple[str, str, int, int]]:
+    """(group, device, node index in group, ranks used on it) for every node the plan uses."""
+    used = set(plan.ranks)
+    nodes: dict[tuple[str, int], int] = {}
+    devices = {}
+    start = 0
+    for g in cluster.groups:
+        devices[g.name] = g.device
+        for r in range(start, start + g.size):
+            if r in used:
+                key = (g.name, (r - start) // g.gpus_per_node)
+                nodes[key] = nodes.get(key, 0) + 1
+        start += g.size
+    return [(name, devices[name], i, n) for (name, i), n in nodes.items()]
+
+
+def _nodes(plan: Plan, cluster: ClusterSpec) -> int:
+    return len(_used_nodes(plan, cluster))
+
+
+def worker_arguments(args: argparse.Namespace, metrics: str) -> list[str]:
+    out = [args.plan, "--steps", str(args.steps), "--data", args.data, "--metrics", metrics,
+           "--seed", str(args.seed), "--lr", repr(args.lr), "--checkpoint-every", str(args.checkpoint_every)]
+    if args.checkpoint_dir:
+        out += ["--checkpoint-dir", args.checkpoint_dir]
+    if args.resume:
+        out.append("--resume")
+    if args.warmup_steps is not None:
+        out += ["--warmup-steps", str(args.warmup_steps)]
+    return out
+
+
+def torchrun_commands(plan: Plan, cluster: ClusterSpec, args: argparse.Namespace, metrics: str) -> list[str]:
+    """One command per node the plan uses, in rank order. Static rendezvous keeps node ranks,
+    hence the plan's global ranks (node by node, GPU by GPU), fixed."""
+    nodes = _used_nodes(plan, cluster)
+    worker = shlex.join(worker_arguments(args, metrics))
+    lines = [f"# {plan.world_size} ranks on {len(nodes)} nodes; run each command on its node "
+             f"(MASTER_ADDR: the host of node-rank 0)"]
+    for node_rank, (group, device, index, nproc) in enumerate(nodes):
+        lines.append(f"# node-rank {node_rank}: group {group} ({device}) node {index}")
+        lines.append(f"torchrun --nnodes={len(nodes)} --node-rank={node_rank} --nproc-per-node={nproc} "
+                     f"--rdzv-backend=static --master-addr={args.master_addr} --master-port={args.master_port} "
+                     f"-m {WORKER} {worker}")
+    return lines

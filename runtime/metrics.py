@@ -1,0 +1,119 @@
+"""Per-step metrics (``metrics.jsonl``, one JSON object a line, every rank) and the end-of-run
+comparison of measured against predicted step time and per-stage peak memory.
+
+Peak memory is ``torch.cuda.max_memory_allocated`` on GPUs; on CPUs it is the process's peak
+resident set size, which includes the Python and torch runtime and so reads far above any
+prediction of tensor memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from partita.cluster import ClusterSpec
+from partita.devices import get_device
+from partita.plan import Plan
+from partita.units import fmt_bytes
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
+def peak_flops(plan: Plan) -> float:
+    """Summed dense peak FLOP/s of every rank the plan uses, in the plan's dtype."""
+    cluster = ClusterSpec.from_dict(plan.cluster)
+    return sum(len(s.ranks) * get_device(cluster.group(s.group).device).peak_tflops(plan.dtype) * 1e12
+               for s in plan.stages)
+
+
+class MetricsWriter:
+    """Appends one line per step; each line is a single ``write`` on an O_APPEND descriptor, so
+    ranks sharing one file do not interleave within a line."""
+
+    def __init__(self, path: str | Path | None) -> None:
+        self.fd = None
+        if path is not None:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.fd is not None:
+            os.write(self.fd, (json.dumps(record, sort_keys=True) + "\n").encode())
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """What rank 0 gathers at the end: measured against the plan's prediction."""
+
+    steps: int
+    measured_step_time_s: float  # median over the steps after the first (warm-up) one
+    predicted_step_time_s: float | None
+    measured_stage_peak_bytes: list[int]  # max over the stage's ranks
+    predicted_stage_peak_bytes: list[int | None] | None
+    memory_kind: str  # "allocated" (GPU) or "peak RSS" (CPU)
+    losses: list[float]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "RunSummary":
+        return cls(**data)
+
+    def table(self) -> str:
+        """Measured against predicted, with the error in percent (positive: slower/larger)."""
+        rows = [("step time", _seconds(self.measured_step_time_s),
+                 _seconds(self.predicted_step_time_s), _error(self.measured_step_time_s, self.predicted_step_time_s))]
+        for s, measured in enumerate(self.measured_stage_peak_bytes):
+            predicted = self.predicted_stage_peak_bytes[s] if self.predicted_stage_peak_bytes else None
+            rows.append((f"stage {s} peak memory ({self.memory_kind})", fmt_bytes(measured),
+                         fmt_bytes(predicted) if predicted is not None else "-", _error(measured, predicted)))
+        header = ("", "measured", "predicted", "error")
+        widths = [max(len(r[i]) for r in rows + [header]) for i in range(4)]
+        lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+                 for r in [header] + rows]
+        return "\n".join(lines)
+
+
+def summarize(step_times: list[float], stage_peaks: list[int], memory_kind: str, losses: list[float],
+              plan: Plan) -> RunSummary:
+    timed = step_times[1:] or step_times
+    prediction = plan.prediction
+    return RunSummary(
+        steps=len(step_times),
+        measured_step_time_s=statistics.median(timed) if timed else float("nan"),
+        predicted_step_time_s=prediction.step_time_s if prediction else None,
+        measured_stage_peak_bytes=stage_peaks,
+        predicted_stage_peak_bytes=_predicted_peaks(prediction, len(stage_peaks)) if prediction else None,
+        memory_kind=memory_kind, losses=losses)
+
+
+def _predicted_peaks(prediction, n_stages: int) -> list[int | None]:
+    by_stage = {m.stage: m.peak_bytes for m in prediction.memory}
+    return [by_stage.get(s) for s in range(n_stages)]
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1e3:.1f} ms"
+
+
+def _error(measured: float, predicted: float | None) -> str:
+    if not predicted:
+        return "-"
+    return f"{(measured - predicted) / predicted * 100:+.1f}%"

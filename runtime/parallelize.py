@@ -1,0 +1,234 @@
+"""Applying one stage of a plan to the model, with upstream parts only.
+
+``parallelize_stage`` runs the steps in a fixed order (torchtitan's):
+
+  1. keep the stage's layers, materialise them and initialise each from the seed;
+  2. tensor / sequence parallelism per layer (``parallelize_module``, a dict of styles);
+  3. activation checkpointing per layer (``torch.distributed._composable.checkpoint``,
+     which keeps module names, so checkpoints and the plan speak the same names);
+  4. FSDP2 per layer at the layer's ZeRO level (``fully_shard``), then the stage root.
+
+Layouts between layers. Inside a tensor-parallel stage the hidden states between two layers
+are either replicated over the tensor group ("full") or split along the sequence ("seq", when
+the layer uses sequence parallelism). Each layer converts what its predecessor produced into
+what it takes (an all-gather, or a free local slice), and the last layer of a stage hands on
+full hidden states, so pipeline stages exchange plain tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed._composable import checkpoint as checkpoint_activations
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
+                                               RowwiseParallel, SequenceParallel, parallelize_module)
+
+from partita.errors import PartitaError
+from partita.plan import LayerStrategy, Plan, Stage
+from partita.runtime.mesh import Meshes
+from partita.runtime.models import Transformer, materialize
+
+FULL, SEQ = "full", "seq"
+_LAYOUT = {FULL: Replicate(), SEQ: Shard(1)}
+
+
+@dataclass
+class ShardedLayer:
+    """One FSDP2 unit and its ZeRO level, for the per-micro-batch gradient policy."""
+
+    name: str
+    module: FSDPModule
+    zero: int
+
+
+# ---- 1. keep the stage's layers -------------------------------------------------------------
+
+
+def keep_stage_layers(model: Transformer, stage: Stage) -> Transformer:
+    """Delete every layer the stage does not own (the model is still on the meta device)."""
+    owned = set(stage.layer_names)
+    if "embed" not in owned:
+        model.embed = None
+    if "head" not in owned:
+        model.head = None
+    for key in list(model.layers):
+        if f"layers.{key}" not in owned:
+            del model.layers[key]
+    return model
+
+
+# ---- 2. tensor and sequence parallelism -----------------------------------------------------
+
+
+def _layout(strategy: LayerStrategy) -> str:
+    return SEQ if strategy.tensor_parallel > 1 and strategy.sequence_parallel else FULL
+
+
+def _block_styles(family: str, seq: bool) -> dict[str, object]:
+    """Megatron's split of a block: q/k/v and the MLP's first matrices by columns, the output
+    projections by rows; with sequence parallelism the norms run on sequence shards."""
+    out = Shard(1) if seq else Replicate()
+    styles: dict[str, object] = {
+        "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=out),
+        "feed_forward.w1": ColwiseParallel(), "feed_forward.w2": RowwiseParallel(output_layouts=out),
+    }
+    if family == "llama":
+        styles["feed_forward.w3"] = ColwiseParallel()
+    if seq:
+        gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                    use_local_output=True)
+        styles.update({"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel(),
+                       "attention": gather, "feed_forward": gather})
+    return styles
+
+
+def _embed_styles(family: str, seq: bool) -> dict[str, object]:
+    # Vocabulary split by rows; llama under sequence parallelism reduce-scatters straight to
+    # sequence shards. gpt2 adds replicated learned positions first, then slices.
+    direct = seq and family == "llama"
+    return {"tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1) if direct else Replicate())}
+
+
+def _head_styles(seq: bool) -> dict[str, object]:
+    styles: dict[str, object] = {"output": ColwiseParallel(input_layouts=Shard(1) if seq else Replicate(),
+                                                          output_layouts=Replicate())}
+    if seq:
+        styles["norm"] = SequenceParallel()
+    return styles
+
+
+def _convert(src: str, dst: str, *, inputs: bool) -> nn.Module | None:
+    if src == dst:
+        return None
+    if inputs:
+        return PrepareModuleInput(input_layouts=(_LAYOUT[src],), desired_input_layouts=(_LAYOUT[dst],),
+                                  use_local_output=True)
+    return PrepareModuleOutput(output_layouts=(_LAYOUT[src],), desired_output_layouts=(_LAYOUT[dst],),
+                               use_local_output=True)
+
+
+def apply_tensor_parallel(model: Transformer, stage: Stage, meshes: Meshes) -> None:
+    """Per-layer TP/SP styles, plus the layout conversions between neighbouring layers."""
+    mesh = meshes.tp
+    family = model.spec.family
+    previous = FULL  # what the stage receives: tokens, or full hidden states from the last stage
+    for strategy in stage.layers:
+        layer = model.get_submodule(strategy.name)
+        role = model.spec.role_of(strategy.name)
+        layout = _layout(strategy)
+        takes = FULL if role == "embed" else layout
+        gives = FULL if role == "head" else layout
+        styles: dict[str, object] = {}
+        if strategy.tensor_parallel > 1:
+            seq = layout == SEQ
+            styles = (_embed_styles(family, seq) if role == "embed" else
+                      _head_styles(seq) if role == "head" else _block_styles(family, seq))
+        convert_in = _convert(previous, takes, inputs=True)
+        if convert_in is not None:
+            styles[""] = convert_in
+        if role == "embed" and gives == SEQ and family != "llama":
+            styles[""] = _convert(FULL, SEQ, inputs=False)
+        if styles:
+            _parallelize_with_root(layer, mesh, styles)
+        previous = gives
+    if previous == SEQ:
+        last = model.get_submodule(stage.layers[-1].name)
+        parallelize_module(last, mesh, _convert(SEQ, FULL, inputs=False))
+    if model.spec.tie_embeddings and model.embed is not None and model.head is not None:
+        model.head.output.weight = model.embed.tok.weight  # TP replaced both; tie them again
+
+
+def _parallelize_with_root(layer: nn.Module, mesh, styles: dict[str, object]) -> None:
+    """parallelize_module with "" meaning the layer itself (its input/output conversion)."""
+    root = styles.pop("", None)
+    if styles:
+        parallelize_module(layer, mesh, styles)
+    if root is not None:
+        parallelize_module(layer, mesh, root)
+
+
+# ---- 3. activation checkpointing ------------------------------------------------------------
+
+
+def apply_recompute(model: Transformer, stage: Stage) -> None:
+    """Full recomputation of the layers the plan marks: their activations are dropped after
+    forward and recomputed in backward."""
+    for strategy in stage.layers:
+        if strategy.recompute:
+            checkpoint_activations(model.get_submodule(strategy.name))
+
+
+# ---- 4. FSDP2 per layer ----------------------------------------------------------------------
+
+
+def apply_fsdp(model: Transformer, stage: Stage, meshes: Meshes, mp_policy: MixedPrecisionPolicy) -> list[ShardedLayer]:
+    """Each layer its own FSDP2 unit at its ZeRO level; the stage root last.
+
+      zero 0: hybrid mode over (dp, dp_shard=1): replicated weights, all-reduced gradients;
+      zero 1 and 2: sharded, kept gathered from forward to backward (reshard_after_forward=False);
+      zero 3: sharded, gathered again for backward (reshard_after_forward=True).
+    When gradients are reduced (every micro-batch for 2/3, the last for 0/1) is set per
+    micro-batch by ``set_gradient_sync``.
+    """
+    tied = model.spec.tie_embeddings
+    units = []
+    for strategy in stage.layers:
+        if tied and strategy.name in ("embed", "head"):
+            continue  # the tied pair shares a weight: it lives in the root unit (checked before)
+        layer = model.get_submodule(strategy.name)
+        mesh = meshes.dp_replicate if strategy.zero == 0 else meshes.dp
+        fully_shard(layer, mesh=mesh, reshard_after_forward=strategy.zero == 3, mp_policy=mp_policy)
+        units.append(ShardedLayer(name=strategy.name, module=layer, zero=strategy.zero))
+    root_zero = next((s.zero for s in stage.layers if s.name == "embed"), 3) if tied else 3
+    root_mesh = meshes.dp_replicate if root_zero == 0 else meshes.dp
+    fully_shard(model, mesh=root_mesh, reshard_after_forward=root_zero == 3, mp_policy=mp_policy)
+    units.append(ShardedLayer(name="", module=model, zero=root_zero))
+    return units
+
+
+def set_gradient_sync(units: list[ShardedLayer], *, last_micro_batch: bool) -> None:
+    """ZeRO 0/1 accumulate full gradients and reduce once, at the last micro-batch; ZeRO 2/3
+    reduce-scatter every micro-batch."""
+    for unit in units:
+        sync = unit.zero >= 2 or last_micro_batch
+        unit.module.set_requires_gradient_sync(sync, recurse=False)
+        unit.module.set_reshard_after_backward(unit.zero >= 2 or last_micro_batch, recurse=False)
+
+
+# ---- all of it, in order ---------------------------------------------------------------------
+
+
+def parallelize_stage(model: Transformer, plan: Plan, meshes: Meshes, *, device: torch.device, seed: int,
+                      mp_policy: MixedPrecisionPolicy | None, use_fsdp: bool) -> list[ShardedLayer]:
+    """Turn the full meta model into this rank's part of the plan. Returns the FSDP2 units."""
+    stage = meshes.place.stage
+    keep_stage_layers(model, stage)
+    materialize(model, device=device, seed=seed)  # full layers: identical on every rank of the stage
+    if plan.tp > 1:
+        apply_tensor_parallel(model, stage, meshes)
+    apply_recompute(model, stage)
+    if not use_fsdp:
+        return []
+    return apply_fsdp(model, stage, meshes, mp_policy or MixedPrecisionPolicy())
+
+
+def check_stage_supported(plan: Plan, tie_embeddings: bool) -> None:
+    """What the runtime cannot run faithfully with upstream parts, refused before launch."""
+    if plan.dtype == "fp16":
+        raise PartitaError("plan dtype fp16 is not supported by the runtime (it needs loss scaling); use bf16")
+    if not tie_embeddings:
+        return
+    names = {s.name: s for s in plan.layer_strategies()}
+    embed, head = names.get("embed"), names.get("head")
+    if plan.pp > 1:
+        raise PartitaError(f"model {plan.model.get('name')!r} ties its embedding and head weights, which the runtime "
+                           f"runs only with pp=1 (embedding and head in one stage); this plan has pp={plan.pp}")
+    if embed and head and (embed.tensor_parallel, embed.zero) != (head.tensor_parallel, head.zero):
+        raise PartitaError("tied embedding and head weights need the same tensor_parallel and zero for embed "
+                           f"and head; the plan has embed tp={embed.tensor_parallel} zero={embed.zero}, "
+                           f"head tp={head.tensor_parallel} zero={head.zero}")

@@ -1,0 +1,101 @@
+"""One optimizer step's forward and backward over the plan's micro-batches.
+
+Two runners, one interface (``run(inputs, targets) -> summed micro-batch losses or None``):
+
+* ``MicroBatchRunner`` (pp = 1): gradient accumulation over the micro-batches.
+* ``PipelineRunner`` (pp > 1): ``torch.distributed.pipelining``'s 1F1B schedule over this
+  rank's ``PipelineStage``; the first stage feeds tokens, the last computes the loss.
+
+Both leave gradients as the mean over the rank's micro-batches, and both set each FSDP2 unit's
+gradient policy per micro-batch (``set_gradient_sync``): the pipeline runner does it from a
+hook on the stage output, which fires when that micro-batch's backward reaches the stage.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+from partita.plan import Plan
+from partita.runtime.mesh import Meshes
+from partita.runtime.parallelize import ShardedLayer, set_gradient_sync
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy, computed in fp32 whatever the compute dtype."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+class MicroBatchRunner:
+    def __init__(self, model: nn.Module, units: list[ShardedLayer], num_micro_batches: int) -> None:
+        self.model, self.units, self.n = model, units, num_micro_batches
+
+    def run(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        total = 0.0
+        for i, (x, y) in enumerate(zip(inputs.chunk(self.n), targets.chunk(self.n))):
+            set_gradient_sync(self.units, last_micro_batch=i == self.n - 1)
+            loss = lm_loss(self.model(x), y)
+            (loss / self.n).backward()
+            total += loss.detach().item()
+        return total
+
+
+class _StageModule(nn.Module):
+    """The stage's model as the schedule sees it. Not an FSDP module itself, so the schedule
+    runs plain autograd and the plan's per-layer ZeRO policy (set here) stays in force."""
+
+    def __init__(self, model: nn.Module, units: list[ShardedLayer], num_micro_batches: int) -> None:
+        super().__init__()
+        self.model, self.units, self.n = model, units, num_micro_batches
+        self.forwards = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.model(x)
+        if self.units and out.requires_grad:
+            index = self.forwards
+            self.forwards += 1
+            out.register_hook(lambda grad: self._before_backward(index, grad))
+        return out
+
+    def _before_backward(self, index: int, grad: torch.Tensor) -> torch.Tensor:
+        set_gradient_sync(self.units, last_micro_batch=index == self.n - 1)
+        return grad
+
+
+class PipelineRunner:
+    def __init__(self, model: nn.Module, units: list[ShardedLayer], plan: Plan, meshes: Meshes, *,
+                 device: torch.device, activation_dtype: torch.dtype) -> None:
+        stage = meshes.place.stage
+        self.is_first, self.is_last = stage.index == 0, stage.index == plan.pp - 1
+        self.n = plan.num_micro_batches
+        self.module = _StageModule(model, units, self.n)
+        spec_hidden, vocab = int(plan.model["hidden"]), int(plan.model["vocab"])
+        b, s = plan.micro_batch, plan.seq_len
+        # Static shapes: the schedule needs no shape-inference pass (which would run the stage
+        # once more on empty tensors).
+        def meta(*shape: int, dtype: torch.dtype = activation_dtype) -> torch.Tensor:
+            # requires_grad marks what carries gradients between stages (everything but tokens)
+            return torch.empty(*shape, device="meta", dtype=dtype, requires_grad=dtype.is_floating_point)
+
+        inputs = meta(b, s, dtype=torch.int64) if self.is_first else meta(b, s, spec_hidden)
+        outputs = meta(b, s, vocab) if self.is_last else meta(b, s, spec_hidden)
+        self.stage = PipelineStage(self.module, stage.index, plan.pp, device, input_args=inputs,
+                                   output_args=outputs, group=meshes.pp.get_group())
+        self.schedule = Schedule1F1B(self.stage, n_microbatches=self.n, loss_fn=lm_loss, scale_grads=True)
+
+    def run(self, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
+        self.module.forwards = 0
+        losses: list[torch.Tensor] = []
+        if self.is_first and self.is_last:
+            self.schedule.step(inputs, target=targets, losses=losses)
+        elif self.is_first:
+            self.schedule.step(inputs)
+        elif self.is_last:
+            self.schedule.step(target=targets, losses=losses)
+        else:
+            self.schedule.step()
+        if self.module.units and self.module.forwards != self.n:
+            raise RuntimeError(f"pipeline stage ran {self.module.forwards} forwards for {self.n} micro-batches")
+        return sum(l.item() for l in losses) if self.is_last else None

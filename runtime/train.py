@@ -1,0 +1,241 @@
+"""The training loop of one rank: AdamW, warm-up + cosine learning rate, gradient clipping,
+per-step metrics, checkpoints.
+
+    # inside a process group (torchrun, or python -m partita.runtime.worker):
+    from partita.plan import Plan
+    from partita.runtime.train import TrainConfig, train
+    summary = train(Plan.load("plan.yaml"), TrainConfig(steps=20))
+
+``train`` decides nothing the plan does not say: the plan gives the meshes, the stage, every
+layer's strategy, the micro-batching and the dtype; ``TrainConfig`` gives only what a plan
+does not hold (steps, data, optimizer settings, checkpoints).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
+
+from partita.cluster import ClusterSpec
+from partita.model import ModelSpec
+from partita.plan import Plan
+from partita.runtime import checkpoint
+from partita.runtime.data import TokenSource, local_slice
+from partita.runtime.mesh import Meshes, build_meshes
+from partita.runtime.metrics import MetricsWriter, RunSummary, peak_flops, peak_memory_bytes, summarize
+from partita.runtime.models import build_model
+from partita.runtime.parallelize import parallelize_stage
+from partita.runtime.schedule import MicroBatchRunner, PipelineRunner
+
+log = logging.getLogger(__name__)
+COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    steps: int = 20
+    data: str = "synthetic"  # or a path to a local text file (byte-level tokens)
+    seed: int = 0  # model init and data
+    lr: float = 1e-3
+    warmup_steps: int | None = None  # None: a tenth of the steps, at least one
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at the last step
+    weight_decay: float = 0.1  # on matrices and embeddings only (not norms, not biases)
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0  # on the global L2 norm over all stages
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0  # 0: only at the end (when a directory is given)
+    resume: bool = False
+    metrics: str | None = None  # metrics.jsonl path, shared by all ranks
+    crash_after_step: int | None = None  # tests: exit abruptly after this many steps, as a kill would
+
+    @property
+    def warmup(self) -> int:
+        return self.warmup_steps if self.warmup_steps is not None else max(1, self.steps // 10)
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up to ``lr``, then cosine decay to ``lr * min_lr_ratio`` at the last step."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    progress = (step - cfg.warmup) / max(1, cfg.steps - 1 - cfg.warmup)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW with weight decay on tensors of two or more dimensions. Parameters are grouped by
+    how they are distributed, so fused per-group updates never mix device meshes."""
+    groups: dict[tuple, list[nn.Parameter]] = {}
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        key = (p.ndim >= 2, _dist_key(p))
+        groups.setdefault(key, []).append(p)
+    return torch.optim.AdamW([{"params": ps, "weight_decay": cfg.weight_decay if decay else 0.0}
+                              for (decay, _), ps in groups.items()], lr=cfg.lr, betas=cfg.betas, eps=1e-8)
+
+
+def _dist_key(t: torch.Tensor) -> tuple:
+    if isinstance(t, DTensor):
+        return (id(t.device_mesh), tuple(str(p) for p in t.placements))
+    return ()
+
+
+@torch.no_grad()
+def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, pp_group: dist.ProcessGroup | None) -> float:
+    """Clip to a global L2 norm over every gradient of every stage; returns the norm before
+    clipping. DTensor gradients are grouped by mesh and placements so each group's norm is one
+    reduction; pipeline stages hold disjoint parameters, so their squares add over ``pp``."""
+    grads = [p.grad for p in params if p.grad is not None]
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for g in grads:
+        groups.setdefault(_dist_key(g), []).append(g)
+    device = grads[0].device if grads else torch.device("cpu")
+    total_sq = torch.zeros((), device=device, dtype=torch.float32)
+    for group in groups.values():
+        norms = torch.stack(torch._foreach_norm(group, 2.0))
+        norm = torch.linalg.vector_norm(norms.float(), 2.0)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        total_sq += norm.to(device) ** 2
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        dist.all_reduce(total_sq, group=pp_group)
+    total = float(total_sq.sqrt())
+    coef = max_norm / (total + 1e-6)
+    if coef < 1.0:
+        for group in groups.values():
+            torch._foreach_mul_(group, coef)
+    return total
+
+
+class StepClock:
+    """Wall time of a step, with the device drained at both ends."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+
+class Trainer:
+    """This rank's part of a plan, set up in ``__init__`` (meshes, model, optimizer, schedule,
+    resume) and trained by ``fit``. The default process group must be initialised."""
+
+    def __init__(self, plan: Plan, cfg: TrainConfig, *, device: torch.device | None = None) -> None:
+        self.plan, self.cfg = plan, cfg
+        self.device = device = device or _default_device(plan)
+        self.spec = spec = ModelSpec.from_dict(plan.model)
+        self.meshes = build_meshes(plan, device.type)
+        compute_dtype = COMPUTE_DTYPES[plan.dtype]
+        mixed = compute_dtype != torch.float32
+        mp_policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32) if mixed else None
+        # FSDP2 over one rank shards and reduces nothing; it stays only where it brings mixed precision.
+        use_fsdp = plan.dp > 1 or mixed
+
+        self.model = build_model(spec)  # meta: nothing is allocated for layers this rank does not own
+        units = parallelize_stage(self.model, plan, self.meshes, device=device, seed=cfg.seed, mp_policy=mp_policy,
+                                  use_fsdp=use_fsdp)
+        self.optimizer = make_optimizer(self.model, cfg)
+        if plan.pp > 1:
+            self.runner = PipelineRunner(self.model, units, plan, self.meshes, device=device,
+                                         activation_dtype=compute_dtype)
+        else:
+            self.runner = MicroBatchRunner(self.model, units, plan.num_micro_batches)
+        self.start_step = 0
+        if cfg.resume and cfg.checkpoint_dir:
+            last = checkpoint.latest_step(cfg.checkpoint_dir)
+            if last is None:
+                log.warning("--resume: no checkpoint in %s; starting from step 0", cfg.checkpoint_dir)
+            else:
+                self.start_step = checkpoint.load(cfg.checkpoint_dir, last, self.model, self.optimizer)
+
+    def fit(self) -> RunSummary | None:
+        """Train to ``cfg.steps``. Returns the run summary on rank 0, None elsewhere."""
+        plan, cfg, device, place = self.plan, self.cfg, self.device, self.meshes.place
+        data = TokenSource(cfg.data, vocab=self.spec.vocab, seq_len=plan.seq_len, global_batch=plan.global_batch,
+                           seed=cfg.seed)
+        writer = MetricsWriter(cfg.metrics)
+        clock = StepClock(device)
+        tokens_per_step = plan.global_batch * plan.seq_len
+        flops_per_step = self.spec.train_flops_per_token(plan.seq_len) * tokens_per_step
+        peak = peak_flops(plan)
+        pp_group = self.meshes.pp.get_group() if plan.pp > 1 else None
+        reports_loss = place.stage.index == plan.pp - 1 and place.tp_index == 0
+        step_times: list[float] = []
+        losses: list[float] = []
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+
+        for step in range(self.start_step, cfg.steps):
+            inputs, targets = data.batch(step)
+            inputs = local_slice(inputs, plan.dp, place.dp_index).to(device, non_blocking=True)
+            targets = local_slice(targets, plan.dp, place.dp_index).to(device, non_blocking=True)
+            lr = lr_at(step, cfg)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            t0 = clock.now()
+            loss_sum = self.runner.run(inputs, targets)
+            grad_norm = clip_grad_norm(self.model.parameters(), cfg.grad_clip, pp_group)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            loss = _global_loss(loss_sum if reports_loss else None, plan, device)
+            elapsed = clock.now() - t0
+            step_times.append(elapsed)
+            losses.append(loss)
+            record = {"step": step + 1, "rank": place.rank, "stage": place.stage.index, "loss": loss, "lr": lr,
+                      "grad_norm": grad_norm, "step_time_s": elapsed, "tokens_per_s": tokens_per_step / elapsed,
+                      "mfu": flops_per_step / elapsed / peak if peak else None,
+                      "peak_memory_bytes": peak_memory_bytes(device)}
+            writer.write(record)
+            log.info("step %d/%d  loss %.4f  %.1f ms  %.0f tok/s  MFU %.2f%%  peak %.0f MiB", step + 1, cfg.steps,
+                     loss, elapsed * 1e3, record["tokens_per_s"], 100 * (record["mfu"] or 0),
+                     record["peak_memory_bytes"] / 2**20)
+            done = step + 1
+            if cfg.checkpoint_dir and ((cfg.checkpoint_every and done % cfg.checkpoint_every == 0) or done == cfg.steps):
+                checkpoint.save(cfg.checkpoint_dir, done, self.model, self.optimizer)
+            if cfg.crash_after_step is not None and done == cfg.crash_after_step:
+                os._exit(17)  # tests: die like a killed process, without cleanup
+        writer.close()
+        return _gather_summary(step_times, losses, plan, place, device)
+
+
+def train(plan: Plan, cfg: TrainConfig, *, device: torch.device | None = None) -> RunSummary | None:
+    """Train this rank's part of ``plan``; the run summary on rank 0, None elsewhere."""
+    return Trainer(plan, cfg, device=device).fit()
+
+
+def _global_loss(loss_sum: float | None, plan: Plan, device: torch.device) -> float:
+    """Mean loss over the global batch, known to every rank: the last stage's tensor-rank-0
+    ranks contribute their micro-batch losses, everyone else zero."""
+    value = torch.tensor([loss_sum or 0.0], dtype=torch.float64, device=device)
+    dist.all_reduce(value)
+    return float(value) / (plan.dp * plan.num_micro_batches)
+
+
+def _gather_summary(step_times: list[float], losses: list[float], plan: Plan, place, device: torch.device) -> RunSummary | None:
+    peaks: list = [None] * dist.get_world_size()
+    dist.all_gather_object(peaks, (place.stage.index, peak_memory_bytes(device)))
+    if dist.get_rank() != 0:
+        return None
+    stage_peaks = [max(b for s, b in peaks if s == i) for i in range(plan.pp)]
+    return summarize(step_times, stage_peaks, "allocated" if device.type == "cuda" else "peak RSS", losses, plan)
+
+
+def _default_device(plan: Plan) -> torch.device:
+    if ClusterSpec.from_dict(plan.cluster).is_cpu:
+        return torch.device("cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)

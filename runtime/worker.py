@@ -1,0 +1,71 @@
+"""One rank of a run: the entry point ``torchrun`` starts (``partita launch`` builds the command).
+
+    torchrun --standalone --nproc-per-node=4 -m partita.runtime.worker plan.yaml --steps 20
+
+Reads the plan, joins the process group (NCCL on GPUs, gloo on CPUs), trains, and on rank 0
+writes the run summary (``--summary``) that ``partita launch`` prints as a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from partita.cluster import ClusterSpec
+from partita.errors import PartitaError
+from partita.plan import Plan
+from partita.runtime.launch import add_launch_arguments
+from partita.runtime.train import TrainConfig, train
+
+log = logging.getLogger("partita.runtime")
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    return TrainConfig(steps=args.steps, data=args.data, seed=args.seed, lr=args.lr, warmup_steps=args.warmup_steps,
+                       checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+                       resume=args.resume, metrics=args.metrics, crash_after_step=args.crash_after_step)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m partita.runtime.worker", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_launch_arguments(parser)
+    parser.add_argument("--summary", default=None, help="rank 0 writes the run summary (JSON) here")
+    parser.add_argument("--crash-after-step", type=int, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format=f"[rank {rank}] %(message)s", stream=sys.stderr)
+    try:
+        plan = Plan.load(args.plan)
+        cpu = ClusterSpec.from_dict(plan.cluster).is_cpu
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world != plan.world_size:
+            raise PartitaError(f"plan needs world size {plan.world_size} (dp {plan.dp} x tp {plan.tp} x pp {plan.pp}), "
+                               f"torchrun started {world} ranks")
+    except PartitaError as e:
+        log.error("%s", e)
+        return 2
+    device = torch.device("cpu")
+    if not cpu:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    dist.init_process_group("gloo" if cpu else "nccl", device_id=None if cpu else device)
+    try:
+        summary = train(plan, config_from_args(args), device=device)
+        if summary is not None and args.summary:
+            Path(args.summary).write_text(json.dumps(summary.to_dict()))
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""Hand-built plans and a multi-process harness for the runtime tests (CPU, gloo).
+
+``make_plan`` writes the plan a person would write: stages with their ranks (dp-major), their
+layers and per-layer choices. ``run_parallel`` trains a plan in ``world`` processes and returns
+the losses and the full parameters; ``run_reference`` trains the same model on the same data in
+one process with no parallelism at all, which is what the parallel run must reproduce.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from partita.cluster import parse_short
+from partita.model import BUILTIN, ModelSpec
+from partita.plan import LayerStrategy, Plan, Stage
+
+
+def make_plan(model: str | ModelSpec = "tiny-llama", *, dp: int = 1, tp: int = 1, pp: int = 1,
+              boundaries: list[int] | None = None, micro_batch: int = 2, num_micro_batches: int = 2,
+              seq_len: int = 32, cluster: str = "4xcpu", layer: dict | None = None,
+              per_layer: dict[str, dict] | None = None) -> Plan:
+    """A plan; ``boundaries`` are the block indices where stages 1.. start (uneven allowed);
+    ``layer`` sets every layer's strategy, ``per_layer`` overrides single layers by name."""
+    spec = BUILTIN[model] if isinstance(model, str) else model
+    clus = parse_short(cluster)
+    names = spec.layer_names()
+    if boundaries is None:
+        per = spec.n_layers // pp
+        boundaries = [per * i for i in range(1, pp)]
+    cuts = [0] + [b + 1 for b in boundaries] + [len(names)]  # +1: embed comes first
+    stages = []
+    for s in range(pp):
+        ranks = tuple(range(s * dp * tp, (s + 1) * dp * tp))
+        layers = []
+        for name in names[cuts[s]:cuts[s + 1]]:
+            choice = dict(layer or {})
+            choice.update((per_layer or {}).get(name, {}))
+            if spec.role_of(name) != "block":
+                choice.pop("recompute", None)
+            layers.append(LayerStrategy(name=name, **choice))
+        stages.append(Stage(index=s, group=clus.groups[0].name, device="cpu", ranks=ranks, layers=tuple(layers)))
+    return Plan(model=spec.to_dict(), model_fingerprint=spec.fingerprint, cluster=clus.to_dict(),
+                cluster_fingerprint=clus.fingerprint, profile_fingerprint="analytic", cost_sources={"cpu": "analytic"},
+                dtype="fp32", seq_len=seq_len, global_batch=dp * micro_batch * num_micro_batches,
+                micro_batch=micro_batch, num_micro_batches=num_micro_batches, dp=dp, tp=tp, pp=pp,
+                stages=tuple(stages))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world: int, port: int, plan_dict: dict, cfg, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    from partita.runtime.train import Trainer
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        trainer = Trainer(Plan.from_dict(plan_dict), cfg, device=torch.device("cpu"))
+        summary = trainer.fit()
+        params = full_parameters(trainer.model)
+        torch.save({"params": params, "summary": summary.to_dict() if summary else None},
+                   Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def full_parameters(model) -> dict[str, torch.Tensor]:
+    """Every parameter this rank's stage holds, as a full tensor (a collective for DTensors)."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for name, p in model.named_parameters():
+        t = p.detach()
+        out[name] = (t.full_tensor() if isinstance(t, DTensor) else t).clone()
+    return out
+
+
+def run_parallel(plan: Plan, cfg, *, world: int | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Train ``plan`` in its world of processes; the losses (rank 0's) and all parameters."""
+    world = world or plan.world_size
+    with tempfile.TemporaryDirectory() as out:
+        mp.start_processes(_rank_main, args=(world, free_port(), plan.to_dict(), cfg, out), nprocs=world,
+                           join=True, start_method="fork")
+        params: dict[str, torch.Tensor] = {}
+        losses = None
+        for r in range(world):
+            saved = torch.load(Path(out) / f"rank{r}.pt")
+            params.update(saved["params"])
+            if saved["summary"] is not None:
+                losses = saved["summary"]["losses"]
+    return losses, params
+
+
+def run_reference(plan: Plan, cfg) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The same model, data, init and optimizer in one process, without any parallelism."""
+    from partita.runtime.data import TokenSource
+    from partita.runtime.models import build_model, materialize
+    from partita.runtime.schedule import lm_loss
+    from partita.runtime.train import lr_at, make_optimizer
+
+    spec = ModelSpec.from_dict(plan.model)
+    model = materialize(build_model(spec), device="cpu", seed=cfg.seed)
+    optimizer = make_optimizer(model, cfg)
+    data = TokenSource(cfg.data, vocab=spec.vocab, seq_len=plan.seq_len, global_batch=plan.global_batch, seed=cfg.seed)
+    losses = []
+    for step in range(cfg.steps):
+        inputs, targets = data.batch(step)
+        for g in optimizer.param_groups:
+            g["lr"] = lr_at(step, cfg)
+        loss = lm_loss(model(inputs), targets)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
