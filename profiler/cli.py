@@ -234,13 +234,20 @@ def _report(profile: Profile, measurements: list, samples: list, elapsed: float,
     console = Console()
     if measurements:
         table = Table(title=f"{profile.device} ({profile.provenance.device_name}), {profile.dtype}")
-        for col in ("layer", "tp", "micro-batch", "forward", "backward", "recompute", "activations", "params"):
+        on_gpu = any(m.allocator_bytes is not None for m in measurements)
+        cols = ["layer", "tp", "micro-batch", "forward", "backward", "recompute", "activations", "params"]
+        if on_gpu:
+            cols.insert(7, "saved tensors")  # the allocator's count next to autograd's
+        for col in cols:
             table.add_column(col, justify="left" if col == "layer" else "right")
         for m in measurements:
             c = m.cost
-            table.add_row(m.role, str(c.tp), str(c.micro_batch), fmt_seconds(c.forward_s), fmt_seconds(c.backward_s),
-                          fmt_seconds(c.recompute_s) + ("*" if m.recompute_fallback else ""),
-                          fmt_bytes(c.activation_bytes), fmt_bytes(c.param_bytes))
+            row = [m.role, str(c.tp), str(c.micro_batch), fmt_seconds(c.forward_s), fmt_seconds(c.backward_s),
+                   fmt_seconds(c.recompute_s) + ("*" if m.recompute_fallback else ""), fmt_bytes(c.activation_bytes),
+                   fmt_bytes(c.param_bytes)]
+            if on_gpu:
+                row.insert(7, fmt_bytes(m.saved_bytes))
+            table.add_row(*row)
         console.print(table)
         if any(m.recompute_fallback for m in measurements):
             console.print("* recompute lost in timing noise; the forward time is used")
