@@ -179,6 +179,10 @@ def fit_comm(samples: Iterable[CommSample]) -> tuple[CommCost, ...]:
     costs = []
     for (op, link, ranks), points in sorted(by_key.items(), key=lambda kv: (OPS.index(kv[0][0]), kv[0][1], kv[0][2])):
         fit = fit_latency_bandwidth([p.bus_bytes for p in points], [p.seconds for p in points])
+        if fit is None:
+            log.warning("%s on %d %s ranks: times do not grow with size (%s..%s B); no fit written, "
+                        "widen --comm-sizes", op, ranks, link, points[0].message_bytes, points[-1].message_bytes)
+            continue
         costs.append(CommCost(op=op, link=link, ranks=ranks, latency_s=fit.latency_s,
                               bandwidth_gbps=fit.bandwidth_gbps))
     return tuple(costs)

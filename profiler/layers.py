@@ -109,6 +109,8 @@ def profile_layers(spec: ModelSpec, opts: LayerOptions, build_layer: BuildLayer 
     shards, notes = plan_shards(spec, opts)
     for note in notes:
         log.warning(note)
+    if opts.device.type == "cuda":
+        torch.cuda.set_device(opts.device)  # events record on the current device's stream
     clock = Clock(opts.device)
     for shard in shards:
         layer = build_layer(spec, shard.role, tp=shard.tp, device=opts.device, dtype=TORCH_DTYPES[opts.dtype])
@@ -116,12 +118,17 @@ def profile_layers(spec: ModelSpec, opts: LayerOptions, build_layer: BuildLayer 
             if on_point is not None:
                 on_point(f"{shard.role} tp={shard.tp} micro-batch={mb}")
             try:
-                yield measure_point(spec, layer, shard, mb, opts, clock)
+                point = measure_point(spec, layer, shard, mb, opts, clock)
             except torch.cuda.OutOfMemoryError:
-                log.warning("%s tp=%d: out of memory at micro-batch %d; larger micro-batches skipped",
-                            shard.role, shard.tp, mb)
+                point = None  # handled below, once the failed point's tensors are released
+            if point is None:
+                log.warning("%s tp=%d: out of memory at micro-batch %d; larger micro-batches not measured "
+                            "(the planner extrapolates proportionally)", shard.role, shard.tp, mb)
+                for p in layer.parameters():
+                    p.grad = None
                 torch.cuda.empty_cache()
                 break
+            yield point
         del layer
         if opts.device.type == "cuda":
             torch.cuda.empty_cache()

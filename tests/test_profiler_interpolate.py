@@ -73,8 +73,12 @@ def test_fit_recovers_latency_and_bandwidth():
 
 def test_fit_never_returns_negative_latency():
     sizes = [1e3, 1e4, 1e5]
-    fit = fit_latency_bandwidth(sizes, [1e-7, 1e-5, 1e-4])  # a free fit would cross zero
-    assert fit.latency_s >= 0 and fit.bandwidth_gbps > 0
+    fit = fit_latency_bandwidth(sizes, [0.5e-6, 1e-5, 1e-4])  # a free fit would cross zero
+    assert fit.latency_s == 0 and fit.bandwidth_gbps == pytest.approx(1.5)  # sum(x/t) / sum((x/t)^2)
+
+
+def test_no_fit_where_time_does_not_grow_with_size():
+    assert fit_latency_bandwidth([4096, 16384, 65536], [1e-3, 0.9e-3, 0.95e-3]) is None
 
 
 def test_bus_bytes_ring_conventions():
