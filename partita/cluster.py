@@ -58,6 +58,8 @@ class NodeGroup:
                 raise PartitaError(f"{where}: unknown key {key!r}; valid keys: {', '.join(valid)}")
         dev = get_device(specio.get_str(data, "device", where))
         memory_gib = specio.get_float(data, "memory_gib", where, default=dev.memory_bytes / GiB)
+        if memory_gib * GiB >= 2**63:  # finite, yet no integer byte count (1e308 GiB)
+            raise PartitaError(f"{where}: memory_gib {memory_gib} is too large for one device")
         return make_group(
             name=specio.get_str(data, "name", where, default=dev.name.lower()),
             device=dev,
@@ -181,6 +183,8 @@ def parse_short(text: str) -> ClusterSpec:
             raise PartitaError(f"cluster {text!r}: cannot read {part!r}; write NODESxGPUSxDEVICE, e.g. 4x8xA100-80GB")
         first, second, dev_name = m.groups()
         dev = get_device(dev_name)
+        if any(n is not None and len(n.lstrip("0")) > 9 for n in (first, second)):  # int() refuses > 4300 digits
+            raise PartitaError(f"cluster {text!r}: {part!r} has more devices than Partita plans for ({MAX_RANKS})")
         if first is not None and second is not None:
             nodes, per_node = int(first), int(second)
         elif first is not None:
@@ -201,6 +205,10 @@ def parse_short(text: str) -> ClusterSpec:
 
 def load_cluster(ref: str) -> ClusterSpec:
     """A short form or a YAML file."""
-    if isinstance(ref, str) and (ref.endswith((".yaml", ".yml")) or Path(ref).is_file()):
+    try:
+        is_file = isinstance(ref, str) and (ref.endswith((".yaml", ".yml")) or Path(ref).is_file())
+    except (OSError, ValueError):  # a name no file can have (too long, a NUL byte)
+        is_file = False
+    if is_file:
         return ClusterSpec.from_dict(specio.load_yaml(ref), where=ref)
     return parse_short(ref)

@@ -250,7 +250,11 @@ def load_model(ref: str) -> ModelSpec:
     if name in BUILTIN:
         return BUILTIN[name]
     path = Path(ref)
-    if path.suffix in (".yaml", ".yml", ".json") or path.exists():
+    try:
+        is_file = path.suffix in (".yaml", ".yml", ".json") or path.exists()
+    except (OSError, ValueError):  # a name no file can have (too long, a NUL byte)
+        is_file = False
+    if is_file:
         if path.suffix == ".json":
             from partita.hf import load_hf_config
 

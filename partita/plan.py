@@ -117,7 +117,8 @@ class StageMemory:
         data = dict(specio.require_mapping(data, where))
         data.pop("peak_bytes", None)
         specio.check_keys(data, cls, where, required=[f.name for f in dataclasses.fields(cls)])
-        return cls(**data)
+        return cls(**{f.name: specio.get_str(data, f.name, where) if f.name == "device"
+                      else specio.get_int(data, f.name, where, minimum=0) for f in dataclasses.fields(cls)})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -138,10 +139,18 @@ class Prediction:
     def from_dict(cls, data: Any, where: str) -> "Prediction":
         data = specio.require_mapping(data, where)
         specio.check_keys(data, cls, where, required=[f.name for f in dataclasses.fields(cls)])
-        return cls(step_time_s=float(data["step_time_s"]), tokens_per_s=float(data["tokens_per_s"]),
-                   mfu=float(data["mfu"]), stage_time_s=tuple(float(x) for x in data["stage_time_s"]),
-                   breakdown={str(k): float(v) for k, v in dict(data["breakdown"]).items()},
-                   memory=tuple(StageMemory.from_dict(m, f"{where}: memory[{i}]") for i, m in enumerate(data["memory"])))
+        seconds = lambda d, k: specio.get_float(d, k, where, strict_min=False)  # noqa: E731
+        stage_time_s, breakdown, memory = data["stage_time_s"], data["breakdown"], data["memory"]
+        if not isinstance(stage_time_s, list) or not isinstance(memory, list):
+            raise PartitaError(f"{where}: stage_time_s and memory must be lists")
+        breakdown = specio.require_mapping(breakdown, f"{where}: breakdown")
+        if not all(isinstance(k, str) for k in breakdown):
+            raise PartitaError(f"{where}: breakdown keys must be strings")
+        return cls(step_time_s=seconds(data, "step_time_s"), tokens_per_s=seconds(data, "tokens_per_s"),
+                   mfu=seconds(data, "mfu"),
+                   stage_time_s=tuple(seconds({"stage_time_s": x}, "stage_time_s") for x in stage_time_s),
+                   breakdown={k: seconds(breakdown, k) for k in breakdown},
+                   memory=tuple(StageMemory.from_dict(m, f"{where}: memory[{i}]") for i, m in enumerate(memory)))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import math
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -27,7 +28,7 @@ def load_yaml(path: str | Path) -> Any:
         text = p.read_text()
     except FileNotFoundError:
         raise PartitaError(f"{p}: no such file") from None
-    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as e:
+    except (OSError, ValueError) as e:  # a folder, no permission, not UTF-8, a NUL or too long a name
         raise PartitaError(f"{p}: cannot read ({type(e).__name__})") from None
     return parse_yaml(text, str(p))
 
@@ -38,9 +39,19 @@ def parse_yaml(text: str, where: str = "<string>") -> Any:
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark
         line = f":{mark.line + 1}" if mark is not None else ""
-        raise PartitaError(f"{where}{line}: malformed YAML ({e.problem})") from None
+        raise PartitaError(f"{where}{line}: malformed YAML ({_one_line(e.problem or e.context)})") from None
     except yaml.YAMLError as e:
-        raise PartitaError(f"{where}: malformed YAML ({e})") from None
+        raise PartitaError(f"{where}: malformed YAML ({_one_line(e)})") from None
+    except (ValueError, TypeError, AttributeError, LookupError, OverflowError) as e:
+        # PyYAML's constructors let some bad scalars out as Python errors: a date that is no
+        # date (2001-13-45), "!!int abc", "!!int" with no value, "!!timestamp x".
+        raise PartitaError(f"{where}: malformed YAML ({type(e).__name__}: {_one_line(e)})") from None
+    except RecursionError:
+        raise PartitaError(f"{where}: malformed YAML (nested too deeply)") from None
+
+
+def _one_line(message: object) -> str:
+    return " ".join(str(message).split())
 
 
 def dump_yaml(data: Any) -> str:
@@ -107,9 +118,15 @@ def get_float(data: Mapping[str, Any], key: str, what: str, *, minimum: float = 
         raise PartitaError(f"{what}: missing key {key!r}")
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
         raise PartitaError(f"{what}: {key} must be a number, got {value!r}")
-    if (value <= minimum) if strict_min else (value < minimum):
+    try:
+        number = float(value)
+    except OverflowError:  # an integer too large for a float
+        number = math.inf
+    if not math.isfinite(number):
+        raise PartitaError(f"{what}: {key} must be a finite number, got {value!r}")
+    if (number <= minimum) if strict_min else (number < minimum):
         raise PartitaError(f"{what}: {key} must be {'>' if strict_min else '>='} {minimum}, got {value}")
-    return float(value)
+    return number
 
 
 def get_str(data: Mapping[str, Any], key: str, what: str, *, default: Any = ..., choices: Iterable[str] | None = None) -> str:
