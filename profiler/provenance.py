@@ -63,11 +63,19 @@ def catalog_device(device: torch.device, override: str | None = None) -> str:
     if device.type == "cpu":
         return "cpu"
     name = device_name(device)
+    catalog = catalog_name_for_gpu(name)
+    if catalog is not None:
+        return catalog
+    raise PartitaError(f"GPU {name!r} is not in the device catalog; name its type with --device-type "
+                       f"(one of {', '.join(sorted(CATALOG))})")
+
+
+def catalog_name_for_gpu(name: str) -> str | None:
+    """``NVIDIA H100 80GB HBM3`` -> ``H100``; None for a GPU the catalog does not hold."""
     for pattern, catalog in _GPU_PATTERNS:
         if re.search(pattern, name, re.IGNORECASE):
             return catalog
-    raise PartitaError(f"GPU {name!r} is not in the device catalog; name its type with --device-type "
-                       f"(one of {', '.join(sorted(CATALOG))})")
+    return None
 
 
 def driver_version() -> str:
