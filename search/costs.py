@@ -144,6 +144,7 @@ class CostModel:
         self._compute = lru_cache(maxsize=None)(self._compute_uncached)
         self._layer_time = lru_cache(maxsize=None)(self._layer_time_uncached)
         self._layer_memory = lru_cache(maxsize=None)(self._layer_memory_uncached)
+        self.stage_cache: dict = {}  # stage costs by (group, layer choices, degrees), see stage_cost_counts
 
     # ---- compute ------------------------------------------------------------------------
     def compute(self, role: str, device: str, tp: int, micro_batch: int) -> LayerCost:
@@ -319,10 +320,16 @@ class StageCost:
     weights: int
     gradients: int
     optimizer: int
-    activations: int  # all micro-batches in flight, plus the recompute transient
+    activations_per_mb: int  # one micro-batch's kept activations
+    recompute_peak: int  # the largest recomputed layer's extra while it runs
+    in_flight: int  # micro-batches whose activations the stage holds at its peak
     transient: int
     reserve: int
     capacity: int
+
+    @property
+    def activations(self) -> int:
+        return self.activations_per_mb * self.in_flight + self.recompute_peak
 
     @property
     def peak_bytes(self) -> int:
@@ -358,7 +365,18 @@ def stage_cost_counts(cm: CostModel, group: NodeGroup, counts: Mapping[LayerChoi
                       dp: int, tp: int, micro_batch: int, num_micro_batches: int,
                       next_group: NodeGroup | None) -> StageCost:
     """Cost of one stage from how many of its layers make each choice. Identical blocks cost
-    the same, so each distinct choice is priced once."""
+    the same, so each distinct choice is priced once; stages alike but for their position
+    share everything but the micro-batches in flight."""
+    key = (group.name, tuple(sorted(counts.items())), dp, tp, micro_batch, next_group.name if next_group else None)
+    base = cm.stage_cache.get(key)
+    if base is None:
+        base = _stage_cost(cm, group, counts, dp=dp, tp=tp, micro_batch=micro_batch, next_group=next_group)
+        cm.stage_cache[key] = base
+    return dataclasses.replace(base, in_flight=in_flight(stage, pp, num_micro_batches))
+
+
+def _stage_cost(cm: CostModel, group: NodeGroup, counts: Mapping[LayerChoice, int], *, dp: int, tp: int,
+                micro_batch: int, next_group: NodeGroup | None) -> StageCost:
     fwd = bwd = compute = tp_comm = zero_comm = dp_sync = 0.0
     weights = grads = opt = acts = params = 0
     recompute_peak = gathered = 0
@@ -385,11 +403,10 @@ def stage_cost_counts(cm: CostModel, group: NodeGroup, counts: Mapping[LayerChoi
         p2p += 2 * cm.collective_s("p2p", act_msg, 2, cm.pp_link(group, next_group, stage_size), group.device)
     dev = get_device(group.device)
     optimizer_s = params * OPTIMIZER_BYTES_PER_PARAM / (dev.hbm_gbps * 1e9)
-    k = in_flight(stage, pp, num_micro_batches)
     reserve = RESERVE_CPU_BYTES if dev.is_cpu else RESERVE_GPU_BYTES
     return StageCost(time_s=fwd + bwd + p2p, forward_s=fwd, backward_s=bwd, compute_s=compute, tp_comm_s=tp_comm,
                      zero_comm_s=zero_comm, p2p_s=p2p, dp_sync_s=dp_sync, optimizer_s=optimizer_s,
-                     weights=weights, gradients=grads, optimizer=opt, activations=acts * k + recompute_peak,
+                     weights=weights, gradients=grads, optimizer=opt, activations_per_mb=acts, recompute_peak=recompute_peak, in_flight=1,
                      transient=2 * gathered, reserve=reserve, capacity=group.memory_bytes)
 
 

@@ -41,6 +41,7 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 from ortools.sat.python import cp_model
 
 import ortools
@@ -215,6 +216,97 @@ def _lower_bound_us(cm: CostModel, shape: Shape, block: LayerTable, embed: Layer
     work = cm.model.n_layers * least(block) + least(embed) + least(head)
     m = shape.num_micro_batches
     return int(math.floor(work * (m - 1 + slots) / slots))
+
+
+def _hull(mem: np.ndarray, time_: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Lower convex envelope of (memory, time) points, memory increasing, time non-increasing:
+    the least average time per block for any average memory per block (fractional mixes)."""
+    order = np.lexsort((time_, mem))
+    pts: list[tuple[float, float]] = []
+    for x, y in zip(mem[order], time_[order]):
+        if pts and y >= pts[-1][1]:
+            continue  # more memory and no faster: never on the envelope
+        while len(pts) >= 2 and (pts[-1][1] - pts[-2][1]) * (x - pts[-2][0]) >= (y - pts[-2][1]) * (pts[-1][0] - pts[-2][0]):
+            pts.pop()
+        pts.append((float(x), float(y)))
+    xs, ys = zip(*pts)
+    return np.array(xs), np.array(ys)
+
+
+class StageFit:
+    """Whether a shape's stages can hold all blocks with no stage slower than tau.
+
+    With pp stages, stage r (from the end) keeps k = min(r + 1, m) micro-batches in flight, so
+    on group g its n blocks may use at most room_g / n memory each on average; the least time
+    for them is then n x the (memory, time) envelope of the block's choices at that average
+    (the LP relaxation of the stage). Stages are counted per group up to the group's share.
+    This yields proofs (``prunes``) and bounds (``bound_us``) that account for memory, which
+    the plain work bound does not.
+    """
+
+    def __init__(self, p: Problem) -> None:
+        self.p = p
+        self.m = p.shape.num_micro_batches
+        N, G = p.n_blocks, len(p.groups)
+        n = np.arange(1, N + 1, dtype=float)
+        self.least_embed = min(min(r) for r in p.embed.time_us)
+        self.least_head = min(min(r) for r in p.head.time_us)
+        self.least_p2p = min(min(r) for r in p.p2p_us)
+        self.work = N * min(min(r) for r in p.block.time_us) + self.least_embed + self.least_head
+        head_room = min(min(r) for r in p.head.static_mib)
+        by_key: dict[tuple[int, int], np.ndarray] = {}
+        rows = []
+        for g in range(G):
+            row = []
+            for r in range(p.slots):
+                k = min(r + 1, self.m)
+                key = (k if r > 0 else -k, g)  # slot 0 also holds the head
+                if key not in by_key:
+                    mem = np.array([p.block.static_mib[g][j] + k * p.block.act_mib[g][j]
+                                    for j in range(len(p.block.strategies))], float)
+                    xs, ys = _hull(mem, np.array(p.block.time_us[g], float))
+                    per_block = (p.capacity_mib[g] - (head_room if r == 0 else 0)) / n
+                    avg = np.interp(per_block, xs, ys)  # beyond the last point: the fastest choice
+                    avg[per_block < xs[0]] = np.inf  # not even the leanest choice fits
+                    by_key[key] = np.concatenate([[0.0], n * avg])
+                row.append(by_key[key])
+            rows.append(np.stack(row))
+        self.curves = np.stack(rows)  # [group, slot, blocks]: least stage time of its blocks
+
+    def holds(self, pp: int, tau: float) -> bool:
+        p = self.p
+        stage = self.curves[:, :pp].copy()
+        stage[:, 1:] += self.least_p2p
+        stage[:, 0] += self.least_head
+        stage[:, pp - 1] += self.least_embed
+        fit = np.count_nonzero(stage <= tau, axis=2) - 1  # blocks each (group, slot) takes within tau
+        any_group = int(fit.max(axis=0).sum())
+        per_group = sum(int(np.sort(fit[g])[::-1][:p.stages_per_group[g]].sum()) for g in range(len(p.groups)))
+        return min(any_group, per_group) >= p.n_blocks
+
+    def _floor(self, pp: int) -> float:
+        return self.work + (pp - 1) * self.least_p2p
+
+    def prunes(self, incumbent_us: int) -> bool:
+        """True if no plan of this shape can beat the incumbent."""
+        if self.m == 1:
+            return self.work >= incumbent_us
+        return not any(self.holds(pp, (incumbent_us - self._floor(pp)) / (self.m - 1))
+                       for pp in range(1, self.p.slots + 1) if incumbent_us >= self._floor(pp))
+
+    def bound_us(self) -> int:
+        """min over pp of (m - 1) * (least feasible tau) + least total work."""
+        best = math.inf
+        hi_tau = float(np.max(self.curves[np.isfinite(self.curves)], initial=0.0)) + self.least_head + self.least_embed + self.least_p2p
+        for pp in range(1, self.p.slots + 1):
+            if not self.holds(pp, hi_tau):
+                continue
+            lo, hi = 0.0, hi_tau
+            for _ in range(24):  # tau to within hi / 2**24
+                mid = (lo + hi) / 2
+                lo, hi = (lo, mid) if self.holds(pp, mid) else (mid, hi)
+            best = min(best, (self.m - 1) * lo + self._floor(pp))
+        return int(math.floor(best)) if math.isfinite(best) else (1 << 61)
 
 
 # ---- the model ----------------------------------------------------------------------------
@@ -514,25 +606,36 @@ def solve_plan(cm: CostModel, req, uniform: UniformResult) -> Plan:
             problems.append(p)
     problems.sort(key=lambda p: p.lower_bound_us)
     results: list[ShapeResult] = []
-    timed_out = False
-    for i, p in enumerate(problems):
-        remaining = deadline - time.perf_counter()
+    fits: dict[Shape, StageFit] = {}
+
+    def still_open(p: Problem) -> bool:
+        """Record shapes proven unable to beat the incumbent; keep the rest."""
         if p.lower_bound_us >= incumbent_us:
             results.append(ShapeResult(p.shape, "pruned", p.lower_bound_us))
-            continue
+            return False
         if memory_infeasible(p):
-            results.append(ShapeResult(p.shape, "infeasible", 1 << 62))
-            continue
+            results.append(ShapeResult(p.shape, "infeasible", 1 << 61))
+            return False
+        fit = fits.setdefault(p.shape, StageFit(p))
+        if fit.prunes(incumbent_us):
+            results.append(ShapeResult(p.shape, "pruned", incumbent_us))
+            return False
+        return True
+
+    queue = [p for p in problems if still_open(p)]
+    while queue:
+        p = queue.pop(0)
+        remaining = deadline - time.perf_counter()
         if remaining <= 0:
-            timed_out = True
-            results.append(ShapeResult(p.shape, "unknown", p.lower_bound_us))
+            results.append(ShapeResult(p.shape, "unknown", max(p.lower_bound_us, fits[p.shape].bound_us())))
             continue
         hint = incumbent_layout if _shape_of(incumbent_layout) == p.shape else None
-        # Share what is left among the shapes still worth solving, at least 0.2 s each.
-        todo = sum(1 for q in problems[i:] if q.lower_bound_us < incumbent_us)
+        # Share what is left among the shapes still open, giving the most promising more.
         r = solve_shape(p, upper_bound_us=incumbent_us - 1, hint=hint,
-                        time_limit_s=min(remaining, max(0.2, remaining / max(todo, 1) * 2)),
+                        time_limit_s=min(remaining, max(0.2, 2 * remaining / (len(queue) + 1))),
                         workers=req.workers, seed=req.seed)
+        if r.status in ("feasible", "unknown"):
+            r.bound_us = max(r.bound_us, fits[p.shape].bound_us())
         results.append(r)
         log.info("shape %s: %s, bound %d us, %.2f s", p.shape, r.status, r.bound_us, r.wall_s)
         if r.layout is not None:
@@ -542,10 +645,11 @@ def solve_plan(cm: CostModel, req, uniform: UniformResult) -> Plan:
             if ev.fits and ev.step_time_s < incumbent_eval.step_time_s:
                 incumbent_layout, incumbent_eval = r.layout, ev
                 incumbent_us = min(incumbent_us, r.objective_us or incumbent_us)
+                queue = [q for q in queue if still_open(q)]
     bound = min([incumbent_us] + [r.bound_us for r in results])
     objective = to_us(incumbent_eval.step_time_s)
-    exact = all(r.status in ("optimal", "infeasible", "pruned") for r in results) and not timed_out
-    status = "optimal" if exact else "feasible"
+    exact = all(r.status in ("optimal", "infeasible", "pruned") for r in results)
+    status = "optimal" if exact or bound >= objective else "feasible"
     bound = min(bound, objective)
     gap = (objective - bound) / objective if objective else 0.0
     report = SolverReport(method="cpsat", status=status, objective_us=objective, bound_us=bound,

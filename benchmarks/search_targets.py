@@ -1,0 +1,58 @@
+"""Solve the search benchmark instances and print a table (issue 3's targets).
+
+    python benchmarks/search_targets.py [--time-limit 10] [--workers 1]
+
+Each instance is planned twice in one process: the uniform grid alone, then the CP-SAT search
+(which includes the grid as its warm start). Wall times are this machine's; compare ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from partita.cluster import parse_short
+from partita.errors import InfeasibleError
+from partita.model import load_model
+from partita.search.planner import PlanRequest, make_plan
+
+INSTANCES = [
+    ("llama-2-70b", "8x8xH100", "<= 2 s, optimal"),
+    ("gpt3-175b", "128x8xH100", "<= 10 s, gap <= 1 %"),
+    ("llama-2-70b", "4x8xH100+8x8xA100-80GB+4x8xA100-40GB", "<= 10 s, gap <= 1 %"),
+    ("llama-3-405b", "256x8xH100", "report"),
+]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--time-limit", type=float, default=10.0)
+    ap.add_argument("--workers", type=int, default=1)
+    args = ap.parse_args()
+    header = f"| model | cluster | target | uniform step | uniform wall | CP-SAT step | status | gap | CP-SAT wall | gain | plan |"
+    print(header)
+    print("|" + "---|" * 11)
+    for model_name, cluster_text, target in INSTANCES:
+        model, cluster = load_model(model_name), parse_short(cluster_text)
+        base = dict(model=model, cluster=cluster, seq_len=model.seq_len, global_batch=model.default_global_batch,
+                    time_limit_s=args.time_limit, workers=args.workers)
+        try:
+            t0 = time.perf_counter()
+            uni_plan, _ = make_plan(PlanRequest(search="uniform", **base))
+            t1 = time.perf_counter()
+            plan, _ = make_plan(PlanRequest(search="cpsat", **base))
+            t2 = time.perf_counter()
+        except InfeasibleError as e:
+            print(f"| {model_name} | {cluster_text} | {target} | infeasible: {e} |")
+            continue
+        r = plan.solver
+        stages = " / ".join(f"{s.device}:{sum(1 for l in s.layers if l.name.startswith('layers.'))}" for s in plan.stages)
+        print(f"| {model_name} | {cluster_text} | {target} | {uni_plan.prediction.step_time_s:.3f} s | {t1 - t0:.2f} s "
+              f"| {plan.prediction.step_time_s:.3f} s | {r.status} | {100 * r.gap:.2f} % | {t2 - t1:.2f} s "
+              f"| {uni_plan.prediction.step_time_s / plan.prediction.step_time_s:.3f}x "
+              f"| dp{plan.dp} tp{plan.tp} pp{plan.pp} mb{plan.micro_batch}x{plan.num_micro_batches}; blocks {stages} "
+              f"| MFU {100 * plan.prediction.mfu:.1f} % |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
