@@ -160,7 +160,8 @@ def _layer_options(args: argparse.Namespace, spec: ModelSpec, device, dtype: str
         device=device, dtype=dtype, seq_len=_positive(args.seq_len, "--seq-len", default=spec.seq_len),
         micro_batches=parse_int_list(args.micro_batches, "--micro-batches") if args.micro_batches else DEFAULT_MICRO_BATCHES,
         tps=tps, warmup=_positive(args.warmup, "--warmup", default=2) if args.warmup != "0" else 0,
-        repeats=_positive(args.repeats, "--repeats", default=7 if cpu else 5))
+        repeats=_positive(args.repeats, "--repeats", default=7 if cpu else 5),
+        cpu_time=cpu and _positive(args.threads, "--threads", default=1) == 1)
 
 
 def _comm_options(args: argparse.Namespace, device, catalog: str):

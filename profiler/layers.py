@@ -56,6 +56,8 @@ class LayerOptions:
     tps: tuple[int, ...]
     warmup: int = 2
     repeats: int = 5
+    # CPU only: time with the thread's CPU clock (valid with one intra-op thread; see timing.Clock).
+    cpu_time: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,7 +113,7 @@ def profile_layers(spec: ModelSpec, opts: LayerOptions, build_layer: BuildLayer 
         log.warning(note)
     if opts.device.type == "cuda":
         torch.cuda.set_device(opts.device)  # events record on the current device's stream
-    clock = Clock(opts.device)
+    clock = Clock(opts.device, cpu_time=opts.cpu_time and torch.get_num_threads() == 1)
     for shard in shards:
         layer = build_layer(spec, shard.role, tp=shard.tp, device=opts.device, dtype=TORCH_DTYPES[opts.dtype])
         for mb in sorted(opts.micro_batches):

@@ -28,7 +28,7 @@ def tiny_llama_profile(tmp_path_factory) -> tuple[Profile, str]:
     """tiny-llama at micro-batches 1 and 16, TP widths 1 and 2, with 2-rank gloo collectives."""
     out = tmp_path_factory.mktemp("prof") / "tiny-llama.yaml"
     rc = partita_main(["profile", "--model", "tiny-llama", "--micro-batches", "1,16", "--tp", "1,2", *FAST,
-                       "--comm", "--nproc", "2", "--comm-sizes", "4KiB:256KiB", "-o", str(out)])
+                       "--comm", "--nproc", "2", "--comm-sizes", "16KiB:4MiB", "-o", str(out)])
     assert rc == 0
     return Profile.load(out), str(out)
 
