@@ -18,11 +18,11 @@ import re
 import shlex
 import sys
 import time
-from typing import Sequence
+from pathlib import Path
 
 from partita.errors import PartitaError
 from partita.model import ModelSpec, load_model
-from partita.profile import LINK_CLASSES, Profile
+from partita.profile import Profile
 from partita.units import KiB, MiB, GiB, fmt_bytes, fmt_seconds
 
 log = logging.getLogger(__name__)
@@ -60,69 +60,65 @@ def add_profile_arguments(p: argparse.ArgumentParser) -> None:
 def profile_command(args: argparse.Namespace) -> int:
     import torch
 
-    from partita.profiler import comm as comm_mod
-    from partita.profiler.provenance import catalog_device, provenance, resolve_device
+    from partita.profiler.provenance import catalog_device, resolve_device
 
     started = time.perf_counter()
+    # Every flag is checked before anything is measured: bad input fails in a second.
     device = resolve_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
     catalog = catalog_device(device, args.device_type)
-    threads = _positive(args.threads, "--threads", default=1) if device.type == "cpu" else None
-    want_layers = not args.comm_only
-    want_comm = args.comm or args.comm_only
-    spec = _model(args) if want_layers else None
-    layer_opts = _layer_options(args, spec, device, dtype) if want_layers else None
-    comm_opts = _comm_options(args, device, catalog) if want_comm else None
+    threads = _int_flag(args.threads, "--threads", default=1) if device.type == "cpu" else None
+    spec = None if args.comm_only else _model(args)
+    layer_opts = None if spec is None else _layer_options(args, spec, device, dtype, threads)
+    comm_opts = _comm_options(args, device, catalog) if (args.comm or args.comm_only) else None
+    nproc = _int_flag(args.nproc, "--nproc", default=torch.cuda.device_count() if device.type == "cuda" else 4)
+    output = Path(args.output)
+    if not output.parent.is_dir():
+        raise PartitaError(f"-o {args.output}: no such directory {str(output.parent)!r}")
+
     threads_before = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
     try:
-        return _run(args, spec, device, dtype, catalog, threads, layer_opts, comm_opts, started)
+        samples = _measure_comm(comm_opts, nproc, threads) if comm_opts else []
+        if samples is None:
+            return 0  # a torchrun rank other than 0: rank 0 measures the layers and writes the file
+        measurements = _measure_layers(spec, layer_opts) if layer_opts else []
     finally:
         torch.set_num_threads(threads_before)
-
-
-def _run(args: argparse.Namespace, spec: ModelSpec | None, device, dtype: str, catalog: str, threads: int | None,
-         layer_opts, comm_opts, started: float) -> int:
-    import torch
-
-    from partita.profiler import comm as comm_mod
-    from partita.profiler.provenance import provenance
-
-    want_layers, want_comm = layer_opts is not None, comm_opts is not None
-    samples: list = []
-    if want_comm:
-        if comm_mod.under_launcher():
-            samples = comm_mod.measure_under_launcher(comm_opts)
-            if int(os.environ["RANK"]) != 0:
-                return 0  # rank 0 measures the layers and writes the file
-        else:
-            nproc = _positive(args.nproc, "--nproc",
-                              default=torch.cuda.device_count() if device.type == "cuda" else 4)
-            samples = comm_mod.spawn_and_measure(comm_opts, nproc, threads_per_rank=threads or 1)
-    comm_costs = comm_mod.fit_comm(samples)
-
-    measurements = _measure_layers(spec, layer_opts) if want_layers else []
     elapsed = time.perf_counter() - started
+
+    from partita.profiler.comm import fit_comm
+    from partita.profiler.provenance import provenance
 
     profile = Profile(device=catalog, dtype=dtype,
                       provenance=provenance(device, dtype=dtype, command=_command_line(args), threads=threads),
-                      layers=tuple(m.cost for m in measurements), comm=comm_costs)
-    profile.save(args.output)
+                      layers=tuple(m.cost for m in measurements), comm=fit_comm(samples))
+    profile.save(output)
     _report(profile, measurements, samples, elapsed, args.output)
     return 0
 
 
+def _measure_comm(opts, nproc: int, threads: int | None) -> list | None:
+    """Rank 0's samples; None on the other ranks of a torchrun job."""
+    from partita.profiler import comm
+
+    if comm.under_launcher():
+        samples = comm.measure_under_launcher(opts)
+        return samples if int(os.environ["RANK"]) == 0 else None
+    return comm.spawn_and_measure(opts, nproc, threads_per_rank=threads or 1)
+
+
 # ---- flags -> options -------------------------------------------------------------------
-def _positive(text: str | None, flag: str, *, default: int) -> int:
+def _int_flag(text: str | None, flag: str, *, default: int, minimum: int = 1) -> int:
     if text is None:
         return default
     try:
         value = int(text)
     except ValueError:
-        raise PartitaError(f"{flag}: expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise PartitaError(f"{flag}: expected a positive integer, got {value}")
+        raise PartitaError(f"{flag}: expected an integer >= {minimum}, got {text!r}") from None
+    if value < minimum:
+        raise PartitaError(f"{flag}: expected an integer >= {minimum}, got {value}")
     return value
 
 
@@ -130,8 +126,7 @@ def parse_int_list(text: str, flag: str) -> tuple[int, ...]:
     parts = [t.strip() for t in text.split(",") if t.strip()]
     if not parts:
         raise PartitaError(f"{flag}: empty list; give comma-separated positive integers, e.g. 1,2,4")
-    values = tuple(sorted({_positive(t, flag, default=0) for t in parts}))
-    return values
+    return tuple(sorted({_int_flag(t, flag, default=0) for t in parts}))
 
 
 def parse_size(text: str, flag: str) -> int:
@@ -148,7 +143,7 @@ def _model(args: argparse.Namespace) -> ModelSpec:
     return load_model(args.model)
 
 
-def _layer_options(args: argparse.Namespace, spec: ModelSpec, device, dtype: str):
+def _layer_options(args: argparse.Namespace, spec: ModelSpec, device, dtype: str, threads: int | None):
     from partita.profiler.layers import LayerOptions
 
     if args.tp is None:
@@ -157,11 +152,10 @@ def _layer_options(args: argparse.Namespace, spec: ModelSpec, device, dtype: str
         tps = parse_int_list(args.tp, "--tp")
     cpu = device.type == "cpu"
     return LayerOptions(
-        device=device, dtype=dtype, seq_len=_positive(args.seq_len, "--seq-len", default=spec.seq_len),
+        device=device, dtype=dtype, seq_len=_int_flag(args.seq_len, "--seq-len", default=spec.seq_len),
         micro_batches=parse_int_list(args.micro_batches, "--micro-batches") if args.micro_batches else DEFAULT_MICRO_BATCHES,
-        tps=tps, warmup=_positive(args.warmup, "--warmup", default=2) if args.warmup != "0" else 0,
-        repeats=_positive(args.repeats, "--repeats", default=7 if cpu else 5),
-        cpu_time=cpu and _positive(args.threads, "--threads", default=1) == 1)
+        tps=tps, warmup=_int_flag(args.warmup, "--warmup", default=2, minimum=0),
+        repeats=_int_flag(args.repeats, "--repeats", default=7 if cpu else 5), cpu_time=cpu and threads == 1)
 
 
 def _comm_options(args: argparse.Namespace, device, catalog: str):
@@ -178,7 +172,6 @@ def _comm_options(args: argparse.Namespace, device, catalog: str):
         if not (64 <= lo <= hi):
             raise PartitaError(f"--comm-sizes: need 64 B <= MIN <= MAX, got {lo} and {hi} bytes")
     link = "loopback" if cpu else get_device(catalog).intra_link
-    assert link in LINK_CLASSES
     return CommOptions(device="cpu" if cpu else "cuda", intra_link=link, min_bytes=lo, max_bytes=hi)
 
 

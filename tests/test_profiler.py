@@ -147,6 +147,7 @@ def one_error_line(capsys) -> str:
     (["--comm-only", "--device", "cpu", "--nproc", "1"], "at least 2 ranks"),
     (["--model", "tiny-gpt2", "--device", "cpu", "--seq-len", "65"], "position"),
     (["--model", "tiny-llama", "--device", "cpu", "--device-type", "TPUv9"], "unknown device"),
+    (["--model", "tiny-llama", "--device", "cpu", "--repeats", "0"], "--repeats"),
 ])
 def test_bad_input_is_one_line_exit_2(argv, says, capsys, tmp_path):
     assert partita_main(["profile", *argv, "-o", str(tmp_path / "p.yaml")]) == 2
@@ -182,3 +183,9 @@ def test_a_plan_from_the_measured_profile_validates(tiny_llama_profile, tmp_path
     assert plan.cost_sources == {"cpu": "measured"}
     assert plan.profile_fingerprint == prof.fingerprint
     assert partita_main(["check", str(plan_path), "--cluster", "4xcpu", "--profile", path]) == 0
+
+
+def test_missing_output_directory_is_one_line_exit_2(capsys, tmp_path):
+    out = tmp_path / "no" / "p.yaml"
+    assert partita_main(["profile", "--model", "tiny-llama", "--device", "cpu", "-o", str(out)]) == 2
+    assert "no such directory" in one_error_line(capsys)
