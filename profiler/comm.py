@@ -19,6 +19,7 @@ over runs. ``fit_comm`` turns the points into one ``CommCost`` per (op, link, gr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -27,7 +28,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -101,23 +102,52 @@ def plan_groups(world: int, local_world: int, intra_link: str) -> list[tuple[str
 def measure_collectives(opts: CommOptions, *, rank: int, world: int, local_world: int) -> list[CommSample]:
     """Run on every rank of an initialised process group; rank 0 returns the samples, others []."""
     device = torch.device("cuda", torch.cuda.current_device()) if opts.device == "cuda" else torch.device("cpu")
+    groups = plan_groups(world, local_world, opts.intra_link)
+    points = [(link, ranks, op) for link, ranks in groups for op in opts.ops if op != "p2p" or len(ranks) == 2]
     samples: list[CommSample] = []
-    for link, ranks in plan_groups(world, local_world, opts.intra_link):
-        # new_group is collective over the whole world: every rank creates every group.
-        group = dist.new_group(ranks)
-        if rank not in ranks:
-            continue
-        for op in opts.ops:
-            if op == "p2p" and len(ranks) != 2:
+    with _progress(rank == 0, total=len(points) * len(opts.sizes())) as advance:
+        for link, ranks in groups:
+            # new_group is collective over the whole world: every rank creates every group.
+            group = dist.new_group(ranks)
+            if rank not in ranks:
                 continue
-            for size in opts.sizes():
-                run, messages = _make_op(op, size, ranks, rank, group, device)
-                seconds = _time_slowest_rank(run, opts, group, device) / messages
-                if rank == 0:
-                    samples.append(CommSample(op=op, link=link, ranks=len(ranks), message_bytes=size, seconds=seconds))
-                    log.debug("%s %s x%d %d B: %.1f us", op, link, len(ranks), size, seconds * 1e6)
+            for op in opts.ops:
+                if op == "p2p" and len(ranks) != 2:
+                    continue
+                for size in opts.sizes():
+                    advance(f"{op} on {len(ranks)} ranks ({link}), {size} B")
+                    run, messages = _make_op(op, size, ranks, rank, group, device)
+                    seconds = _time_slowest_rank(run, opts, group, device) / messages
+                    if rank == 0:
+                        samples.append(CommSample(op=op, link=link, ranks=len(ranks), message_bytes=size,
+                                                  seconds=seconds))
+                        log.debug("%s %s x%d %d B: %.1f us", op, link, len(ranks), size, seconds * 1e6)
     dist.barrier()
     return samples
+
+
+@contextlib.contextmanager
+def _progress(show: bool, total: int) -> Iterator[Callable[[str], None]]:
+    """A progress bar on rank 0 (stderr); a no-op elsewhere."""
+    if not show:
+        yield lambda what: None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn("[bold]collectives: {task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn())
+    with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
+        task = progress.add_task("", total=total)
+        started = [False]
+
+        def advance(what: str) -> None:
+            if started[0]:
+                progress.advance(task)
+            started[0] = True
+            progress.update(task, description=what)
+
+        yield advance
 
 
 def _make_op(op: str, size: int, ranks: list[int], rank: int, group,
