@@ -12,9 +12,10 @@ the device's intra-node link, ``loopback`` on CPU); across nodes, the first rank
 g nodes, for the same g up to the node count (link class ``network``). p2p is a ping-pong
 between the first two ranks of each link class; its time is half the round trip.
 
-Each (op, group, size) point is timed ``repeats`` times after ``warmup`` untimed runs, with a
-barrier before each run; a run's time is the slowest rank's, and the point's time the median
-over runs. ``fit_comm`` turns the points into one ``CommCost`` per (op, link, group size).
+Each (op, group, size) point is timed ``repeats`` times after ``warmup`` untimed runs; a timed
+repeat is a barrier, then ``iters`` back-to-back runs (so that the ranks' skew leaving the
+barrier averages out), divided by ``iters``. A repeat's time is the slowest rank's, and the
+point's time the median over repeats. ``fit_comm`` turns the points into one ``CommCost`` per (op, link, group size).
 """
 
 from __future__ import annotations
@@ -244,7 +245,8 @@ def spawn_and_measure(opts: CommOptions, nproc: int, *, threads_per_rank: int = 
     import torch.multiprocessing as mp
 
     if nproc < 2:
-        raise PartitaError(f"collectives need at least 2 ranks, got --nproc {nproc}")
+        raise PartitaError(f"collectives need at least 2 ranks, got --nproc {nproc}"
+                           + (" (one GPU visible: measure collectives on a multi-GPU node)" if opts.device == "cuda" else ""))
     if opts.device == "cuda" and nproc > torch.cuda.device_count():
         raise PartitaError(f"--nproc {nproc} is more than the {torch.cuda.device_count()} visible GPUs")
     with tempfile.TemporaryDirectory(prefix="partita-comm-") as tmp:
