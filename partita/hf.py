@@ -67,8 +67,8 @@ def spec_from_hf(config: Any, name: str, where: str = "Hugging Face config") -> 
     config = specio.require_mapping(config, where)
     model_type = config.get("model_type")
     if not isinstance(model_type, str) or not model_type:
-        raise PartitaError(f"{where}: missing key 'model_type' (a string such as 'llama'); "
-                           f"supported: {', '.join(MAPPERS)}")
+        problem = "missing key 'model_type'" if model_type is None else f"model_type must be a string, got {model_type!r}"
+        raise PartitaError(f"{where}: {problem}; supported: {', '.join(MAPPERS)}")
     _refuse_moe(config, model_type, where)
     if model_type not in MAPPERS:
         raise PartitaError(f"{where}: model_type {model_type!r} is not supported; supported: {', '.join(MAPPERS)}")
