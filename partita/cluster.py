@@ -46,7 +46,7 @@ class NodeGroup:
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "device": self.device, "nodes": self.nodes, "gpus_per_node": self.gpus_per_node,
-                "memory_gib": round(self.memory_bytes / GiB, 3), "intra_link": self.intra_link,
+                "memory_gib": self.memory_bytes / GiB, "intra_link": self.intra_link,
                 "intra_node_gbps": self.intra_node_gbps, "network_gbps": self.network_gbps}
 
     @classmethod
@@ -65,7 +65,7 @@ class NodeGroup:
             device=dev,
             nodes=specio.get_int(data, "nodes", where, default=1),
             gpus_per_node=specio.get_int(data, "gpus_per_node", where, default=dev.gpus_per_node),
-            memory_bytes=int(memory_gib * GiB),
+            memory_bytes=int(round(memory_gib * GiB)),
             intra_link=specio.get_str(data, "intra_link", where, default=dev.intra_link, choices=LINKS),
             intra_node_gbps=specio.get_float(data, "intra_node_gbps", where, default=dev.intra_node_gbps),
             network_gbps=specio.get_float(data, "network_gbps", where, default=dev.network_gbps),

@@ -47,8 +47,6 @@ def test_short_form_cluster_round_trips(short):
     assert ClusterSpec.from_dict(through_yaml(cluster.to_dict())) == cluster
 
 
-@pytest.mark.xfail(strict=True, reason="NodeGroup.to_dict rounds memory_gib to 3 decimals; 141 GB is not a whole "
-                                       "number of GiB, so memory_bytes comes back 518,640 bytes short")
 @pytest.mark.parametrize("short", ["8xH200", "8xMI300X"])
 def test_decimal_gb_devices_round_trip(short):
     cluster = parse_short(short)
