@@ -44,7 +44,7 @@ def add_profile_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"micro-batch sizes to measure, comma-separated (default {','.join(map(str, DEFAULT_MICRO_BATCHES))})")
     p.add_argument("--tp", default=None, metavar="LIST",
                    help="tensor-parallel shard widths, comma-separated (default: those of 1,2,4,8 the model divides)")
-    p.add_argument("--warmup", type=str, default=None, help="untimed iterations per point (default 2)")
+    p.add_argument("--warmup", type=str, default=None, help="untimed iterations per point (default 1 on GPUs, 2 on the CPU)")
     p.add_argument("--repeats", type=str, default=None, help="timed iterations per point; the median is kept (default 5, CPU 7)")
     p.add_argument("--threads", type=str, default=None,
                    help="CPU threads per rank (default 1: a CPU rank shares the machine with its peers)")
@@ -154,7 +154,7 @@ def _layer_options(args: argparse.Namespace, spec: ModelSpec, device, dtype: str
     return LayerOptions(
         device=device, dtype=dtype, seq_len=_int_flag(args.seq_len, "--seq-len", default=spec.seq_len),
         micro_batches=parse_int_list(args.micro_batches, "--micro-batches") if args.micro_batches else DEFAULT_MICRO_BATCHES,
-        tps=tps, warmup=_int_flag(args.warmup, "--warmup", default=2, minimum=0),
+        tps=tps, warmup=_int_flag(args.warmup, "--warmup", default=2 if cpu else 1, minimum=0),
         repeats=_int_flag(args.repeats, "--repeats", default=7 if cpu else 5), cpu_time=cpu and threads == 1)
 
 
