@@ -15,10 +15,13 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 log = logging.getLogger(__name__)
 PREFIX = "step-"
+# Flat optimizer keys ("state.layers.0.attention.wq.weight.exp_avg", "param_groups.<fqn>.lr"):
+# the form torch.distributed.checkpoint reshards and restores whole, hyperparameters included.
+OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def step_dir(root: str | Path, step: int) -> Path:
@@ -33,7 +36,7 @@ def latest_step(root: str | Path) -> int | None:
 
 
 def save(root: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = get_state_dict(model, optimizer, options=OPTIONS)
     state = {"model": model_state, "optim": optim_state, "train": {"step": torch.tensor(step)}}
     dcp.save(state, checkpoint_id=str(step_dir(root, step)))
     log.info("saved checkpoint %s", step_dir(root, step))
@@ -41,9 +44,9 @@ def save(root: str | Path, step: int, model: nn.Module, optimizer: torch.optim.O
 
 def load(root: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """Load the checkpoint of ``step`` in place; returns the step to continue from."""
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = get_state_dict(model, optimizer, options=OPTIONS)
     state = {"model": model_state, "optim": optim_state, "train": {"step": torch.tensor(0)}}
     dcp.load(state, checkpoint_id=str(step_dir(root, step)))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=OPTIONS)
     log.info("resumed from %s", step_dir(root, step))
     return int(state["train"]["step"])

@@ -24,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from partita.cluster import ClusterSpec, load_cluster
+from partita.cluster import ClusterSpec, load_cluster, parse_short
 from partita.errors import PartitaError
 from partita.model import ModelSpec, load_model
 from partita.plan import Plan
@@ -84,7 +84,7 @@ def launch_command(args: argparse.Namespace) -> int:
 def check_launch(plan: Plan, args: argparse.Namespace) -> ClusterSpec:
     """Everything that can be refused before a rank starts; each refusal is one PartitaError line."""
     model = ModelSpec.from_dict(plan.model, where=f"{args.plan}: model")
-    cluster = ClusterSpec.from_dict(plan.cluster, where=f"{args.plan}: cluster")
+    cluster = plan_cluster(plan, where=f"{args.plan}: cluster")
     if args.model is not None:
         model = load_model(args.model)
     if args.cluster is not None:
@@ -107,6 +107,19 @@ def check_launch(plan: Plan, args: argparse.Namespace) -> ClusterSpec:
     if _nodes(plan, cluster) == 1:
         _check_local_world(plan, cluster, args.nproc)
     return cluster
+
+
+def plan_cluster(plan: Plan, where: str = "plan: cluster") -> ClusterSpec:
+    """The cluster the plan holds. A short-form cluster (``4xcpu``) is rebuilt from its name when
+    that reproduces the plan's dict exactly: reading the dict back turns integer bandwidths into
+    floats, which changes the fingerprint."""
+    try:
+        short = parse_short(str(plan.cluster.get("name", "")))
+        if short.to_dict() == dict(plan.cluster):
+            return short
+    except PartitaError:
+        pass
+    return ClusterSpec.from_dict(plan.cluster, where=where)
 
 
 def _validate(plan: Plan, model: ModelSpec, cluster: ClusterSpec) -> None:

@@ -4,8 +4,9 @@
 
   1. keep the stage's layers, materialise them and initialise each from the seed;
   2. tensor / sequence parallelism per layer (``parallelize_module``, a dict of styles);
-  3. activation checkpointing per layer (``torch.distributed._composable.checkpoint``,
-     which keeps module names, so checkpoints and the plan speak the same names);
+  3. activation checkpointing per layer (``checkpoint_wrapper`` around the block, so the
+     recomputation replays the block's tensor-parallel layout conversions too; module names
+     gain ``._checkpoint_wrapped_module``, which ``torch.distributed.checkpoint`` strips);
   4. FSDP2 per layer at the layer's ZeRO level (``fully_shard``), then the stage root.
 
 Layouts between layers. Inside a tensor-parallel stage the hidden states between two layers
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed._composable import checkpoint as checkpoint_activations
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
@@ -156,11 +157,13 @@ def _parallelize_with_root(layer: nn.Module, mesh, styles: dict[str, object]) ->
 
 
 def apply_recompute(model: Transformer, stage: Stage) -> None:
-    """Full recomputation of the layers the plan marks: their activations are dropped after
-    forward and recomputed in backward."""
+    """Full recomputation of the blocks the plan marks: their activations are dropped after
+    forward and recomputed in backward. (The composable ``checkpoint`` would keep module names
+    but recomputes from inputs already converted by a tensor-parallel input hook.)"""
     for strategy in stage.layers:
         if strategy.recompute:
-            checkpoint_activations(model.get_submodule(strategy.name))
+            key = strategy.name.split(".", 1)[1]
+            model.layers[key] = checkpoint_wrapper(model.layers[key], preserve_rng_state=False)
 
 
 # ---- 4. FSDP2 per layer ----------------------------------------------------------------------

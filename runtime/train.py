@@ -173,8 +173,8 @@ class Trainer:
         peak = peak_flops(plan)
         pp_group = self.meshes.pp.get_group() if plan.pp > 1 else None
         reports_loss = place.stage.index == plan.pp - 1 and place.tp_index == 0
-        step_times: list[float] = []
-        losses: list[float] = []
+        self.step_times: list[float] = []  # this session's steps, for callers that time the runtime
+        step_times, losses = self.step_times, []
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
 

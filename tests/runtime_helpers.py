@@ -24,7 +24,7 @@ from partita.plan import LayerStrategy, Plan, Stage
 
 def make_plan(model: str | ModelSpec = "tiny-llama", *, dp: int = 1, tp: int = 1, pp: int = 1,
               boundaries: list[int] | None = None, micro_batch: int = 2, num_micro_batches: int = 2,
-              seq_len: int = 32, cluster: str = "4xcpu", layer: dict | None = None,
+              seq_len: int = 16, cluster: str = "4xcpu", layer: dict | None = None,
               per_layer: dict[str, dict] | None = None) -> Plan:
     """A plan; ``boundaries`` are the block indices where stages 1.. start (uneven allowed);
     ``layer`` sets every layer's strategy, ``per_layer`` overrides single layers by name."""
@@ -83,6 +83,7 @@ def full_parameters(model) -> dict[str, torch.Tensor]:
     out = {}
     for name, p in model.named_parameters():
         t = p.detach()
+        name = name.replace("._checkpoint_wrapped_module", "")
         out[name] = (t.full_tensor() if isinstance(t, DTensor) else t).clone()
     return out
 
@@ -105,6 +106,15 @@ def run_parallel(plan: Plan, cfg, *, world: int | None = None) -> tuple[list[flo
 
 def run_reference(plan: Plan, cfg) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The same model, data, init and optimizer in one process, without any parallelism."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the ranks run with one thread each; so does the reference
+    try:
+        return _reference(plan, cfg)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _reference(plan: Plan, cfg) -> tuple[list[float], dict[str, torch.Tensor]]:
     from partita.runtime.data import TokenSource
     from partita.runtime.models import build_model, materialize
     from partita.runtime.schedule import lm_loss

@@ -1,0 +1,138 @@
+"""`partita launch`: refusals before any rank starts, multi-node commands, a real torchrun run,
+and kill-and-resume through torch.distributed.checkpoint."""
+
+import argparse
+import dataclasses
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+mp = pytest.importorskip("torch.multiprocessing")
+
+from partita.errors import PartitaError  # noqa: E402
+from partita.runtime.data import TokenSource  # noqa: E402
+from partita.runtime.launch import add_launch_arguments, launch_command  # noqa: E402
+from partita.runtime.metrics import RunSummary  # noqa: E402
+from partita.runtime.train import TrainConfig, lr_at  # noqa: E402
+from runtime_helpers import make_plan, run_parallel  # noqa: E402
+
+
+def parse(*argv):
+    parser = argparse.ArgumentParser()
+    add_launch_arguments(parser)
+    return parser.parse_args([str(a) for a in argv])
+
+
+def saved(plan, tmp_path, name="plan.yaml"):
+    path = tmp_path / name
+    plan.save(path)
+    return path
+
+
+# ---- refusals: one clear line, before anything starts -------------------------------------------
+
+
+def test_world_size_mismatch_is_refused(tmp_path):
+    path = saved(make_plan(dp=2, tp=2), tmp_path)
+    with pytest.raises(PartitaError, match=r"world size 4 .*--nproc is 3"):
+        launch_command(parse(path, "--nproc", 3))
+
+
+def test_fingerprint_mismatch_is_refused(tmp_path):
+    plan = dataclasses.replace(make_plan(dp=2), model_fingerprint="0123456789ab")
+    with pytest.raises(PartitaError, match="fingerprint"):
+        launch_command(parse(saved(plan, tmp_path)))
+
+
+def test_other_model_or_cluster_is_refused(tmp_path):
+    path = saved(make_plan(dp=2), tmp_path)
+    with pytest.raises(PartitaError, match="fingerprint"):
+        launch_command(parse(path, "--model", "tiny-gpt2"))
+    with pytest.raises(PartitaError, match="fingerprint"):
+        launch_command(parse(path, "--cluster", "8xcpu"))
+
+
+def test_tied_embeddings_across_stages_are_refused(tmp_path):
+    path = saved(make_plan("tiny-gpt2", pp=2), tmp_path)
+    with pytest.raises(PartitaError, match="ties its embedding"):
+        launch_command(parse(path))
+
+
+def test_resume_needs_a_checkpoint_dir(tmp_path):
+    with pytest.raises(PartitaError, match="--resume needs --checkpoint-dir"):
+        launch_command(parse(saved(make_plan(dp=2), tmp_path), "--resume"))
+
+
+def test_several_nodes_print_one_torchrun_command_per_node(tmp_path, capsys):
+    path = saved(make_plan(dp=2, tp=2, cluster="2x2xcpu"), tmp_path)
+    assert launch_command(parse(path, "--steps", 5, "--master-addr", "node0")) == 0
+    out = capsys.readouterr().out
+    commands = [l for l in out.splitlines() if l.startswith("torchrun")]
+    assert len(commands) == 2
+    for node, command in enumerate(commands):
+        assert f"--node-rank={node}" in command and "--nnodes=2" in command and "--nproc-per-node=2" in command
+        assert "--rdzv-backend=static" in command and "--master-addr=node0" in command
+        assert "-m partita.runtime.worker" in command and "--steps 5" in command
+
+
+# ---- pieces -------------------------------------------------------------------------------------
+
+
+def test_learning_rate_warms_up_then_decays():
+    cfg = TrainConfig(steps=10, warmup_steps=2, lr=1.0, min_lr_ratio=0.1)
+    lrs = [lr_at(s, cfg) for s in range(10)]
+    assert lrs[0] == pytest.approx(0.5) and lrs[1] == pytest.approx(1.0)
+    assert lrs[2] == pytest.approx(1.0) and all(a > b for a, b in zip(lrs[2:], lrs[3:]))
+    assert lrs[-1] == pytest.approx(0.1)
+
+
+def test_text_data_is_bytes_and_reproducible(tmp_path):
+    text = tmp_path / "input.txt"
+    text.write_text("hello partita " * 50)
+    source = TokenSource(str(text), vocab=256, seq_len=16, global_batch=4, seed=1)
+    x, y = source.batch(3)
+    assert x.shape == (4, 16) and torch.equal(x[:, 1:], y[:, :-1])
+    assert bytes(x[0].tolist()).decode() in "hello partita " * 50
+    assert torch.equal(source.batch(3)[0], x) and not torch.equal(source.batch(4)[0], x)
+    with pytest.raises(PartitaError, match="at least 256"):
+        TokenSource(str(text), vocab=128, seq_len=16, global_batch=4, seed=1)
+
+
+def test_summary_table_reports_error_in_percent():
+    summary = RunSummary(steps=3, measured_step_time_s=0.11, predicted_step_time_s=0.1,
+                         measured_stage_peak_bytes=[2 << 30], predicted_stage_peak_bytes=[1 << 30],
+                         memory_kind="allocated", losses=[1.0, 0.9, 0.8])
+    table = summary.table()
+    assert "+10.0%" in table and "+100.0%" in table and "110.0 ms" in table
+
+
+# ---- real runs ----------------------------------------------------------------------------------
+
+
+def test_launch_runs_ranks_under_torchrun(tmp_path, capsys):
+    path = saved(make_plan(dp=2, layer=dict(zero=2), seq_len=16), tmp_path)
+    metrics = tmp_path / "metrics.jsonl"
+    assert launch_command(parse(path, "--steps", 2, "--metrics", metrics)) == 0
+    records = [json.loads(l) for l in metrics.read_text().splitlines()]
+    assert sorted((r["rank"], r["step"]) for r in records) == [(0, 1), (0, 2), (1, 1), (1, 2)]
+    assert all(r["loss"] > 0 and r["tokens_per_s"] > 0 and r["peak_memory_bytes"] > 0 for r in records)
+    out = capsys.readouterr().out
+    assert "step time" in out and "stage 0 peak memory" in out
+
+
+def test_kill_and_resume_reproduces_the_uninterrupted_losses(tmp_path):
+    plan = make_plan(pp=2, dp=2, boundaries=[2], num_micro_batches=2,
+                     per_layer={"layers.1": dict(zero=3), "layers.4": dict(zero=1), "head": dict(zero=2)})
+    whole = TrainConfig(steps=4, warmup_steps=1)
+    losses, params = run_parallel(plan, whole)
+    ckpt = str(tmp_path / "ckpt")
+    killed = dataclasses.replace(whole, checkpoint_dir=ckpt, checkpoint_every=2, crash_after_step=3)
+    with pytest.raises(mp.ProcessExitedException):
+        run_parallel(plan, killed)
+    resumed = dataclasses.replace(whole, checkpoint_dir=ckpt, checkpoint_every=2, resume=True)
+    tail, resumed_params = run_parallel(plan, resumed)
+    assert len(tail) == 2  # steps 3 and 4, from the checkpoint after step 2
+    assert tail == pytest.approx(losses[2:], rel=1e-6)
+    for name, p in params.items():
+        torch.testing.assert_close(resumed_params[name], p, rtol=1e-6, atol=1e-7)
