@@ -623,20 +623,33 @@ def solve_plan(cm: CostModel, req, uniform: UniformResult) -> Plan:
         return True
 
     queue = [p for p in problems if still_open(p)]
+    # Most promising first: a better incumbent early lets the stage-fit test prune the rest.
+    bounds = {p.shape: max(p.lower_bound_us, fits[p.shape].bound_us()) for p in queue}
+    queue.sort(key=lambda p: bounds[p.shape])
+    earlier: dict[Shape, ShapeResult] = {}  # first attempts that ran out of time, to retry once
     while queue:
         p = queue.pop(0)
         remaining = deadline - time.perf_counter()
         if remaining <= 0:
-            results.append(ShapeResult(p.shape, "unknown", max(p.lower_bound_us, fits[p.shape].bound_us())))
+            results.append(earlier.get(p.shape) or ShapeResult(p.shape, "unknown", bounds[p.shape]))
             continue
         hint = incumbent_layout if _shape_of(incumbent_layout) == p.shape else None
-        # Share what is left among the shapes still open, giving the most promising more.
-        r = solve_shape(p, upper_bound_us=incumbent_us - 1, hint=hint,
-                        time_limit_s=min(remaining, max(0.2, 2 * remaining / (len(queue) + 1))),
-                        workers=req.workers, seed=req.seed)
+        if hint is None and p.shape in earlier:
+            hint = earlier[p.shape].layout
+        # Share what is left among the shapes still open, giving the most promising more;
+        # a shape that runs out is retried once at the end with whatever time is left.
+        limit = remaining if p.shape in earlier else min(remaining, max(0.2, 2 * remaining / (len(queue) + 1)))
+        r = solve_shape(p, upper_bound_us=incumbent_us - 1, hint=hint, time_limit_s=limit, workers=req.workers,
+                        seed=req.seed)
         if r.status in ("feasible", "unknown"):
-            r.bound_us = max(r.bound_us, fits[p.shape].bound_us())
-        results.append(r)
+            r.bound_us = max(r.bound_us, bounds[p.shape])
+            if p.shape not in earlier:
+                earlier[p.shape] = r
+                queue.append(p)
+            else:
+                results.append(r)
+        else:
+            results.append(r)
         log.info("shape %s: %s, bound %d us, %.2f s", p.shape, r.status, r.bound_us, r.wall_s)
         if r.layout is not None:
             ev = evaluate_layout(cm, list(zip(r.layout.stage_groups, r.layout.stage_layers)), dp=r.layout.dp,
@@ -649,7 +662,10 @@ def solve_plan(cm: CostModel, req, uniform: UniformResult) -> Plan:
     bound = min([incumbent_us] + [r.bound_us for r in results])
     objective = to_us(incumbent_eval.step_time_s)
     exact = all(r.status in ("optimal", "infeasible", "pruned") for r in results)
-    status = "optimal" if exact or bound >= objective else "feasible"
+    # Within the integer rounding of the plan's terms the bound proves it optimal too.
+    lay = incumbent_layout
+    slack = (lay.num_micro_batches - 1 + lay.pp) * (max(len(l) for l in lay.stage_layers) + 1) / 2
+    status = "optimal" if exact or objective - bound <= slack else "feasible"
     bound = min(bound, objective)
     gap = (objective - bound) / objective if objective else 0.0
     report = SolverReport(method="cpsat", status=status, objective_us=objective, bound_us=bound,
