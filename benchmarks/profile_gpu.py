@@ -61,6 +61,11 @@ def main() -> int:
         if rc:
             return rc
         results.append((model, wall, Profile.load(out)))
+    summarize(results)
+    return 0
+
+
+def summarize(results: list[tuple[str, float, Profile]]) -> None:
     print("\n=== summary")
     for model, wall, prof in results:
         note = f" (target {TARGET_S:.0f} s for 7B-class: {'met' if wall <= TARGET_S else 'MISSED'})" \
@@ -74,7 +79,6 @@ def main() -> int:
                           for f in ("forward_s", "backward_s", "recompute_s", "activation_bytes")}
                 print(f"  {role:5s} median measured/analytic: " +
                       ", ".join(f"{f.removesuffix('_s').removesuffix('_bytes')} {r:.2f}" for f, r in ratios.items()))
-    return 0
 
 
 if __name__ == "__main__":
