@@ -30,7 +30,11 @@ class TokenSource:
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
         n, s = self.global_batch, self.seq_len
         if self.text is None:
-            rows = torch.randint(0, self.vocab, (n, s + 1), generator=gen)
+            # Learnable synthetic text: each row counts from a random start by a random stride
+            # (mod vocab), so the loss falls as the model learns to continue it.
+            start = torch.randint(0, self.vocab, (n, 1), generator=gen)
+            stride = torch.randint(1, 8, (n, 1), generator=gen)
+            rows = (start + stride * torch.arange(s + 1)) % self.vocab
         else:
             starts = torch.randint(0, len(self.text) - s - 1 + 1, (n,), generator=gen)
             rows = torch.stack([self.text[i:i + s + 1] for i in starts.tolist()])

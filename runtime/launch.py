@@ -89,10 +89,7 @@ def check_launch(plan: Plan, args: argparse.Namespace) -> ClusterSpec:
         model = load_model(args.model)
     if args.cluster is not None:
         cluster = load_cluster(args.cluster)
-    _validate(plan, model, cluster)
-    from partita.runtime.parallelize import check_stage_supported
-
-    check_stage_supported(plan, model.tie_embeddings)
+    check_plan(plan, model, cluster)
     if args.steps < 1:
         raise PartitaError(f"--steps must be at least 1, got {args.steps}")
     if args.checkpoint_every < 0:
@@ -120,6 +117,14 @@ def plan_cluster(plan: Plan, where: str = "plan: cluster") -> ClusterSpec:
     except PartitaError:
         pass
     return ClusterSpec.from_dict(plan.cluster, where=where)
+
+
+def check_plan(plan: Plan, model: ModelSpec, cluster: ClusterSpec) -> None:
+    """The plan validator, then what only the runtime knows it cannot run."""
+    _validate(plan, model, cluster)
+    from partita.runtime.parallelize import check_supported
+
+    check_supported(plan, model.tie_embeddings)
 
 
 def _validate(plan: Plan, model: ModelSpec, cluster: ClusterSpec) -> None:

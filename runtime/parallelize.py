@@ -220,10 +220,13 @@ def parallelize_stage(model: Transformer, plan: Plan, meshes: Meshes, *, device:
     return apply_fsdp(model, stage, meshes, mp_policy or MixedPrecisionPolicy())
 
 
-def check_stage_supported(plan: Plan, tie_embeddings: bool) -> None:
+def check_supported(plan: Plan, tie_embeddings: bool) -> None:
     """What the runtime cannot run faithfully with upstream parts, refused before launch."""
     if plan.dtype == "fp16":
         raise PartitaError("plan dtype fp16 is not supported by the runtime (it needs loss scaling); use bf16")
+    if plan.pp > 1 and plan.num_micro_batches < plan.pp:
+        raise PartitaError(f"the 1F1B schedule needs at least as many micro-batches as stages; the plan has "
+                           f"num_micro_batches {plan.num_micro_batches} for pp {plan.pp}")
     if not tie_embeddings:
         return
     names = {s.name: s for s in plan.layer_strategies()}
@@ -232,6 +235,6 @@ def check_stage_supported(plan: Plan, tie_embeddings: bool) -> None:
         raise PartitaError(f"model {plan.model.get('name')!r} ties its embedding and head weights, which the runtime "
                            f"runs only with pp=1 (embedding and head in one stage); this plan has pp={plan.pp}")
     if embed and head and (embed.tensor_parallel, embed.zero) != (head.tensor_parallel, head.zero):
-        raise PartitaError("tied embedding and head weights need the same tensor_parallel and zero for embed "
-                           f"and head; the plan has embed tp={embed.tensor_parallel} zero={embed.zero}, "
-                           f"head tp={head.tensor_parallel} zero={head.zero}")
+        raise PartitaError("tied embedding and head weights need the same tensor_parallel and zero for embed and "
+                           f"head; the plan has embed tensor_parallel={embed.tensor_parallel} zero={embed.zero}, "
+                           f"head tensor_parallel={head.tensor_parallel} zero={head.zero}")

@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from partita.cluster import ClusterSpec
 from partita.errors import PartitaError
+from partita.model import ModelSpec
 from partita.plan import Plan
-from partita.runtime.launch import add_launch_arguments
+from partita.runtime.launch import add_launch_arguments, check_plan, plan_cluster
 from partita.runtime.train import TrainConfig, train
 
 log = logging.getLogger("partita.runtime")
@@ -45,7 +45,9 @@ def main(argv: list[str] | None = None) -> int:
                         format=f"[rank {rank}] %(message)s", stream=sys.stderr)
     try:
         plan = Plan.load(args.plan)
-        cpu = ClusterSpec.from_dict(plan.cluster).is_cpu
+        cluster = plan_cluster(plan)
+        check_plan(plan, ModelSpec.from_dict(plan.model), cluster)
+        cpu = cluster.is_cpu
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world != plan.world_size:
             raise PartitaError(f"plan needs world size {plan.world_size} (dp {plan.dp} x tp {plan.tp} x pp {plan.pp}), "
