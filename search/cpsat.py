@@ -295,17 +295,18 @@ class StageFit:
                        for pp in range(1, self.p.slots + 1) if incumbent_us >= self._floor(pp))
 
     def bound_us(self) -> int:
-        """min over pp of (m - 1) * (least feasible tau) + least total work."""
-        best = math.inf
-        hi_tau = float(np.max(self.curves[np.isfinite(self.curves)], initial=0.0)) + self.least_head + self.least_embed + self.least_p2p
-        for pp in range(1, self.p.slots + 1):
-            if not self.holds(pp, hi_tau):
-                continue
-            lo, hi = 0.0, hi_tau
-            for _ in range(24):  # tau to within hi / 2**24
-                mid = (lo + hi) / 2
-                lo, hi = (lo, mid) if self.holds(pp, mid) else (mid, hi)
-            best = min(best, (self.m - 1) * lo + self._floor(pp))
+        """(m - 1) * tau*(K) + the least total work: the slowest stage of any pipeline depth is
+        at least tau* of the deepest (a deeper pipeline only adds room), and the other terms
+        of the step are at least the work."""
+        K = self.p.slots
+        hi = float(np.max(self.curves[np.isfinite(self.curves)], initial=0.0)) + self.least_head + self.least_embed + self.least_p2p
+        if not self.holds(K, hi):
+            return 1 << 61  # no depth holds the model
+        lo = 0.0
+        for _ in range(20):  # tau to within hi / 2**20; lo always fails, so the bound stays valid
+            mid = (lo + hi) / 2
+            lo, hi = (lo, mid) if self.holds(K, mid) else (mid, hi)
+        best = (self.m - 1) * lo + self.work
         return int(math.floor(best)) if math.isfinite(best) else (1 << 61)
 
 
@@ -593,12 +594,14 @@ def solve_plan(cm: CostModel, req, uniform: UniformResult) -> Plan:
     from partita.search.planner import layout_to_plan
 
     start = time.perf_counter()
-    deadline = start + req.time_limit_s
+    deadline = start + req.time_limit_s - uniform.wall_s  # the limit covers the whole search
     incumbent_layout = uniform.best
     incumbent_eval = uniform.best_eval
     assert incumbent_layout is not None and incumbent_eval is not None  # the caller raised infeasible otherwise
+    uniform_us = to_us(incumbent_eval.step_time_s)
+    if uniform.balanced_eval is not None and uniform.balanced_eval.step_time_s < incumbent_eval.step_time_s:
+        incumbent_layout, incumbent_eval = uniform.balanced, uniform.balanced_eval
     incumbent_us = to_us(incumbent_eval.step_time_s)
-    uniform_us = incumbent_us
     problems = []
     for shape in shapes(cm, req.global_batch, req.space):
         p = build_problem(cm, shape, req.space)
@@ -638,7 +641,7 @@ def solve_plan(cm: CostModel, req, uniform: UniformResult) -> Plan:
             hint = earlier[p.shape].layout
         # Share what is left among the shapes still open, giving the most promising more;
         # a shape that runs out is retried once at the end with whatever time is left.
-        limit = remaining if p.shape in earlier else min(remaining, max(0.2, 2 * remaining / (len(queue) + 1)))
+        limit = remaining if p.shape in earlier else min(remaining, max(0.2, remaining / min(len(queue) + 1, 4)))
         r = solve_shape(p, upper_bound_us=incumbent_us - 1, hint=hint, time_limit_s=limit, workers=req.workers,
                         seed=req.seed)
         if r.status in ("feasible", "unknown"):

@@ -62,6 +62,10 @@ class UniformResult:
     # The candidate closest to fitting, for the infeasibility message.
     closest: Layout | None = None
     closest_eval: Evaluation | None = None
+    # The best plan after rebalancing blocks between stages (a warm start for CP-SAT; the
+    # uniform plan above stays the yardstick).
+    balanced: Layout | None = None
+    balanced_eval: Evaluation | None = None
 
 
 def divisors(n: int) -> list[int]:
@@ -145,6 +149,7 @@ def uniform_search(cm: CostModel, *, global_batch: int, space: SearchSpace = Sea
     start = time.perf_counter()
     model = cm.model
     result = UniformResult(best=None, best_eval=None, evaluated=0, wall_s=0.0)
+    promising: list[tuple[float, tuple]] = []
     for groups, tp, dp, mb, m in grid(cm, global_batch, space):
         stage_groups = tuple(g for g in groups for _ in range(g.size // (dp * tp)))
         blocks = split_blocks(model.n_layers, len(stage_groups))
@@ -157,15 +162,67 @@ def uniform_search(cm: CostModel, *, global_batch: int, space: SearchSpace = Sea
                                          micro_batch=mb, num_micro_batches=m)
                     result.evaluated += 1
                     lazy = (stage_groups, blocks, tp, dp, mb, m, sp, zero, recompute)
+                    if len(stage_groups) > 1:
+                        promising.append((_penalised(ev), lazy))
                     if ev.fits:
                         if result.best_eval is None or ev.step_time_s < result.best_eval.step_time_s:
                             result.best, result.best_eval = lazy, ev
                     elif result.closest_eval is None or ev.peak_over_capacity < result.closest_eval.peak_over_capacity:
                         result.closest, result.closest_eval = lazy, ev
+    promising.sort(key=lambda t: t[0])
+    for _, lazy in promising[:REBALANCED]:
+        lazy, ev = rebalance(cm, lazy)
+        if ev.fits and (result.balanced_eval is None or ev.step_time_s < result.balanced_eval.step_time_s):
+            result.balanced, result.balanced_eval = lazy, ev
     result.best = _layout(model, *result.best) if result.best else None
     result.closest = _layout(model, *result.closest) if result.closest else None
+    result.balanced = _layout(model, *result.balanced) if result.balanced else None
     result.wall_s = time.perf_counter() - start
     return result
+
+
+REBALANCED = 8  # multi-stage candidates whose block split is rebalanced
+
+
+def _penalised(ev: Evaluation) -> float:
+    """Step time, inflated by how far the worst device is over its memory."""
+    return ev.step_time_s * max(1.0, ev.peak_over_capacity) ** 4
+
+
+def rebalance(cm: CostModel, lazy: tuple) -> tuple[tuple, Evaluation]:
+    """Local search on the block split of a candidate (blocks are identical, so only counts
+    matter): move one block from the slowest or most crowded stage to wherever it helps most,
+    while the step (penalised for memory overflow) improves."""
+    stage_groups, blocks, tp, dp, mb, m, sp, zero, recompute = lazy
+    model = cm.model
+    choice = {role: choice_of(model, strategy(model, role, tp=tp, sp=sp, zero=zero, recompute=recompute))
+              for role in ("embed", "block", "head")}
+
+    def evaluate(counts: Sequence[int]) -> Evaluation:
+        return evaluate_counts(cm, list(zip(stage_groups, stage_counts(choice, counts))), dp=dp, tp=tp,
+                               micro_batch=mb, num_micro_batches=m)
+
+    blocks = list(blocks)
+    ev = evaluate(blocks)
+    for _ in range(4 * model.n_layers):
+        worst = max(range(len(blocks)), key=lambda i: (ev.stages[i].peak_bytes > ev.stages[i].capacity,
+                                                       ev.stages[i].time_s))
+        if blocks[worst] <= 1:
+            break
+        best_move = None
+        for target in range(len(blocks)):
+            if target == worst:
+                continue
+            trial = list(blocks)
+            trial[worst] -= 1
+            trial[target] += 1
+            tev = evaluate(trial)
+            if _penalised(tev) < _penalised(ev) and (best_move is None or _penalised(tev) < _penalised(best_move[1])):
+                best_move = (trial, tev)
+        if best_move is None:
+            break
+        blocks, ev = best_move
+    return (stage_groups, tuple(blocks), tp, dp, mb, m, sp, zero, recompute), ev
 
 
 def stage_counts(choice: dict[str, LayerChoice], blocks: Sequence[int]) -> list[dict[LayerChoice, int]]:
