@@ -13,7 +13,8 @@ Per (kind, width, micro-batch), after ``warmup`` untimed iterations, ``repeats``
   planner counts with the head;
 * backward: ``out.backward(grad)`` (the loss's backward for the head), gradients of the input and the weights (accumulating into
   ``.grad``, as under gradient accumulation);
-* recompute: the same backward through ``torch.utils.checkpoint`` (non-reentrant), whose extra
+* recompute: the same backward through ``torch.utils.checkpoint`` (non-reentrant, as the
+  runtime's ``checkpoint_wrapper``), whose extra
   cost over the plain backward is the recomputed forward; per iteration the plain backward is
   subtracted, and the median of the differences kept.
 
@@ -179,9 +180,11 @@ def measure_point(spec: ModelSpec, layer: torch.nn.Module, shard: Shard, micro_b
 def _forward(layer: torch.nn.Module, x: torch.Tensor, target: torch.Tensor | None, *,
              checkpointed: bool = False) -> torch.Tensor:
     """The layer's training forward; for the head, through the loss (fp32, as the runtime)."""
-    out = checkpoint(layer, x, use_reentrant=False) if checkpointed else layer(x)
+    # As the runtime: non-reentrant checkpointing without RNG state (there is no dropout), and
+    # the loss of runtime.schedule.lm_loss.
+    out = checkpoint(layer, x, use_reentrant=False, preserve_rng_state=False) if checkpointed else layer(x)
     if target is not None:
-        out = F.cross_entropy(out.float().flatten(0, 1), target.flatten())
+        out = F.cross_entropy(out.flatten(0, 1).float(), target.flatten())
     return out
 
 
