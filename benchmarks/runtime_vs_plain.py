@@ -45,13 +45,16 @@ def one_rank_plan(spec, device: str, dtype: str, seq_len: int, micro_batch: int,
                 num_micro_batches=num_micro_batches, dp=1, tp=1, pp=1, stages=(stage,))
 
 
-def runtime_steps(plan: Plan, cfg: TrainConfig, device: torch.device) -> list[float]:
+def runtime_steps(plan: Plan, cfg: TrainConfig, device: torch.device) -> tuple[list[float], float]:
+    """Wall time of each step, and the process CPU time of the whole ``fit``."""
     trainer = Trainer(plan, cfg, device=device)
+    cpu0 = time.process_time()
     trainer.fit()
-    return trainer.step_times
+    return trainer.step_times, time.process_time() - cpu0
 
 
-def plain_steps(plan: Plan, cfg: TrainConfig, device: torch.device) -> list[float]:
+def plain_steps(plan: Plan, cfg: TrainConfig, device: torch.device) -> tuple[list[float], float]:
+    """Wall time of each step, and the process CPU time of the whole loop."""
     spec = ModelSpec.from_dict(plan.model)
     model = materialize(build_model(spec), device=device, seed=cfg.seed)
     optimizer = make_optimizer(model, cfg)
@@ -59,6 +62,7 @@ def plain_steps(plan: Plan, cfg: TrainConfig, device: torch.device) -> list[floa
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=plan.dtype == "bf16")
     n = plan.num_micro_batches
     times = []
+    cpu0 = time.process_time()
     for step in range(cfg.steps):
         inputs, targets = data.batch(step)
         inputs, targets = inputs.to(device), targets.to(device)
@@ -77,7 +81,7 @@ def plain_steps(plan: Plan, cfg: TrainConfig, device: torch.device) -> list[floa
         optimizer.zero_grad(set_to_none=True)
         _sync(device)
         times.append(time.perf_counter() - t0)
-    return times
+    return times, time.process_time() - cpu0
 
 
 def _sync(device: torch.device) -> None:
@@ -111,21 +115,26 @@ def main() -> None:
     os.environ.setdefault("MASTER_PORT", "29533")
     dist.init_process_group("gloo" if device.type == "cpu" else "nccl", rank=0, world_size=1)
     cfg = TrainConfig(steps=args.steps)
-    timed = {"plain loop": [], "partita runtime": []}
-    for _ in range(args.repeats):
-        timed["plain loop"] += plain_steps(plan, cfg, device)[args.warmup:]
-        timed["partita runtime"] += runtime_steps(plan, cfg, device)[args.warmup:]
+    runs = {"plain loop": plain_steps, "partita runtime": runtime_steps}
+    wall: dict[str, list[float]] = {name: [] for name in runs}
+    cpu: dict[str, float] = {name: 0.0 for name in runs}
+    for _ in range(args.repeats):  # alternate, so drifting machine load hits both alike
+        for name, run in runs.items():
+            times, cpu_s = run(plan, cfg, device)
+            wall[name] += times[args.warmup:]
+            cpu[name] += cpu_s / args.steps / args.repeats
     dist.destroy_process_group()
 
     tokens = plan.global_batch * plan.seq_len
-    base = statistics.median(timed["plain loop"])
+    base_wall, base_cpu = statistics.median(wall["plain loop"]), cpu["plain loop"]
     print(f"{spec.name} ({spec.n_layers} blocks), {args.device} {dtype}, global batch {plan.global_batch} x seq "
           f"{plan.seq_len} in {plan.num_micro_batches} micro-batches, torch {torch.__version__}, "
-          f"{args.repeats} x {args.steps - args.warmup} timed steps each")
-    print(f"{'':18}{'median step':>12}{'tokens/s':>12}{'overhead':>10}")
-    for name, times in timed.items():
-        median = statistics.median(times)
-        print(f"{name:18}{median * 1e3:>10.2f}ms{tokens / median:>12.0f}{(median - base) / base * 100:>+9.1f}%")
+          f"{args.repeats} runs x {args.steps} steps each")
+    print(f"{'':18}{'median step (wall)':>20}{'tokens/s':>10}{'overhead':>10}{'CPU s/step':>12}{'overhead':>10}")
+    for name in runs:
+        median = statistics.median(wall[name])
+        print(f"{name:18}{median * 1e3:>18.2f}ms{tokens / median:>10.0f}{(median - base_wall) / base_wall * 100:>+9.1f}%"
+              f"{cpu[name] * 1e3:>10.2f}ms{(cpu[name] - base_cpu) / base_cpu * 100:>+9.1f}%")
 
 
 if __name__ == "__main__":
