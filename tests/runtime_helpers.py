@@ -59,21 +59,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, world: int, port: int, plan_dict: dict, cfg, out_dir: str) -> None:
+def _rank_entry(rank: int, world: int, port: int, fn, args: tuple, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
-    from partita.runtime.train import Trainer
-
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        trainer = Trainer(Plan.from_dict(plan_dict), cfg, device=torch.device("cpu"))
-        summary = trainer.fit()
-        params = full_parameters(trainer.model)
-        torch.save({"params": params, "summary": summary.to_dict() if summary else None},
-                   Path(out_dir) / f"rank{rank}.pt")
+        torch.save(fn(rank, *args), Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+def run_ranks(fn, world: int, *args) -> list:
+    """``fn(rank, *args)`` in ``world`` forked processes joined by a gloo process group; the
+    ranks' return values, in rank order."""
+    with tempfile.TemporaryDirectory() as out:
+        mp.start_processes(_rank_entry, args=(world, free_port(), fn, args, out), nprocs=world, join=True,
+                           start_method="fork")
+        return [torch.load(Path(out) / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def _train_rank(rank: int, plan_dict: dict, cfg) -> dict:
+    from partita.runtime.train import Trainer
+
+    trainer = Trainer(Plan.from_dict(plan_dict), cfg, device=torch.device("cpu"))
+    summary = trainer.fit()
+    return {"params": full_parameters(trainer.model), "summary": summary.to_dict() if summary else None}
 
 
 def full_parameters(model) -> dict[str, torch.Tensor]:
@@ -88,19 +99,14 @@ def full_parameters(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def run_parallel(plan: Plan, cfg, *, world: int | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
+def run_parallel(plan: Plan, cfg) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Train ``plan`` in its world of processes; the losses (rank 0's) and all parameters."""
-    world = world or plan.world_size
-    with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(_rank_main, args=(world, free_port(), plan.to_dict(), cfg, out), nprocs=world,
-                           join=True, start_method="fork")
-        params: dict[str, torch.Tensor] = {}
-        losses = None
-        for r in range(world):
-            saved = torch.load(Path(out) / f"rank{r}.pt")
-            params.update(saved["params"])
-            if saved["summary"] is not None:
-                losses = saved["summary"]["losses"]
+    params: dict[str, torch.Tensor] = {}
+    losses = None
+    for saved in run_ranks(_train_rank, plan.world_size, plan.to_dict(), cfg):
+        params.update(saved["params"])
+        if saved["summary"] is not None:
+            losses = saved["summary"]["losses"]
     return losses, params
 
 

@@ -75,3 +75,40 @@ def test_plan_trains_like_one_process(name):
 def test_gqa_with_qkv_bias_under_tp():
     spec = dataclasses.replace(SMALL, name="tiny-qwen", qkv_bias=True)
     assert_same_training(make_plan(spec, tp=2, layer=dict(TP2, sequence_parallel=True)))
+
+
+def _layouts_after_forward(rank, plan_dict):
+    """Which blocks hold gathered (plain) weights after a forward, and how they are sharded."""
+    from torch.distributed.tensor import DTensor
+
+    from partita.plan import Plan
+    from partita.runtime.train import Trainer
+
+    from partita.runtime.parallelize import set_gradient_sync
+
+    plan = Plan.from_dict(plan_dict)
+    trainer = Trainer(plan, TrainConfig(steps=1), device=torch.device("cpu"))
+    blocks = trainer.model.layers
+    before = {k: str(b.feed_forward.w1.weight.placements) for k, b in blocks.items()}
+    set_gradient_sync(trainer.runner.units, last_micro_batch=False)
+    out = trainer.model(torch.zeros(plan.micro_batch, plan.seq_len, dtype=torch.long))
+    gathered = {k: not isinstance(b.feed_forward.w1.weight, DTensor) for k, b in blocks.items()}
+    out.float().pow(2).mean().backward()
+    # after a micro-batch that is not the last: which blocks hold full (unreduced) gradients
+    full_grads = {k: not isinstance(b.feed_forward.w1.weight.grad, DTensor) for k, b in blocks.items()}
+    return before, gathered, full_grads
+
+
+def test_zero_levels_shard_and_reshard_as_planned():
+    zeros = {"layers.0": 0, "layers.1": 1, "layers.2": 2, "layers.3": 3}
+    plan = make_plan(SMALL, dp=2, per_layer={n: dict(zero=z) for n, z in zeros.items()})
+    from runtime_helpers import run_ranks
+
+    before, gathered, full_grads = run_ranks(_layouts_after_forward, 2, plan.to_dict())[0]
+    assert before["0"] == "(Replicate(), Shard(dim=0))"  # hybrid over (dp, dp_shard=1): replicated
+    assert before["1"] == before["2"] == before["3"] == "(Shard(dim=0),)"
+    # ZeRO 0-2 keep the gathered weights from forward to backward; ZeRO 3 frees them after forward.
+    assert gathered == {"0": True, "1": True, "2": True, "3": False}
+    # Before the last micro-batch, ZeRO 0/1 accumulate full gradients locally (no reduction
+    # yet); ZeRO 2/3 have reduce-scattered theirs into shards.
+    assert full_grads == {"0": True, "1": True, "2": False, "3": False}
