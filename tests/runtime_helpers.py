@@ -25,7 +25,7 @@ from partita.plan import LayerStrategy, Plan, Stage
 def make_plan(model: str | ModelSpec = "tiny-llama", *, dp: int = 1, tp: int = 1, pp: int = 1,
               boundaries: list[int] | None = None, micro_batch: int = 2, num_micro_batches: int = 2,
               seq_len: int = 16, cluster: str = "4xcpu", layer: dict | None = None,
-              per_layer: dict[str, dict] | None = None) -> Plan:
+              per_layer: dict[str, dict] | None = None, dtype: str = "fp32") -> Plan:
     """A plan; ``boundaries`` are the block indices where stages 1.. start (uneven allowed);
     ``layer`` sets every layer's strategy, ``per_layer`` overrides single layers by name."""
     spec = BUILTIN[model] if isinstance(model, str) else model
@@ -45,10 +45,11 @@ def make_plan(model: str | ModelSpec = "tiny-llama", *, dp: int = 1, tp: int = 1
             if spec.role_of(name) != "block":
                 choice.pop("recompute", None)
             layers.append(LayerStrategy(name=name, **choice))
-        stages.append(Stage(index=s, group=clus.groups[0].name, device="cpu", ranks=ranks, layers=tuple(layers)))
+        group = clus.groups[0]
+        stages.append(Stage(index=s, group=group.name, device=group.device, ranks=ranks, layers=tuple(layers)))
     return Plan(model=spec.to_dict(), model_fingerprint=spec.fingerprint, cluster=clus.to_dict(),
-                cluster_fingerprint=clus.fingerprint, profile_fingerprint="analytic", cost_sources={"cpu": "analytic"},
-                dtype="fp32", seq_len=seq_len, global_batch=dp * micro_batch * num_micro_batches,
+                cluster_fingerprint=clus.fingerprint, profile_fingerprint="analytic",
+                cost_sources={clus.groups[0].device: "analytic"}, dtype=dtype, seq_len=seq_len, global_batch=dp * micro_batch * num_micro_batches,
                 micro_batch=micro_batch, num_micro_batches=num_micro_batches, dp=dp, tp=tp, pp=pp,
                 stages=tuple(stages))
 
