@@ -26,17 +26,20 @@ class TokenSource:
         if kind != "synthetic":
             self.text = _read_bytes(Path(kind), vocab=vocab, seq_len=seq_len)
 
-    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, step: int, dp: int = 1, dp_index: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows of step ``step``'s global batch that data-parallel replica ``dp_index`` of ``dp``
+        trains on (replica d takes the d-th contiguous block). Only those rows are built."""
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
         n, s = self.global_batch, self.seq_len
+        mine = slice(dp_index * (n // dp), (dp_index + 1) * (n // dp))
         if self.text is None:
             # Learnable synthetic text: each row counts from a random start by a random stride
             # (mod vocab), so the loss falls as the model learns to continue it.
-            start = torch.randint(0, self.vocab, (n, 1), generator=gen)
-            stride = torch.randint(1, 8, (n, 1), generator=gen)
+            start = torch.randint(0, self.vocab, (n, 1), generator=gen)[mine]
+            stride = torch.randint(1, 8, (n, 1), generator=gen)[mine]
             rows = (start + stride * torch.arange(s + 1)) % self.vocab
         else:
-            starts = torch.randint(0, len(self.text) - s - 1 + 1, (n,), generator=gen)
+            starts = torch.randint(0, len(self.text) - s - 1 + 1, (n,), generator=gen)[mine]
             rows = torch.stack([self.text[i:i + s + 1] for i in starts.tolist()])
         return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
@@ -51,9 +54,3 @@ def _read_bytes(path: Path, *, vocab: int, seq_len: int) -> torch.Tensor:
     if len(data) < seq_len + 1:
         raise PartitaError(f"--data {path}: {len(data)} bytes is shorter than one sequence of {seq_len + 1} tokens")
     return torch.from_numpy(data.astype(np.int64))
-
-
-def local_slice(inputs: torch.Tensor, dp: int, dp_index: int) -> torch.Tensor:
-    """Rows of the global batch that data-parallel replica ``dp_index`` trains on."""
-    per_replica = inputs.shape[0] // dp
-    return inputs[dp_index * per_replica:(dp_index + 1) * per_replica]

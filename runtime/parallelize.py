@@ -113,44 +113,38 @@ def _convert(src: str, dst: str, *, inputs: bool) -> nn.Module | None:
                                use_local_output=True)
 
 
+def _layer_styles(role: str, family: str, seq: bool) -> dict[str, object]:
+    if role == "embed":
+        return _embed_styles(family, seq)
+    if role == "head":
+        return _head_styles(seq)
+    return _block_styles(family, seq)
+
+
 def apply_tensor_parallel(model: Transformer, stage: Stage, meshes: Meshes) -> None:
     """Per-layer TP/SP styles, plus the layout conversions between neighbouring layers."""
     mesh = meshes.tp
     family = model.spec.family
-    previous = FULL  # what the stage receives: tokens, or full hidden states from the last stage
+    previous = FULL  # what the stage receives: tokens, or whole hidden states from the stage before
     for strategy in stage.layers:
         layer = model.get_submodule(strategy.name)
         role = model.spec.role_of(strategy.name)
         layout = _layout(strategy)
         takes = FULL if role == "embed" else layout
         gives = FULL if role == "head" else layout
-        styles: dict[str, object] = {}
         if strategy.tensor_parallel > 1:
-            seq = layout == SEQ
-            styles = (_embed_styles(family, seq) if role == "embed" else
-                      _head_styles(seq) if role == "head" else _block_styles(family, seq))
+            parallelize_module(layer, mesh, _layer_styles(role, family, layout == SEQ))
         convert_in = _convert(previous, takes, inputs=True)
-        if convert_in is not None:
-            styles[""] = convert_in
-        if role == "embed" and gives == SEQ and family != "llama":
-            styles[""] = _convert(FULL, SEQ, inputs=False)
-        if styles:
-            _parallelize_with_root(layer, mesh, styles)
+        if convert_in is not None:  # a hook on the layer itself, so recomputation replays it
+            parallelize_module(layer, mesh, convert_in)
+        if role == "embed" and gives == SEQ and family != "llama":  # positions are added whole, then split
+            parallelize_module(layer, mesh, _convert(FULL, SEQ, inputs=False))
         previous = gives
     if previous == SEQ:
         last = model.get_submodule(stage.layers[-1].name)
         parallelize_module(last, mesh, _convert(SEQ, FULL, inputs=False))
     if model.spec.tie_embeddings and model.embed is not None and model.head is not None:
         model.head.output.weight = model.embed.tok.weight  # TP replaced both; tie them again
-
-
-def _parallelize_with_root(layer: nn.Module, mesh, styles: dict[str, object]) -> None:
-    """parallelize_module with "" meaning the layer itself (its input/output conversion)."""
-    root = styles.pop("", None)
-    if styles:
-        parallelize_module(layer, mesh, styles)
-    if root is not None:
-        parallelize_module(layer, mesh, root)
 
 
 # ---- 3. activation checkpointing ------------------------------------------------------------

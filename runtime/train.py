@@ -30,7 +30,7 @@ from partita.cluster import ClusterSpec
 from partita.model import ModelSpec
 from partita.plan import Plan
 from partita.runtime import checkpoint
-from partita.runtime.data import TokenSource, local_slice
+from partita.runtime.data import TokenSource
 from partita.runtime.mesh import Meshes, build_meshes
 from partita.runtime.metrics import MetricsWriter, RunSummary, peak_flops, peak_memory_bytes, summarize
 from partita.runtime.models import build_model
@@ -179,9 +179,8 @@ class Trainer:
             torch.cuda.reset_peak_memory_stats(device)
 
         for step in range(self.start_step, cfg.steps):
-            inputs, targets = data.batch(step)
-            inputs = local_slice(inputs, plan.dp, place.dp_index).to(device, non_blocking=True)
-            targets = local_slice(targets, plan.dp, place.dp_index).to(device, non_blocking=True)
+            inputs, targets = data.batch(step, plan.dp, place.dp_index)
+            inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
             lr = lr_at(step, cfg)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr

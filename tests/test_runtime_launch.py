@@ -136,3 +136,10 @@ def test_kill_and_resume_reproduces_the_uninterrupted_losses(tmp_path):
     assert tail == pytest.approx(losses[2:], rel=1e-6)
     for name, p in params.items():
         torch.testing.assert_close(resumed_params[name], p, rtol=1e-6, atol=1e-7)
+
+
+def test_each_replica_gets_its_block_of_the_global_batch():
+    source = TokenSource("synthetic", vocab=256, seq_len=8, global_batch=6, seed=0)
+    whole, _ = source.batch(5)
+    parts = [source.batch(5, dp=3, dp_index=d)[0] for d in range(3)]
+    assert torch.equal(torch.cat(parts), whole)
