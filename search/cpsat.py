@@ -233,6 +233,21 @@ def _hull(mem: np.ndarray, time_: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.array(xs), np.array(ys)
 
 
+def _hull_cuts(f: np.ndarray) -> list[tuple[float, float]]:
+    """Lines (slope, intercept) of the lower convex hull of points (n, f[n]), n = 0..len-1.
+    Each lies below every point, and the intercept is <= f[0] = 0."""
+    hull: list[tuple[int, float]] = []
+    for n, v in enumerate(f):
+        while len(hull) >= 2 and (hull[-1][1] - hull[-2][1]) * (n - hull[-2][0]) >= (v - hull[-2][1]) * (hull[-1][0] - hull[-2][0]):
+            hull.pop()
+        hull.append((n, float(v)))
+    cuts = []
+    for (n0, v0), (n1, v1) in zip(hull, hull[1:]):
+        slope = (v1 - v0) / (n1 - n0)
+        cuts.append((slope, v0 - slope * n0))
+    return cuts
+
+
 class StageFit:
     """Whether a shape's stages can hold all blocks with no stage slower than tau.
 
@@ -273,6 +288,39 @@ class StageFit:
             rows.append(np.stack(row))
         self.curves = np.stack(rows)  # [group, slot, blocks]: least stage time of its blocks
 
+    def integer_curve(self, r: int, g: int, grain_steps: int = 1024) -> np.ndarray:
+        """Least time of n = 0..N whole blocks in slot r on group g within its memory (blocks
+        may mix choices), by dynamic programming over a memory grid. Memory of each choice is
+        rounded *down* to the grid, so the curve stays a lower bound; transients are left out."""
+        key = ("int", r, g)
+        cache = self.__dict__.setdefault("_int", {})
+        if key in cache:
+            return cache[key]
+        p, N = self.p, self.p.n_blocks
+        k = min(r + 1, self.m)
+        room = p.capacity_mib[g] - (min(min(row) for row in p.head.static_mib) if r == 0 else 0)
+        out = np.full(N + 1, np.inf)
+        out[0] = 0.0
+        if room > 0:
+            grain = max(1.0, room / grain_steps)
+            cells = int(room // grain)
+            mems = [int((p.block.static_mib[g][j] + k * p.block.act_mib[g][j]) // grain) for j in range(len(p.block.strategies))]
+            times = [float(t) for t in p.block.time_us[g]]
+            best = np.zeros(cells + 1)  # least time of j blocks using at most c cells
+            for n in range(1, N + 1):
+                nxt = np.full(cells + 1, np.inf)
+                for mem, t in zip(mems, times):
+                    if mem <= cells:
+                        cand = np.full(cells + 1, np.inf)
+                        cand[mem:] = best[:cells + 1 - mem] + t
+                        np.minimum(nxt, cand, out=nxt)
+                best = nxt
+                out[n] = best[cells]
+                if not np.isfinite(out[n]):
+                    break
+        cache[key] = out
+        return out
+
     def holds(self, pp: int, tau: float) -> bool:
         p = self.p
         stage = self.curves[:, :pp].copy()
@@ -294,28 +342,37 @@ class StageFit:
         return not any(self.holds(pp, (incumbent_us - self._floor(pp)) / (self.m - 1))
                        for pp in range(1, self.p.slots + 1) if incumbent_us >= self._floor(pp))
 
+    def least_slowest_stage_us(self) -> float:
+        """tau*(K): no stage of any pipeline depth can be faster than this for the slowest one
+        (a deeper pipeline only adds room). 0 if no depth holds the model."""
+        if not hasattr(self, "_tau"):
+            K = self.p.slots
+            hi = float(np.max(self.curves[np.isfinite(self.curves)], initial=0.0)) + self.least_head + self.least_embed + self.least_p2p
+            lo = 0.0
+            if self.holds(K, hi):
+                for _ in range(24):  # to within hi / 2**24; lo always fails, so it stays a valid bound
+                    mid = (lo + hi) / 2
+                    lo, hi = (lo, mid) if self.holds(K, mid) else (mid, hi)
+            else:
+                lo = math.inf
+            self._tau = lo
+        return self._tau
+
     def bound_us(self) -> int:
-        """(m - 1) * tau*(K) + the least total work: the slowest stage of any pipeline depth is
-        at least tau* of the deepest (a deeper pipeline only adds room), and the other terms
-        of the step are at least the work."""
-        K = self.p.slots
-        hi = float(np.max(self.curves[np.isfinite(self.curves)], initial=0.0)) + self.least_head + self.least_embed + self.least_p2p
-        if not self.holds(K, hi):
+        """(m - 1) * tau*(K) + the least total work, a bound on any plan of the shape."""
+        tau = self.least_slowest_stage_us()
+        if not math.isfinite(tau):
             return 1 << 61  # no depth holds the model
-        lo = 0.0
-        for _ in range(20):  # tau to within hi / 2**20; lo always fails, so the bound stays valid
-            mid = (lo + hi) / 2
-            lo, hi = (lo, mid) if self.holds(K, mid) else (mid, hi)
-        best = (self.m - 1) * lo + self.work
-        return int(math.floor(best)) if math.isfinite(best) else (1 << 61)
+        return int(math.floor((self.m - 1) * tau + self.work))
 
 
 # ---- the model ----------------------------------------------------------------------------
 class PlanModel:
     """Variables and one method per constraint family (labels as in the module docstring)."""
 
-    def __init__(self, p: Problem, upper_bound_us: int | None) -> None:
+    def __init__(self, p: Problem, upper_bound_us: int | None, fit: "StageFit | None" = None) -> None:
         self.p = p
+        self.fit = fit
         self.m = cp_model.CpModel()
         K, G = p.slots, len(p.groups)
         nb, ne, nh = len(p.block.strategies), len(p.embed.strategies), len(p.head.strategies)
@@ -336,6 +393,7 @@ class PlanModel:
         self.upper_bound_us = upper_bound_us
 
     def build(self) -> None:
+        self.add_stage_fit_cuts()
         self.add_slot_placement()
         self.add_group_capacity()
         self.add_block_cover()
@@ -356,6 +414,33 @@ class PlanModel:
         if r != 0:
             return 0
         return sum(table[g][k] * self.h[g][k] for g in range(len(self.p.groups)) for k in range(len(self.p.head.strategies)))
+
+    # (F) redundant cuts from the stage-fit relaxation (see StageFit): a slot's time is at
+    # least the convex least-time curve of its block count on its group, and no slot takes
+    # more blocks than fit its memory. They are proven valid and give the LP a tight bound.
+    def add_stage_fit_cuts(self) -> None:
+        if self.fit is None:
+            return
+        p = self.p
+        nb = len(p.block.strategies)
+        # Whole-block curves (a DP) are tighter; on several groups the LP curves are cheaper.
+        whole = len(p.groups) == 1
+        for r in range(p.slots):
+            for g in range(len(p.groups)):
+                f = self.fit.integer_curve(r, g) if whole else self.fit.curves[g, r]
+                finite = np.nonzero(np.isfinite(f))[0]
+                most = int(finite[-1])  # the most blocks that fit
+                n_on_g = self.m.new_int_var(0, most, f"n[{r},{g}]")
+                self.m.add(n_on_g == sum(self.c[r][g][k] for k in range(nb)))
+                self.m.add(n_on_g <= most * self.y[r][g])
+                if whole:
+                    # CP propagation: the slot's time is at least the curve at its block count.
+                    least = self.m.new_int_var(0, int(f[most]), f"least[{r},{g}]")
+                    self.m.add_element(n_on_g, [int(math.floor(v)) for v in f[:most + 1]], least)
+                    self.m.add(self.T[r] >= least)
+                # LP: the lower convex hull of the curve, as linear cuts through (0, 0).
+                for slope, intercept in _hull_cuts(f[:most + 1]):
+                    self.m.add(self.T[r] >= int(math.floor(slope)) * n_on_g + int(math.floor(intercept)) * self.y[r][g])
 
     # (P) each used slot sits on exactly one group; used slots are a prefix from the end of
     # the pipeline (r = 0 is the last stage), which also breaks the symmetry of empty slots.
@@ -412,6 +497,8 @@ class PlanModel:
         """Send cost between slot r and slot r - 1, through pair booleans w[g][h] = y[r][g] and y[r-1][h]."""
         p = self.p
         G = len(p.groups)
+        if G == 1:  # one group: the send costs the same wherever the stage is
+            return p.p2p_us[0][0] * self.used[r]
         terms = []
         for g in range(G):
             for h in range(G):
@@ -478,6 +565,12 @@ class PlanModel:
         if self.upper_bound_us is not None:
             self.m.add(self.objective <= self.upper_bound_us)
         self.m.add(self.objective >= self.p.lower_bound_us)
+        if self.fit is not None:
+            # Redundant, proven by the stage-fit relaxation; they give the LP its bound at once.
+            tau = self.fit.least_slowest_stage_us()
+            if math.isfinite(tau):
+                self.m.add(self.T_max >= int(math.floor(tau)))
+                self.m.add(self.objective >= self.fit.bound_us())
         self.m.minimize(self.objective)
 
     # ---- hint and read-back -----------------------------------------------------------------
@@ -551,10 +644,10 @@ class ShapeResult:
 
 
 def solve_shape(p: Problem, *, upper_bound_us: int | None, hint: Layout | None, time_limit_s: float, workers: int,
-                seed: int) -> ShapeResult:
+                seed: int, fit: "StageFit | None" = None) -> ShapeResult:
     """The only place that runs CpSolver."""
     start = time.perf_counter()
-    pm = PlanModel(p, upper_bound_us)
+    pm = PlanModel(p, upper_bound_us, fit)
     pm.build()
     if hint is not None:
         pm.add_hint(hint)
@@ -619,7 +712,7 @@ def solve_plan(cm: CostModel, req, uniform: UniformResult) -> Plan:
         if memory_infeasible(p):
             results.append(ShapeResult(p.shape, "infeasible", 1 << 61))
             return False
-        fit = fits.setdefault(p.shape, StageFit(p))
+        fit = fits.get(p.shape) or fits.setdefault(p.shape, StageFit(p))
         if fit.prunes(incumbent_us):
             results.append(ShapeResult(p.shape, "pruned", incumbent_us))
             return False
@@ -643,7 +736,7 @@ def solve_plan(cm: CostModel, req, uniform: UniformResult) -> Plan:
         # a shape that runs out is retried once at the end with whatever time is left.
         limit = remaining if p.shape in earlier else min(remaining, max(0.2, remaining / min(len(queue) + 1, 4)))
         r = solve_shape(p, upper_bound_us=incumbent_us - 1, hint=hint, time_limit_s=limit, workers=req.workers,
-                        seed=req.seed)
+                        seed=req.seed, fit=fits[p.shape])
         if r.status in ("feasible", "unknown"):
             r.bound_us = max(r.bound_us, bounds[p.shape])
             if p.shape not in earlier:
