@@ -6,7 +6,8 @@ under ``torchrun``.
     partita launch plan.yaml --steps 20 --checkpoint-dir ckpt --resume
 
 On one node the ranks are started here (``torchrun --standalone``) and the table of measured
-against predicted step time and memory is printed at the end. A plan for several nodes is not
+against predicted step time and memory is printed at the end (and kept as ``summary.json``
+beside ``metrics.jsonl``). A plan for several nodes is not
 started: the exact ``torchrun`` command for every node is printed instead (static rendezvous,
 so node ranks, hence global ranks, are the plan's), each running the same entry point,
 ``python -m partita.runtime.worker``.
@@ -21,7 +22,6 @@ import os
 import shlex
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 from partita.cluster import ClusterSpec, load_cluster, parse_short
@@ -60,24 +60,26 @@ def launch_command(args: argparse.Namespace) -> int:
         for line in torchrun_commands(plan, cluster, args, metrics):
             print(line)
         return 0
-    with tempfile.TemporaryDirectory(prefix="partita-") as tmp:
-        summary_path = Path(tmp) / "summary.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
-               f"--nproc-per-node={plan.world_size}", "-m", WORKER,
-               *worker_arguments(args, metrics), "--summary", str(summary_path)]
-        log.info("running %s", shlex.join(cmd))
-        env = dict(os.environ)
-        env.setdefault("OMP_NUM_THREADS", "1")
-        rc = subprocess.run(cmd, env=env).returncode
-        if rc != 0:
-            log.error("training exited with status %d", rc)
-            return 1
-        if summary_path.is_file():
-            from partita.runtime.metrics import RunSummary
+    # The run summary (measured against predicted) lands beside the metrics, for calibration.
+    summary_path = Path(metrics).parent / "summary.json"
+    summary_path.parent.mkdir(parents=True, exist_ok=True)
+    summary_path.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
+           f"--nproc-per-node={plan.world_size}", "-m", WORKER,
+           *worker_arguments(args, metrics), "--summary", str(summary_path)]
+    log.info("running %s", shlex.join(cmd))
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    rc = subprocess.run(cmd, env=env).returncode
+    if rc != 0:
+        log.error("training exited with status %d", rc)
+        return 1
+    if summary_path.is_file():
+        from partita.runtime.metrics import RunSummary
 
-            summary = RunSummary.from_dict(json.loads(summary_path.read_text()))
-            print(f"{summary.steps} steps, final loss {summary.losses[-1]:.4f}" if summary.losses else "no steps run")
-            print(summary.table())
+        summary = RunSummary.from_dict(json.loads(summary_path.read_text()))
+        print(f"{summary.steps} steps, final loss {summary.losses[-1]:.4f}" if summary.losses else "no steps run")
+        print(summary.table())
     return 0
 
 

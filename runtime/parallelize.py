@@ -221,6 +221,10 @@ def check_supported(plan: Plan, tie_embeddings: bool) -> None:
     if plan.pp > 1 and plan.num_micro_batches < plan.pp:
         raise PartitaError(f"the 1F1B schedule needs at least as many micro-batches as stages; the plan has "
                            f"num_micro_batches {plan.num_micro_batches} for pp {plan.pp}")
+    if any(s.sequence_parallel for s in plan.layer_strategies()) and plan.seq_len % plan.tp:
+        # local sequence shards are stitched back assuming equal lengths
+        raise PartitaError(f"sequence parallelism splits the sequence {plan.tp} ways; seq_len {plan.seq_len} is not "
+                           f"divisible by tp {plan.tp}")
     if not tie_embeddings:
         return
     names = {s.name: s for s in plan.layer_strategies()}

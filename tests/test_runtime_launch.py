@@ -119,6 +119,14 @@ def test_launch_runs_ranks_under_torchrun(tmp_path, capsys):
     assert all(r["loss"] > 0 and r["tokens_per_s"] > 0 and r["peak_memory_bytes"] > 0 for r in records)
     out = capsys.readouterr().out
     assert "step time" in out and "stage 0 peak memory" in out
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == 2 and len(summary["measured_stage_peak_bytes"]) == 1
+
+
+def test_sequence_parallel_needs_an_even_split(tmp_path):
+    plan = make_plan(tp=2, seq_len=15, layer=dict(tensor_parallel=2, sequence_parallel=True))
+    with pytest.raises(PartitaError, match="seq_len 15 is not divisible by tp 2"):
+        launch_command(parse(saved(plan, tmp_path)))
 
 
 def test_kill_and_resume_reproduces_the_uninterrupted_losses(tmp_path):
