@@ -162,32 +162,48 @@ class Profile:
         return min(fits, key=lambda c: (abs(c.ranks - ranks), -c.ranks))
 
 
-def layer_cost_at(profile: Profile, kind: LayerKind, tp: int, micro_batch: int, seq_len: int) -> LayerCost | None:
-    """A measured layer cost at any micro-batch, or None if the profile has no point for
-    this kind, width and sequence length.
+_SCALED = ("forward_s", "backward_s", "recompute_s", "activation_bytes")
 
-    Between measured micro-batches: linear interpolation of every field. Outside the
-    measured range: proportional scaling from the nearest point (time and activations grow
-    linearly with micro-batch there; parameters do not change).
+
+def layer_cost_at(profile: Profile, kind: LayerKind, tp: int, micro_batch: int, seq_len: int) -> LayerCost | None:
+    """A measured layer cost at any micro-batch, or None if the profile has no point for this
+    kind, shard width and sequence length (the caller then uses the analytic model).
+
+    * a measured micro-batch: that point;
+    * between two measured micro-batches: every quantity linear between the neighbours
+      (activation memory is exactly linear in it; time nearly so once the device is busy);
+    * above the largest measured one: proportional (per-sample cost constant at saturation);
+    * below the smallest: linear through the two smallest points, clamped between proportional
+      scaling (no fixed overhead) and the smallest point's cost (all overhead); with one
+      point, proportional;
+    * parameter memory does not depend on the micro-batch.
     """
+    if micro_batch < 1:
+        raise PartitaError(f"micro_batch must be >= 1, got {micro_batch}")
     points = profile.layer_points(kind, tp, seq_len)
     if not points:
         return None
     for p in points:
         if p.micro_batch == micro_batch:
             return p
-    lo = [p for p in points if p.micro_batch < micro_batch]
-    hi = [p for p in points if p.micro_batch > micro_batch]
-    if lo and hi:
-        a, b = lo[-1], hi[0]
-        w = (micro_batch - a.micro_batch) / (b.micro_batch - a.micro_batch)
-        mix = lambda x, y: x + w * (y - x)  # noqa: E731
-        return dataclasses.replace(
-            a, micro_batch=micro_batch, forward_s=mix(a.forward_s, b.forward_s),
-            backward_s=mix(a.backward_s, b.backward_s), recompute_s=mix(a.recompute_s, b.recompute_s),
-            activation_bytes=int(round(mix(a.activation_bytes, b.activation_bytes))))
-    near = lo[-1] if lo else hi[0]
-    scale = micro_batch / near.micro_batch
-    return dataclasses.replace(
-        near, micro_batch=micro_batch, forward_s=near.forward_s * scale, backward_s=near.backward_s * scale,
-        recompute_s=near.recompute_s * scale, activation_bytes=int(round(near.activation_bytes * scale)))
+    values = {name: _value_at(points, name, micro_batch) for name in _SCALED}
+    values["activation_bytes"] = int(round(values["activation_bytes"]))
+    return dataclasses.replace(points[0], micro_batch=micro_batch, **values)
+
+
+def _value_at(points: list[LayerCost], name: str, m: int) -> float:
+    mbs = [p.micro_batch for p in points]
+    ys = [float(getattr(p, name)) for p in points]
+    if m > mbs[-1]:
+        return ys[-1] * m / mbs[-1]
+    if m < mbs[0]:
+        proportional = ys[0] * m / mbs[0]
+        if len(points) == 1:
+            return proportional
+        return min(max(_line(mbs[0], ys[0], mbs[1], ys[1], m), proportional), ys[0])
+    i = max(j for j in range(len(mbs)) if mbs[j] < m)
+    return _line(mbs[i], ys[i], mbs[i + 1], ys[i + 1], m)
+
+
+def _line(x0: float, y0: float, x1: float, y1: float, x: float) -> float:
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)

@@ -5,7 +5,7 @@
     python -m partita.profiler --model llama-3-8b --device cuda --tp 1,2,4,8 -o h200.yaml
 
 Modules: ``layers`` (time and memory of one layer shard), ``comm`` (collectives over ranks),
-``fit`` and ``interpolate`` (pure numpy, no torch: the search imports ``interpolate``),
-``cli`` (flags and the command). This package's ``__init__`` imports nothing, so that
-``partita.profiler.interpolate`` can be imported where torch is not installed.
+``fit`` (pure numpy), ``cli`` (flags and the command). Reading a profile at any micro-batch is
+``partita.profile.layer_cost_at``, beside the schema, so the search never imports this package.
+This package's ``__init__`` imports nothing.
 """

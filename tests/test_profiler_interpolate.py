@@ -8,7 +8,7 @@ import pytest
 from partita.model import load_model
 from partita.profile import LayerCost, Profile, Provenance
 from partita.profiler.fit import bus_bytes, fit_latency_bandwidth, relative_errors
-from partita.profiler.interpolate import interpolate
+from partita.profile import layer_cost_at as interpolate
 
 SPEC = load_model("tiny-llama")
 BLOCK = SPEC.kinds["block"]
@@ -90,7 +90,7 @@ def test_bus_bytes_ring_conventions():
 
 def test_interpolate_and_fit_import_without_torch():
     code = ("import sys; sys.modules['torch'] = None\n"
-            "from partita.profiler.interpolate import interpolate\n"
+            "from partita.profile import layer_cost_at as interpolate\n"
             "from partita.profiler.fit import fit_latency_bandwidth\n"
             "assert 'torch' not in [m for m in sys.modules if sys.modules[m] is not None]\n")
     subprocess.run([sys.executable, "-c", code], check=True)
