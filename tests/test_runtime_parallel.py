@@ -112,3 +112,20 @@ def test_zero_levels_shard_and_reshard_as_planned():
     # Before the last micro-batch, ZeRO 0/1 accumulate full gradients locally (no reduction
     # yet); ZeRO 2/3 have reduce-scattered theirs into shards.
     assert full_grads == {"0": True, "1": True, "2": False, "3": False}
+
+
+@pytest.mark.parametrize("plan", [
+    make_plan(SMALL, pp=2, boundaries=[1], dtype="bf16"),
+    make_plan(SMALL, pp=2, dp=2, boundaries=[2], layer=dict(zero=1), dtype="bf16"),
+], ids=["pp", "pp-fsdp"])
+def test_bf16_mixed_precision_tracks_fp32(plan):
+    """The GPU path (FSDP2 mixed precision, bf16 activations between stages) run on CPU ranks
+    (the validator keeps CPU plans in fp32; the Trainer does not ask): fp32 master weights,
+    losses close to the fp32 run."""
+    cfg = dataclasses.replace(CFG, steps=3)
+    losses, params = run_parallel(plan, cfg)
+    ref_losses, ref_params = run_reference(plan, cfg)
+    assert losses == pytest.approx(ref_losses, rel=1e-3)
+    for name, ref in ref_params.items():
+        assert params[name].dtype == torch.float32
+        torch.testing.assert_close(params[name], ref, rtol=0, atol=2e-2)
