@@ -35,18 +35,32 @@ def latest_step(root: str | Path) -> int | None:
     return max(steps) if steps else None
 
 
-def save(root: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def _train_state(step: int, scaler) -> dict[str, torch.Tensor]:
+    state = {"step": torch.tensor(step)}
+    if scaler is not None:  # fp16 loss scaling: the scale and how many good steps since it last grew
+        scaler_state = scaler.state_dict()
+        state["loss_scale"] = torch.tensor(scaler_state["scale"])
+        state["growth_tracker"] = torch.tensor(scaler_state["_growth_tracker"])
+    return state
+
+
+def save(root: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, scaler=None) -> None:
     model_state, optim_state = get_state_dict(model, optimizer, options=OPTIONS)
-    state = {"model": model_state, "optim": optim_state, "train": {"step": torch.tensor(step)}}
+    state = {"model": model_state, "optim": optim_state, "train": _train_state(step, scaler)}
     dcp.save(state, checkpoint_id=str(step_dir(root, step)))
     log.info("saved checkpoint %s", step_dir(root, step))
 
 
-def load(root: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+def load(root: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, scaler=None) -> int:
     """Load the checkpoint of ``step`` in place; returns the step to continue from."""
     model_state, optim_state = get_state_dict(model, optimizer, options=OPTIONS)
-    state = {"model": model_state, "optim": optim_state, "train": {"step": torch.tensor(0)}}
+    state = {"model": model_state, "optim": optim_state, "train": _train_state(0, scaler)}
     dcp.load(state, checkpoint_id=str(step_dir(root, step)))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=OPTIONS)
+    if scaler is not None:
+        scaler_state = scaler.state_dict()
+        scaler_state.update(scale=float(state["train"]["loss_scale"]),
+                            _growth_tracker=int(state["train"]["growth_tracker"]))
+        scaler.load_state_dict(scaler_state)
     log.info("resumed from %s", step_dir(root, step))
     return int(state["train"]["step"])

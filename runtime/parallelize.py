@@ -216,8 +216,6 @@ def parallelize_stage(model: Transformer, plan: Plan, meshes: Meshes, *, device:
 
 def check_supported(plan: Plan, tie_embeddings: bool) -> None:
     """What the runtime cannot run faithfully with upstream parts, refused before launch."""
-    if plan.dtype == "fp16":
-        raise PartitaError("plan dtype fp16 is not supported by the runtime (it needs loss scaling); use bf16")
     if plan.pp > 1 and plan.num_micro_batches < plan.pp:
         raise PartitaError(f"the 1F1B schedule needs at least as many micro-batches as stages; the plan has "
                            f"num_micro_batches {plan.num_micro_batches} for pp {plan.pp}")

@@ -1,6 +1,7 @@
 """One optimizer step's forward and backward over the plan's micro-batches.
 
-Two runners, one interface (``run(inputs, targets) -> summed micro-batch losses or None``):
+Two runners, one interface (``run(inputs, targets, loss_scale) -> summed micro-batch losses or
+None``; ``loss_scale`` is fp16's loss scaling, 1.0 otherwise, and the losses returned are unscaled):
 
 * ``MicroBatchRunner`` (pp = 1): gradient accumulation over the micro-batches.
 * ``PipelineRunner`` (pp > 1): ``torch.distributed.pipelining``'s 1F1B schedule over this
@@ -32,12 +33,12 @@ class MicroBatchRunner:
     def __init__(self, model: nn.Module, units: list[ShardedLayer], num_micro_batches: int) -> None:
         self.model, self.units, self.n = model, units, num_micro_batches
 
-    def run(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+    def run(self, inputs: torch.Tensor, targets: torch.Tensor, loss_scale: float = 1.0) -> float:
         total = 0.0
         for i, (x, y) in enumerate(zip(inputs.chunk(self.n), targets.chunk(self.n))):
             set_gradient_sync(self.units, last_micro_batch=i == self.n - 1)
             loss = lm_loss(self.model(x), y)
-            (loss / self.n).backward()
+            (loss * (loss_scale / self.n)).backward()
             total += loss.detach().item()
         return total
 
@@ -83,10 +84,15 @@ class PipelineRunner:
         outputs = meta(b, s, vocab) if self.is_last else meta(b, s, spec_hidden)
         self.stage = PipelineStage(self.module, stage.index, plan.pp, device, input_args=inputs,
                                    output_args=outputs, group=meshes.pp.get_group())
-        self.schedule = Schedule1F1B(self.stage, n_microbatches=self.n, loss_fn=lm_loss, scale_grads=True)
+        self.loss_scale = 1.0
+        self.schedule = Schedule1F1B(self.stage, n_microbatches=self.n, loss_fn=self._scaled_loss, scale_grads=True)
 
-    def run(self, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
+    def _scaled_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return lm_loss(logits, targets) * self.loss_scale
+
+    def run(self, inputs: torch.Tensor, targets: torch.Tensor, loss_scale: float = 1.0) -> float | None:
         self.module.forwards = 0
+        self.loss_scale = loss_scale
         losses: list[torch.Tensor] = []
         if self.is_first and self.is_last:
             self.schedule.step(inputs, target=targets, losses=losses)
@@ -98,4 +104,4 @@ class PipelineRunner:
             self.schedule.step()
         if self.module.units and self.module.forwards != self.n:
             raise RuntimeError(f"pipeline stage ran {self.module.forwards} forwards for {self.n} micro-batches")
-        return sum(l.item() for l in losses) if self.is_last else None
+        return sum(l.item() for l in losses) / loss_scale if self.is_last else None

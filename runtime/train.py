@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
 
 from partita.cluster import ClusterSpec
@@ -148,6 +149,10 @@ class Trainer:
         units = parallelize_stage(self.model, plan, self.meshes, device=device, seed=cfg.seed, mp_policy=mp_policy,
                                   use_fsdp=use_fsdp)
         self.optimizer = make_optimizer(self.model, cfg)
+        # fp16 needs loss scaling; the scaler agrees on overflow across all ranks (all-reduce).
+        self.scaler = ShardedGradScaler(device=device.type) if plan.dtype == "fp16" else None
+        if self.scaler is not None:
+            self.scaler.scale(torch.ones((), device=device))  # creates its scale tensor (the runners scale by value)
         if plan.pp > 1:
             self.runner = PipelineRunner(self.model, units, plan, self.meshes, device=device,
                                          activation_dtype=compute_dtype)
@@ -159,7 +164,7 @@ class Trainer:
             if last is None:
                 log.warning("--resume: no checkpoint in %s; starting from step 0", cfg.checkpoint_dir)
             else:
-                self.start_step = checkpoint.load(cfg.checkpoint_dir, last, self.model, self.optimizer)
+                self.start_step = checkpoint.load(cfg.checkpoint_dir, last, self.model, self.optimizer, self.scaler)
 
     def fit(self) -> RunSummary | None:
         """Train to ``cfg.steps``. Returns the run summary on rank 0, None elsewhere."""
@@ -185,10 +190,8 @@ class Trainer:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             t0 = clock.now()
-            loss_sum = self.runner.run(inputs, targets)
-            grad_norm = clip_grad_norm(self.model.parameters(), cfg.grad_clip, pp_group)
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            loss_sum = self.runner.run(inputs, targets, self.scaler.get_scale() if self.scaler else 1.0)
+            grad_norm = self._update(pp_group)
             loss = _global_loss(loss_sum if reports_loss else None, plan, device)
             elapsed = clock.now() - t0
             step_times.append(elapsed)
@@ -203,11 +206,25 @@ class Trainer:
                      record["peak_memory_bytes"] / 2**20)
             done = step + 1
             if cfg.checkpoint_dir and ((cfg.checkpoint_every and done % cfg.checkpoint_every == 0) or done == cfg.steps):
-                checkpoint.save(cfg.checkpoint_dir, done, self.model, self.optimizer)
+                checkpoint.save(cfg.checkpoint_dir, done, self.model, self.optimizer, self.scaler)
             if cfg.crash_after_step is not None and done == cfg.crash_after_step:
                 os._exit(17)  # tests: die like a killed process, without cleanup
         writer.close()
         return _gather_summary(step_times, losses, plan, place, device)
+
+
+    def _update(self, pp_group: dist.ProcessGroup | None) -> float:
+        """Clip and step; under fp16 unscale first and skip the step on overflow (every rank alike)."""
+        if self.scaler is None:
+            grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.grad_clip, pp_group)
+            self.optimizer.step()
+        else:
+            self.scaler.unscale_(self.optimizer)
+            grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.grad_clip, pp_group)
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm
 
 
 def train(plan: Plan, cfg: TrainConfig, *, device: torch.device | None = None) -> RunSummary | None:

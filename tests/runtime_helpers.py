@@ -111,17 +111,17 @@ def run_parallel(plan: Plan, cfg) -> tuple[list[float], dict[str, torch.Tensor]]
     return losses, params
 
 
-def run_reference(plan: Plan, cfg) -> tuple[list[float], dict[str, torch.Tensor]]:
+def run_reference(plan: Plan, cfg, grad_norms: list[float] | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The same model, data, init and optimizer in one process, without any parallelism."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the ranks run with one thread each; so does the reference
     try:
-        return _reference(plan, cfg)
+        return _reference(plan, cfg, grad_norms if grad_norms is not None else [])
     finally:
         torch.set_num_threads(threads)
 
 
-def _reference(plan: Plan, cfg) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _reference(plan: Plan, cfg, grad_norms: list[float]) -> tuple[list[float], dict[str, torch.Tensor]]:
     from partita.runtime.data import TokenSource
     from partita.runtime.models import build_model, materialize
     from partita.runtime.schedule import lm_loss
@@ -138,7 +138,7 @@ def _reference(plan: Plan, cfg) -> tuple[list[float], dict[str, torch.Tensor]]:
             g["lr"] = lr_at(step, cfg)
         loss = lm_loss(model(inputs), targets)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        grad_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())

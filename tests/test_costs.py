@@ -5,7 +5,8 @@ import pytest
 from partita.cluster import parse_short
 from partita.model import load_model
 from partita.plan import LayerStrategy
-from partita.search.costs import CostModel, Link, pipeline_time_s, ring_bus_bytes
+from partita.profile import bus_bytes
+from partita.search.costs import CostModel, Link, pipeline_time_s
 from partita.search.evaluate import evaluate_layout
 from partita.units import GB
 
@@ -58,7 +59,7 @@ def test_ring_all_reduce_time():
     # 8 ranks: each sends 2 * 7/8 of the buffer, in 2 * 7 latency-bound steps.
     expected = 14 * 5e-6 + 2 * 7 / 8 * nbytes / (450 * GB)
     assert cm.collective_s("all_reduce", nbytes, 8, link) == pytest.approx(expected)
-    assert ring_bus_bytes("all_gather", nbytes, 4) == pytest.approx(0.75 * nbytes)
+    assert bus_bytes("all_gather", nbytes, 4) == pytest.approx(0.75 * nbytes)
     assert cm.collective_s("all_reduce", nbytes, 1, link) == 0.0
 
 

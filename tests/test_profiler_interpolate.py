@@ -7,7 +7,8 @@ import pytest
 
 from partita.model import load_model
 from partita.profile import LayerCost, Profile, Provenance
-from partita.profiler.fit import bus_bytes, fit_latency_bandwidth, relative_errors
+from partita.profile import bus_bytes
+from partita.profiler.fit import fit_latency_bandwidth, relative_errors
 from partita.profile import layer_cost_at as interpolate
 
 SPEC = load_model("tiny-llama")

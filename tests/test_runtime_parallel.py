@@ -7,6 +7,7 @@ in a near-zero gradient moves a weight by a visible fraction of the learning rat
 """
 
 import dataclasses
+import json
 
 import pytest
 
@@ -117,15 +118,22 @@ def test_zero_levels_shard_and_reshard_as_planned():
 @pytest.mark.parametrize("plan", [
     make_plan(SMALL, pp=2, boundaries=[1], dtype="bf16"),
     make_plan(SMALL, pp=2, dp=2, boundaries=[2], layer=dict(zero=1), dtype="bf16"),
-], ids=["pp", "pp-fsdp"])
-def test_bf16_mixed_precision_tracks_fp32(plan):
-    """The GPU path (FSDP2 mixed precision, bf16 activations between stages) run on CPU ranks
-    (the validator keeps CPU plans in fp32; the Trainer does not ask): fp32 master weights,
-    losses close to the fp32 run."""
-    cfg = dataclasses.replace(CFG, steps=3)
+    make_plan(SMALL, dp=2, tp=2, layer=dict(TP2, sequence_parallel=True, zero=3), dtype="fp16"),
+    make_plan(SMALL, pp=2, boundaries=[2], num_micro_batches=3, dtype="fp16"),
+], ids=["bf16-pp", "bf16-pp-fsdp", "fp16-tp-fsdp", "fp16-pp"])
+def test_mixed_precision_tracks_fp32(plan, tmp_path):
+    """The GPU paths (FSDP2 mixed precision, half-precision activations between stages, fp16
+    loss scaling) run on CPU ranks (the validator keeps CPU plans in fp32; the Trainer does not
+    ask): fp32 master weights, losses close to the fp32 run."""
+    cfg = dataclasses.replace(CFG, steps=3, metrics=str(tmp_path / "metrics.jsonl"))
     losses, params = run_parallel(plan, cfg)
-    ref_losses, ref_params = run_reference(plan, cfg)
+    ref_norms = []
+    ref_losses, ref_params = run_reference(plan, cfg, ref_norms)
     assert losses == pytest.approx(ref_losses, rel=1e-3)
+    # gradients come back at their true size (fp16 loss scaling undone before clipping)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    norms = [r["grad_norm"] for r in sorted(records, key=lambda r: r["step"]) if r["rank"] == 0]
+    assert norms == pytest.approx(ref_norms, rel=2e-2)
     for name, ref in ref_params.items():
         assert params[name].dtype == torch.float32
         torch.testing.assert_close(params[name], ref, rtol=0, atol=2e-2)
