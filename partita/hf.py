@@ -44,12 +44,7 @@ def load_hf_config(path: str | Path) -> ModelSpec:
     """Read a Hugging Face ``config.json``. The spec is named after the file, or after its
     folder when the file is called ``config.json`` (``models/llama-3-8b/config.json``)."""
     p = Path(path)
-    try:
-        text = p.read_text()
-    except FileNotFoundError:
-        raise PartitaError(f"{p}: no such file") from None
-    except (OSError, ValueError) as e:  # a folder, no permission, not UTF-8, a NUL or too long a name
-        raise PartitaError(f"{p}: cannot read ({type(e).__name__})") from None
+    text = specio.read_text(p)
     try:
         config = json.loads(text)
     except json.JSONDecodeError as e:

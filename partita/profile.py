@@ -27,6 +27,21 @@ COMM_OPS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
 LINK_CLASSES = ("nvlink", "pcie", "xgmi", "loopback", "network")
 
 
+def bus_bytes(op: str, message_bytes: float, ranks: int) -> float:
+    """The bytes one rank moves for a ring collective over ``ranks`` ranks on a buffer of
+    ``message_bytes`` (the all-reduce input, the all-gather output, the reduce-scatter input,
+    the p2p message): the traffic a comm fit's bandwidth is measured against."""
+    if op == "p2p":
+        return float(message_bytes)
+    if ranks <= 1:
+        return 0.0
+    if op == "all_reduce":
+        return 2.0 * (ranks - 1) / ranks * message_bytes
+    if op in ("all_gather", "reduce_scatter"):
+        return (ranks - 1) / ranks * message_bytes
+    raise PartitaError(f"unknown collective {op!r}; valid: {', '.join(COMM_OPS)}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class Provenance:
     source: str  # "measured" or "analytic"

@@ -21,16 +21,20 @@ import yaml
 from partita.errors import PartitaError
 
 
-def load_yaml(path: str | Path) -> Any:
-    """Read a YAML file; a missing file or a syntax error is one line naming file and line."""
+def read_text(path: str | Path) -> str:
+    """A file's text; a missing or unreadable file is one line naming it."""
     p = Path(path)
     try:
-        text = p.read_text()
+        return p.read_text()
     except FileNotFoundError:
         raise PartitaError(f"{p}: no such file") from None
     except (OSError, ValueError) as e:  # a folder, no permission, not UTF-8, a NUL or too long a name
         raise PartitaError(f"{p}: cannot read ({type(e).__name__})") from None
-    return parse_yaml(text, str(p))
+
+
+def load_yaml(path: str | Path) -> Any:
+    """Read a YAML file; a missing file or a syntax error is one line naming file and line."""
+    return parse_yaml(read_text(path), str(path))
 
 
 def parse_yaml(text: str, where: str = "<string>") -> Any:

@@ -35,8 +35,8 @@ import torch
 import torch.distributed as dist
 
 from partita.errors import PartitaError
-from partita.profile import CommCost
-from partita.profiler.fit import bus_bytes, fit_latency_bandwidth
+from partita.profile import CommCost, bus_bytes
+from partita.profiler.fit import fit_latency_bandwidth
 from partita.units import KiB, MiB
 
 log = logging.getLogger(__name__)

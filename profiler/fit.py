@@ -31,21 +31,6 @@ class LinearFit:
         return self.latency_s + bus_bytes * self.seconds_per_byte
 
 
-def bus_bytes(op: str, message_bytes: int, ranks: int) -> float:
-    """The bytes one rank moves for a collective on a ``message_bytes`` buffer (ring algorithms).
-
-    ``message_bytes`` is the full buffer: the all-reduce input, the all-gather output, the
-    reduce-scatter input, the p2p message. This is the convention of ``partita.profile``.
-    """
-    if op == "all_reduce":
-        return 2.0 * (ranks - 1) / ranks * message_bytes
-    if op in ("all_gather", "reduce_scatter"):
-        return (ranks - 1) / ranks * message_bytes
-    if op == "p2p":
-        return float(message_bytes)
-    raise PartitaError(f"unknown collective {op!r}; valid: all_reduce, all_gather, reduce_scatter, p2p")
-
-
 def fit_latency_bandwidth(bus: Sequence[float], seconds: Sequence[float]) -> LinearFit | None:
     """Weighted least squares of seconds on bus bytes, weights 1/seconds (relative error),
     with latency >= 0 and bandwidth > 0; None when the times do not grow with size (the sizes

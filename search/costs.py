@@ -50,7 +50,7 @@ from partita.devices import get_device
 from partita.errors import PartitaError
 from partita.model import LayerKind, ModelSpec
 from partita.plan import LayerStrategy
-from partita.profile import LayerCost, Profile, layer_cost_at
+from partita.profile import LayerCost, Profile, bus_bytes, layer_cost_at
 from partita.units import GiB, MiB
 
 RESERVE_GPU_BYTES = 3 * GiB
@@ -99,19 +99,6 @@ class LayerMemory:
     recompute_peak: int  # extra bytes while this layer is recomputed in backward
     gathered: int  # a ZeRO-3 layer's full parameters while it runs
     params: int  # parameters on this device (for the optimizer step)
-
-
-def ring_bus_bytes(op: str, nbytes: float, n: int) -> float:
-    """Bytes each rank sends for a ring collective over ``n`` ranks on a buffer of ``nbytes``."""
-    if n <= 1:
-        return 0.0
-    if op == "all_reduce":
-        return 2.0 * (n - 1) / n * nbytes
-    if op in ("all_gather", "reduce_scatter"):
-        return (n - 1) / n * nbytes
-    if op == "p2p":
-        return float(nbytes)
-    raise ValueError(f"unknown collective {op!r}")
 
 
 def ring_steps(op: str, n: int) -> int:
@@ -204,7 +191,7 @@ class CostModel:
         comm fit of the device's profile replaces the link's datasheet figures."""
         if n <= 1 or nbytes <= 0:
             return 0.0
-        bus = ring_bus_bytes(op, nbytes, n)
+        bus = bus_bytes(op, nbytes, n)
         profile = self.profiles.get(device) if device else None
         if profile is not None:
             fit = profile.comm_fit(op, link.kind, n)

@@ -50,7 +50,7 @@ from partita.errors import PartitaError
 from partita.plan import LayerStrategy, Plan, SolverReport
 from partita.search.costs import RESERVE_CPU_BYTES, RESERVE_GPU_BYTES, OPTIMIZER_BYTES_PER_PARAM, CostModel, in_flight
 from partita.search.evaluate import evaluate_layout
-from partita.search.uniform import MAX_MICRO_BATCH, Layout, SearchSpace, UniformResult, divisors, layer_tp
+from partita.search.uniform import Layout, SearchSpace, UniformResult, batch_splits, divisors, layer_tp, tp_allowed
 from partita.units import MiB, to_mib, to_us
 
 log = logging.getLogger(__name__)
@@ -166,20 +166,12 @@ def shapes(cm: CostModel, global_batch: int, space: SearchSpace) -> list[Shape]:
     out = []
     for stage_size in sizes:
         for tp in divisors(stage_size):
-            if model.kinds["block"].tp_divides(tp):
-                continue
-            if space.tensor_parallel and tp not in space.tensor_parallel:
+            if not tp_allowed(model, tp, space):
                 continue
             if not any(g.gpus_per_node % tp == 0 and g.size >= stage_size for g in cm.cluster.groups):
                 continue
             dp = stage_size // tp
-            if global_batch % dp:
-                continue
-            per_replica = global_batch // dp
-            mbs = space.micro_batches or tuple(d for d in divisors(per_replica) if d <= MAX_MICRO_BATCH)
-            for mb in mbs:
-                if per_replica % mb == 0:
-                    out.append(Shape(stage_size, tp, dp, mb, per_replica // mb))
+            out += [Shape(stage_size, tp, dp, mb, m) for mb, m in batch_splits(global_batch, dp, space)]
     return out
 
 

@@ -129,19 +129,25 @@ def grid(cm: CostModel, global_batch: int, space: SearchSpace) -> Iterator[tuple
             if pp > max(model.n_layers, 1) or (space.pipeline and pp not in space.pipeline):
                 continue
             for tp in divisors(stage_size):
-                if gpn % tp or model.kinds["block"].tp_divides(tp):
-                    continue
-                if space.tensor_parallel and tp not in space.tensor_parallel:
+                if gpn % tp or not tp_allowed(model, tp, space):
                     continue
                 dp = stage_size // tp
-                if global_batch % dp:
-                    continue
-                per_replica = global_batch // dp
-                mbs = space.micro_batches or tuple(d for d in divisors(per_replica) if d <= MAX_MICRO_BATCH)
-                for mb in mbs:
-                    if per_replica % mb:
-                        continue
-                    yield groups, tp, dp, mb, per_replica // mb
+                for mb, m in batch_splits(global_batch, dp, space):
+                    yield groups, tp, dp, mb, m
+
+
+def tp_allowed(model: ModelSpec, tp: int, space: SearchSpace) -> bool:
+    """The blocks split tp ways, and the space allows tp."""
+    return model.kinds["block"].tp_divides(tp) is None and (not space.tensor_parallel or tp in space.tensor_parallel)
+
+
+def batch_splits(global_batch: int, dp: int, space: SearchSpace) -> list[tuple[int, int]]:
+    """(micro-batch size, micro-batch count) pairs that make up the global batch on dp replicas."""
+    if global_batch % dp:
+        return []
+    per_replica = global_batch // dp
+    mbs = space.micro_batches or tuple(d for d in divisors(per_replica) if d <= MAX_MICRO_BATCH)
+    return [(mb, per_replica // mb) for mb in mbs if per_replica % mb == 0]
 
 
 def uniform_search(cm: CostModel, *, global_batch: int, space: SearchSpace = SearchSpace()) -> UniformResult:
