@@ -151,13 +151,14 @@ def apply_tensor_parallel(model: Transformer, stage: Stage, meshes: Meshes) -> N
 
 
 def apply_recompute(model: Transformer, stage: Stage) -> None:
-    """Full recomputation of the blocks the plan marks: their activations are dropped after
+    """Full recomputation of the layers the plan marks: their activations are dropped after
     forward and recomputed in backward. (The composable ``checkpoint`` would keep module names
     but recomputes from inputs already converted by a tensor-parallel input hook.)"""
     for strategy in stage.layers:
         if strategy.recompute:
-            key = strategy.name.split(".", 1)[1]
-            model.layers[key] = checkpoint_wrapper(model.layers[key], preserve_rng_state=False)
+            parent, _, child = strategy.name.rpartition(".")
+            owner = model.get_submodule(parent) if parent else model
+            setattr(owner, child, checkpoint_wrapper(getattr(owner, child), preserve_rng_state=False))
 
 
 # ---- 4. FSDP2 per layer ----------------------------------------------------------------------
