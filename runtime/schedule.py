@@ -1,7 +1,8 @@
 """One optimizer step's forward and backward over the plan's micro-batches.
 
-Two runners, one interface (``run(inputs, targets, loss_scale) -> summed micro-batch losses or
-None``; ``loss_scale`` is fp16's loss scaling, 1.0 otherwise, and the losses returned are unscaled):
+Two runners, one interface (``run(inputs, targets, loss_scale) -> summed micro-batch losses as a
+0-dim tensor, or None``; ``loss_scale`` is fp16's loss scaling, 1.0 otherwise, and the losses
+returned are unscaled; nothing here waits for the device):
 
 * ``MicroBatchRunner`` (pp = 1): gradient accumulation over the micro-batches.
 * ``PipelineRunner`` (pp > 1): ``torch.distributed.pipelining``'s 1F1B schedule over this
@@ -33,13 +34,13 @@ class MicroBatchRunner:
     def __init__(self, model: nn.Module, units: list[ShardedLayer], num_micro_batches: int) -> None:
         self.model, self.units, self.n = model, units, num_micro_batches
 
-    def run(self, inputs: torch.Tensor, targets: torch.Tensor, loss_scale: float = 1.0) -> float:
-        total = 0.0
+    def run(self, inputs: torch.Tensor, targets: torch.Tensor, loss_scale: float = 1.0) -> torch.Tensor:
+        total = torch.zeros((), device=inputs.device)
         for i, (x, y) in enumerate(zip(inputs.chunk(self.n), targets.chunk(self.n))):
             set_gradient_sync(self.units, last_micro_batch=i == self.n - 1)
             loss = lm_loss(self.model(x), y)
             (loss * (loss_scale / self.n)).backward()
-            total += loss.detach().item()
+            total += loss.detach()
         return total
 
 
@@ -90,7 +91,7 @@ class PipelineRunner:
     def _scaled_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return lm_loss(logits, targets) * self.loss_scale
 
-    def run(self, inputs: torch.Tensor, targets: torch.Tensor, loss_scale: float = 1.0) -> float | None:
+    def run(self, inputs: torch.Tensor, targets: torch.Tensor, loss_scale: float = 1.0) -> torch.Tensor | None:
         self.module.forwards = 0
         self.loss_scale = loss_scale
         losses: list[torch.Tensor] = []
@@ -104,4 +105,4 @@ class PipelineRunner:
             self.schedule.step()
         if self.module.units and self.module.forwards != self.n:
             raise RuntimeError(f"pipeline stage ran {self.module.forwards} forwards for {self.n} micro-batches")
-        return sum(l.item() for l in losses) / loss_scale if self.is_last else None
+        return torch.stack([l.detach() for l in losses]).sum() / loss_scale if self.is_last else None

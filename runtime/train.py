@@ -232,10 +232,12 @@ def train(plan: Plan, cfg: TrainConfig, *, device: torch.device | None = None) -
     return Trainer(plan, cfg, device=device).fit()
 
 
-def _global_loss(loss_sum: float | None, plan: Plan, device: torch.device) -> float:
+def _global_loss(loss_sum: torch.Tensor | None, plan: Plan, device: torch.device) -> float:
     """Mean loss over the global batch, known to every rank: the last stage's tensor-rank-0
     ranks contribute their micro-batch losses, everyone else zero."""
-    value = torch.tensor([loss_sum or 0.0], dtype=torch.float64, device=device)
+    value = torch.zeros(1, dtype=torch.float64, device=device)
+    if loss_sum is not None:
+        value += loss_sum.to(torch.float64)
     dist.all_reduce(value)
     return float(value) / (plan.dp * plan.num_micro_batches)
 
