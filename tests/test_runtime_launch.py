@@ -15,7 +15,8 @@ from partita.runtime.data import TokenSource  # noqa: E402
 from partita.runtime.launch import add_launch_arguments, launch_command  # noqa: E402
 from partita.runtime.metrics import RunSummary  # noqa: E402
 from partita.runtime.train import TrainConfig, lr_at  # noqa: E402
-from runtime_helpers import make_plan, run_parallel  # noqa: E402
+from partita.model import BUILTIN  # noqa: E402
+from runtime_helpers import make_plan, run_parallel, run_reference  # noqa: E402
 
 
 def parse(*argv):
@@ -151,3 +152,20 @@ def test_each_replica_gets_its_block_of_the_global_batch():
     whole, _ = source.batch(5)
     parts = [source.batch(5, dp=3, dp_index=d)[0] for d in range(3)]
     assert torch.equal(torch.cat(parts), whole)
+
+
+def test_resume_under_another_plan_reshards_the_checkpoint(tmp_path):
+    """torch.distributed.checkpoint reshards: a run saved as dp 2 x ZeRO-3 with recomputation
+    continues as pp 2 x tp 2 with sequence parallelism (same global batch), on the same losses."""
+    small = dataclasses.replace(BUILTIN["tiny-llama"], name="tiny-llama-4", n_layers=4)
+    saved_as = make_plan(small, dp=2, layer=dict(zero=3, recompute=True))
+    resumed_as = make_plan(small, pp=2, tp=2, boundaries=[1], num_micro_batches=4,
+                           layer=dict(tensor_parallel=2, sequence_parallel=True))
+    assert saved_as.global_batch == resumed_as.global_batch
+    whole = TrainConfig(steps=4, warmup_steps=1)
+    reference, _ = run_reference(saved_as, whole)
+    ckpt = str(tmp_path / "ckpt")
+    with pytest.raises(mp.ProcessExitedException):
+        run_parallel(saved_as, dataclasses.replace(whole, checkpoint_dir=ckpt, checkpoint_every=2, crash_after_step=2))
+    tail, _ = run_parallel(resumed_as, dataclasses.replace(whole, checkpoint_dir=ckpt, resume=True))
+    assert tail == pytest.approx(reference[2:], rel=1e-5)
