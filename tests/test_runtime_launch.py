@@ -54,6 +54,13 @@ def test_other_model_or_cluster_is_refused(tmp_path):
         launch_command(parse(path, "--cluster", "8xcpu"))
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_gpu_plan_on_a_machine_without_gpus_is_refused(tmp_path):
+    path = saved(make_plan(dp=2, cluster="2xH100", dtype="bf16"), tmp_path)
+    with pytest.raises(PartitaError, match="runs on H100 but this machine has no CUDA device"):
+        launch_command(parse(path))
+
+
 def test_tied_embeddings_across_stages_are_refused(tmp_path):
     path = saved(make_plan("tiny-gpt2", pp=2), tmp_path)
     with pytest.raises(PartitaError, match="ties its embedding"):
