@@ -44,9 +44,11 @@ PLANS = {
     "tp-sp": make_plan(SMALL, tp=2, layer=dict(TP2, sequence_parallel=True)),
     "recompute": make_plan(SMALL, dp=2, layer=dict(zero=3, recompute=True)),
     "pp-uneven": make_plan(SMALL, pp=2, boundaries=[1], num_micro_batches=4),
-    "pp-tp": make_plan(SMALL, pp=2, tp=2, boundaries=[3], layer=dict(TP2, sequence_parallel=True), num_micro_batches=3),
+    "pp-tp": make_plan(SMALL, pp=2, tp=2, boundaries=[3], layer=dict(TP2, sequence_parallel=True), num_micro_batches=3,
+                       per_layer={"layers.2": dict(TP2, sequence_parallel=True, recompute=True)}),
     "pp-fsdp": make_plan(SMALL, pp=2, dp=2, boundaries=[3], num_micro_batches=3,
-                         layer=dict(zero=3), per_layer={"layers.1": dict(zero=1), "head": dict(zero=2)}),
+                         layer=dict(zero=3), per_layer={"layers.1": dict(zero=1), "layers.3": dict(zero=3, recompute=True),
+                                                        "head": dict(zero=2)}),
     "mixed": make_plan(dp=2, tp=2, per_layer=MIXED),
     "gpt2-mixed": make_plan("tiny-gpt2", dp=2, tp=2, per_layer={
         "embed": dict(tensor_parallel=2, sequence_parallel=True, zero=3),
