@@ -32,7 +32,7 @@ from partita.model import ModelSpec
 from partita.plan import Plan
 from partita.runtime import checkpoint
 from partita.runtime.data import TokenSource
-from partita.runtime.mesh import Meshes, build_meshes
+from partita.runtime.mesh import build_meshes
 from partita.runtime.metrics import MetricsWriter, RunSummary, peak_flops, peak_memory_bytes, summarize
 from partita.runtime.models import build_model
 from partita.runtime.parallelize import parallelize_stage
