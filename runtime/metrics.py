@@ -20,6 +20,7 @@ import torch
 
 from partita.cluster import ClusterSpec
 from partita.devices import get_device
+from partita.model import ModelSpec
 from partita.plan import Plan
 from partita.units import fmt_bytes
 
@@ -68,6 +69,10 @@ class RunSummary:
     predicted_stage_peak_bytes: list[int | None] | None
     memory_kind: str  # "allocated" (GPU) or "peak RSS" (CPU)
     losses: list[float]
+    measured_tokens_per_s: float | None = None  # at the median step time
+    predicted_tokens_per_s: float | None = None
+    measured_mfu: float | None = None
+    predicted_mfu: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -77,9 +82,15 @@ class RunSummary:
         return cls(**data)
 
     def table(self) -> str:
-        """Measured against predicted, with the error in percent (positive: slower/larger)."""
+        """Measured against predicted, with the error in percent of the prediction."""
         rows = [("step time", _seconds(self.measured_step_time_s),
                  _seconds(self.predicted_step_time_s), _error(self.measured_step_time_s, self.predicted_step_time_s))]
+        if self.measured_tokens_per_s is not None:
+            rows.append(("tokens/s", f"{self.measured_tokens_per_s:,.0f}", _maybe(self.predicted_tokens_per_s, "{:,.0f}"),
+                         _error(self.measured_tokens_per_s, self.predicted_tokens_per_s)))
+        if self.measured_mfu is not None:
+            rows.append(("MFU", f"{self.measured_mfu:.2%}", _maybe(self.predicted_mfu, "{:.2%}"),
+                         _error(self.measured_mfu, self.predicted_mfu)))
         for s, measured in enumerate(self.measured_stage_peak_bytes):
             predicted = self.predicted_stage_peak_bytes[s] if self.predicted_stage_peak_bytes else None
             rows.append((f"stage {s} peak memory ({self.memory_kind})", fmt_bytes(measured),
@@ -95,18 +106,30 @@ def summarize(step_times: list[float], stage_peaks: list[int], memory_kind: str,
               plan: Plan) -> RunSummary:
     timed = step_times[1:] or step_times
     prediction = plan.prediction
+    median = statistics.median(timed) if timed else float("nan")
+    tokens = plan.global_batch * plan.seq_len
+    flops = ModelSpec.from_dict(plan.model).train_flops_per_token(plan.seq_len) * tokens
+    peak = peak_flops(plan)
     return RunSummary(
         steps=len(step_times),
-        measured_step_time_s=statistics.median(timed) if timed else float("nan"),
+        measured_step_time_s=median,
         predicted_step_time_s=prediction.step_time_s if prediction else None,
         measured_stage_peak_bytes=stage_peaks,
         predicted_stage_peak_bytes=_predicted_peaks(prediction, len(stage_peaks)) if prediction else None,
-        memory_kind=memory_kind, losses=losses)
+        memory_kind=memory_kind, losses=losses,
+        measured_tokens_per_s=tokens / median if timed else None,
+        predicted_tokens_per_s=prediction.tokens_per_s if prediction else None,
+        measured_mfu=flops / median / peak if timed and peak else None,
+        predicted_mfu=prediction.mfu if prediction else None)
 
 
 def _predicted_peaks(prediction, n_stages: int) -> list[int | None]:
     by_stage = {m.stage: m.peak_bytes for m in prediction.memory}
     return [by_stage.get(s) for s in range(n_stages)]
+
+
+def _maybe(value: float | None, fmt: str) -> str:
+    return "-" if value is None else fmt.format(value)
 
 
 def _seconds(value: float | None) -> str:
