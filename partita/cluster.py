@@ -82,8 +82,9 @@ def make_group(*, name: str, device: DeviceType, nodes: int, gpus_per_node: int,
     return NodeGroup(name=name, device=device.name, nodes=nodes, gpus_per_node=gpus_per_node,
                      memory_bytes=device.memory_bytes if memory_bytes is None else memory_bytes,
                      intra_link=intra_link or device.intra_link,
-                     intra_node_gbps=device.intra_node_gbps if intra_node_gbps is None else intra_node_gbps,
-                     network_gbps=device.network_gbps if network_gbps is None else network_gbps)
+                     # floats, so that a spec read back from its own YAML has the same fingerprint
+                     intra_node_gbps=float(device.intra_node_gbps if intra_node_gbps is None else intra_node_gbps),
+                     network_gbps=float(device.network_gbps if network_gbps is None else network_gbps))
 
 
 @dataclass(frozen=True, kw_only=True)

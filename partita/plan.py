@@ -213,6 +213,13 @@ class Plan:
                 return s
         raise PartitaError(f"rank {rank} is in no stage of this plan")
 
+    def with_ranks_from_zero(self) -> "Plan":
+        """The same plan with its ranks renumbered 0..world-1 in order: what torchrun calls
+        them when only the plan's ranks are started (a plan may leave some of a cluster idle)."""
+        new = {r: i for i, r in enumerate(sorted(self.ranks))}
+        stages = tuple(dataclasses.replace(s, ranks=tuple(new[r] for r in s.ranks)) for s in self.stages)
+        return dataclasses.replace(self, stages=stages)
+
     def layer_strategies(self) -> list[LayerStrategy]:
         return [l for s in self.stages for l in s.layers]
 

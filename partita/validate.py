@@ -19,6 +19,27 @@ def validate_plan(plan: Plan, model: ModelSpec, cluster: ClusterSpec) -> None:
     _check_ranks(plan, cluster)
     _check_layers(plan, model)
     _check_dtype(plan, cluster)
+    _check_runtime_limits(plan, model)
+
+
+def _check_runtime_limits(plan: Plan, model: ModelSpec) -> None:
+    """What the runtime does not run (the search never offers these either)."""
+    if plan.pp > 1 and plan.num_micro_batches < plan.pp:
+        raise PartitaError(f"the 1F1B schedule needs at least as many micro-batches as stages: num_micro_batches "
+                           f"{plan.num_micro_batches} < pp {plan.pp}; use a smaller micro-batch or fewer stages")
+    if any(l.sequence_parallel for l in plan.layer_strategies()) and plan.seq_len % plan.tp:
+        raise PartitaError(f"sequence parallelism splits the sequence {plan.tp} ways; seq_len {plan.seq_len} is not "
+                           f"divisible by tp {plan.tp}")
+    if model.tie_embeddings:
+        if plan.pp > 1:
+            raise PartitaError(f"{model.name} ties its embedding and head weights, which the runtime keeps in one "
+                               f"stage: pp must be 1, the plan has {plan.pp}")
+        layers = {l.name: l for l in plan.layer_strategies()}
+        e, h = layers["embed"], layers["head"]
+        if (e.tensor_parallel, e.zero) != (h.tensor_parallel, h.zero):
+            raise PartitaError(f"{model.name} ties its embedding and head weights: they need the same tensor_parallel "
+                               f"and zero; the plan has embed {e.tensor_parallel}/{e.zero}, head "
+                               f"{h.tensor_parallel}/{h.zero}")
 
 
 def _check_inputs(plan: Plan, model: ModelSpec, cluster: ClusterSpec) -> None:

@@ -100,9 +100,6 @@ def check_launch(plan: Plan, args: argparse.Namespace) -> ClusterSpec:
         raise PartitaError("--resume needs --checkpoint-dir")
     if args.data != "synthetic" and not Path(args.data).is_file():
         raise PartitaError(f"--data {args.data}: no such file; give 'synthetic' or a local text file")
-    if sorted(plan.ranks) != list(range(plan.world_size)):
-        raise PartitaError(f"plan uses ranks {_span(plan.ranks)}; the runtime starts ranks 0..{plan.world_size - 1} "
-                           f"and needs a plan that uses exactly those")
     if _nodes(plan, cluster) == 1:
         _check_local_world(plan, cluster, args.nproc)
     return cluster
@@ -167,11 +164,6 @@ def _same_device(catalog_name: str, torch_name: str) -> bool:
     """'H100' ~ 'NVIDIA H100 80GB HBM3'; 'A100-80GB' ~ 'NVIDIA A100-SXM4-80GB'."""
     have = torch_name.upper().replace(" ", "-")
     return all(part in have for part in catalog_name.upper().split("-"))
-
-
-def _span(ranks) -> str:
-    ranks = sorted(ranks)
-    return f"{ranks[0]}..{ranks[-1]} ({len(ranks)} ranks)" if ranks else "none"
 
 
 def _used_nodes(plan: Plan, cluster: ClusterSpec) -> list[tuple[str, str, int, int]]:

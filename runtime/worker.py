@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         plan = Plan.load(args.plan)
         cluster = plan_cluster(plan)
         check_plan(plan, ModelSpec.from_dict(plan.model), cluster)
+        plan = plan.with_ranks_from_zero()  # torchrun numbers only the ranks the plan uses
         cpu = cluster.is_cpu
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world != plan.world_size:

@@ -50,7 +50,8 @@ from partita.errors import PartitaError
 from partita.plan import LayerStrategy, Plan, SolverReport
 from partita.search.costs import RESERVE_CPU_BYTES, RESERVE_GPU_BYTES, OPTIMIZER_BYTES_PER_PARAM, CostModel, in_flight
 from partita.search.evaluate import evaluate_layout
-from partita.search.uniform import Layout, SearchSpace, UniformResult, batch_splits, divisors, layer_tp, tp_allowed
+from partita.search.uniform import (Layout, SearchSpace, UniformResult, batch_splits, divisors, layer_tp, max_stages,
+                                    sp_choices, tp_allowed)
 from partita.units import MiB, to_mib, to_us
 
 log = logging.getLogger(__name__)
@@ -94,6 +95,7 @@ class Problem:
     p2p_us: tuple[tuple[int, ...], ...]  # [g][h] send + receive between a stage on g and the next on h
     capacity_mib: tuple[int, ...]  # per group, minus the reserve, rounded down
     lower_bound_us: int
+    tied: bool = False  # embedding and head share one weight
 
 
 def strategies_for(cm: CostModel, role: str, shape: Shape, space: SearchSpace) -> list[LayerStrategy]:
@@ -103,7 +105,7 @@ def strategies_for(cm: CostModel, role: str, shape: Shape, space: SearchSpace) -
     zeros = space.zero_levels if shape.dp > 1 else (0,)
     recomputes = space.recompute if role == "block" else (False,)
     for t in tps:
-        for sp in (space.sequence_parallel if t > 1 else (False,)):
+        for sp in sp_choices(cm, t, space):
             for z in zeros:
                 for rc in recomputes:
                     out.append(LayerStrategy(name=role, tensor_parallel=t, sequence_parallel=sp, zero=z, recompute=rc))
@@ -111,6 +113,8 @@ def strategies_for(cm: CostModel, role: str, shape: Shape, space: SearchSpace) -
 
 
 def layer_table(cm: CostModel, role: str, shape: Shape, groups: Sequence[NodeGroup], space: SearchSpace) -> LayerTable:
+    """The integer cost table of one kind. Dominated choices are dropped, except for a tied
+    embedding and head, whose choices must be matched pairwise."""
     strategies = strategies_for(cm, role, shape, space)
     rows: dict[str, list[list[int]]] = {k: [] for k in ("time", "bwd", "sync", "opt", "static", "act", "rc", "gath")}
     for g in groups:
@@ -129,7 +133,7 @@ def layer_table(cm: CostModel, role: str, shape: Shape, groups: Sequence[NodeGro
             cols["gath"].append(to_mib(2 * m.gathered))
         for k in rows:
             rows[k].append(cols[k])
-    keep = undominated([[rows[k][g][j] for k in ("time", "opt", "static", "act", "rc", "gath") for g in range(len(groups))]
+    keep = list(range(len(strategies))) if cm.model.tie_embeddings and role != "block" else undominated([[rows[k][g][j] for k in ("time", "opt", "static", "act", "rc", "gath") for g in range(len(groups))]
                         + [rows["sync"][g][j] - rows["bwd"][g][j] for g in range(len(groups))]
                         for j in range(len(strategies))])
     strategies = [strategies[j] for j in keep]
@@ -181,7 +185,7 @@ def build_problem(cm: CostModel, shape: Shape, space: SearchSpace) -> Problem | 
     if not groups:
         return None
     per_group = tuple(g.size // shape.stage_size for g in groups)
-    slots = min(sum(per_group), cm.model.n_layers)
+    slots = min(sum(per_group), max_stages(cm, shape.num_micro_batches))
     if space.pipeline:
         slots = min(slots, max(space.pipeline))
     block = layer_table(cm, "block", shape, groups, space)
@@ -192,7 +196,8 @@ def build_problem(cm: CostModel, shape: Shape, space: SearchSpace) -> Problem | 
                      for g in groups)
     lb = _lower_bound_us(cm, shape, block, embed, head, slots)
     return Problem(shape=shape, groups=groups, slots=slots, stages_per_group=per_group, n_blocks=cm.model.n_layers,
-                   block=block, embed=embed, head=head, p2p_us=p2p, capacity_mib=capacity, lower_bound_us=lb)
+                   block=block, embed=embed, head=head, p2p_us=p2p, capacity_mib=capacity, lower_bound_us=lb,
+                   tied=cm.model.tie_embeddings)
 
 
 def _p2p_us(cm: CostModel, a: NodeGroup, b: NodeGroup, shape: Shape) -> int:
@@ -364,6 +369,7 @@ class PlanModel:
 
     def __init__(self, p: Problem, upper_bound_us: int | None, fit: "StageFit | None" = None) -> None:
         self.p = p
+        self.tied = p.tied
         self.fit = fit
         self.m = cp_model.CpModel()
         K, G = p.slots, len(p.groups)
@@ -473,6 +479,13 @@ class PlanModel:
                     self.m.add_implication(self.e[r][g][k], self.y[r][g])
         for g in range(G):
             self.m.add(sum(self.h[g]) == self.y[0][g])
+        if self.tied:  # one weight: the runtime needs the same tensor split and ZeRO level for both
+            key = lambda s: (s.tensor_parallel, s.zero)  # noqa: E731
+            for choice in {key(s) for s in p.embed.strategies} | {key(s) for s in p.head.strategies}:
+                embed = [self.e[r][g][k] for r in range(p.slots) for g in range(G)
+                         for k, s in enumerate(p.embed.strategies) if key(s) == choice]
+                head = [self.h[g][k] for g in range(G) for k, s in enumerate(p.head.strategies) if key(s) == choice]
+                self.m.add(sum(embed) == sum(head))
 
     # (T) stage time: its layers plus the send to the next stage (slot r - 1) and back.
     def add_stage_time(self) -> None:

@@ -133,7 +133,22 @@ def grid(cm: CostModel, global_batch: int, space: SearchSpace) -> Iterator[tuple
                     continue
                 dp = stage_size // tp
                 for mb, m in batch_splits(global_batch, dp, space):
-                    yield groups, tp, dp, mb, m
+                    if pp <= max_stages(cm, m):
+                        yield groups, tp, dp, mb, m
+
+
+def sp_choices(cm: CostModel, tp: int, space: SearchSpace) -> tuple[bool, ...]:
+    """Sequence parallelism needs tp > 1 and a sequence that splits tp ways evenly (the runtime
+    stitches equal shards back; partita.validate checks the same)."""
+    return space.sequence_parallel if tp > 1 and cm.seq_len % tp == 0 else (False,)
+
+
+def max_stages(cm: CostModel, num_micro_batches: int) -> int:
+    """The deepest pipeline the runtime runs: 1F1B needs at least as many micro-batches as
+    stages, and tied embedding and head weights stay in one stage (partita.validate)."""
+    if cm.model.tie_embeddings:
+        return 1
+    return max(1, min(cm.model.n_layers, num_micro_batches))
 
 
 def tp_allowed(model: ModelSpec, tp: int, space: SearchSpace) -> bool:
@@ -161,7 +176,7 @@ def uniform_search(cm: CostModel, *, global_batch: int, space: SearchSpace = Sea
         blocks = split_blocks(model.n_layers, len(stage_groups))
         for zero in (space.zero_levels if dp > 1 else (0,)):
             for recompute in space.recompute:
-                for sp in (space.sequence_parallel if tp > 1 else (False,)):
+                for sp in sp_choices(cm, tp, space):
                     choice = {role: choice_of(model, strategy(model, role, tp=tp, sp=sp, zero=zero, recompute=recompute))
                               for role in ("embed", "block", "head")}
                     ev = evaluate_counts(cm, list(zip(stage_groups, stage_counts(choice, blocks))), dp=dp, tp=tp,

@@ -176,3 +176,25 @@ def test_resume_under_another_plan_reshards_the_checkpoint(tmp_path):
         run_parallel(saved_as, dataclasses.replace(whole, checkpoint_dir=ckpt, checkpoint_every=2, crash_after_step=2))
     tail, _ = run_parallel(resumed_as, dataclasses.replace(whole, checkpoint_dir=ckpt, resume=True))
     assert tail == pytest.approx(reference[2:], rel=1e-5)
+
+
+def test_a_plan_on_part_of_a_cluster_launches(tmp_path):
+    """The search may leave node groups idle: a plan on the second group alone (ranks 2 and 3)
+    runs with torchrun ranks 0 and 1."""
+    from partita.cluster import parse_short
+    from partita.model import load_model
+    from partita.plan import LayerStrategy
+    from partita.search.costs import CostModel
+    from partita.search.planner import layout_to_plan
+    from partita.search.uniform import Layout
+
+    model, cluster = load_model("tiny-llama"), parse_short("2xcpu+2xcpu")
+    cm = CostModel(model, cluster, seq_len=16)
+    layout = Layout(stage_groups=(cluster.groups[1],),
+                    stage_layers=(tuple(LayerStrategy(name=n) for n in model.layer_names()),),
+                    dp=2, tp=1, micro_batch=2, num_micro_batches=1)
+    plan = layout_to_plan(cm, layout, global_batch=4, solver=None)
+    assert plan.ranks == [2, 3]
+    metrics = tmp_path / "metrics.jsonl"
+    assert launch_command(parse(saved(plan, tmp_path), "--steps", 1, "--metrics", metrics)) == 0
+    assert sorted(json.loads(l)["rank"] for l in metrics.read_text().splitlines()) == [0, 1]

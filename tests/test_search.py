@@ -41,7 +41,7 @@ def brute_force_best(cm: CostModel, global_batch: int, space: SearchSpace) -> fl
         choices = {r: [choice_of(cm.model, s.__class__(**{**s.to_dict(), "name": {"block": "layers.0"}.get(r, r)}))
                        for s in cpsat.strategies_for(cm, r, shape, space)] for r in ("embed", "block", "head")}
         n = cm.model.n_layers
-        for pp in range(1, min(n, sum(cap.values())) + 1):
+        for pp in range(1, min(n, sum(cap.values()), shape.num_micro_batches) + 1):  # 1F1B: m >= pp
             for seq in itertools.product(groups, repeat=pp):
                 if any(Counter(g.name for g in seq)[k] > v for k, v in cap.items()):
                     continue
