@@ -205,3 +205,41 @@ def test_memory_constraint_feasible_and_infeasible():
     tight = cpsat.PlanModel(_problem(3.01), None)  # 3 GiB reserve leaves ~10 MiB: nothing fits
     tight.build()
     assert not _solve(tight)
+
+
+def _measured_like(device: str, model, scale: float, tps=(1, 2, 4, 8), micro_batches=(1, 2, 4)):
+    """A 'measured' profile of one device type: the analytic costs, times scaled."""
+    import dataclasses
+
+    from partita.search.analytic import analytic_profile
+
+    base = analytic_profile(get_device(device), model.kinds.values(), tps, micro_batches, model.seq_len, "bf16")
+    layers = tuple(dataclasses.replace(l, forward_s=l.forward_s * scale, backward_s=l.backward_s * scale,
+                                       recompute_s=l.recompute_s * scale) for l in base.layers)
+    return dataclasses.replace(base, layers=layers,
+                               provenance=dataclasses.replace(base.provenance, source="measured"))
+
+
+def test_profiles_of_several_device_types_combine():
+    model = load_model("llama-2-7b")
+    cluster = parse_short("8xH100+8xA100-80GB")
+    base = dict(model=model, cluster=cluster, seq_len=model.seq_len, global_batch=64, time_limit_s=20)
+    analytic, _ = make_plan(PlanRequest(**base))
+    assert analytic.cost_sources == {"A100-80GB": "analytic", "H100": "analytic"}
+    # H100 measured (twice as slow as its datasheet says) over every point a plan can use;
+    # A100 measured at tp 1 only, so wider shards fall back to the analytic model.
+    profiles = (_measured_like("H100", model, 2.0), _measured_like("A100-80GB", model, 1.0, tps=(1,)))
+    measured, _ = make_plan(PlanRequest(profiles=profiles, **base))
+    assert measured.cost_sources["H100"] == "measured"
+    assert measured.cost_sources["A100-80GB"] in ("measured", "mixed")
+    assert measured.profile_fingerprint != "analytic"
+    # slower measured H100s make the plan slower than the analytic one, never faster
+    assert measured.prediction.step_time_s > analytic.prediction.step_time_s
+
+
+def test_same_seed_same_plan():
+    req = PlanRequest(model=load_model("llama-2-7b"), cluster=parse_short("8xH100+8xA100-40GB"), seq_len=4096,
+                      global_batch=64, time_limit_s=20, seed=3)
+    first, _ = make_plan(req)
+    second, _ = make_plan(req)
+    assert first.stages == second.stages and first.solver.objective_us == second.solver.objective_us
