@@ -31,6 +31,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers separated by commas, got {text!r}") from None
+    if not values or any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected non-negative integers separated by commas, got {text!r}")
+    return values
+
+
 def _positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -67,6 +77,12 @@ def build_parser(with_torch_commands: bool = False) -> argparse.ArgumentParser:
     plan.add_argument("--time-limit", type=_positive_float, default=10.0, help="CP-SAT wall-time limit, s (default 10)")
     plan.add_argument("--workers", type=_positive_int, default=1, help="CP-SAT workers (default 1: deterministic)")
     plan.add_argument("--seed", type=int, default=0, help="CP-SAT random seed (default 0)")
+    plan.add_argument("--tp", type=_int_list, help="allowed tensor-parallel degrees, e.g. 4,8 (default: any that fits)")
+    plan.add_argument("--pp", type=_int_list, help="allowed pipeline degrees, e.g. 1,2,4 (default: any)")
+    plan.add_argument("--micro-batch", type=_int_list, help="allowed micro-batch sizes, e.g. 1,2 (default: any)")
+    plan.add_argument("--zero", type=_int_list, help="allowed ZeRO levels, e.g. 1,3 (default: 0,1,2,3)")
+    plan.add_argument("--no-recompute", action="store_true", help="never recompute activations")
+    plan.add_argument("--no-sequence-parallel", action="store_true", help="never use sequence parallelism")
     plan.add_argument("-o", "--output", default="plan.yaml", help="where to write the plan (default plan.yaml)")
 
     check = sub.add_parser("check", help="validate a plan against a cluster and re-price it")

@@ -34,7 +34,8 @@ def plan(args: argparse.Namespace) -> int:
     cluster = load_cluster(args.cluster)
     req = PlanRequest(model=model, cluster=cluster, seq_len=args.seq_len or model.seq_len,
                       global_batch=args.global_batch or model.default_global_batch, profiles=_profiles(args.profile),
-                      search=args.search, time_limit_s=args.time_limit, workers=args.workers, seed=args.seed)
+                      search=args.search, time_limit_s=args.time_limit, workers=args.workers, seed=args.seed,
+                      space=_space(args, model))
     start = time.perf_counter()
     with console.status("searching", spinner="dots") as status:
         result, _ = make_plan(req, progress=lambda what: status.update(what))
@@ -43,6 +44,24 @@ def plan(args: argparse.Namespace) -> int:
     result.save(args.output)
     console.print(f"\nwrote {args.output}  (planned in {wall:.2f} s)")
     return 0
+
+
+def _space(args: argparse.Namespace, model) -> "SearchSpace":
+    """The search space the flags allow; a choice that cannot work is one clear error."""
+    from partita.search.uniform import SearchSpace
+
+    for tp in args.tp or ():
+        why = model.kinds["block"].tp_divides(tp) if tp > 0 else "it must be >= 1"
+        if why:
+            raise PartitaError(f"--tp {tp}: {why}; choose a degree that divides heads, kv_heads and ffn")
+    if any(v < 1 for v in (args.pp or ()) + (args.micro_batch or ())):
+        raise PartitaError("--pp and --micro-batch values must be >= 1")
+    if any(z > 3 for z in args.zero or ()):
+        raise PartitaError(f"--zero {','.join(map(str, args.zero))}: ZeRO levels are 0, 1, 2 and 3")
+    return SearchSpace(zero_levels=args.zero or (0, 1, 2, 3),
+                       recompute=(False,) if args.no_recompute else (False, True),
+                       sequence_parallel=(False,) if args.no_sequence_parallel else (False, True),
+                       micro_batches=args.micro_batch, tensor_parallel=args.tp, pipeline=args.pp)
 
 
 def check(args: argparse.Namespace) -> int:

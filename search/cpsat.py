@@ -96,6 +96,7 @@ class Problem:
     capacity_mib: tuple[int, ...]  # per group, minus the reserve, rounded down
     lower_bound_us: int
     tied: bool = False  # embedding and head share one weight
+    pipeline: tuple[int, ...] | None = None  # allowed pipeline degrees, None: any
 
 
 def strategies_for(cm: CostModel, role: str, shape: Shape, space: SearchSpace) -> list[LayerStrategy]:
@@ -197,7 +198,7 @@ def build_problem(cm: CostModel, shape: Shape, space: SearchSpace) -> Problem | 
     lb = _lower_bound_us(cm, shape, block, embed, head, slots)
     return Problem(shape=shape, groups=groups, slots=slots, stages_per_group=per_group, n_blocks=cm.model.n_layers,
                    block=block, embed=embed, head=head, p2p_us=p2p, capacity_mib=capacity, lower_bound_us=lb,
-                   tied=cm.model.tie_embeddings)
+                   tied=cm.model.tie_embeddings, pipeline=space.pipeline)
 
 
 def _p2p_us(cm: CostModel, a: NodeGroup, b: NodeGroup, shape: Shape) -> int:
@@ -370,6 +371,7 @@ class PlanModel:
     def __init__(self, p: Problem, upper_bound_us: int | None, fit: "StageFit | None" = None) -> None:
         self.p = p
         self.tied = p.tied
+        self.pipeline = p.pipeline
         self.fit = fit
         self.m = cp_model.CpModel()
         K, G = p.slots, len(p.groups)
@@ -448,6 +450,8 @@ class PlanModel:
             if r > 0:
                 self.m.add_implication(self.used[r], self.used[r - 1])
         self.m.add(self.used[0] == 1)
+        if self.pipeline:  # the user pinned the pipeline degrees allowed
+            self.m.add_linear_expression_in_domain(sum(self.used), cp_model.Domain.from_values(list(self.pipeline)))
 
     # (C) a group hosts at most size // S stages.
     def add_group_capacity(self) -> None:

@@ -82,7 +82,7 @@ def make_plan(req: PlanRequest, progress: Callable[[str], None] | None = None) -
         progress("uniform grid")
     uni = uniform_search(cm, global_batch=req.global_batch, space=req.space)
     if uni.best is None:
-        raise infeasible_error(cm, uni, req.global_batch)
+        raise infeasible_error(cm, uni, req.global_batch, req.space)
     uni_us = to_us(uni.best_eval.step_time_s)
     if req.search == "uniform":
         report = SolverReport(method="uniform", status="exhaustive", objective_us=uni_us, bound_us=uni_us, gap=0.0,

@@ -268,9 +268,15 @@ def _layout(model: ModelSpec, stage_groups: tuple[NodeGroup, ...], blocks: Seque
     return Layout(stage_groups=stage_groups, stage_layers=layers, dp=dp, tp=tp, micro_batch=mb, num_micro_batches=m)
 
 
-def infeasible_error(cm: CostModel, result: UniformResult, global_batch: int) -> PartitaError:
+def infeasible_error(cm: CostModel, result: UniformResult, global_batch: int,
+                     space: SearchSpace = SearchSpace()) -> PartitaError:
     """Exit 3 with the least memory any candidate needs and what would make it fit."""
     if result.closest is None or result.closest_eval is None:
+        if space.tensor_parallel or space.pipeline or space.micro_batches:
+            return PartitaError(
+                f"no parallel layout of {cm.model.name} on {cm.cluster.short} meets the --tp/--pp/--micro-batch "
+                f"limits given with global batch {global_batch} (every stage has dp x tp ranks inside one node "
+                f"group; the pipeline uses whole groups); widen them")
         return PartitaError(
             f"no parallel layout of {cm.model.name} fits the cluster's shape with global batch {global_batch}: "
             f"choose a global batch divisible by the data-parallel degree, or a cluster whose group sizes "

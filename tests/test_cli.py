@@ -32,6 +32,8 @@ def test_bad_input_is_one_line_and_exit_2():
         (["plan", "--model", "llama-2-7b", "--cluster", "0x8xH100"], ">= 1"),
         (["plan", "--model", "llama-2-7b", "--cluster", "8xH100", "--global-batch", "-4"], "must be >= 1"),
         (["show", "/nonexistent/plan.yaml"], "no such file"),
+        (["plan", "--model", "llama-2-7b", "--cluster", "8xH100", "--tp", "3"], "not divisible"),
+        (["plan", "--model", "llama-2-7b", "--cluster", "8xH100", "--zero", "4"], "ZeRO levels"),
     ]:
         r = run(*args)
         assert r.returncode == 2, (args, r.stderr)
@@ -73,3 +75,29 @@ def test_search_imports_without_torch(tmp_path):
             "sys.exit(main(['plan', '--model', 'gpt2', '--cluster', '8xA100-80GB', '-o', sys.argv[1]]))\n")
     r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "p.yaml")], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
+
+
+def test_plan_flags_pin_the_space(tmp_path):
+    out = tmp_path / "p.yaml"
+    assert main(["plan", "--model", "llama-2-7b", "--cluster", "2x8xH100", "--tp", "8", "--pp", "2",
+                 "--zero", "1", "--no-recompute", "-o", str(out)]) == 0
+    data = yaml.safe_load(out.read_text())
+    assert (data["tp"], data["pp"]) == (8, 2)
+    layers = [l for s in data["stages"] for l in s["layers"]]
+    assert all(not l["recompute"] for l in layers)
+    assert all(l["zero"] == 1 for l in layers) or data["dp"] == 1
+
+
+def test_check_refuses_a_hand_edited_tp_that_does_not_divide(tmp_path):
+    out = tmp_path / "p.yaml"
+    assert main(["plan", "--model", "tiny-llama", "--cluster", "4xcpu", "--search", "uniform", "-o", str(out)]) == 0
+    data = yaml.safe_load(out.read_text())
+    data["dp"], data["tp"] = 1, 3
+    data["global_batch"] = data["micro_batch"] * data["num_micro_batches"]
+    for stage in data["stages"]:
+        stage["ranks"] = [0, 1, 2][:3]
+        for layer in stage["layers"]:
+            layer["tensor_parallel"], layer["zero"] = 3, 0
+    out.write_text(yaml.safe_dump(data))
+    r = run("check", str(out), "--cluster", "4xcpu")
+    assert r.returncode == 2 and "not divisible by tensor-parallel degree 3" in r.stderr
