@@ -119,20 +119,9 @@ def plan_cluster(plan: Plan, where: str = "plan: cluster") -> ClusterSpec:
 
 
 def check_plan(plan: Plan, model: ModelSpec, cluster: ClusterSpec) -> None:
-    """The plan validator, then what only the runtime knows it cannot run."""
-    _validate(plan, model, cluster)
-    from partita.runtime.parallelize import check_supported
+    """The plan validator; it also refuses what the runtime cannot run (partita.validate)."""
+    from partita.validate import validate_plan
 
-    check_supported(plan, model.tie_embeddings)
-
-
-def _validate(plan: Plan, model: ModelSpec, cluster: ClusterSpec) -> None:
-    try:
-        from partita.validate import validate_plan
-    except ImportError:  # the validator is optional during development; fingerprints still matter
-        if plan.model_fingerprint != model.fingerprint or plan.cluster_fingerprint != cluster.fingerprint:
-            raise PartitaError("plan fingerprints do not match its model and cluster; re-plan") from None
-        return
     validate_plan(plan, model, cluster)
 
 

@@ -213,25 +213,3 @@ def parallelize_stage(model: Transformer, plan: Plan, meshes: Meshes, *, device:
     if not use_fsdp:
         return []
     return apply_fsdp(model, stage, meshes, mp_policy or MixedPrecisionPolicy())
-
-
-def check_supported(plan: Plan, tie_embeddings: bool) -> None:
-    """What the runtime cannot run faithfully with upstream parts, refused before launch."""
-    if plan.pp > 1 and plan.num_micro_batches < plan.pp:
-        raise PartitaError(f"the 1F1B schedule needs at least as many micro-batches as stages; the plan has "
-                           f"num_micro_batches {plan.num_micro_batches} for pp {plan.pp}")
-    if any(s.sequence_parallel for s in plan.layer_strategies()) and plan.seq_len % plan.tp:
-        # local sequence shards are stitched back assuming equal lengths
-        raise PartitaError(f"sequence parallelism splits the sequence {plan.tp} ways; seq_len {plan.seq_len} is not "
-                           f"divisible by tp {plan.tp}")
-    if not tie_embeddings:
-        return
-    names = {s.name: s for s in plan.layer_strategies()}
-    embed, head = names.get("embed"), names.get("head")
-    if plan.pp > 1:
-        raise PartitaError(f"model {plan.model.get('name')!r} ties its embedding and head weights, which the runtime "
-                           f"runs only with pp=1 (embedding and head in one stage); this plan has pp={plan.pp}")
-    if embed and head and (embed.tensor_parallel, embed.zero) != (head.tensor_parallel, head.zero):
-        raise PartitaError("tied embedding and head weights need the same tensor_parallel and zero for embed and "
-                           f"head; the plan has embed tensor_parallel={embed.tensor_parallel} zero={embed.zero}, "
-                           f"head tensor_parallel={head.tensor_parallel} zero={head.zero}")
