@@ -4,6 +4,10 @@ Every number is a vendor datasheet figure (dense, i.e. without structured sparsi
 its source named beside it. They feed the analytic (roofline) cost model when no measured
 profile exists; a measured profile (``partita profile``) overrides them.
 
+Memory is what the driver reports as the device's total (nvidia-smi's "Total", in MiB), which is
+what an allocator can see — not the datasheet's marketing GB (an "80 GB" H100 shows 81,559 MiB,
+a "24 GB" L4 23,034 MiB).
+
 Bandwidths are per GPU and per direction, in GB/s (1e9 bytes/s):
   * ``intra_node_gbps``: what one GPU can push to its peers inside a node (NVLink, or PCIe);
   * ``network_gbps``: the usual inter-node network share of one GPU (e.g. one 400 Gb/s
@@ -16,7 +20,7 @@ from dataclasses import dataclass
 
 from partita.errors import PartitaError
 from partita.specio import nearest
-from partita.units import GiB
+from partita.units import GiB, MiB
 
 LINKS = ("nvlink", "pcie", "xgmi", "loopback")
 
@@ -49,60 +53,55 @@ class DeviceType:
         return self.name == "cpu"
 
 
-def _gb(n: float) -> int:
-    """Marketing GB (1e9) to bytes."""
-    return int(n * 1e9)
-
-
 CATALOG: dict[str, DeviceType] = {
     d.name: d
     for d in [
         # NVIDIA H100 Tensor Core GPU datasheet (SXM5): 80 GB HBM3, 3.35 TB/s, BF16 989 TFLOPS dense
         # (1,979 with sparsity), FP32 67 TFLOPS, NVLink 900 GB/s bidirectional; DGX H100: 8x 400 Gb/s NDR.
-        DeviceType(name="H100", memory_bytes=80 * GiB, bf16_tflops=989, fp16_tflops=989, fp32_tflops=67,
+        DeviceType(name="H100", memory_bytes=81559 * MiB, bf16_tflops=989, fp16_tflops=989, fp32_tflops=67,
                    hbm_gbps=3350, intra_link="nvlink", intra_node_gbps=450, network_gbps=50, gpus_per_node=8,
                    source="NVIDIA H100 datasheet, SXM5"),
         # Same datasheet, PCIe card: 80 GB HBM2e, 2.0 TB/s, BF16 756 dense, FP32 51; PCIe Gen5 x16 128 GB/s bidir.
-        DeviceType(name="H100-PCIe", memory_bytes=80 * GiB, bf16_tflops=756, fp16_tflops=756, fp32_tflops=51,
+        DeviceType(name="H100-PCIe", memory_bytes=81559 * MiB, bf16_tflops=756, fp16_tflops=756, fp32_tflops=51,
                    hbm_gbps=2000, intra_link="pcie", intra_node_gbps=64, network_gbps=25, gpus_per_node=8,
                    source="NVIDIA H100 datasheet, PCIe"),
-        # NVIDIA H200 datasheet (SXM): 141 GB HBM3e, 4.8 TB/s, BF16 989 dense, FP32 67, NVLink 900 GB/s bidir.
-        DeviceType(name="H200", memory_bytes=_gb(141), bf16_tflops=989, fp16_tflops=989, fp32_tflops=67,
+        # NVIDIA H200 datasheet (SXM): 141 GB HBM3e (about 139 GiB usable, as this project's H200 reports), 4.8 TB/s, BF16 989 dense, FP32 67, NVLink 900 GB/s bidir.
+        DeviceType(name="H200", memory_bytes=int(139 * GiB), bf16_tflops=989, fp16_tflops=989, fp32_tflops=67,
                    hbm_gbps=4800, intra_link="nvlink", intra_node_gbps=450, network_gbps=50, gpus_per_node=8,
                    source="NVIDIA H200 datasheet, SXM"),
         # NVIDIA A100 datasheet (SXM4 80GB): HBM2e 2,039 GB/s, BF16 312 dense, FP32 19.5,
         # NVLink 600 GB/s bidir; DGX A100: 8x 200 Gb/s HDR.
-        DeviceType(name="A100-80GB", memory_bytes=80 * GiB, bf16_tflops=312, fp16_tflops=312, fp32_tflops=19.5,
+        DeviceType(name="A100-80GB", memory_bytes=81920 * MiB, bf16_tflops=312, fp16_tflops=312, fp32_tflops=19.5,
                    hbm_gbps=2039, intra_link="nvlink", intra_node_gbps=300, network_gbps=25, gpus_per_node=8,
                    source="NVIDIA A100 datasheet, SXM4 80GB"),
         # Same datasheet, SXM4 40GB: HBM2 1,555 GB/s.
-        DeviceType(name="A100-40GB", memory_bytes=40 * GiB, bf16_tflops=312, fp16_tflops=312, fp32_tflops=19.5,
+        DeviceType(name="A100-40GB", memory_bytes=40960 * MiB, bf16_tflops=312, fp16_tflops=312, fp32_tflops=19.5,
                    hbm_gbps=1555, intra_link="nvlink", intra_node_gbps=300, network_gbps=25, gpus_per_node=8,
                    source="NVIDIA A100 datasheet, SXM4 40GB"),
         # NVIDIA V100 datasheet (SXM2): 900 GB/s HBM2, FP16 tensor 125 TFLOPS, FP32 15.7, no bf16,
         # NVLink 300 GB/s bidir; DGX-1: 4x 100 Gb/s EDR for 8 GPUs.
-        DeviceType(name="V100-16GB", memory_bytes=16 * GiB, bf16_tflops=0, fp16_tflops=125, fp32_tflops=15.7,
+        DeviceType(name="V100-16GB", memory_bytes=16160 * MiB, bf16_tflops=0, fp16_tflops=125, fp32_tflops=15.7,
                    hbm_gbps=900, intra_link="nvlink", intra_node_gbps=150, network_gbps=6.25, gpus_per_node=8,
                    source="NVIDIA V100 datasheet, SXM2 16GB"),
-        DeviceType(name="V100-32GB", memory_bytes=32 * GiB, bf16_tflops=0, fp16_tflops=125, fp32_tflops=15.7,
+        DeviceType(name="V100-32GB", memory_bytes=32510 * MiB, bf16_tflops=0, fp16_tflops=125, fp32_tflops=15.7,
                    hbm_gbps=900, intra_link="nvlink", intra_node_gbps=150, network_gbps=6.25, gpus_per_node=8,
                    source="NVIDIA V100 datasheet, SXM2 32GB"),
         # NVIDIA L40S datasheet: 48 GB GDDR6, 864 GB/s, BF16 362 dense (733 sparse), FP32 91.6; PCIe Gen4 x16.
-        DeviceType(name="L40S", memory_bytes=48 * GiB, bf16_tflops=362, fp16_tflops=362, fp32_tflops=91.6,
+        DeviceType(name="L40S", memory_bytes=46068 * MiB, bf16_tflops=362, fp16_tflops=362, fp32_tflops=91.6,
                    hbm_gbps=864, intra_link="pcie", intra_node_gbps=32, network_gbps=12.5, gpus_per_node=8,
                    source="NVIDIA L40S datasheet"),
         # NVIDIA L4 datasheet: 24 GB GDDR6, 300 GB/s, BF16 121 dense (242 sparse), FP32 30.3; PCIe Gen4 x16.
-        DeviceType(name="L4", memory_bytes=24 * GiB, bf16_tflops=121, fp16_tflops=121, fp32_tflops=30.3,
+        DeviceType(name="L4", memory_bytes=23034 * MiB, bf16_tflops=121, fp16_tflops=121, fp32_tflops=30.3,
                    hbm_gbps=300, intra_link="pcie", intra_node_gbps=32, network_gbps=6.25, gpus_per_node=8,
                    source="NVIDIA L4 datasheet"),
         # NVIDIA A10 datasheet (A10G is AWS's variant of it): 24 GB GDDR6, 600 GB/s, BF16 125 dense
         # (250 sparse), FP32 31.2; PCIe Gen4 x16.
-        DeviceType(name="A10G", memory_bytes=24 * GiB, bf16_tflops=125, fp16_tflops=125, fp32_tflops=31.2,
+        DeviceType(name="A10G", memory_bytes=23028 * MiB, bf16_tflops=125, fp16_tflops=125, fp32_tflops=31.2,
                    hbm_gbps=600, intra_link="pcie", intra_node_gbps=32, network_gbps=6.25, gpus_per_node=8,
                    source="NVIDIA A10 datasheet"),
-        # AMD Instinct MI300X datasheet: 192 GB HBM3, 5.3 TB/s, BF16 1,307.4 dense, FP32 163.4;
+        # AMD Instinct MI300X datasheet: 192 GB HBM3 (eight 24 GiB stacks), 5.3 TB/s, BF16 1,307.4 dense, FP32 163.4;
         # Infinity Fabric links: 7 x 128 GB/s bidir per GPU (64 GB/s per peer per direction, 448 to all peers).
-        DeviceType(name="MI300X", memory_bytes=_gb(192), bf16_tflops=1307.4, fp16_tflops=1307.4, fp32_tflops=163.4,
+        DeviceType(name="MI300X", memory_bytes=192 * GiB, bf16_tflops=1307.4, fp16_tflops=1307.4, fp32_tflops=163.4,
                    hbm_gbps=5300, intra_link="xgmi", intra_node_gbps=448, network_gbps=50, gpus_per_node=8,
                    source="AMD Instinct MI300X datasheet"),
         # A CPU "device" is one process (rank) on this machine, for tests and laptops, trained with gloo.

@@ -79,6 +79,9 @@ def _check_ranks(plan: Plan, cluster: ClusterSpec) -> None:
         if s.device != group.device:
             raise PartitaError(f"stage {s.index} says device {s.device} but group {group.name!r} holds {group.device}")
         first = cluster.first_rank(group.name)
+        if list(s.ranks) != list(range(s.ranks[0], s.ranks[0] + len(s.ranks))):
+            raise PartitaError(f"stage {s.index}: ranks must be consecutive (the cost model and the meshes assume "
+                               f"it), got {list(s.ranks)[:6]}")
         outside = [r for r in s.ranks if not first <= r < first + group.size]
         if outside:
             raise PartitaError(f"stage {s.index}: ranks {outside[:4]} are not in group {group.name!r} "

@@ -32,9 +32,11 @@ Conventions (all per device of a stage, per micro-batch unless said otherwise):
   fragmentation: ``RESERVE_GPU_BYTES`` (3 GiB) on GPUs, ``RESERVE_CPU_BYTES`` on CPU ranks.
 * Pipeline: 1F1B step time = (m - 1) * max_s T_s + sum_s T_s, with T_s one micro-batch's
   forward + backward at stage s including its TP/ZeRO collectives and point-to-point sends.
-* Collectives are ring algorithms priced on the links the ranks actually use: inside one
-  node the group's intra-node link, else the inter-node network; between node groups the
-  slower side (or the cluster's inter-group bandwidth).
+* Collectives are ring algorithms priced on the links the ranks use. Stages are aligned to
+  nodes (a stage's size divides the node size or is a multiple of it), so a group of ranks
+  inside one stage sits in one node exactly when it is no wider than a node; sends between
+  stages are intra-node only on a single-node group, else priced on the network; between node
+  groups the slower side (or the cluster's inter-group bandwidth).
 """
 
 from __future__ import annotations
@@ -156,7 +158,7 @@ class CostModel:
         out = {}
         for device in self.cluster.device_types:
             used = self._used_sources[device] or {"measured" if device in self.profiles else "analytic"}
-            out[device] = used.pop() if len(used) == 1 else "mixed"
+            out[device] = next(iter(used)) if len(used) == 1 else "mixed"
         return out
 
     @property
@@ -164,6 +166,15 @@ class CostModel:
         if not self.profiles:
             return "analytic"
         return "+".join(self.profiles[d].fingerprint for d in sorted(self.profiles))
+
+    # ---- per device --------------------------------------------------------------------
+    def reserve_bytes(self, group: NodeGroup) -> int:
+        """Memory a device keeps for the runtime itself (context, buffers, fragmentation)."""
+        return RESERVE_CPU_BYTES if group.device_type.is_cpu else RESERVE_GPU_BYTES
+
+    def optimizer_s(self, group: NodeGroup, params: int) -> float:
+        """Adam's update of ``params`` local parameters: memory-bound."""
+        return params * OPTIMIZER_BYTES_PER_PARAM / (group.device_type.hbm_gbps * 1e9)
 
     # ---- links --------------------------------------------------------------------------
     def _link(self, group: NodeGroup, span: int) -> Link:
@@ -181,8 +192,9 @@ class CostModel:
         return self._link(group, dp * tp)
 
     def pp_link(self, a: NodeGroup, b: NodeGroup, stage_size: int) -> Link:
-        """Between consecutive stages: same node if both fit in one node of one group."""
-        if a.name == b.name and 2 * stage_size <= a.gpus_per_node:
+        """Between consecutive stages: inside a node only when the group is that one node
+        (a stage boundary in a multi-node group may fall between nodes: priced on the network)."""
+        if a.name == b.name and a.nodes == 1 and 2 * stage_size <= a.gpus_per_node:
             return Link(a.intra_link, a.intra_node_gbps, LINK_LATENCY_S[a.intra_link])
         return Link("network", self.cluster.between_groups_gbps(a, b), LINK_LATENCY_S["network"])
 
@@ -249,8 +261,12 @@ class CostModel:
 
     def _param_count(self, role: str, tp: int) -> int:
         """Parameters of one tp shard of the layer (norms and biases of replicated parts
-        are counted whole on each shard; they are tiny)."""
+        are counted whole on each shard; they are tiny). A head tied to the embedding owns only
+        its norm: the shared weight is counted with the embedding (the runtime keeps both in
+        one stage)."""
         kind = self.model.kinds[role]
+        if role == "head" and self.model.tie_embeddings:
+            return kind.params - kind.matmul_params
         return kind.matmul_params // tp + (kind.params - kind.matmul_params) // (1 if role != "embed" else tp)
 
     def layer_memory(self, role: str, device: str, s: LayerStrategy, *, dp: int, micro_batch: int) -> LayerMemory:
@@ -388,9 +404,8 @@ def _stage_cost(cm: CostModel, group: NodeGroup, counts: Mapping[LayerChoice, in
     stage_size = dp * tp
     if next_group is not None:  # send activations forward, receive their gradient back
         p2p += 2 * cm.collective_s("p2p", act_msg, 2, cm.pp_link(group, next_group, stage_size), group.device)
-    dev = get_device(group.device)
-    optimizer_s = params * OPTIMIZER_BYTES_PER_PARAM / (dev.hbm_gbps * 1e9)
-    reserve = RESERVE_CPU_BYTES if dev.is_cpu else RESERVE_GPU_BYTES
+    optimizer_s = cm.optimizer_s(group, params)
+    reserve = cm.reserve_bytes(group)
     return StageCost(time_s=fwd + bwd + p2p, forward_s=fwd, backward_s=bwd, compute_s=compute, tp_comm_s=tp_comm,
                      zero_comm_s=zero_comm, p2p_s=p2p, dp_sync_s=dp_sync, optimizer_s=optimizer_s,
                      weights=weights, gradients=grads, optimizer=opt, activations_per_mb=acts, recompute_peak=recompute_peak, in_flight=1,

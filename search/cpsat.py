@@ -14,7 +14,9 @@ Identical blocks are one kind, so the model counts blocks per (stage, group, str
 instead of assigning each block: its size grows with stages x groups x strategies, not with
 layers (``c[r, g, k]`` integer counts, one per slot, group and strategy). Blocks of a stage
 are then laid out in strategy order; the cost model is additive over a stage's blocks, so the
-order inside a stage changes nothing.
+order inside a stage changes nothing to it (the runtime's layout conversions between
+sequence-parallel and replicated layers, one activation-sized all-gather each, are not priced;
+docs/search.md lists this approximation).
 
 Slots are indexed from the *end* of the pipeline (r = 0 is the last stage, holding the head),
 so the micro-batches a 1F1B stage keeps in flight, ``min(r + 1, m)``, are constants and the
@@ -48,10 +50,10 @@ import ortools
 from partita.cluster import NodeGroup
 from partita.errors import PartitaError
 from partita.plan import LayerStrategy, Plan, SolverReport
-from partita.search.costs import RESERVE_CPU_BYTES, RESERVE_GPU_BYTES, OPTIMIZER_BYTES_PER_PARAM, CostModel, in_flight
+from partita.search.costs import CostModel
 from partita.search.evaluate import evaluate_layout
-from partita.search.uniform import (Layout, SearchSpace, UniformResult, batch_splits, divisors, layer_tp, max_stages,
-                                    sp_choices, tp_allowed)
+from partita.search.uniform import (Layout, SearchSpace, UniformResult, batch_splits, divisors, hosts, layer_tp,
+                                    max_stages, sp_choices, tp_allowed)
 from partita.units import MiB, to_mib, to_us
 
 log = logging.getLogger(__name__)
@@ -119,7 +121,6 @@ def layer_table(cm: CostModel, role: str, shape: Shape, groups: Sequence[NodeGro
     strategies = strategies_for(cm, role, shape, space)
     rows: dict[str, list[list[int]]] = {k: [] for k in ("time", "bwd", "sync", "opt", "static", "act", "rc", "gath")}
     for g in groups:
-        hbm = cm_device(g).hbm_gbps * 1e9
         cols: dict[str, list[int]] = {k: [] for k in rows}
         for s in strategies:
             t = cm.layer_time(role, g, s, dp=shape.dp, micro_batch=shape.micro_batch)
@@ -127,7 +128,7 @@ def layer_table(cm: CostModel, role: str, shape: Shape, groups: Sequence[NodeGro
             cols["time"].append(to_us(t.total_s))
             cols["bwd"].append(to_us(t.backward_s))
             cols["sync"].append(to_us(t.dp_sync_s))
-            cols["opt"].append(to_us(m.params * OPTIMIZER_BYTES_PER_PARAM / hbm))
+            cols["opt"].append(to_us(cm.optimizer_s(g, m.params)))
             cols["static"].append(to_mib(m.weights + m.gradients + m.optimizer))
             cols["act"].append(to_mib(m.activations))
             cols["rc"].append(to_mib(m.recompute_peak))
@@ -160,10 +161,6 @@ def undominated(vectors: list[list[int]]) -> list[int]:
     return keep
 
 
-def cm_device(group: NodeGroup):
-    return group.device_type
-
-
 def shapes(cm: CostModel, global_batch: int, space: SearchSpace) -> list[Shape]:
     """Every (stage size, tp, micro-batch) some node group can host."""
     model = cm.model
@@ -173,7 +170,7 @@ def shapes(cm: CostModel, global_batch: int, space: SearchSpace) -> list[Shape]:
         for tp in divisors(stage_size):
             if not tp_allowed(model, tp, space):
                 continue
-            if not any(g.gpus_per_node % tp == 0 and g.size >= stage_size for g in cm.cluster.groups):
+            if not any(hosts(g, stage_size, tp) for g in cm.cluster.groups):
                 continue
             dp = stage_size // tp
             out += [Shape(stage_size, tp, dp, mb, m) for mb, m in batch_splits(global_batch, dp, space)]
@@ -182,7 +179,7 @@ def shapes(cm: CostModel, global_batch: int, space: SearchSpace) -> list[Shape]:
 
 def build_problem(cm: CostModel, shape: Shape, space: SearchSpace) -> Problem | None:
     """Integer tables for one shape, or None if no group can host a stage of it."""
-    groups = tuple(g for g in cm.cluster.groups if g.gpus_per_node % shape.tp == 0 and g.size >= shape.stage_size)
+    groups = tuple(g for g in cm.cluster.groups if hosts(g, shape.stage_size, shape.tp))
     if not groups:
         return None
     per_group = tuple(g.size // shape.stage_size for g in groups)
@@ -193,7 +190,7 @@ def build_problem(cm: CostModel, shape: Shape, space: SearchSpace) -> Problem | 
     embed = layer_table(cm, "embed", shape, groups, space)
     head = layer_table(cm, "head", shape, groups, space)
     p2p = tuple(tuple(_p2p_us(cm, a, b, shape) for b in groups) for a in groups)
-    capacity = tuple((g.memory_bytes - (RESERVE_CPU_BYTES if g.device == "cpu" else RESERVE_GPU_BYTES)) // MiB
+    capacity = tuple((g.memory_bytes - cm.reserve_bytes(g)) // MiB
                      for g in groups)
     lb = _lower_bound_us(cm, shape, block, embed, head, slots)
     return Problem(shape=shape, groups=groups, slots=slots, stages_per_group=per_group, n_blocks=cm.model.n_layers,
@@ -319,13 +316,19 @@ class StageFit:
         cache[key] = out
         return out
 
-    def holds(self, pp: int, tau: float) -> bool:
+    def holds(self, pp: int, tau: float, *, empty_slots: bool = False) -> bool:
+        """Can pp stages hold every block with none slower than tau? With ``empty_slots``,
+        slots may stay unused (and the embedding's stage is not known): a relaxation of every
+        depth up to pp at once."""
         p = self.p
         stage = self.curves[:, :pp].copy()
         stage[:, 1:] += self.least_p2p
         stage[:, 0] += self.least_head
-        stage[:, pp - 1] += self.least_embed
+        if not empty_slots:
+            stage[:, pp - 1] += self.least_embed
         fit = np.count_nonzero(stage <= tau, axis=2) - 1  # blocks each (group, slot) takes within tau
+        if empty_slots:
+            fit = np.maximum(fit, 0)
         any_group = int(fit.max(axis=0).sum())
         per_group = sum(int(np.sort(fit[g])[::-1][:p.stages_per_group[g]].sum()) for g in range(len(p.groups)))
         return min(any_group, per_group) >= p.n_blocks
@@ -341,16 +344,16 @@ class StageFit:
                        for pp in range(1, self.p.slots + 1) if incumbent_us >= self._floor(pp))
 
     def least_slowest_stage_us(self) -> float:
-        """tau*(K): no stage of any pipeline depth can be faster than this for the slowest one
-        (a deeper pipeline only adds room). 0 if no depth holds the model."""
+        """tau*(K) with unused slots allowed, a relaxation of every depth up to K at once: no
+        plan of the shape has a slowest stage faster than this. inf if nothing holds the model."""
         if not hasattr(self, "_tau"):
             K = self.p.slots
             hi = float(np.max(self.curves[np.isfinite(self.curves)], initial=0.0)) + self.least_head + self.least_embed + self.least_p2p
             lo = 0.0
-            if self.holds(K, hi):
+            if self.holds(K, hi, empty_slots=True):
                 for _ in range(24):  # to within hi / 2**24; lo always fails, so it stays a valid bound
                     mid = (lo + hi) / 2
-                    lo, hi = (lo, mid) if self.holds(K, mid) else (mid, hi)
+                    lo, hi = (lo, mid) if self.holds(K, mid, empty_slots=True) else (mid, hi)
             else:
                 lo = math.inf
             self._tau = lo
@@ -699,7 +702,8 @@ def solve_plan(cm: CostModel, req, uniform: UniformResult) -> Plan:
     deadline = start + req.time_limit_s - uniform.wall_s  # the limit covers the whole search
     incumbent_layout = uniform.best
     incumbent_eval = uniform.best_eval
-    assert incumbent_layout is not None and incumbent_eval is not None  # the caller raised infeasible otherwise
+    if incumbent_layout is None or incumbent_eval is None:
+        raise PartitaError("the CP-SAT search needs the uniform plan as its warm start; none fits")
     uniform_us = to_us(incumbent_eval.step_time_s)
     if uniform.balanced_eval is not None and uniform.balanced_eval.step_time_s < incumbent_eval.step_time_s:
         incumbent_layout, incumbent_eval = uniform.balanced, uniform.balanced_eval

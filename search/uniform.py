@@ -117,24 +117,33 @@ def strategy(model: ModelSpec, name: str, *, tp: int, sp: bool, zero: int, recom
                          recompute=recompute and role == "block")
 
 
+def hosts(group: NodeGroup, stage_size: int, tp: int) -> bool:
+    """Can this group hold stages of ``stage_size`` ranks with tensor groups of ``tp``? Stages
+    align with nodes (the stage divides the node or the node divides the stage), so the cost
+    model knows which ranks share a node; tensor groups stay inside a node."""
+    gpn = group.gpus_per_node
+    aligned = gpn % stage_size == 0 or stage_size % gpn == 0
+    return aligned and gpn % tp == 0 and group.size >= stage_size
+
+
 def grid(cm: CostModel, global_batch: int, space: SearchSpace) -> Iterator[tuple[tuple[NodeGroup, ...], int, int, int, int]]:
-    """(groups, tp, dp, micro_batch, num_micro_batches) for every shape the grid allows."""
+    """(stage groups, tp, dp, micro_batch, num_micro_batches) for every shape the grid allows:
+    every stage of every group used, or, where the runtime cannot run that many stages, as
+    many as it can (leaving the rest of the devices idle)."""
     model = cm.model
     for groups in device_subsets(cm.cluster):
-        gpn = min(g.gpus_per_node for g in groups)
         sizes = [g.size for g in groups]
         common = [s for s in divisors(min(sizes)) if all(n % s == 0 for n in sizes)]
         for stage_size in common:
-            pp = sum(n // stage_size for n in sizes)
-            if pp > max(model.n_layers, 1) or (space.pipeline and pp not in space.pipeline):
-                continue
+            all_stages = tuple(g for g in groups for _ in range(g.size // stage_size))
             for tp in divisors(stage_size):
-                if gpn % tp or not tp_allowed(model, tp, space):
+                if not all(hosts(g, stage_size, tp) for g in groups) or not tp_allowed(model, tp, space):
                     continue
                 dp = stage_size // tp
                 for mb, m in batch_splits(global_batch, dp, space):
-                    if pp <= max_stages(cm, m):
-                        yield groups, tp, dp, mb, m
+                    pp = min(len(all_stages), max_stages(cm, m))
+                    if not space.pipeline or pp in space.pipeline:
+                        yield all_stages[:pp], tp, dp, mb, m
 
 
 def sp_choices(cm: CostModel, tp: int, space: SearchSpace) -> tuple[bool, ...]:
@@ -171,8 +180,7 @@ def uniform_search(cm: CostModel, *, global_batch: int, space: SearchSpace = Sea
     model = cm.model
     result = UniformResult(best=None, best_eval=None, evaluated=0, wall_s=0.0)
     promising: list[tuple[float, tuple]] = []
-    for groups, tp, dp, mb, m in grid(cm, global_batch, space):
-        stage_groups = tuple(g for g in groups for _ in range(g.size // (dp * tp)))
+    for stage_groups, tp, dp, mb, m in grid(cm, global_batch, space):
         blocks = split_blocks(model.n_layers, len(stage_groups))
         for zero in (space.zero_levels if dp > 1 else (0,)):
             for recompute in space.recompute:
@@ -284,6 +292,9 @@ def infeasible_error(cm: CostModel, result: UniformResult, global_batch: int,
     ev, lay = result.closest_eval, result.closest
     worst = max(ev.stages, key=lambda s: s.peak_bytes / s.capacity)
     need = worst.peak_bytes
+    if worst.capacity <= worst.reserve:
+        return InfeasibleError(f"a device of {fmt_bytes(worst.capacity)} is smaller than the {fmt_bytes(worst.reserve)} "
+                               f"the runtime itself keeps on it; use devices with more memory")
     hints = []
     if not any(l.recompute for st in lay.stage_layers for l in st):
         hints.append("recompute")
