@@ -359,6 +359,22 @@ class StageFit:
             self._tau = lo
         return self._tau
 
+    def least_slowest_stage_at_us(self, pp: int) -> float:
+        """tau*(pp): the least slowest-stage time of a pipeline exactly pp deep (its first
+        stage holding the embedding); inf if pp stages cannot hold the model."""
+        cache = self.__dict__.setdefault("_tau_at", {})
+        if pp not in cache:
+            hi = float(np.max(self.curves[np.isfinite(self.curves)], initial=0.0)) + self.least_head + self.least_embed + self.least_p2p
+            lo = 0.0
+            if self.holds(pp, hi):
+                for _ in range(24):  # lo always fails: a valid bound
+                    mid = (lo + hi) / 2
+                    lo, hi = (lo, mid) if self.holds(pp, mid) else (mid, hi)
+            else:
+                lo = math.inf
+            cache[pp] = lo
+        return cache[pp]
+
     def bound_us(self) -> int:
         """(m - 1) * tau*(K) + the least total work, a bound on any plan of the shape."""
         tau = self.least_slowest_stage_us()
@@ -578,11 +594,18 @@ class PlanModel:
             self.m.add(self.objective <= self.upper_bound_us)
         self.m.add(self.objective >= self.p.lower_bound_us)
         if self.fit is not None:
-            # Redundant, proven by the stage-fit relaxation; they give the LP its bound at once.
-            tau = self.fit.least_slowest_stage_us()
-            if math.isfinite(tau):
-                self.m.add(self.T_max >= int(math.floor(tau)))
-                self.m.add(self.objective >= self.fit.bound_us())
+            # Redundant, proven by the stage-fit relaxation; they give the LP its bound at once:
+            # the slowest stage of a pipeline pp deep is at least tau*(pp) (slot pp - 1 is the
+            # first stage exactly when it is used and the next is not).
+            p = self.p
+            for r in range(p.slots):
+                first = self.used[r] - (self.used[r + 1] if r + 1 < p.slots else 0)
+                tau = self.fit.least_slowest_stage_at_us(r + 1)
+                if math.isfinite(tau):
+                    self.m.add(self.T_max >= int(math.floor(tau)) * first)
+                else:
+                    self.m.add(first == 0)  # this depth cannot hold the model
+            self.m.add(self.objective >= self.fit.bound_us())
         self.m.minimize(self.objective)
 
     # ---- hint and read-back -----------------------------------------------------------------
