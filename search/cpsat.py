@@ -597,14 +597,20 @@ class PlanModel:
             # Redundant, proven by the stage-fit relaxation; they give the LP its bound at once:
             # the slowest stage of a pipeline pp deep is at least tau*(pp) (slot pp - 1 is the
             # first stage exactly when it is used and the next is not).
+            # On several groups one cut for every depth at once is cheaper to compute.
             p = self.p
-            for r in range(p.slots):
-                first = self.used[r] - (self.used[r + 1] if r + 1 < p.slots else 0)
-                tau = self.fit.least_slowest_stage_at_us(r + 1)
+            if len(p.groups) == 1:
+                for r in range(p.slots):
+                    first = self.used[r] - (self.used[r + 1] if r + 1 < p.slots else 0)
+                    tau = self.fit.least_slowest_stage_at_us(r + 1)
+                    if math.isfinite(tau):
+                        self.m.add(self.T_max >= int(math.floor(tau)) * first)
+                    else:
+                        self.m.add(first == 0)  # this depth cannot hold the model
+            else:
+                tau = self.fit.least_slowest_stage_us()
                 if math.isfinite(tau):
-                    self.m.add(self.T_max >= int(math.floor(tau)) * first)
-                else:
-                    self.m.add(first == 0)  # this depth cannot hold the model
+                    self.m.add(self.T_max >= int(math.floor(tau)))
             self.m.add(self.objective >= self.fit.bound_us())
         self.m.minimize(self.objective)
 
