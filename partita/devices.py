@@ -107,7 +107,9 @@ CATALOG: dict[str, DeviceType] = {
         # A CPU "device" is one process (rank) on this machine, for tests and laptops, trained with gloo.
         # No datasheet: nominal figures for a couple of modern cores; measure with `partita profile --device cpu`.
         DeviceType(name="cpu", memory_bytes=4 * GiB, bf16_tflops=0.05, fp16_tflops=0.05, fp32_tflops=0.1,
-                   hbm_gbps=20, intra_link="loopback", intra_node_gbps=2, network_gbps=1, gpus_per_node=1,
+                   # gloo between ranks: ~0.5 GB/s bus bandwidth measured by `partita profile --comm`
+                   # on the 2-core development machine (0.14-0.67 GB/s by collective).
+                   hbm_gbps=20, intra_link="loopback", intra_node_gbps=0.5, network_gbps=0.5, gpus_per_node=1,
                    source="nominal; measure with partita profile --device cpu"),
     ]
 }

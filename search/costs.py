@@ -58,8 +58,9 @@ from partita.units import GiB, MiB
 RESERVE_GPU_BYTES = 3 * GiB
 RESERVE_CPU_BYTES = 256 * MiB
 # Per-message latency of one ring step, by link class (seconds). NVLink/NCCL ~ a few us,
-# inter-node RDMA ~ 10 us, gloo over loopback ~ 50 us.
-LINK_LATENCY_S = {"nvlink": 5e-6, "xgmi": 5e-6, "pcie": 10e-6, "network": 15e-6, "loopback": 50e-6}
+# inter-node RDMA ~ 10 us; gloo between CPU ranks ~ 0.5 ms (`partita profile --comm` on the
+# 2-core development machine: a 2-rank all-reduce of 4 KiB took ~1 ms for its 2 steps).
+LINK_LATENCY_S = {"nvlink": 5e-6, "xgmi": 5e-6, "pcie": 10e-6, "network": 15e-6, "loopback": 500e-6}
 # Adam's update reads and writes master weights, m, v (fp32) and reads the gradient: bytes
 # touched per parameter of the local shard.
 OPTIMIZER_BYTES_PER_PARAM = 32
