@@ -14,6 +14,7 @@ Exit codes: 0 ok; 2 bad input (one line on stderr); 3 no plan fits (with the rea
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 from typing import Sequence
@@ -105,20 +106,15 @@ def build_parser(with_torch_commands: bool = False) -> argparse.ArgumentParser:
 
 def _add_torch_commands(launch: argparse.ArgumentParser, profile: argparse.ArgumentParser) -> None:
     """Their flags live with their code; without torch installed they say so when run."""
-    try:
-        from partita.runtime.launch import add_launch_arguments
-    except ImportError as e:
-        launch.set_defaults(_missing=f"`partita launch` needs torch ({e})")
-        launch.add_argument("rest", nargs=argparse.REMAINDER)
-    else:
-        add_launch_arguments(launch)
-    try:
-        from partita.profiler.cli import add_profile_arguments
-    except ImportError as e:
-        profile.set_defaults(_missing=f"`partita profile` needs torch ({e})")
-        profile.add_argument("rest", nargs=argparse.REMAINDER)
-    else:
-        add_profile_arguments(profile)
+    for parser, module, adder in ((launch, "partita.runtime.launch", "add_launch_arguments"),
+                                  (profile, "partita.profiler.cli", "add_profile_arguments")):
+        try:
+            add_arguments = getattr(importlib.import_module(module), adder)
+        except ImportError as e:
+            parser.set_defaults(_missing=f"`partita {parser.prog.split()[-1]}` needs torch ({e})")
+            parser.add_argument("rest", nargs=argparse.REMAINDER)
+        else:
+            add_arguments(parser)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

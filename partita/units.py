@@ -31,10 +31,6 @@ def to_mib(nbytes: float) -> int:
     return int(math.ceil(nbytes / MiB - 1e-9))
 
 
-def gib(nbytes: float) -> float:
-    return nbytes / GiB
-
-
 def fmt_bytes(nbytes: float) -> str:
     if nbytes >= GiB:
         return f"{nbytes / GiB:.1f} GiB"
