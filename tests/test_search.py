@@ -243,3 +243,29 @@ def test_same_seed_same_plan():
     first, _ = make_plan(req)
     second, _ = make_plan(req)
     assert first.stages == second.stages and first.solver.objective_us == second.solver.objective_us
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
+@given(mem=st.sampled_from([3.12, 3.2, 3.3, 3.45, 3.6, 8.0]), global_batch=st.sampled_from([2, 4, 8]),
+       replicated=st.booleans())
+def test_cpsat_matches_brute_force_oracle_on_one_group(mem, global_batch, replicated):
+    """One node group: the solver adds whole-block stage curves and per-depth cuts; they must
+    not cut off the optimum. With replicated weights only (no ZeRO, no TP) memory forces deep
+    pipelines."""
+    model = ModelSpec(name="small4", family="llama", hidden=1024, n_layers=4, heads=8, kv_heads=4, ffn=4096,
+                      vocab=1024, seq_len=512, default_global_batch=4)
+    space = (SearchSpace(zero_levels=(0,), sequence_parallel=(False,), tensor_parallel=(1,)) if replicated
+             else SPACE)
+    cluster = ClusterSpec(name="one", groups=(make_group(name="h100", device=get_device("H100"), nodes=1,
+                                                          gpus_per_node=4, memory_bytes=int(mem * GiB)),))
+    cm = CostModel(model, cluster, seq_len=model.seq_len)
+    best = brute_force_best(cm, global_batch, space)
+    try:
+        plan, _ = _plan(model, cluster, space=space, global_batch=global_batch)
+    except InfeasibleError:
+        assert best is None
+        return
+    assert best is not None
+    got = evaluate_plan(plan, CostModel(model, cluster, seq_len=model.seq_len)).step_time_s
+    tol = (plan.num_micro_batches - 1 + plan.pp) * (model.n_layers + 3) * 0.5e-6
+    assert best - 1e-12 <= got <= best + tol
