@@ -4,7 +4,7 @@ import itertools
 from collections import Counter
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 from partita.cluster import ClusterSpec, make_group, parse_short
 from partita.devices import get_device
@@ -248,6 +248,8 @@ def test_same_seed_same_plan():
 @settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
 @given(mem=st.sampled_from([3.12, 3.2, 3.3, 3.45, 3.6, 8.0]), global_batch=st.sampled_from([2, 4, 8]),
        replicated=st.booleans())
+@example(mem=3.3, global_batch=8, replicated=True)  # pp 4, uneven: 2/1/1/2 layers
+@example(mem=3.6, global_batch=2, replicated=True)  # pp 2
 def test_cpsat_matches_brute_force_oracle_on_one_group(mem, global_batch, replicated):
     """One node group: the solver adds whole-block stage curves and per-depth cuts; they must
     not cut off the optimum. With replicated weights only (no ZeRO, no TP) memory forces deep
