@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Every GPU check in one run, for a session lent a GPU (one H200 here). Results land in
+# ${OUT:-gpu-results}: commit them (profiles to configs/profiles/, tables to docs/).
+#
+#   OUT=/tmp/gpu bash benchmarks/gpu_session.sh          # about 8-10 minutes on one H200
+#
+# 1. runtime vs a plain PyTorch loop on the ~1.1B llama (issue: runtime performance);
+# 2. the profiler on llama-3-8b and llama-2-70b shapes, measured vs analytic (profiler targets);
+# 3. the GPU-only tests. The machine has torch, numpy, pyyaml, rich, pytest and hypothesis but no
+#    ortools: the package installs without dependencies, and nothing here plans.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu-results}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+"$PY" -c "import torch; assert torch.cuda.is_available(), 'no GPU'; print(torch.cuda.get_device_name(0), torch.__version__)" \
+    || exit 2
+"$PY" -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 2; }
+nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
+
+timeout 240 "$PY" benchmarks/runtime_vs_plain.py --model configs/models/llama-1b.yaml --device cuda \
+    --seq-len 2048 --micro-batch 8 --num-micro-batches 1 --steps 12 --warmup 3 --repeats 2 \
+    2>&1 | tee "$OUT/runtime_vs_plain.txt"
+PYTHON="$PY" timeout 300 bash benchmarks/profile_gpu.sh 2>&1 | tee "$OUT/profile_gpu.txt"
+cp configs/profiles/h200-*.yaml "$OUT/" 2>/dev/null
+timeout 120 "$PY" -m pytest -q tests/test_runtime_gpu.py tests/test_profiler_gpu.py 2>&1 | tee "$OUT/gpu_tests.txt"
