@@ -80,6 +80,11 @@ def launch_command(args: argparse.Namespace) -> int:
         summary = RunSummary.from_dict(json.loads(summary_path.read_text()))
         print(f"{summary.steps} steps, final loss {summary.losses[-1]:.4f}" if summary.losses else "no steps run")
         print(summary.table())
+        analytic = sorted(d for d, src in plan.cost_sources.items() if src != "measured")
+        predicted = summary.predicted_step_time_s
+        if analytic and predicted and abs(summary.measured_step_time_s / predicted - 1) > 0.5:
+            print(f"the prediction used datasheet (analytic) costs for {', '.join(analytic)}; measure this machine "
+                  f"with `partita profile` and plan with --profile for a closer one")
     return 0
 
 
