@@ -11,7 +11,7 @@ Ranks are numbered group by group, node by node, GPU by GPU: group 0's node 0 ho
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 

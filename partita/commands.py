@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from rich.console import Console
 from rich.table import Table
@@ -20,6 +20,9 @@ from partita.units import GiB, fmt_bytes, fmt_seconds
 import sys
 
 # Wide enough for the plan table when output is piped to a file or a log.
+if TYPE_CHECKING:  # the search loads only when a plan is made
+    from partita.search.uniform import SearchSpace
+
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 150)
 
 

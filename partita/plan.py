@@ -22,7 +22,7 @@ Per-layer choices (``LayerStrategy``):
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 

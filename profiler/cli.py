@@ -16,7 +16,6 @@ import logging
 import os
 import re
 import shlex
-import sys
 import time
 from pathlib import Path
 

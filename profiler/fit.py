@@ -15,7 +15,6 @@ from typing import Sequence
 
 import numpy as np
 
-from partita.errors import PartitaError
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -27,7 +27,6 @@ the saved-tensor count logged beside it.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Callable, Iterator

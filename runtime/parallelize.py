@@ -28,7 +28,6 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
                                                RowwiseParallel, SequenceParallel, parallelize_module)
 
-from partita.errors import PartitaError
 from partita.plan import LayerStrategy, Plan, Stage
 from partita.runtime.mesh import Meshes
 from partita.runtime.models import Transformer, materialize

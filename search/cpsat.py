@@ -513,7 +513,6 @@ class PlanModel:
     # (T) stage time: its layers plus the send to the next stage (slot r - 1) and back.
     def add_stage_time(self) -> None:
         p = self.p
-        G = len(p.groups)
         for r in range(p.slots):
             expr = self._block_sum(r, p.block.time_us) + self._embed_sum(r, p.embed.time_us) + self._head_sum(r, p.head.time_us)
             if r > 0:

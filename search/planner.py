@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable
 
 from partita.cluster import ClusterSpec
 from partita.errors import PartitaError

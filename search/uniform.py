@@ -11,7 +11,7 @@ yardstick.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 from partita.cluster import ClusterSpec, NodeGroup

@@ -8,13 +8,13 @@ from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 from partita.cluster import ClusterSpec, make_group, parse_short
 from partita.devices import get_device
-from partita.errors import InfeasibleError, PartitaError
+from partita.errors import InfeasibleError
 from partita.model import ModelSpec, load_model
 from partita.search import cpsat
 from partita.search.costs import CostModel, choice_of
 from partita.search.evaluate import evaluate_counts, evaluate_plan
 from partita.search.planner import PlanRequest, make_plan
-from partita.search.uniform import SearchSpace, uniform_search
+from partita.search.uniform import SearchSpace
 from partita.units import GiB, to_us
 from partita.validate import validate_plan
 
@@ -82,21 +82,26 @@ def _plan(cm_model, cluster, space=SPACE, global_batch=4, search="cpsat"):
 @given(mem_a=st.sampled_from([3.15, 3.3, 3.6, 8.0]), mem_b=st.sampled_from([3.2, 3.4, 8.0]),
        global_batch=st.sampled_from([2, 4]))
 def test_cpsat_matches_brute_force_oracle(mem_a, mem_b, global_batch):
-    cluster = two_type_cluster(mem_a, mem_b)
-    cm = CostModel(SMALL, cluster, seq_len=SMALL.seq_len)
-    best = brute_force_best(cm, global_batch, SPACE)
+    plan = assert_matches_oracle(SMALL, two_type_cluster(mem_a, mem_b), SPACE, global_batch)
+    assert plan is None or plan.solver.status == "optimal"
+
+
+def assert_matches_oracle(model, cluster, space, global_batch):
+    """The search's plan is as fast as the brute-force optimum (or both find nothing)."""
+    cm = CostModel(model, cluster, seq_len=model.seq_len)
+    best = brute_force_best(cm, global_batch, space)
     try:
-        plan, uni = _plan(SMALL, cluster, global_batch=global_batch)
+        plan, _ = _plan(model, cluster, space=space, global_batch=global_batch)
     except InfeasibleError:
         assert best is None
-        return
+        return None
     assert best is not None
-    got = evaluate_plan(plan, CostModel(SMALL, cluster, seq_len=SMALL.seq_len)).step_time_s
+    got = evaluate_plan(plan, CostModel(model, cluster, seq_len=model.seq_len)).step_time_s
     # The solver optimises integer microseconds: per-layer rounding, at most
     # (m - 1 + pp) * (layers per stage + 1) / 2 us in all.
-    tol = (plan.num_micro_batches - 1 + plan.pp) * (SMALL.n_layers + 3) * 0.5e-6
+    tol = (plan.num_micro_batches - 1 + plan.pp) * (model.n_layers + 3) * 0.5e-6
     assert best - 1e-12 <= got <= best + tol
-    assert plan.solver.status == "optimal"
+    return plan
 
 
 def test_solver_objective_equals_evaluator_prediction():
@@ -260,14 +265,4 @@ def test_cpsat_matches_brute_force_oracle_on_one_group(mem, global_batch, replic
              else SPACE)
     cluster = ClusterSpec(name="one", groups=(make_group(name="h100", device=get_device("H100"), nodes=1,
                                                           gpus_per_node=4, memory_bytes=int(mem * GiB)),))
-    cm = CostModel(model, cluster, seq_len=model.seq_len)
-    best = brute_force_best(cm, global_batch, space)
-    try:
-        plan, _ = _plan(model, cluster, space=space, global_batch=global_batch)
-    except InfeasibleError:
-        assert best is None
-        return
-    assert best is not None
-    got = evaluate_plan(plan, CostModel(model, cluster, seq_len=model.seq_len)).step_time_s
-    tol = (plan.num_micro_batches - 1 + plan.pp) * (model.n_layers + 3) * 0.5e-6
-    assert best - 1e-12 <= got <= best + tol
+    assert_matches_oracle(model, cluster, space, global_batch)
