@@ -95,13 +95,19 @@ class LayerTime:
 class LayerMemory:
     """One layer's share of a device's memory (bytes)."""
 
-    weights: int
-    gradients: int
+    weights: int  # the parameters as stored (fp32 master copy, sharded at ZeRO 1-3)
+    gathered_weights: int  # the compute-dtype copy held from forward to backward (ZeRO 0-2)
+    gradients: int  # at their peak: accumulated unsharded, or the sharded result
     optimizer: int
     activations: int  # one micro-batch, as kept for backward
     recompute_peak: int  # extra bytes while this layer is recomputed in backward
-    gathered: int  # a ZeRO-3 layer's full parameters while it runs
+    transient: int  # extra bytes while the layer runs: ZeRO-3 gathers, reduce buffers, the loss
     params: int  # parameters on this device (for the optimizer step)
+
+    @property
+    def static_bytes(self) -> int:
+        """What the layer holds through the whole step."""
+        return self.weights + self.gathered_weights + self.gradients + self.optimizer
 
 
 def ring_steps(op: str, n: int) -> int:
@@ -270,17 +276,18 @@ class CostModel:
             return kind.params - kind.matmul_params
         return kind.matmul_params // tp + (kind.params - kind.matmul_params) // (1 if role != "embed" else tp)
 
-    def layer_memory(self, role: str, device: str, s: LayerStrategy, *, dp: int, micro_batch: int) -> LayerMemory:
+    def layer_memory(self, role: str, device: str, s: LayerStrategy, *, dp: int, micro_batch: int,
+                     num_micro_batches: int) -> LayerMemory:
         return self._layer_memory(role, device, s.tensor_parallel, s.sequence_parallel, s.zero, s.recompute, dp,
-                                  micro_batch)
+                                  micro_batch, num_micro_batches)
 
     def layer_memory_of(self, choice: tuple[str, int, bool, int, bool], device: str, *, dp: int,
-                        micro_batch: int) -> LayerMemory:
+                        micro_batch: int, num_micro_batches: int) -> LayerMemory:
         role, tp, sp, zero, recompute = choice
-        return self._layer_memory(role, device, tp, sp, zero, recompute, dp, micro_batch)
+        return self._layer_memory(role, device, tp, sp, zero, recompute, dp, micro_batch, num_micro_batches)
 
     def _layer_memory_uncached(self, role: str, device: str, tp: int, sp: bool, zero: int, recompute: bool,
-                               dp: int, micro_batch: int) -> LayerMemory:
+                               dp: int, micro_batch: int, num_micro_batches: int) -> LayerMemory:
         from partita.search.analytic import activation_bytes
 
         params = self._param_count(role, tp)
@@ -303,9 +310,9 @@ class CostModel:
             analytic_plain = activation_bytes(kind, recompute=False, **(kw | {"sequence_parallel": False}))
             scale = c.activation_bytes / analytic_plain if analytic_plain else 1.0
             full, kept = int(full * scale), int(kept * scale)
-        return LayerMemory(weights=weights, gradients=gradients, optimizer=optimizer, activations=kept,
-                           recompute_peak=(full - kept) if recompute else 0,
-                           gathered=params * w_b if z == 3 else 0, params=local_params)
+        return LayerMemory(weights=weights, gathered_weights=0, gradients=gradients, optimizer=optimizer,
+                           activations=kept, recompute_peak=(full - kept) if recompute else 0,
+                           transient=2 * params * w_b if z == 3 else 0, params=local_params)
 
 
 @dataclass(frozen=True)
@@ -322,6 +329,7 @@ class StageCost:
     dp_sync_s: float  # per step
     optimizer_s: float  # per step
     weights: int
+    gathered_weights: int
     gradients: int
     optimizer: int
     activations_per_mb: int  # one micro-batch's kept activations
@@ -337,7 +345,8 @@ class StageCost:
 
     @property
     def peak_bytes(self) -> int:
-        return self.weights + self.gradients + self.optimizer + self.activations + self.transient + self.reserve
+        return (self.weights + self.gathered_weights + self.gradients + self.optimizer + self.activations
+                + self.transient + self.reserve)
 
     @property
     def exposed_dp_s(self) -> float:
@@ -371,22 +380,25 @@ def stage_cost_counts(cm: CostModel, group: NodeGroup, counts: Mapping[LayerChoi
     """Cost of one stage from how many of its layers make each choice. Identical blocks cost
     the same, so each distinct choice is priced once; stages alike but for their position
     share everything but the micro-batches in flight."""
-    key = (group.name, tuple(sorted(counts.items())), dp, tp, micro_batch, next_group.name if next_group else None)
+    key = (group.name, tuple(sorted(counts.items())), dp, tp, micro_batch, num_micro_batches,
+           next_group.name if next_group else None)
     base = cm.stage_cache.get(key)
     if base is None:
-        base = _stage_cost(cm, group, counts, dp=dp, tp=tp, micro_batch=micro_batch, next_group=next_group)
+        base = _stage_cost(cm, group, counts, dp=dp, tp=tp, micro_batch=micro_batch,
+                           num_micro_batches=num_micro_batches, next_group=next_group)
         cm.stage_cache[key] = base
     return dataclasses.replace(base, in_flight=in_flight(stage, pp, num_micro_batches))
 
 
 def _stage_cost(cm: CostModel, group: NodeGroup, counts: Mapping[LayerChoice, int], *, dp: int, tp: int,
-                micro_batch: int, next_group: NodeGroup | None) -> StageCost:
+                micro_batch: int, num_micro_batches: int, next_group: NodeGroup | None) -> StageCost:
     fwd = bwd = compute = tp_comm = zero_comm = dp_sync = 0.0
-    weights = grads = opt = acts = params = 0
-    recompute_peak = gathered = 0
+    weights = gathered_weights = grads = opt = acts = params = 0
+    recompute_peak = transient = 0
     for choice, n in counts.items():
         t = cm.layer_time_of(choice, group, dp=dp, micro_batch=micro_batch)
-        m = cm.layer_memory_of(choice, group.device, dp=dp, micro_batch=micro_batch)
+        m = cm.layer_memory_of(choice, group.device, dp=dp, micro_batch=micro_batch,
+                               num_micro_batches=num_micro_batches)
         fwd += n * t.forward_s
         bwd += n * t.backward_s
         compute += n * t.compute_s
@@ -394,12 +406,13 @@ def _stage_cost(cm: CostModel, group: NodeGroup, counts: Mapping[LayerChoice, in
         zero_comm += n * t.zero_comm_s
         dp_sync += n * t.dp_sync_s
         weights += n * m.weights
+        gathered_weights += n * m.gathered_weights
         grads += n * m.gradients
         opt += n * m.optimizer
         acts += n * m.activations
         params += n * m.params
         recompute_peak = max(recompute_peak, m.recompute_peak)
-        gathered = max(gathered, m.gathered)
+        transient = max(transient, m.transient)
     act_msg = micro_batch * cm.seq_len * cm.model.hidden * cm.elem
     p2p = 0.0
     stage_size = dp * tp
@@ -409,8 +422,9 @@ def _stage_cost(cm: CostModel, group: NodeGroup, counts: Mapping[LayerChoice, in
     reserve = cm.reserve_bytes(group)
     return StageCost(time_s=fwd + bwd + p2p, forward_s=fwd, backward_s=bwd, compute_s=compute, tp_comm_s=tp_comm,
                      zero_comm_s=zero_comm, p2p_s=p2p, dp_sync_s=dp_sync, optimizer_s=optimizer_s,
-                     weights=weights, gradients=grads, optimizer=opt, activations_per_mb=acts, recompute_peak=recompute_peak, in_flight=1,
-                     transient=2 * gathered, reserve=reserve, capacity=group.memory_bytes)
+                     weights=weights, gathered_weights=gathered_weights, gradients=grads, optimizer=opt,
+                     activations_per_mb=acts, recompute_peak=recompute_peak, in_flight=1, transient=transient,
+                     reserve=reserve, capacity=group.memory_bytes)
 
 
 def pipeline_time_s(stage_times: Sequence[float], num_micro_batches: int) -> float:

@@ -81,7 +81,7 @@ class LayerTable:
     static_mib: tuple[tuple[int, ...], ...]  # weights + gradients + optimizer state
     act_mib: tuple[tuple[int, ...], ...]  # kept activations, one micro-batch
     recompute_mib: tuple[tuple[int, ...], ...]
-    gathered_mib: tuple[tuple[int, ...], ...]  # ZeRO-3 transient, counted twice per stage
+    gathered_mib: tuple[tuple[int, ...], ...]  # the layer's transient (ZeRO-3 gathers, buffers, loss)
 
 
 @dataclass(frozen=True)
@@ -124,15 +124,16 @@ def layer_table(cm: CostModel, role: str, shape: Shape, groups: Sequence[NodeGro
         cols: dict[str, list[int]] = {k: [] for k in rows}
         for s in strategies:
             t = cm.layer_time(role, g, s, dp=shape.dp, micro_batch=shape.micro_batch)
-            m = cm.layer_memory(role, g.device, s, dp=shape.dp, micro_batch=shape.micro_batch)
+            m = cm.layer_memory(role, g.device, s, dp=shape.dp, micro_batch=shape.micro_batch,
+                                num_micro_batches=shape.num_micro_batches)
             cols["time"].append(to_us(t.total_s))
             cols["bwd"].append(to_us(t.backward_s))
             cols["sync"].append(to_us(t.dp_sync_s))
             cols["opt"].append(to_us(cm.optimizer_s(g, m.params)))
-            cols["static"].append(to_mib(m.weights + m.gradients + m.optimizer))
+            cols["static"].append(to_mib(m.static_bytes))
             cols["act"].append(to_mib(m.activations))
             cols["rc"].append(to_mib(m.recompute_peak))
-            cols["gath"].append(to_mib(2 * m.gathered))
+            cols["gath"].append(to_mib(m.transient))
         for k in rows:
             rows[k].append(cols[k])
     keep = list(range(len(strategies))) if cm.model.tie_embeddings and role != "block" else undominated([[rows[k][g][j] for k in ("time", "opt", "static", "act", "rc", "gath") for g in range(len(groups))]

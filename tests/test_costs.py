@@ -18,7 +18,7 @@ def test_7b_weights_and_adam_state_bytes():
     total = {"weights": 0, "gradients": 0, "optimizer": 0}
     for name in model.layer_names():
         role = model.role_of(name)
-        mem = cm.layer_memory(role, "H100", LayerStrategy(name=name), dp=1, micro_batch=1)
+        mem = cm.layer_memory(role, "H100", LayerStrategy(name=name), dp=1, micro_batch=1, num_micro_batches=1)
         total["weights"] += mem.weights
         total["gradients"] += mem.gradients
         total["optimizer"] += mem.optimizer
@@ -36,13 +36,13 @@ def test_zero_levels_shard_what_they_should():
     model = load_model("llama-2-7b")
     cm = CostModel(model, parse_short("8xH100"), seq_len=4096)
     p = model.kinds["block"].params
-    mem = {z: cm.layer_memory("block", "H100", LayerStrategy(name="layers.0", zero=z), dp=8, micro_batch=1)
+    mem = {z: cm.layer_memory("block", "H100", LayerStrategy(name="layers.0", zero=z), dp=8, micro_batch=1, num_micro_batches=1)
            for z in range(4)}
     assert (mem[0].weights, mem[0].gradients, mem[0].optimizer) == (2 * p, 2 * p, 12 * p)
     assert (mem[1].weights, mem[1].gradients, mem[1].optimizer) == (2 * p, 2 * p, 12 * p // 8)
     assert (mem[2].weights, mem[2].gradients, mem[2].optimizer) == (2 * p, 2 * p // 8, 12 * p // 8)
     assert (mem[3].weights, mem[3].gradients, mem[3].optimizer) == (2 * p // 8, 2 * p // 8, 12 * p // 8)
-    assert mem[3].gathered == 2 * p
+    assert mem[3].transient == 2 * 2 * p
 
 
 def test_one_f_one_b_on_four_stages():
@@ -83,15 +83,15 @@ def test_recompute_trades_time_for_memory_and_in_flight_scales_activations():
     plain = LayerStrategy(name="layers.0", tensor_parallel=8)
     rc = LayerStrategy(name="layers.0", tensor_parallel=8, recompute=True)
     assert cm.layer_time("block", g, rc, dp=1, micro_batch=1).total_s > cm.layer_time("block", g, plain, dp=1, micro_batch=1).total_s
-    m_plain = cm.layer_memory("block", "H100", plain, dp=1, micro_batch=1)
-    m_rc = cm.layer_memory("block", "H100", rc, dp=1, micro_batch=1)
+    m_plain = cm.layer_memory("block", "H100", plain, dp=1, micro_batch=1, num_micro_batches=1)
+    m_rc = cm.layer_memory("block", "H100", rc, dp=1, micro_batch=1, num_micro_batches=1)
     assert m_rc.activations < m_plain.activations
     # two stages, 4 micro-batches: stage 0 holds 2 in flight, stage 1 holds 1
     names = model.layer_names()
     half = len(names) // 2
     stages = [(g, [LayerStrategy(name=n) for n in names[:half]]), (g, [LayerStrategy(name=n) for n in names[half:]])]
     ev = evaluate_layout(cm, stages, dp=1, tp=1, micro_batch=1, num_micro_batches=4)
-    per_mb = [sum(cm.layer_memory(model.role_of(l.name), "H100", l, dp=1, micro_batch=1).activations for l in ls)
+    per_mb = [sum(cm.layer_memory(model.role_of(l.name), "H100", l, dp=1, micro_batch=1, num_micro_batches=1).activations for l in ls)
               for _, ls in stages]
     assert ev.stages[0].activations == 2 * per_mb[0]
     assert ev.stages[1].activations == 1 * per_mb[1]
