@@ -95,8 +95,10 @@ def _embed_styles(family: str, seq: bool) -> dict[str, object]:
 
 
 def _head_styles(seq: bool) -> dict[str, object]:
+    # The logits stay split by vocabulary (no all-gather): the loss is computed on the shards
+    # (``partita.runtime.schedule.LossFunction``, torch's ``loss_parallel``).
     styles: dict[str, object] = {"output": ColwiseParallel(input_layouts=Shard(1) if seq else Replicate(),
-                                                          output_layouts=Replicate())}
+                                                          output_layouts=Shard(-1))}
     if seq:
         styles["norm"] = SequenceParallel()
     return styles

@@ -11,14 +11,22 @@ returned are unscaled; nothing here waits for the device):
 Both leave gradients as the mean over the rank's micro-batches, and both set each FSDP2 unit's
 gradient policy per micro-batch (``set_gradient_sync``): the pipeline runner does it from a
 hook on the stage output, which fires when that micro-batch's backward reaches the stage.
+Neither keeps a micro-batch's logits beyond its own loss and backward (the pipeline schedule
+runs with ``return_outputs=False``), and a vocab-parallel head's logits are never gathered
+(``LossFunction``).
 """
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.parallel import loss_parallel
 
 from partita.plan import Plan
 from partita.runtime.mesh import Meshes
@@ -30,17 +38,48 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
+class LossFunction:
+    """``lm_loss`` on this rank's logits. Under a vocab-parallel head (``vocab_mesh``: the
+    tensor mesh) each rank holds the logits of its vocab/tp slice, and torch's ``loss_parallel``
+    computes the exact loss from the slices (all-reduces of each token's max, sum of
+    exponentials and target logit): no rank gathers the full vocabulary. The loss and its
+    backward must both run inside ``context()``."""
+
+    def __init__(self, vocab_mesh: DeviceMesh | None = None) -> None:
+        self.vocab_mesh = vocab_mesh
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self.vocab_mesh is None:
+            return lm_loss(logits, targets)
+        # Inside context() (entered by the runner, not here: the context does not nest).
+        shards = DTensor.from_local(logits.flatten(0, 1).float(), self.vocab_mesh, [Shard(1)], run_check=False)
+        return F.cross_entropy(shards, targets.flatten()).to_local()
+
+    def context(self) -> AbstractContextManager:
+        return loss_parallel() if self.vocab_mesh is not None else nullcontext()
+
+
+def loss_function(plan: Plan, meshes: Meshes) -> LossFunction:
+    """The loss for this rank's stage: vocab-parallel when the plan splits the head."""
+    head = next((l for l in meshes.place.stage.layers if l.name == "head"), None)
+    split = head is not None and head.tensor_parallel > 1
+    return LossFunction(meshes.tp if split else None)
+
+
 class MicroBatchRunner:
-    def __init__(self, model: nn.Module, units: list[ShardedLayer], num_micro_batches: int) -> None:
+    def __init__(self, model: nn.Module, units: list[ShardedLayer], num_micro_batches: int,
+                 loss: LossFunction | None = None) -> None:
         self.model, self.units, self.n = model, units, num_micro_batches
+        self.loss = loss or LossFunction()
 
     def run(self, inputs: torch.Tensor, targets: torch.Tensor, loss_scale: float = 1.0) -> torch.Tensor:
         total = torch.zeros((), device=inputs.device)
-        for i, (x, y) in enumerate(zip(inputs.chunk(self.n), targets.chunk(self.n))):
-            set_gradient_sync(self.units, last_micro_batch=i == self.n - 1)
-            loss = lm_loss(self.model(x), y)
-            (loss * (loss_scale / self.n)).backward()
-            total += loss.detach()
+        with self.loss.context():
+            for i, (x, y) in enumerate(zip(inputs.chunk(self.n), targets.chunk(self.n))):
+                set_gradient_sync(self.units, last_micro_batch=i == self.n - 1)
+                loss = self.loss(self.model(x), y)
+                (loss * (loss_scale / self.n)).backward()
+                total += loss.detach()
         return total
 
 
@@ -68,12 +107,14 @@ class _StageModule(nn.Module):
 
 class PipelineRunner:
     def __init__(self, model: nn.Module, units: list[ShardedLayer], plan: Plan, meshes: Meshes, *,
-                 device: torch.device, activation_dtype: torch.dtype) -> None:
+                 device: torch.device, activation_dtype: torch.dtype, loss: LossFunction) -> None:
         stage = meshes.place.stage
         self.is_first, self.is_last = stage.index == 0, stage.index == plan.pp - 1
         self.n = plan.num_micro_batches
         self.module = _StageModule(model, units, self.n)
-        spec_hidden, vocab = int(plan.model["hidden"]), int(plan.model["vocab"])
+        self.loss = loss
+        spec_hidden = int(plan.model["hidden"])
+        vocab = int(plan.model["vocab"]) // (loss.vocab_mesh.size() if loss.vocab_mesh is not None else 1)
         b, s = plan.micro_batch, plan.seq_len
         # Static shapes: the schedule needs no shape-inference pass (which would run the stage
         # once more on empty tensors).
@@ -89,20 +130,20 @@ class PipelineRunner:
         self.schedule = Schedule1F1B(self.stage, n_microbatches=self.n, loss_fn=self._scaled_loss, scale_grads=True)
 
     def _scaled_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return lm_loss(logits, targets) * self.loss_scale
+        return self.loss(logits, targets) * self.loss_scale
 
     def run(self, inputs: torch.Tensor, targets: torch.Tensor, loss_scale: float = 1.0) -> torch.Tensor | None:
         self.module.forwards = 0
         self.loss_scale = loss_scale
         losses: list[torch.Tensor] = []
-        if self.is_first and self.is_last:
-            self.schedule.step(inputs, target=targets, losses=losses)
-        elif self.is_first:
-            self.schedule.step(inputs)
-        elif self.is_last:
-            self.schedule.step(target=targets, losses=losses)
-        else:
-            self.schedule.step()
+        # return_outputs=False: the last stage keeps no micro-batch's logits after its backward.
+        with self.loss.context():
+            if self.is_first:
+                self.schedule.step(inputs, return_outputs=False)
+            elif self.is_last:
+                self.schedule.step(target=targets, losses=losses, return_outputs=False)
+            else:
+                self.schedule.step(return_outputs=False)
         if self.module.units and self.module.forwards != self.n:
             raise RuntimeError(f"pipeline stage ran {self.module.forwards} forwards for {self.n} micro-batches")
         return torch.stack([l.detach() for l in losses]).sum() / loss_scale if self.is_last else None

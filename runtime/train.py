@@ -36,7 +36,7 @@ from partita.runtime.mesh import build_meshes
 from partita.runtime.metrics import MetricsWriter, RunSummary, peak_flops, peak_memory_bytes, summarize
 from partita.runtime.models import build_model
 from partita.runtime.parallelize import parallelize_stage
-from partita.runtime.schedule import MicroBatchRunner, PipelineRunner
+from partita.runtime.schedule import MicroBatchRunner, PipelineRunner, loss_function
 
 log = logging.getLogger(__name__)
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -153,11 +153,12 @@ class Trainer:
         self.scaler = ShardedGradScaler(device=device.type) if plan.dtype == "fp16" else None
         if self.scaler is not None:
             self.scaler.scale(torch.ones((), device=device))  # creates its scale tensor (the runners scale by value)
+        loss = loss_function(plan, self.meshes)
         if plan.pp > 1:
             self.runner = PipelineRunner(self.model, units, plan, self.meshes, device=device,
-                                         activation_dtype=compute_dtype)
+                                         activation_dtype=compute_dtype, loss=loss)
         else:
-            self.runner = MicroBatchRunner(self.model, units, plan.num_micro_batches)
+            self.runner = MicroBatchRunner(self.model, units, plan.num_micro_batches, loss)
         self.start_step = 0
         if cfg.resume and cfg.checkpoint_dir:
             last = checkpoint.latest_step(cfg.checkpoint_dir)
