@@ -1,11 +1,14 @@
 """Units, and the one place where real numbers become the solver's integers.
 
-The cost model works in seconds and bytes (floats). The CP-SAT model needs integers,
-so costs are turned into integer microseconds and integer MiB here, and only here.
+The cost model works in seconds and bytes. The CP-SAT model needs integers, so costs are
+turned into integer microseconds and integer bytes here, and only here.
 
-Rounding rule: times round to the nearest microsecond (half up); memory rounds *up* to
-the next MiB, so a plan that fits in integer MiB also fits in bytes. A step time summed
-from n rounded terms may differ from the float sum by at most n/2 microseconds.
+Rounding rule: times round to the nearest microsecond (half up); a step time summed from n
+rounded terms may differ from the float sum by at most n/2 microseconds. Memory stays in
+exact bytes (the cost model's byte counts are integers already; a fractional count rounds
+*up*), so the solver's memory sums equal the evaluator's and a plan fits in one exactly when
+it fits in the other. Bytes fit CP-SAT's int64 with room to spare: a device holds < 2**40
+bytes, and a stage's sum (bytes x blocks x micro-batches in flight) stays below 2**60.
 """
 
 import math
@@ -24,11 +27,11 @@ def to_us(seconds: float) -> int:
     return int(math.floor(seconds * 1e6 + 0.5))
 
 
-def to_mib(nbytes: float) -> int:
-    """Bytes to integer MiB, rounded up."""
+def to_bytes(nbytes: float) -> int:
+    """A byte count as an exact integer: integers unchanged, fractions rounded up."""
     if nbytes < 0:
         raise ValueError(f"negative size {nbytes!r} bytes")
-    return int(math.ceil(nbytes / MiB - 1e-9))
+    return nbytes if isinstance(nbytes, int) else int(math.ceil(nbytes))
 
 
 def fmt_bytes(nbytes: float) -> str:

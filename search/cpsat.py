@@ -27,8 +27,8 @@ Objective (the cost model's step time, integer microseconds; ``partita.units`` r
 ``(m - 1) * max_r T_r + sum_r T_r + max_r exposed_dp_r + max_r optimizer_r``. The solver's
 objective equals the evaluator's prediction of the returned plan up to that rounding: each
 per-layer term is rounded to the nearest microsecond, so they differ by at most
-``(m - 1 + pp) * (layers per stage + 1) / 2`` microseconds. Memory terms are rounded *up* to
-MiB and capacities *down*, so a plan the solver accepts fits under the evaluator too.
+``(m - 1 + pp) * (layers per stage + 1) / 2`` microseconds. Memory is in exact integer bytes,
+summed as the evaluator sums them, so the solver accepts exactly the plans that fit.
 
 The uniform planner's best plan is the warm start (a hint, and an upper bound every shape
 must beat), the fallback, and the yardstick reported in the plan.
@@ -54,7 +54,7 @@ from partita.search.costs import CostModel
 from partita.search.evaluate import evaluate_layout
 from partita.search.uniform import (Layout, SearchSpace, UniformResult, batch_splits, divisors, hosts, layer_tp,
                                     max_stages, sp_choices, tp_allowed)
-from partita.units import MiB, to_mib, to_us
+from partita.units import to_bytes, to_us
 
 log = logging.getLogger(__name__)
 
@@ -78,10 +78,10 @@ class LayerTable:
     backward_us: tuple[tuple[int, ...], ...]
     sync_us: tuple[tuple[int, ...], ...]  # per-step data-parallel sync
     optimizer_us: tuple[tuple[int, ...], ...]
-    static_mib: tuple[tuple[int, ...], ...]  # weights + gradients + optimizer state
-    act_mib: tuple[tuple[int, ...], ...]  # kept activations, one micro-batch
-    recompute_mib: tuple[tuple[int, ...], ...]
-    gathered_mib: tuple[tuple[int, ...], ...]  # the layer's transient (ZeRO-3 gathers, buffers, loss)
+    static_bytes: tuple[tuple[int, ...], ...]  # weights + gradients + optimizer state
+    act_bytes: tuple[tuple[int, ...], ...]  # kept activations, one micro-batch
+    recompute_bytes: tuple[tuple[int, ...], ...]  # extra while the layer is recomputed
+    transient_bytes: tuple[tuple[int, ...], ...]  # extra while it runs (ZeRO-3 gathers, buffers, loss)
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,7 @@ class Problem:
     embed: LayerTable
     head: LayerTable
     p2p_us: tuple[tuple[int, ...], ...]  # [g][h] send + receive between a stage on g and the next on h
-    capacity_mib: tuple[int, ...]  # per group, minus the reserve, rounded down
+    capacity_bytes: tuple[int, ...]  # per group, minus the reserve
     lower_bound_us: int
     tied: bool = False  # embedding and head share one weight
     pipeline: tuple[int, ...] | None = None  # allowed pipeline degrees, None: any
@@ -130,10 +130,10 @@ def layer_table(cm: CostModel, role: str, shape: Shape, groups: Sequence[NodeGro
             cols["bwd"].append(to_us(t.backward_s))
             cols["sync"].append(to_us(t.dp_sync_s))
             cols["opt"].append(to_us(cm.optimizer_s(g, m.params)))
-            cols["static"].append(to_mib(m.static_bytes))
-            cols["act"].append(to_mib(m.activations))
-            cols["rc"].append(to_mib(m.recompute_peak))
-            cols["gath"].append(to_mib(m.transient))
+            cols["static"].append(to_bytes(m.static_bytes))
+            cols["act"].append(to_bytes(m.activations))
+            cols["rc"].append(to_bytes(m.recompute_peak))
+            cols["gath"].append(to_bytes(m.transient))
         for k in rows:
             rows[k].append(cols[k])
     keep = list(range(len(strategies))) if cm.model.tie_embeddings and role != "block" else undominated([[rows[k][g][j] for k in ("time", "opt", "static", "act", "rc", "gath") for g in range(len(groups))]
@@ -142,8 +142,8 @@ def layer_table(cm: CostModel, role: str, shape: Shape, groups: Sequence[NodeGro
     strategies = [strategies[j] for j in keep]
     tup = lambda k: tuple(tuple(r[j] for j in keep) for r in rows[k])  # noqa: E731
     return LayerTable(strategies=tuple(strategies), time_us=tup("time"), backward_us=tup("bwd"), sync_us=tup("sync"),
-                      optimizer_us=tup("opt"), static_mib=tup("static"), act_mib=tup("act"),
-                      recompute_mib=tup("rc"), gathered_mib=tup("gath"))
+                      optimizer_us=tup("opt"), static_bytes=tup("static"), act_bytes=tup("act"),
+                      recompute_bytes=tup("rc"), transient_bytes=tup("gath"))
 
 
 def undominated(vectors: list[list[int]]) -> list[int]:
@@ -191,11 +191,10 @@ def build_problem(cm: CostModel, shape: Shape, space: SearchSpace) -> Problem | 
     embed = layer_table(cm, "embed", shape, groups, space)
     head = layer_table(cm, "head", shape, groups, space)
     p2p = tuple(tuple(_p2p_us(cm, a, b, shape) for b in groups) for a in groups)
-    capacity = tuple((g.memory_bytes - cm.reserve_bytes(g)) // MiB
-                     for g in groups)
+    capacity = tuple(to_bytes(g.memory_bytes) - to_bytes(cm.reserve_bytes(g)) for g in groups)
     lb = _lower_bound_us(cm, shape, block, embed, head, slots)
     return Problem(shape=shape, groups=groups, slots=slots, stages_per_group=per_group, n_blocks=cm.model.n_layers,
-                   block=block, embed=embed, head=head, p2p_us=p2p, capacity_mib=capacity, lower_bound_us=lb,
+                   block=block, embed=embed, head=head, p2p_us=p2p, capacity_bytes=capacity, lower_bound_us=lb,
                    tied=cm.model.tie_embeddings, pipeline=space.pipeline)
 
 
@@ -264,7 +263,7 @@ class StageFit:
         self.least_head = min(min(r) for r in p.head.time_us)
         self.least_p2p = min(min(r) for r in p.p2p_us)
         self.work = N * min(min(r) for r in p.block.time_us) + self.least_embed + self.least_head
-        head_room = min(min(r) for r in p.head.static_mib)
+        head_room = min(min(r) for r in p.head.static_bytes)
         by_key: dict[tuple[int, int], np.ndarray] = {}
         rows = []
         for g in range(G):
@@ -273,10 +272,10 @@ class StageFit:
                 k = min(r + 1, self.m)
                 key = (k if r > 0 else -k, g)  # slot 0 also holds the head
                 if key not in by_key:
-                    mem = np.array([p.block.static_mib[g][j] + k * p.block.act_mib[g][j]
+                    mem = np.array([p.block.static_bytes[g][j] + k * p.block.act_bytes[g][j]
                                     for j in range(len(p.block.strategies))], float)
                     xs, ys = _hull(mem, np.array(p.block.time_us[g], float))
-                    per_block = (p.capacity_mib[g] - (head_room if r == 0 else 0)) / n
+                    per_block = (p.capacity_bytes[g] - (head_room if r == 0 else 0)) / n
                     avg = np.interp(per_block, xs, ys)  # beyond the last point: the fastest choice
                     avg[per_block < xs[0]] = np.inf  # not even the leanest choice fits
                     by_key[key] = np.concatenate([[0.0], n * avg])
@@ -294,13 +293,13 @@ class StageFit:
             return cache[key]
         p, N = self.p, self.p.n_blocks
         k = min(r + 1, self.m)
-        room = p.capacity_mib[g] - (min(min(row) for row in p.head.static_mib) if r == 0 else 0)
+        room = p.capacity_bytes[g] - (min(min(row) for row in p.head.static_bytes) if r == 0 else 0)
         out = np.full(N + 1, np.inf)
         out[0] = 0.0
         if room > 0:
             grain = max(1.0, room / grain_steps)
             cells = int(room // grain)
-            mems = [int((p.block.static_mib[g][j] + k * p.block.act_mib[g][j]) // grain) for j in range(len(p.block.strategies))]
+            mems = [int((p.block.static_bytes[g][j] + k * p.block.act_bytes[g][j]) // grain) for j in range(len(p.block.strategies))]
             times = [float(t) for t in p.block.time_us[g]]
             best = np.zeros(cells + 1)  # least time of j blocks using at most c cells
             for n in range(1, N + 1):
@@ -536,43 +535,49 @@ class PlanModel:
                 terms.append(p.p2p_us[g][h] * w)
         return sum(terms)
 
-    # (M) per device memory: static state + activations x micro-batches in flight + the largest
-    # recompute and ZeRO-3 transients, within the group's capacity (reserve already taken off).
+    # (M) per device memory, in exact bytes as the evaluator counts them: static state +
+    # activations x micro-batches in flight + the stage's largest recompute extra + its largest
+    # transient (each a maximum over the stage's layers on its group), within the group's
+    # capacity less the reserve.
     def add_memory(self) -> None:
         p = self.p
         G, nb = len(p.groups), len(p.block.strategies)
+        ne, nh = len(p.embed.strategies), len(p.head.strategies)
         m_count = p.shape.num_micro_batches
         for r in range(p.slots):
             k_in_flight = min(r + 1, m_count)
-            # The evaluator adds the largest recompute transient and, separately, the largest
-            # gathered ZeRO-3 layer (twice: running + prefetched) of the stage.
-            recompute = self.m.new_int_var(0, 1 << 40, f"recompute_peak[{r}]")
-            gathered = self.m.new_int_var(0, 1 << 40, f"gathered[{r}]")
-            for k in range(nb):
-                rc = max(p.block.recompute_mib[g][k] for g in range(G))
-                ga = max(p.block.gathered_mib[g][k] for g in range(G))
-                if rc:
-                    self.m.add(recompute >= rc * self.u[r][k])
-                if ga:
-                    self.m.add(gathered >= ga * self.u[r][k])
+            recompute = self._stage_max(r, "recompute_bytes", f"recompute_peak[{r}]")
+            transient = self._stage_max(r, "transient_bytes", f"transient[{r}]")
             for g in range(G):
-                for k in range(len(p.embed.strategies)):
-                    if p.embed.gathered_mib[g][k]:
-                        self.m.add(gathered >= p.embed.gathered_mib[g][k] * self.e[r][g][k])
+                static = sum(p.block.static_bytes[g][k] * self.c[r][g][k] for k in range(nb))
+                acts = sum(p.block.act_bytes[g][k] * self.c[r][g][k] for k in range(nb))
+                static += sum(p.embed.static_bytes[g][k] * self.e[r][g][k] for k in range(ne))
+                acts += sum(p.embed.act_bytes[g][k] * self.e[r][g][k] for k in range(ne))
                 if r == 0:
-                    for k in range(len(p.head.strategies)):
-                        if p.head.gathered_mib[g][k]:
-                            self.m.add(gathered >= p.head.gathered_mib[g][k] * self.h[g][k])
-            transient = recompute + gathered
-            for g in range(G):
-                static = sum(p.block.static_mib[g][k] * self.c[r][g][k] for k in range(nb))
-                acts = sum(p.block.act_mib[g][k] * self.c[r][g][k] for k in range(nb))
-                static += sum(p.embed.static_mib[g][k] * self.e[r][g][k] for k in range(len(p.embed.strategies)))
-                acts += sum(p.embed.act_mib[g][k] * self.e[r][g][k] for k in range(len(p.embed.strategies)))
-                if r == 0:
-                    static += sum(p.head.static_mib[g][k] * self.h[g][k] for k in range(len(p.head.strategies)))
-                    acts += sum(p.head.act_mib[g][k] * self.h[g][k] for k in range(len(p.head.strategies)))
-                self.m.add(static + k_in_flight * acts + transient <= p.capacity_mib[g]).only_enforce_if(self.y[r][g])
+                    static += sum(p.head.static_bytes[g][k] * self.h[g][k] for k in range(nh))
+                    acts += sum(p.head.act_bytes[g][k] * self.h[g][k] for k in range(nh))
+                self.m.add(static + k_in_flight * acts + recompute + transient
+                           <= p.capacity_bytes[g]).only_enforce_if(self.y[r][g])
+
+    def _stage_max(self, r: int, field: str, name: str) -> cp_model.IntVar:
+        """A variable at least ``field`` of every layer slot r holds, on the group it sits on."""
+        p = self.p
+        G = len(p.groups)
+        tables = [getattr(t, field) for t in (p.block, p.embed, p.head)]
+        top = max(max(max(row) for row in t) for t in tables)
+        var = self.m.new_int_var(0, max(top, 0), name)
+        for g in range(G):
+            for k, v in enumerate(tables[0][g]):
+                if v:  # block choice k is present in the slot, and the slot is on group g
+                    self.m.add(var >= v).only_enforce_if([self.u[r][k], self.y[r][g]])
+            for k, v in enumerate(tables[1][g]):
+                if v:
+                    self.m.add(var >= v * self.e[r][g][k])
+            if r == 0:
+                for k, v in enumerate(tables[2][g]):
+                    if v:
+                        self.m.add(var >= v * self.h[g][k])
+        return var
 
     # (D) exposed data-parallel sync (what sticks out of a stage's last backward) and the
     # optimizer step, each the maximum over stages.
@@ -717,9 +722,9 @@ def solve_shape(p: Problem, *, upper_bound_us: int | None, hint: Layout | None, 
 def memory_infeasible(p: Problem) -> bool:
     """Quick proof that a shape cannot fit: even the least static memory of every layer,
     spread over every slot of the largest group, exceeds what those slots hold."""
-    least = lambda t: min(min(row) for row in t.static_mib)  # noqa: E731
+    least = lambda t: min(min(row) for row in t.static_bytes)  # noqa: E731
     need = p.n_blocks * least(p.block) + least(p.embed) + least(p.head)
-    room = sum(n * cap for n, cap in zip(p.stages_per_group, p.capacity_mib))
+    room = sum(n * cap for n, cap in zip(p.stages_per_group, p.capacity_bytes))
     return need > room
 
 

@@ -78,7 +78,9 @@ def _plan(cm_model, cluster, space=SPACE, global_batch=4, search="cpsat"):
     return make_plan(req)
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
+# Oracle tests: derandomized (CI is deterministic); every combination they can draw is also
+# swept when the search changes (see docs/benchmarks.md).
+@settings(max_examples=6, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(mem_a=st.sampled_from([3.15, 3.3, 3.6, 8.0]), mem_b=st.sampled_from([3.2, 3.4, 8.0]),
        global_batch=st.sampled_from([2, 4]))
 def test_cpsat_matches_brute_force_oracle(mem_a, mem_b, global_batch):
@@ -87,7 +89,8 @@ def test_cpsat_matches_brute_force_oracle(mem_a, mem_b, global_batch):
 
 
 def assert_matches_oracle(model, cluster, space, global_batch):
-    """The search's plan is as fast as the brute-force optimum (or both find nothing)."""
+    """The search's plan is as fast as the brute-force optimum (or both find nothing). Both
+    judge memory by the evaluator, in exact bytes."""
     cm = CostModel(model, cluster, seq_len=model.seq_len)
     best = brute_force_best(cm, global_batch, space)
     try:
@@ -250,9 +253,10 @@ def test_same_seed_same_plan():
     assert first.stages == second.stages and first.solver.objective_us == second.solver.objective_us
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(mem=st.sampled_from([3.12, 3.2, 3.3, 3.45, 3.6, 8.0]), global_batch=st.sampled_from([2, 4, 8]),
        replicated=st.booleans())
+@example(mem=3.3, global_batch=2, replicated=False)  # fits in bytes, not in per-layer whole MiB
 @example(mem=3.3, global_batch=8, replicated=True)  # pp 4, uneven: 2/1/1/2 layers
 @example(mem=3.6, global_batch=2, replicated=True)  # pp 2
 def test_cpsat_matches_brute_force_oracle_on_one_group(mem, global_batch, replicated):
@@ -265,4 +269,5 @@ def test_cpsat_matches_brute_force_oracle_on_one_group(mem, global_batch, replic
              else SPACE)
     cluster = ClusterSpec(name="one", groups=(make_group(name="h100", device=get_device("H100"), nodes=1,
                                                           gpus_per_node=4, memory_bytes=int(mem * GiB)),))
-    assert_matches_oracle(model, cluster, space, global_batch)
+    plan = assert_matches_oracle(model, cluster, space, global_batch)
+    assert plan is None or plan.solver.status == "optimal"
