@@ -75,7 +75,10 @@ def build_parser(with_torch_commands: bool = False) -> argparse.ArgumentParser:
     plan.add_argument("--global-batch", type=_positive_int, help="sequences per step (default: the model's recipe)")
     plan.add_argument("--search", choices=("cpsat", "uniform"), default="cpsat",
                       help="cpsat: exact per-layer search (default); uniform: the Megatron-style grid alone")
-    plan.add_argument("--time-limit", type=_positive_float, default=10.0, help="CP-SAT wall-time limit, s (default 10)")
+    plan.add_argument("--time-limit", type=_positive_float, default=None,
+                      help="wall-clock bound on the whole search, s; the best plan found by then is kept, "
+                           "marked feasible with its gap (default: none; the search stops after a fixed amount "
+                           "of solver work, so the same input gives the same plan)")
     plan.add_argument("--workers", type=_positive_int, default=1, help="CP-SAT workers (default 1: deterministic)")
     plan.add_argument("--seed", type=int, default=0, help="CP-SAT random seed (default 0)")
     plan.add_argument("--tp", type=_int_list, help="allowed tensor-parallel degrees, e.g. 4,8 (default: any that fits)")

@@ -48,15 +48,16 @@ from ortools.sat.python import cp_model
 
 import ortools
 from partita.cluster import NodeGroup
-from partita.errors import PartitaError
 from partita.plan import LayerStrategy, Plan, SolverReport
-from partita.search.costs import CostModel
-from partita.search.evaluate import evaluate_layout
-from partita.search.uniform import (Layout, SearchSpace, UniformResult, batch_splits, divisors, hosts, layer_tp,
-                                    max_stages, sp_choices, tp_allowed)
+from partita.search.costs import CostModel, choice_of, stage_cost_counts
+from partita.search.evaluate import Evaluation, evaluate_layout
+from partita.search.uniform import (Layout, SearchSpace, UniformResult, batch_splits, divisors, hosts,
+                                    infeasible_error, layer_tp, max_stages, sp_choices, tp_allowed)
 from partita.units import to_bytes, to_us
 
 log = logging.getLogger(__name__)
+
+NEVER = 1 << 61  # the bound of a shape proven to hold no plan at all
 
 
 # ---- the problem: integer cost tables for one shape ----------------------------------------
@@ -99,6 +100,13 @@ class Problem:
     lower_bound_us: int
     tied: bool = False  # embedding and head share one weight
     pipeline: tuple[int, ...] | None = None  # allowed pipeline degrees, None: any
+    # What the evaluator counts for a stage beyond its layers' own terms (the schedule's
+    # buffers, a last stage's retained output), per group, by the stage's place in the
+    # pipeline: [g] for a first or a middle stage, [g][head choice] for a last or a lone one.
+    extra_first: tuple[int, ...] = ()
+    extra_middle: tuple[int, ...] = ()
+    extra_last: tuple[tuple[int, ...], ...] = ()
+    extra_alone: tuple[tuple[int, ...], ...] = ()
 
 
 def strategies_for(cm: CostModel, role: str, shape: Shape, space: SearchSpace) -> list[LayerStrategy]:
@@ -193,9 +201,34 @@ def build_problem(cm: CostModel, shape: Shape, space: SearchSpace) -> Problem | 
     p2p = tuple(tuple(_p2p_us(cm, a, b, shape) for b in groups) for a in groups)
     capacity = tuple(to_bytes(g.memory_bytes) - to_bytes(cm.reserve_bytes(g)) for g in groups)
     lb = _lower_bound_us(cm, shape, block, embed, head, slots)
+    extra = lambda g, first, last, k=0: _stage_extra_bytes(cm, shape, groups, g, block, embed, head,  # noqa: E731
+                                                            first=first, last=last, head_k=k)
+    heads = range(len(head.strategies))
     return Problem(shape=shape, groups=groups, slots=slots, stages_per_group=per_group, n_blocks=cm.model.n_layers,
                    block=block, embed=embed, head=head, p2p_us=p2p, capacity_bytes=capacity, lower_bound_us=lb,
-                   tied=cm.model.tie_embeddings, pipeline=space.pipeline)
+                   tied=cm.model.tie_embeddings, pipeline=space.pipeline,
+                   extra_first=tuple(extra(g, True, False) for g in range(len(groups))),
+                   extra_middle=tuple(extra(g, False, False) for g in range(len(groups))),
+                   extra_last=tuple(tuple(extra(g, False, True, k) for k in heads) for g in range(len(groups))),
+                   extra_alone=tuple(tuple(extra(g, True, True, k) for k in heads) for g in range(len(groups))))
+
+
+def _stage_extra_bytes(cm: CostModel, shape: Shape, groups: Sequence[NodeGroup], g: int, block: LayerTable,
+                       embed: LayerTable, head: LayerTable, *, first: bool, last: bool, head_k: int) -> int:
+    """A stage's peak under the evaluator, less the reserve and its layers' own terms (static,
+    in-flight activations, the largest recompute extra and transient): what the schedule adds
+    for a stage at this place in the pipeline. Measured on a stage of one block, so the CP-SAT
+    memory sums stay those of the evaluator whatever stage-level terms the cost model holds."""
+    parts = [(block, 0, "layers.0")] + ([(embed, 0, "embed")] if first else []) + ([(head, head_k, "head")] if last else [])
+    counts = {choice_of(cm.model, dataclasses.replace(t.strategies[k], name=name)): 1 for t, k, name in parts}
+    pp, stage = {(True, True): (1, 0), (True, False): (2, 0), (False, True): (2, 1), (False, False): (3, 1)}[first, last]
+    group = groups[g]
+    sc = stage_cost_counts(cm, group, counts, stage=stage, pp=pp, dp=shape.dp, tp=shape.tp,
+                           micro_batch=shape.micro_batch, num_micro_batches=shape.num_micro_batches,
+                           next_group=None if last else group)
+    own = (sum(t.static_bytes[g][k] for t, k, _ in parts) + sc.in_flight * sum(t.act_bytes[g][k] for t, k, _ in parts)
+           + max(t.recompute_bytes[g][k] for t, k, _ in parts) + max(t.transient_bytes[g][k] for t, k, _ in parts))
+    return to_bytes(sc.peak_bytes) - to_bytes(sc.reserve) - own
 
 
 def _p2p_us(cm: CostModel, a: NodeGroup, b: NodeGroup, shape: Shape) -> int:
@@ -379,7 +412,7 @@ class StageFit:
         """(m - 1) * tau*(K) + the least total work, a bound on any plan of the shape."""
         tau = self.least_slowest_stage_us()
         if not math.isfinite(tau):
-            return 1 << 61  # no depth holds the model
+            return NEVER  # no depth holds the model
         return int(math.floor((self.m - 1) * tau + self.work))
 
 
@@ -556,8 +589,37 @@ class PlanModel:
                 if r == 0:
                     static += sum(p.head.static_bytes[g][k] * self.h[g][k] for k in range(nh))
                     acts += sum(p.head.act_bytes[g][k] * self.h[g][k] for k in range(nh))
-                self.m.add(static + k_in_flight * acts + recompute + transient
+                self.m.add(static + k_in_flight * acts + recompute + transient + self._stage_extra(r)
                            <= p.capacity_bytes[g]).only_enforce_if(self.y[r][g])
+
+    def _stage_extra(self, r: int) -> cp_model.LinearExprT:
+        """The bytes the schedule adds to slot r (see Problem.extra_*), by its group, whether it
+        is the first stage, and for the last one (r = 0) its head's choice."""
+        p = self.p
+        G = len(p.groups)
+        if not p.extra_first:
+            return 0
+        if not hasattr(self, "_extras"):
+            self._extras: dict[int, cp_model.IntVar] = {}
+        if r in self._extras:
+            return self._extras[r]
+        values = [v for row in (p.extra_first, p.extra_middle) for v in row]
+        values += [v for t in (p.extra_last, p.extra_alone) for row in t for v in row]
+        if not any(values):
+            return 0
+        var = self.m.new_int_var(min(0, min(values)), max(0, max(values)), f"stage_extra[{r}]")
+        first = self.m.new_bool_var(f"first[{r}]")  # slot r holds the first stage
+        self.m.add(first == self.used[r] - (self.used[r + 1] if r + 1 < p.slots else 0))
+        for g in range(G):
+            if r > 0:
+                self.m.add(var >= p.extra_first[g]).only_enforce_if([self.y[r][g], first])
+                self.m.add(var >= p.extra_middle[g]).only_enforce_if([self.y[r][g], first.Not()])
+            else:
+                for k in range(len(p.head.strategies)):
+                    self.m.add(var >= p.extra_alone[g][k]).only_enforce_if([self.h[g][k], first])
+                    self.m.add(var >= p.extra_last[g][k]).only_enforce_if([self.h[g][k], first.Not()])
+        self._extras[r] = var
+        return var
 
     def _stage_max(self, r: int, field: str, name: str) -> cp_model.IntVar:
         """A variable at least ``field`` of every layer slot r holds, on the group it sits on."""
@@ -679,6 +741,9 @@ def _same(a: LayerStrategy, b: LayerStrategy) -> bool:
 
 
 # ---- solve ------------------------------------------------------------------------------------
+MIN_WORK = 0.2  # the least deterministic time a shape's first attempt gets
+
+
 @dataclass
 class ShapeResult:
     shape: Shape
@@ -687,36 +752,41 @@ class ShapeResult:
     layout: Layout | None = None
     objective_us: int | None = None
     wall_s: float = 0.0
+    work: float = 0.0  # CP-SAT deterministic time spent
 
 
 def solve_shape(p: Problem, *, upper_bound_us: int | None, hint: Layout | None, time_limit_s: float, workers: int,
-                seed: int, fit: "StageFit | None" = None) -> ShapeResult:
-    """The only place that runs CpSolver."""
+                seed: int, fit: "StageFit | None" = None, work_limit: float | None = None) -> ShapeResult:
+    """The only place that runs CpSolver. ``work_limit`` is CP-SAT's deterministic time (the
+    same on a busy machine and an idle one); ``time_limit_s`` a wall-clock bound."""
     start = time.perf_counter()
     pm = PlanModel(p, upper_bound_us, fit)
     pm.build()
     if hint is not None:
         pm.add_hint(hint)
     solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = max(0.05, time_limit_s)
+    solver.parameters.max_time_in_seconds = max(0.01, time_limit_s)
+    if work_limit is not None:
+        solver.parameters.max_deterministic_time = max(0.01, work_limit)
     solver.parameters.num_workers = workers
     solver.parameters.random_seed = seed
     solver.parameters.log_search_progress = False
     status = solver.solve(pm.m)
-    wall = time.perf_counter() - start
+    wall, work = time.perf_counter() - start, solver.deterministic_time
     if status == cp_model.MODEL_INVALID:
         raise RuntimeError(f"CP-SAT model invalid for {p.shape}: {pm.m.validate()}")
     if status == cp_model.OPTIMAL:
         return ShapeResult(p.shape, "optimal", int(solver.objective_value), pm.read_layout(solver),
-                           int(solver.objective_value), wall)
+                           int(solver.objective_value), wall, work)
     if status == cp_model.FEASIBLE:
         return ShapeResult(p.shape, "feasible", int(math.floor(solver.best_objective_bound)), pm.read_layout(solver),
-                           int(solver.objective_value), wall)
+                           int(solver.objective_value), wall, work)
     if status == cp_model.INFEASIBLE:
-        # Nothing in this shape is at or below the upper bound we imposed (or it does not fit).
-        bound = (upper_bound_us + 1) if upper_bound_us is not None else (1 << 62)
-        return ShapeResult(p.shape, "infeasible", bound, wall_s=wall)
-    return ShapeResult(p.shape, "unknown", p.lower_bound_us, wall_s=wall)
+        # Nothing in this shape is at or below the upper bound we imposed (without one: it
+        # does not fit at all).
+        bound = (upper_bound_us + 1) if upper_bound_us is not None else NEVER
+        return ShapeResult(p.shape, "infeasible", bound, wall_s=wall, work=work)
+    return ShapeResult(p.shape, "unknown", p.lower_bound_us, wall_s=wall, work=work)
 
 
 def memory_infeasible(p: Problem) -> bool:
@@ -728,40 +798,57 @@ def memory_infeasible(p: Problem) -> bool:
     return need > room
 
 
-def solve_plan(cm: CostModel, req, uniform: UniformResult) -> Plan:
-    """Search every shape, best bound first; return the best plan (never worse than uniform)."""
-    from partita.search.planner import layout_to_plan
+@dataclass
+class Incumbent:
+    """The best plan so far: its layout, evaluation and objective (integer microseconds)."""
+
+    layout: Layout
+    evaluation: Evaluation
+    us: int
+
+
+def solve_plan(cm: CostModel, req, uniform: UniformResult, *, deadline: float, work_limit: float) -> Plan:
+    """Search every shape, best bound first; return the best plan (never worse than uniform).
+
+    Stops at ``work_limit`` (CP-SAT deterministic time summed over shapes: the same plan on a
+    busy machine as on an idle one) or at the wall-clock ``deadline``, whichever comes first;
+    the deadline is checked between model builds and solves too. With no plan found, it raises
+    "does not fit" only when every shape is proven infeasible, and SearchTimeout otherwise."""
+    from partita.search.planner import layout_to_plan, timeout_error
 
     start = time.perf_counter()
-    deadline = start + req.time_limit_s - uniform.wall_s  # the limit covers the whole search
-    incumbent_layout = uniform.best
-    incumbent_eval = uniform.best_eval
-    if incumbent_layout is None or incumbent_eval is None:
-        raise PartitaError("the CP-SAT search needs the uniform plan as its warm start; none fits")
-    uniform_us = to_us(incumbent_eval.step_time_s)
-    if uniform.balanced_eval is not None and uniform.balanced_eval.step_time_s < incumbent_eval.step_time_s:
-        incumbent_layout, incumbent_eval = uniform.balanced, uniform.balanced_eval
-    incumbent_us = to_us(incumbent_eval.step_time_s)
+    warm = uniform.fastest()
+    best = Incumbent(warm[0], warm[1], to_us(warm[1].step_time_s)) if warm else None
+    uniform_us = to_us(uniform.best_eval.step_time_s) if uniform.best_eval is not None else 0
+    results: list[ShapeResult] = []
     problems = []
     for shape in shapes(cm, req.global_batch, req.space):
+        if time.perf_counter() > deadline:  # not built: nothing known about the shape
+            results.append(ShapeResult(shape, "unknown", 0))
+            continue
         p = build_problem(cm, shape, req.space)
         if p is not None:
             problems.append(p)
     problems.sort(key=lambda p: p.lower_bound_us)
-    results: list[ShapeResult] = []
     fits: dict[Shape, StageFit] = {}
 
     def still_open(p: Problem) -> bool:
-        """Record shapes proven unable to beat the incumbent; keep the rest."""
-        if p.lower_bound_us >= incumbent_us:
+        """Record shapes proven unable to fit or to beat the incumbent; keep the rest."""
+        if best is not None and p.lower_bound_us >= best.us:
             results.append(ShapeResult(p.shape, "pruned", p.lower_bound_us))
             return False
         if memory_infeasible(p):
-            results.append(ShapeResult(p.shape, "infeasible", 1 << 61))
+            results.append(ShapeResult(p.shape, "infeasible", NEVER))
+            return False
+        if p.shape not in fits and time.perf_counter() > deadline:
+            results.append(ShapeResult(p.shape, "unknown", p.lower_bound_us))
             return False
         fit = fits.get(p.shape) or fits.setdefault(p.shape, StageFit(p))
-        if fit.prunes(incumbent_us):
-            results.append(ShapeResult(p.shape, "pruned", incumbent_us))
+        if fit.bound_us() >= NEVER:  # no pipeline depth holds the blocks: a proof
+            results.append(ShapeResult(p.shape, "infeasible", NEVER))
+            return False
+        if best is not None and fit.prunes(best.us):
+            results.append(ShapeResult(p.shape, "pruned", best.us))
             return False
         return True
 
@@ -769,21 +856,24 @@ def solve_plan(cm: CostModel, req, uniform: UniformResult) -> Plan:
     # Most promising first: a better incumbent early lets the stage-fit test prune the rest.
     bounds = {p.shape: max(p.lower_bound_us, fits[p.shape].bound_us()) for p in queue}
     queue.sort(key=lambda p: bounds[p.shape])
-    earlier: dict[Shape, ShapeResult] = {}  # first attempts that ran out of time, to retry once
+    earlier: dict[Shape, ShapeResult] = {}  # first attempts that ran out of work, to retry once
+    work_used = 0.0
     while queue:
         p = queue.pop(0)
-        remaining = deadline - time.perf_counter()
-        if remaining <= 0:
+        wall_left, work_left = deadline - time.perf_counter(), work_limit - work_used
+        if wall_left <= 0 or work_left <= 0:
             results.append(earlier.get(p.shape) or ShapeResult(p.shape, "unknown", bounds[p.shape]))
             continue
-        hint = incumbent_layout if _shape_of(incumbent_layout) == p.shape else None
+        hint = best.layout if best is not None and _shape_of(best.layout) == p.shape else None
         if hint is None and p.shape in earlier:
             hint = earlier[p.shape].layout
-        # Share what is left among the shapes still open, giving the most promising more;
-        # a shape that runs out is retried once at the end with whatever time is left.
-        limit = remaining if p.shape in earlier else min(remaining, max(0.2, remaining / min(len(queue) + 1, 4)))
-        r = solve_shape(p, upper_bound_us=incumbent_us - 1, hint=hint, time_limit_s=limit, workers=req.workers,
-                        seed=req.seed, fit=fits[p.shape])
+        # Share the work left among the shapes still open, giving the most promising more;
+        # a shape that runs out is retried once at the end with whatever work is left.
+        work = work_left if p.shape in earlier else min(work_left, max(MIN_WORK, work_left / min(len(queue) + 1, 4)))
+        r = solve_shape(p, upper_bound_us=best.us - 1 if best is not None else None, hint=hint,
+                        time_limit_s=wall_left, workers=req.workers, seed=req.seed, fit=fits[p.shape],
+                        work_limit=work)
+        work_used += r.work
         if r.status in ("feasible", "unknown"):
             r.bound_us = max(r.bound_us, bounds[p.shape])
             if p.shape not in earlier:
@@ -793,29 +883,38 @@ def solve_plan(cm: CostModel, req, uniform: UniformResult) -> Plan:
                 results.append(r)
         else:
             results.append(r)
-        log.info("shape %s: %s, bound %d us, %.2f s", p.shape, r.status, r.bound_us, r.wall_s)
+        log.info("shape %s: %s, bound %d us, %.2f s, work %.2f", p.shape, r.status, r.bound_us, r.wall_s, r.work)
         if r.layout is not None:
             ev = evaluate_layout(cm, list(zip(r.layout.stage_groups, r.layout.stage_layers)), dp=r.layout.dp,
                                  tp=r.layout.tp, micro_batch=r.layout.micro_batch,
                                  num_micro_batches=r.layout.num_micro_batches)
-            if ev.fits and ev.step_time_s < incumbent_eval.step_time_s:
-                incumbent_layout, incumbent_eval = r.layout, ev
-                incumbent_us = min(incumbent_us, r.objective_us or incumbent_us)
+            if ev.fits and (best is None or ev.step_time_s < best.evaluation.step_time_s):
+                best = Incumbent(r.layout, ev, min(best.us, r.objective_us) if best is not None else r.objective_us)
                 queue = [q for q in queue if still_open(q)]
-    bound = min([incumbent_us] + [r.bound_us for r in results])
-    objective = to_us(incumbent_eval.step_time_s)
+    if best is None:
+        if all(r.status == "infeasible" for r in results):
+            raise infeasible_error(cm, uniform, req.global_batch, req.space)
+        raise timeout_error(cm, req)
+    return layout_to_plan(cm, best.layout, global_batch=req.global_batch,
+                          solver=_report(req, best, results, uniform_us, len(problems),
+                                         time.perf_counter() - start + uniform.wall_s))
+
+
+def _report(req, best: Incumbent, results: list[ShapeResult], uniform_us: int, candidates: int,
+            wall_s: float) -> SolverReport:
+    """Status, bound and gap of the search: optimal only when every shape is settled (or the
+    bound meets the plan within the integer rounding of its terms)."""
+    bound = min([best.us] + [r.bound_us for r in results])
+    objective = to_us(best.evaluation.step_time_s)
     exact = all(r.status in ("optimal", "infeasible", "pruned") for r in results)
-    # Within the integer rounding of the plan's terms the bound proves it optimal too.
-    lay = incumbent_layout
+    lay = best.layout
     slack = (lay.num_micro_batches - 1 + lay.pp) * (max(len(l) for l in lay.stage_layers) + 1) / 2
     status = "optimal" if exact or objective - bound <= slack else "feasible"
     bound = min(bound, objective)
     gap = (objective - bound) / objective if objective else 0.0
-    report = SolverReport(method="cpsat", status=status, objective_us=objective, bound_us=bound,
-                          gap=round(max(gap, 0.0), 6), wall_s=round(time.perf_counter() - start + uniform.wall_s, 4),
-                          workers=req.workers, seed=req.seed, ortools_version=ortools.__version__,
-                          uniform_objective_us=uniform_us, candidates=len(problems))
-    return layout_to_plan(cm, incumbent_layout, global_batch=req.global_batch, solver=report)
+    return SolverReport(method="cpsat", status=status, objective_us=objective, bound_us=bound,
+                        gap=round(max(gap, 0.0), 6), wall_s=round(wall_s, 4), workers=req.workers, seed=req.seed,
+                        ortools_version=ortools.__version__, uniform_objective_us=uniform_us, candidates=candidates)
 
 
 def _shape_of(layout: Layout) -> Shape:

@@ -66,6 +66,13 @@ class UniformResult:
     # uniform plan above stays the yardstick).
     balanced: Layout | None = None
     balanced_eval: Evaluation | None = None
+    complete: bool = True  # False: the deadline stopped the grid before it had seen every candidate
+
+    def fastest(self) -> tuple[Layout, Evaluation] | None:
+        """The uniform plan or its rebalanced variant, whichever is faster; None if neither fits."""
+        found = [(lay, ev) for lay, ev in ((self.best, self.best_eval), (self.balanced, self.balanced_eval))
+                 if lay is not None and ev is not None]
+        return min(found, key=lambda t: t[1].step_time_s) if found else None
 
 
 def divisors(n: int) -> list[int]:
@@ -174,13 +181,19 @@ def batch_splits(global_batch: int, dp: int, space: SearchSpace) -> list[tuple[i
     return [(mb, per_replica // mb) for mb in mbs if per_replica % mb == 0]
 
 
-def uniform_search(cm: CostModel, *, global_batch: int, space: SearchSpace = SearchSpace()) -> UniformResult:
-    """Evaluate every uniform candidate; keep the fastest that fits and the closest to fitting."""
+def uniform_search(cm: CostModel, *, global_batch: int, space: SearchSpace = SearchSpace(),
+                   deadline: float | None = None) -> UniformResult:
+    """Evaluate every uniform candidate; keep the fastest that fits and the closest to fitting.
+    At ``deadline`` (a ``time.perf_counter()`` value) it stops with what it has seen so far
+    and says so (``complete=False``)."""
     start = time.perf_counter()
     model = cm.model
     result = UniformResult(best=None, best_eval=None, evaluated=0, wall_s=0.0)
     promising: list[tuple[float, tuple]] = []
     for stage_groups, tp, dp, mb, m in grid(cm, global_batch, space):
+        if deadline is not None and time.perf_counter() > deadline:
+            result.complete = False
+            break
         blocks = split_blocks(model.n_layers, len(stage_groups))
         for zero in (space.zero_levels if dp > 1 else (0,)):
             for recompute in space.recompute:
@@ -200,7 +213,9 @@ def uniform_search(cm: CostModel, *, global_batch: int, space: SearchSpace = Sea
                         result.closest, result.closest_eval = lazy, ev
     promising.sort(key=lambda t: t[0])
     for _, lazy in promising[:REBALANCED]:
-        lazy, ev = rebalance(cm, lazy)
+        if deadline is not None and time.perf_counter() > deadline:
+            break  # rebalancing only improves the warm start; the grid itself is what completes
+        lazy, ev = rebalance(cm, lazy, deadline)
         if ev.fits and (result.balanced_eval is None or ev.step_time_s < result.balanced_eval.step_time_s):
             result.balanced, result.balanced_eval = lazy, ev
     result.best = _layout(model, *result.best) if result.best else None
@@ -218,10 +233,10 @@ def _penalised(ev: Evaluation) -> float:
     return ev.step_time_s * max(1.0, ev.peak_over_capacity) ** 4
 
 
-def rebalance(cm: CostModel, lazy: tuple) -> tuple[tuple, Evaluation]:
+def rebalance(cm: CostModel, lazy: tuple, deadline: float | None = None) -> tuple[tuple, Evaluation]:
     """Local search on the block split of a candidate (blocks are identical, so only counts
     matter): move one block from the slowest or most crowded stage to wherever it helps most,
-    while the step (penalised for memory overflow) improves."""
+    while the step (penalised for memory overflow) improves, or until ``deadline``."""
     stage_groups, blocks, tp, dp, mb, m, sp, zero, recompute = lazy
     model = cm.model
     choice = {role: choice_of(model, strategy(model, role, tp=tp, sp=sp, zero=zero, recompute=recompute))
@@ -234,6 +249,8 @@ def rebalance(cm: CostModel, lazy: tuple) -> tuple[tuple, Evaluation]:
     blocks = list(blocks)
     ev = evaluate(blocks)
     for _ in range(4 * model.n_layers):
+        if deadline is not None and time.perf_counter() > deadline:
+            break
         worst = max(range(len(blocks)), key=lambda i: (ev.stages[i].peak_bytes > ev.stages[i].capacity,
                                                        ev.stages[i].time_s))
         if blocks[worst] <= 1:

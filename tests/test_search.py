@@ -74,7 +74,7 @@ def _compositions(n: int, k: int):
 
 def _plan(cm_model, cluster, space=SPACE, global_batch=4, search="cpsat"):
     req = PlanRequest(model=cm_model, cluster=cluster, seq_len=cm_model.seq_len, global_batch=global_batch,
-                      search=search, time_limit_s=20, space=space)
+                      search=search, space=space)
     return make_plan(req)
 
 
@@ -247,7 +247,7 @@ def test_profiles_of_several_device_types_combine():
 
 def test_same_seed_same_plan():
     req = PlanRequest(model=load_model("llama-2-7b"), cluster=parse_short("8xH100+8xA100-40GB"), seq_len=4096,
-                      global_batch=64, time_limit_s=20, seed=3)
+                      global_batch=64, seed=3)
     first, _ = make_plan(req)
     second, _ = make_plan(req)
     assert first.stages == second.stages and first.solver.objective_us == second.solver.objective_us

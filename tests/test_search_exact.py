@@ -1,0 +1,91 @@
+"""What the CP-SAT search may claim: plans the grid misses, proofs of "does not fit", a time
+limit that bounds the whole search, and the same plan for the same input on a loaded machine."""
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from partita.cluster import parse_short
+from partita.errors import InfeasibleError
+from partita.model import ModelSpec, load_model
+from partita.search.costs import CostModel
+from partita.search.planner import PlanRequest, SearchTimeout, make_plan
+from partita.search.uniform import uniform_search
+
+from test_search import SPACE, assert_matches_oracle, two_type_cluster
+
+SMALL4 = ModelSpec(name="small4", family="llama", hidden=1024, n_layers=4, heads=8, kv_heads=4, ffn=4096, vocab=1024,
+                   seq_len=512, default_global_batch=4)
+
+
+def test_cpsat_searches_when_the_uniform_grid_finds_nothing():
+    """Tight mixed clusters where no even split fits: the search still finds the brute-force
+    optimum (an uneven split), and reports it optimal."""
+    checked = 0
+    for mem_a in (3.1, 3.2, 3.3, 3.4, 3.5, 3.6):  # memory sizes in steps of 0.1 GiB; the cost model decides
+        cluster = two_type_cluster(mem_a, 3.3)
+        uni = uniform_search(CostModel(SMALL4, cluster, seq_len=SMALL4.seq_len), global_batch=4, space=SPACE)
+        if uni.fastest() is not None:
+            continue
+        plan = assert_matches_oracle(SMALL4, cluster, SPACE, 4)
+        if plan is not None:
+            assert plan.solver.status == "optimal" and plan.solver.uniform_objective_us == 0
+            checked += 1
+            if checked == 2:
+                break
+    assert checked, "no case where the grid finds nothing and a plan exists: move the memory sizes"
+
+
+def test_does_not_fit_only_with_a_proof():
+    req = PlanRequest(model=load_model("gpt3-175b"), cluster=parse_short("8xL4"), seq_len=2048, global_batch=1536)
+    with pytest.raises(InfeasibleError, match="does not fit") as err:
+        make_plan(req)
+    assert err.value.exit_code == 3
+
+
+def test_time_out_without_a_plan_is_not_does_not_fit():
+    req = PlanRequest(model=load_model("llama-2-70b"), cluster=parse_short("1x8xH100+4x8xL4"), seq_len=4096,
+                      global_batch=1024, time_limit_s=1e-6)
+    with pytest.raises(SearchTimeout, match="--time-limit") as err:
+        make_plan(req)
+    assert err.value.exit_code == 4 and "does not fit" not in str(err.value)
+
+
+def test_time_limit_bounds_the_whole_search():
+    """Grid, model building and solving together; the best plan so far, honestly labelled."""
+    model = load_model("llama-2-70b")
+    req = PlanRequest(model=model, cluster=parse_short("4x8xH100+8x8xA100-80GB+4x8xA100-40GB"),
+                      seq_len=model.seq_len, global_batch=model.default_global_batch, time_limit_s=0.3)
+    start = time.perf_counter()
+    try:
+        plan, _ = make_plan(req)
+    except SearchTimeout:  # a very slow machine: nothing found in 0.3 s, and it says so
+        plan = None
+    assert time.perf_counter() - start < 5.0  # 0.3 s plus one candidate's evaluation and the plan's validation
+    if plan is not None:
+        assert plan.solver.status == "feasible" and plan.solver.gap > 0
+
+
+def _busy() -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "while True: pass"])
+
+
+@pytest.mark.parametrize("work_limit", [None, 0.05])  # the default stop, and one that cuts the search short
+def test_same_input_same_plan_on_a_loaded_machine(work_limit):
+    req = PlanRequest(model=load_model("llama-2-13b"), cluster=parse_short("8xH100+8xA100-80GB+8xA100-40GB"),
+                      seq_len=4096, global_batch=64, work_limit=work_limit)
+    first, _ = make_plan(req)
+    load = [_busy(), _busy()]
+    try:
+        second, _ = make_plan(req)
+    finally:
+        for p in load:
+            p.kill()
+            p.wait()
+    assert first.stages == second.stages
+    a, b = first.solver, second.solver
+    assert (a.status, a.objective_us, a.bound_us, a.gap) == (b.status, b.objective_us, b.bound_us, b.gap)
+    if work_limit is None:
+        assert a.status == "optimal"
