@@ -95,17 +95,25 @@ class StageMemory:
     stage: int
     device: str
     capacity_bytes: int
-    weights_bytes: int
-    gradients_bytes: int
-    optimizer_bytes: int
-    activations_bytes: int
-    transient_bytes: int  # gathered ZeRO-3 parameters, communication buffers
+    weights_bytes: int  # the parameters as stored: fp32, sharded at ZeRO 1-3 (the optimizer's master copy)
+    gradients_bytes: int  # fp32: accumulated unsharded over micro-batches at ZeRO 0-1, else sharded
+    optimizer_bytes: int  # Adam's m and v, fp32, sharded at ZeRO 1-3
+    activations_bytes: int  # micro-batches in flight, recompute, a last stage's retained logits
+    transient_bytes: int  # ZeRO-2/3 gathers, gradient-reduce buffers, the loss's backward
     reserve_bytes: int  # CUDA context, allocator fragmentation, workspace
+    gathered_weights_bytes: int = 0  # the compute-dtype copies FSDP2 keeps from forward to backward
+    pipeline_buffers_bytes: int = 0  # the pipeline schedule's per-micro-batch receive buffers
+
+    CATEGORIES = ("weights", "gathered_weights", "gradients", "optimizer", "activations", "transient",
+                  "pipeline_buffers", "reserve")
+
+    def category_bytes(self) -> dict[str, int]:
+        """Every category the runtime holds, in bytes."""
+        return {c: getattr(self, f"{c}_bytes") for c in self.CATEGORIES}
 
     @property
     def peak_bytes(self) -> int:
-        return (self.weights_bytes + self.gradients_bytes + self.optimizer_bytes + self.activations_bytes
-                + self.transient_bytes + self.reserve_bytes)
+        return sum(self.category_bytes().values())
 
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -116,9 +124,11 @@ class StageMemory:
     def from_dict(cls, data: Any, where: str) -> "StageMemory":
         data = dict(specio.require_mapping(data, where))
         data.pop("peak_bytes", None)
-        specio.check_keys(data, cls, where, required=[f.name for f in dataclasses.fields(cls)])
+        optional = ("gathered_weights_bytes", "pipeline_buffers_bytes")
+        specio.check_keys(data, cls, where, required=[f.name for f in dataclasses.fields(cls) if f.name not in optional])
         return cls(**{f.name: specio.get_str(data, f.name, where) if f.name == "device"
-                      else specio.get_int(data, f.name, where, minimum=0) for f in dataclasses.fields(cls)})
+                      else specio.get_int(data, f.name, where, minimum=0) for f in dataclasses.fields(cls)
+                      if f.name in data})
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -67,6 +67,9 @@ def loss_function(plan: Plan, meshes: Meshes) -> LossFunction:
 
 
 class MicroBatchRunner:
+    def receive_buffers(self) -> list[torch.Tensor]:
+        return []
+
     def __init__(self, model: nn.Module, units: list[ShardedLayer], num_micro_batches: int,
                  loss: LossFunction | None = None) -> None:
         self.model, self.units, self.n = model, units, num_micro_batches
@@ -131,6 +134,13 @@ class PipelineRunner:
 
     def _scaled_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return self.loss(logits, targets) * self.loss_scale
+
+    def receive_buffers(self) -> list[torch.Tensor]:
+        """The schedule's receive buffers (one per micro-batch for activations on every stage but
+        the first, and for gradients on every stage but the last), allocated at the first step
+        and kept."""
+        infos = [*self.stage.args_recv_info.values(), *self.stage.grad_recv_info.values()]
+        return [i.buffer for info in infos for i in info if isinstance(getattr(i, "buffer", None), torch.Tensor)]
 
     def run(self, inputs: torch.Tensor, targets: torch.Tensor, loss_scale: float = 1.0) -> torch.Tensor | None:
         self.module.forwards = 0

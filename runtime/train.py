@@ -32,6 +32,7 @@ from partita.model import ModelSpec
 from partita.plan import Plan
 from partita.runtime import checkpoint
 from partita.runtime.data import TokenSource
+from partita.runtime.memory import StepMemory
 from partita.runtime.mesh import build_meshes
 from partita.runtime.metrics import MetricsWriter, RunSummary, peak_flops, peak_memory_bytes, summarize
 from partita.runtime.models import build_model
@@ -57,6 +58,7 @@ class TrainConfig:
     checkpoint_every: int = 0  # 0: only at the end (when a directory is given)
     resume: bool = False
     metrics: str | None = None  # metrics.jsonl path, shared by all ranks
+    memory_report: bool = False  # measure one step's memory by category (torch's memory trackers)
     crash_after_step: int | None = None  # tests: exit abruptly after this many steps, as a kill would
 
     @property
@@ -180,6 +182,10 @@ class Trainer:
         pp_group = self.meshes.pp.get_group() if plan.pp > 1 else None
         reports_loss = place.stage.index == plan.pp - 1 and place.tp_index == 0
         self.step_times: list[float] = []  # this session's steps, for callers that time the runtime
+        # The memory report tracks the session's second step (the optimizer's state exists by
+        # then), or its only one.
+        tracked_step = min(self.start_step + 1, cfg.steps - 1) if cfg.memory_report else None
+        self.measured_memory: dict[str, int] | None = None
         step_times, losses = self.step_times, []
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -191,8 +197,16 @@ class Trainer:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             t0 = clock.now()
-            loss_sum = self.runner.run(inputs, targets, self.scaler.get_scale() if self.scaler else 1.0)
-            grad_norm = self._update(pp_group)
+            def one_step() -> tuple[torch.Tensor | None, float]:
+                loss_sum = self.runner.run(inputs, targets, self.scaler.get_scale() if self.scaler else 1.0)
+                return loss_sum, self._update(pp_group)
+
+            if step == tracked_step:
+                memory = StepMemory(self.model, self.optimizer, device, self.runner.receive_buffers())
+                loss_sum, grad_norm = memory.run(one_step)
+                self.measured_memory = memory.peak
+            else:
+                loss_sum, grad_norm = one_step()
             loss = _global_loss(loss_sum if reports_loss else None, plan, device)
             elapsed = clock.now() - t0
             step_times.append(elapsed)

@@ -64,6 +64,12 @@ LINK_LATENCY_S = {"nvlink": 5e-6, "xgmi": 5e-6, "pcie": 10e-6, "network": 15e-6,
 # Adam's update reads and writes master weights, m, v (fp32) and reads the gradient: bytes
 # touched per parameter of the local shard.
 OPTIMIZER_BYTES_PER_PARAM = 32
+# What the runtime keeps per parameter (runtime/train.py, runtime/parallelize.py): fp32
+# parameters (FSDP2's sharded parameters are the optimizer's master weights), gradients reduced
+# and accumulated in fp32 (MixedPrecisionPolicy(reduce_dtype=fp32)), Adam's m and v in fp32.
+MASTER_BYTES = 4
+REDUCE_BYTES = 4
+ADAM_STATE_BYTES = 8
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
@@ -101,7 +107,8 @@ class LayerMemory:
     optimizer: int
     activations: int  # one micro-batch, as kept for backward
     recompute_peak: int  # extra bytes while this layer is recomputed in backward
-    transient: int  # extra bytes while the layer runs: ZeRO-3 gathers, reduce buffers, the loss
+    transient: int  # extra bytes while the layer runs: ZeRO-2/3 gathers, reduce buffers, the loss
+    transient_gathered: int  # the part of ``transient`` that is gathered parameters
     params: int  # parameters on this device (for the optimizer step)
 
     @property
@@ -242,19 +249,23 @@ class CostModel:
             one = (self.collective_s("all_gather", act_bytes, tp, link, device)
                    + self.collective_s("reduce_scatter", act_bytes, tp, link, device))
         tp_fwd, tp_bwd = n_fwd * one, n_bwd * one
+        if role == "head":  # the vocab-parallel loss: all-reduces of each token's max, sum and target logit
+            tp_fwd += 3 * self.collective_s("all_reduce", micro_batch * self.seq_len * 4, tp, link, device)
         if recompute:
             tp_bwd += tp_fwd
         fwd_compute = c.forward_s
         bwd_compute = c.backward_s + (c.recompute_s if recompute else 0.0)
 
-        param_bytes = self._param_count(role, tp) * self.elem
+        # Parameters are gathered in the compute dtype; gradients are reduced in fp32
+        # (FSDP2's reduce_dtype, the standard mixed-precision recipe).
+        params = self._param_count(role, tp)
         dlink = self.dp_link(group, dp, tp)
-        ag = self.collective_s("all_gather", param_bytes, dp, dlink, device)
-        rs = self.collective_s("reduce_scatter", param_bytes, dp, dlink, device)
+        ag = self.collective_s("all_gather", params * self.elem, dp, dlink, device)
+        rs = self.collective_s("reduce_scatter", params * REDUCE_BYTES, dp, dlink, device)
         zero_fwd, zero_bwd, dp_sync = 0.0, 0.0, 0.0
         if dp > 1:
             if zero == 0:
-                dp_sync = self.collective_s("all_reduce", param_bytes, dp, dlink, device)
+                dp_sync = self.collective_s("all_reduce", params * REDUCE_BYTES, dp, dlink, device)
             elif zero == 1:
                 dp_sync = ag + rs
             elif zero == 2:
@@ -291,13 +302,29 @@ class CostModel:
         from partita.search.analytic import activation_bytes
 
         params = self._param_count(role, tp)
-        w_b, g_b, o_b = self.elem, self.elem, (12 if self.elem == 2 else 8)
-        shard = max(dp, 1)
+        e = self.elem
         z = zero if dp > 1 else 0
-        weights = params * w_b if z < 3 else params * w_b // shard
-        gradients = params * g_b if z < 2 else params * g_b // shard
-        optimizer = params * o_b if z < 1 else params * o_b // shard
-        local_params = params if z < 1 else params // shard
+        shard = dp if z >= 1 else 1
+        # FSDP2 wraps every layer when there is data parallelism or mixed precision (the
+        # runtime's rule); it then also keeps the compute-dtype copy it gathers.
+        fsdp = dp > 1 or e != MASTER_BYTES
+        weights = params * MASTER_BYTES // shard
+        gathered = params * e if fsdp and z < 3 else 0
+        if fsdp and z < 2 and num_micro_batches > 1:
+            gradients = params * REDUCE_BYTES  # accumulated unsharded until the last micro-batch
+        else:
+            gradients = params * REDUCE_BYTES // shard
+        optimizer = params * ADAM_STATE_BYTES // shard
+        local_params = params // shard
+        # While the layer runs: ZeRO-3's gathered copies (this layer's and the next one's,
+        # prefetched), ZeRO-2's flat all-gather buffer beside the copy it keeps, and the
+        # backward's working set. (The fp32 buffer a layer's gradients are reduced from lives
+        # after its backward, when its larger activations are already freed: measured, it never
+        # adds to the peak.)
+        transient_gathered = {2: params * e, 3: 2 * params * e}.get(z, 0)
+        transient = transient_gathered
+        if role == "block":
+            transient += self._block_backward_transient(tp, micro_batch)
         kind: LayerKind = self.model.kinds[role]
         kw = dict(tp=tp, micro_batch=micro_batch, seq_len=self.seq_len, dtype=self.dtype, sequence_parallel=sp,
                   on_cpu=get_device(device).is_cpu)
@@ -310,9 +337,26 @@ class CostModel:
             analytic_plain = activation_bytes(kind, recompute=False, **(kw | {"sequence_parallel": False}))
             scale = c.activation_bytes / analytic_plain if analytic_plain else 1.0
             full, kept = int(full * scale), int(kept * scale)
-        return LayerMemory(weights=weights, gathered_weights=0, gradients=gradients, optimizer=optimizer,
+        if role == "head" and self._loss_transient(tp, micro_batch) > transient:
+            transient, transient_gathered = self._loss_transient(tp, micro_batch), 0
+        return LayerMemory(weights=weights, gathered_weights=gathered, gradients=gradients, optimizer=optimizer,
                            activations=kept, recompute_peak=(full - kept) if recompute else 0,
-                           transient=2 * params * w_b if z == 3 else 0, params=local_params)
+                           transient=transient, transient_gathered=transient_gathered, params=local_params)
+
+    def _block_backward_transient(self, tp: int, micro_batch: int) -> int:
+        """A block's backward working set: the gradients of the MLP's three ffn/tp-wide
+        intermediates and three hidden-wide ones (the incoming gradient, the outgoing one and the
+        residual branch's)."""
+        t = micro_batch * self.seq_len
+        return 3 * t * (self.model.ffn // tp) * self.elem + 3 * t * self.model.hidden * self.elem
+
+    def _loss_transient(self, tp: int, micro_batch: int) -> int:
+        """The loss's backward on this rank's vocab/tp logits (t tokens): the gradient of the
+        fp32 log-probabilities and of the fp32 logits, the softmax it recomputes (4 bytes each per
+        logit), the gradient cast back to the compute dtype, and the gradient of the head's input."""
+        t = micro_batch * self.seq_len
+        logits = t * (self.model.vocab // tp)
+        return 12 * logits + (self.elem * logits if self.elem != 4 else 0) + 4 * t * self.model.hidden
 
 
 @dataclass(frozen=True)
@@ -333,20 +377,21 @@ class StageCost:
     gradients: int
     optimizer: int
     activations_per_mb: int  # one micro-batch's kept activations
-    recompute_peak: int  # the largest recomputed layer's extra while it runs
+    retained_output: int  # a last pipeline stage's logits, kept by the schedule until their backward
     in_flight: int  # micro-batches whose activations the stage holds at its peak
-    transient: int
+    transient: int  # the largest layer transient (its gathered part is in gathered_weights) + recompute
+    pipeline_buffers: int  # the schedule's receive buffers: one per micro-batch and direction
     reserve: int
     capacity: int
 
     @property
     def activations(self) -> int:
-        return self.activations_per_mb * self.in_flight + self.recompute_peak
+        return self.activations_per_mb * self.in_flight + self.retained_output
 
     @property
     def peak_bytes(self) -> int:
         return (self.weights + self.gathered_weights + self.gradients + self.optimizer + self.activations
-                + self.transient + self.reserve)
+                + self.transient + self.pipeline_buffers + self.reserve)
 
     @property
     def exposed_dp_s(self) -> float:
@@ -394,7 +439,8 @@ def _stage_cost(cm: CostModel, group: NodeGroup, counts: Mapping[LayerChoice, in
                 micro_batch: int, num_micro_batches: int, next_group: NodeGroup | None) -> StageCost:
     fwd = bwd = compute = tp_comm = zero_comm = dp_sync = 0.0
     weights = gathered_weights = grads = opt = acts = params = 0
-    recompute_peak = transient = 0
+    recompute_peak = 0
+    largest = None  # the layer with the largest transient: the stage's transient is its
     for choice, n in counts.items():
         t = cm.layer_time_of(choice, group, dp=dp, micro_batch=micro_batch)
         m = cm.layer_memory_of(choice, group.device, dp=dp, micro_batch=micro_batch,
@@ -412,19 +458,51 @@ def _stage_cost(cm: CostModel, group: NodeGroup, counts: Mapping[LayerChoice, in
         acts += n * m.activations
         params += n * m.params
         recompute_peak = max(recompute_peak, m.recompute_peak)
-        transient = max(transient, m.transient)
+        if largest is None or m.transient > largest.transient:
+            largest = m
     act_msg = micro_batch * cm.seq_len * cm.model.hidden * cm.elem
     p2p = 0.0
     stage_size = dp * tp
     if next_group is not None:  # send activations forward, receive their gradient back
         p2p += 2 * cm.collective_s("p2p", act_msg, 2, cm.pp_link(group, next_group, stage_size), group.device)
+    # Reported by what holds the bytes: the largest transient's gathered parameters with the
+    # gathered weights; a recomputed layer's activations, alive only during its backward, as transient.
+    assert largest is not None
+    gathered_weights += largest.transient_gathered
+    transient = largest.transient - largest.transient_gathered + recompute_peak
+    buffers, output, retained = pipeline_memory(cm, counts, micro_batch=micro_batch,
+                                                num_micro_batches=num_micro_batches, is_last=next_group is None)
     optimizer_s = cm.optimizer_s(group, params)
     reserve = cm.reserve_bytes(group)
     return StageCost(time_s=fwd + bwd + p2p, forward_s=fwd, backward_s=bwd, compute_s=compute, tp_comm_s=tp_comm,
                      zero_comm_s=zero_comm, p2p_s=p2p, dp_sync_s=dp_sync, optimizer_s=optimizer_s,
                      weights=weights, gathered_weights=gathered_weights, gradients=grads, optimizer=opt,
-                     activations_per_mb=acts, recompute_peak=recompute_peak, in_flight=1, transient=transient,
-                     reserve=reserve, capacity=group.memory_bytes)
+                     activations_per_mb=acts + output, retained_output=retained, in_flight=1,
+                     transient=transient, pipeline_buffers=buffers, reserve=reserve, capacity=group.memory_bytes)
+
+
+def pipeline_memory(cm: CostModel, counts: Mapping[LayerChoice, int], *, micro_batch: int, num_micro_batches: int,
+                    is_last: bool) -> tuple[int, int, int]:
+    """(receive buffers, output kept per micro-batch in flight, retained logits) of a pipeline
+    stage, in bytes.
+
+    ``torch.distributed.pipelining`` allocates, once and for good, one receive buffer per
+    micro-batch for the activations a stage takes (every stage but the first) and one for the
+    gradients it gets back (every stage but the last), each ``micro_batch * seq * hidden``
+    elements. The schedule also keeps each micro-batch's stage output until that micro-batch's
+    backward: the hidden states for every micro-batch in flight on the other stages, the logits
+    on the last (one at a time under 1F1B). A stage that is both first and last (no pipeline)
+    holds none of these."""
+    roles = {choice[0] for choice in counts}
+    is_first = "embed" in roles
+    if is_first and is_last:
+        return 0, 0, 0
+    act_msg = micro_batch * cm.seq_len * cm.model.hidden * cm.elem
+    buffers = num_micro_batches * act_msg * ((not is_first) + (not is_last))
+    if is_last:
+        head_tp = next(choice[1] for choice in counts if choice[0] == "head")
+        return buffers, 0, micro_batch * cm.seq_len * (cm.model.vocab // head_tp) * cm.elem
+    return buffers, act_msg, 0
 
 
 def pipeline_time_s(stage_times: Sequence[float], num_micro_batches: int) -> float:

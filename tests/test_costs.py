@@ -11,38 +11,56 @@ from partita.search.evaluate import evaluate_layout
 from partita.units import GB
 
 
-def test_7b_weights_and_adam_state_bytes():
+def test_7b_bytes_per_parameter_are_what_the_runtime_keeps():
     model = load_model("llama-2-7b")
     cm = CostModel(model, parse_short("8xH100"), seq_len=4096)
-    n = {"embed": 0, "block": 0, "head": 0}
-    total = {"weights": 0, "gradients": 0, "optimizer": 0}
-    for name in model.layer_names():
-        role = model.role_of(name)
-        mem = cm.layer_memory(role, "H100", LayerStrategy(name=name), dp=1, micro_batch=1, num_micro_batches=1)
-        total["weights"] += mem.weights
-        total["gradients"] += mem.gradients
-        total["optimizer"] += mem.optimizer
-        n[role] += 1
     params = model.n_params  # 6.738e9: llama-2-7b is untied, so every layer's parameters count
     assert abs(params - 6.738e9) / 6.738e9 < 1e-3
-    # bf16 weights (2 B) + bf16 gradients (2 B) + fp32 master, Adam m and v (12 B) = 16 B/param.
-    assert total["weights"] == 2 * params
-    assert total["gradients"] == 2 * params
-    assert total["optimizer"] == 12 * params
-    assert abs(sum(total.values()) - 107.8e9) < 0.1e9
+
+    def per_param(**kw) -> dict[str, float]:
+        total = {"weights": 0, "gathered_weights": 0, "gradients": 0, "optimizer": 0}
+        for name in model.layer_names():
+            mem = cm.layer_memory(model.role_of(name), "H100", LayerStrategy(name=name), **kw)
+            for k in total:
+                total[k] += getattr(mem, k)
+        return {k: v / params for k, v in total.items()}
+
+    # bf16 compute under FSDP2 mixed precision: fp32 parameters (the optimizer's master copy,
+    # 4 B), the bf16 copy gathered for compute (2 B), fp32 gradients accumulated over the
+    # micro-batches (4 B), Adam's m and v (8 B): 18 B/param, Megatron-LM's figure for bf16
+    # parameters with fp32 gradients; one micro-batch reduces each gradient at once (4 B as well).
+    assert per_param(dp=1, micro_batch=1, num_micro_batches=4) == pytest.approx(
+        {"weights": 4, "gathered_weights": 2, "gradients": 4, "optimizer": 8}, rel=1e-6)
 
 
 def test_zero_levels_shard_what_they_should():
     model = load_model("llama-2-7b")
     cm = CostModel(model, parse_short("8xH100"), seq_len=4096)
     p = model.kinds["block"].params
-    mem = {z: cm.layer_memory("block", "H100", LayerStrategy(name="layers.0", zero=z), dp=8, micro_batch=1, num_micro_batches=1)
-           for z in range(4)}
-    assert (mem[0].weights, mem[0].gradients, mem[0].optimizer) == (2 * p, 2 * p, 12 * p)
-    assert (mem[1].weights, mem[1].gradients, mem[1].optimizer) == (2 * p, 2 * p, 12 * p // 8)
-    assert (mem[2].weights, mem[2].gradients, mem[2].optimizer) == (2 * p, 2 * p // 8, 12 * p // 8)
-    assert (mem[3].weights, mem[3].gradients, mem[3].optimizer) == (2 * p // 8, 2 * p // 8, 12 * p // 8)
-    assert mem[3].transient == 2 * 2 * p
+
+    def mem(z: int, m: int):
+        return cm.layer_memory("block", "H100", LayerStrategy(name="layers.0", zero=z), dp=8, micro_batch=1,
+                               num_micro_batches=m)
+
+    fields = lambda x: (x.weights, x.gathered_weights, x.gradients, x.optimizer)  # noqa: E731
+    # ZeRO-0: 4 + 2 + 4 + 8; ZeRO-1 with accumulation: 6 + 12/dp (Megatron's distributed optimizer)
+    assert fields(mem(0, 4)) == (4 * p, 2 * p, 4 * p, 8 * p)
+    assert fields(mem(1, 4)) == (4 * p // 8, 2 * p, 4 * p, 8 * p // 8)
+    assert fields(mem(1, 1)) == (4 * p // 8, 2 * p, 4 * p // 8, 8 * p // 8)  # nothing to accumulate
+    assert fields(mem(2, 4)) == (4 * p // 8, 2 * p, 4 * p // 8, 8 * p // 8)
+    assert fields(mem(3, 4)) == (4 * p // 8, 0, 4 * p // 8, 8 * p // 8)
+    assert mem(3, 4).transient_gathered == 2 * 2 * p  # the running layer and the prefetched one
+    assert mem(2, 4).transient_gathered == 2 * p  # the flat all-gather buffer beside the kept copy
+
+
+def test_gradients_are_reduced_in_fp32():
+    model = load_model("llama-2-7b")
+    cluster = parse_short("2x8xH100")
+    cm = CostModel(model, cluster, seq_len=4096)
+    g = cluster.groups[0]
+    t = cm.layer_time("block", g, LayerStrategy(name="layers.0", zero=0), dp=16, micro_batch=1)
+    link = cm.dp_link(g, 16, 1)
+    assert t.dp_sync_s == pytest.approx(cm.collective_s("all_reduce", 4 * model.kinds["block"].params, 16, link))
 
 
 def test_one_f_one_b_on_four_stages():
@@ -93,5 +111,10 @@ def test_recompute_trades_time_for_memory_and_in_flight_scales_activations():
     ev = evaluate_layout(cm, stages, dp=1, tp=1, micro_batch=1, num_micro_batches=4)
     per_mb = [sum(cm.layer_memory(model.role_of(l.name), "H100", l, dp=1, micro_batch=1, num_micro_batches=1).activations for l in ls)
               for _, ls in stages]
-    assert ev.stages[0].activations == 2 * per_mb[0]
-    assert ev.stages[1].activations == 1 * per_mb[1]
+    # stage 0 also keeps its output per micro-batch in flight (until that micro-batch's
+    # backward); the last stage keeps one micro-batch's logits
+    act_msg = 1 * 4096 * model.hidden * 2
+    assert ev.stages[0].activations == 2 * (per_mb[0] + act_msg)
+    assert ev.stages[1].activations == 1 * per_mb[1] + 1 * 4096 * model.vocab * 2
+    # the schedule's receive buffers: one per micro-batch, gradients on stage 0, activations on stage 1
+    assert ev.stages[0].pipeline_buffers == ev.stages[1].pipeline_buffers == 4 * act_msg

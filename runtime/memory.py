@@ -1,0 +1,117 @@
+"""What a rank holds during a training step, measured, in the plan's memory categories.
+
+    from partita.runtime.memory import StepMemory
+    memory = StepMemory(model, optimizer, device)
+    result = memory.run(one_step)  # forward, backward and optimizer of one training step
+    memory.peak  # {"weights": ..., "gathered_weights": ..., ...} at the step's peak
+
+torch's memory trackers (``torch.distributed._tools``) follow every tensor storage created
+inside the context and label it by what holds it: ``FSDPMemTracker`` for a model under FSDP2
+(sharded and unsharded parameters and gradients, all-gather and reduce-scatter buffers),
+``MemTracker`` otherwise. They work on CPU tensors as on CUDA ones, so the CPU tests measure the
+same categories a GPU run holds. The peak is the moment the rank's tracked total is largest,
+with each category's bytes at that moment. Reserve (CUDA context, allocator caching and
+fragmentation) is not a tensor and is not tracked; on GPUs the allocator's own peak
+(``torch.cuda.max_memory_allocated``) is reported beside it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, TypeVar
+
+import torch
+from torch import nn
+from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.fsdp import FSDPModule
+
+T = TypeVar("T")
+_STEP = "partita training step"
+
+# The plan's categories (``partita.plan.StageMemory``), reserve excluded.
+CATEGORIES = ("weights", "gathered_weights", "gradients", "optimizer", "activations", "transient", "pipeline_buffers")
+
+# The trackers' labels (their ``_RefType`` values) in the plan's categories.
+_CATEGORY_OF = {
+    # MemTracker
+    "Parameter": "weights", "Buffer": "weights", "Gradient": "gradients", "Optstate": "optimizer",
+    "Activation": "activations", "Temp": "transient", "Other": "transient",
+    # FSDPMemTracker
+    "Sharded Param": "weights", "Unsharded Param": "gathered_weights", "All Gather": "gathered_weights",
+    "Sharded Grad": "gradients", "Unsharded Grad": "gradients", "OptState": "optimizer",
+    "Inputs": "activations", "Reduce Scatter": "transient",
+}
+
+
+class _FSDPStepTracker(FSDPMemTracker):
+    """``FSDPMemTracker`` that also labels the fp32 gradients FSDP2 accumulates unsharded across
+    micro-batches under mixed precision (``unsharded_accumulated_grad``, made in backward,
+    which the tracker would otherwise count as a backward temporary)."""
+
+    def _fsdp_param_group_post_backward(self, fsdp_mod: FSDPModule, orig: Callable[..., Any]) -> Callable[..., None]:
+        inner = super()._fsdp_param_group_post_backward(fsdp_mod, orig)
+
+        def labelled(*args: Any, **kwargs: Any) -> None:
+            inner(*args, **kwargs)
+            group = fsdp_mod._get_fsdp_state()._fsdp_param_group
+            for param in group.fsdp_params if group else ():
+                accumulated = getattr(param, "unsharded_accumulated_grad", None)
+                if accumulated is not None:
+                    self._update_and_maybe_create_winfos(accumulated, _FSDPRefType.UNSHARDED_GRAD,
+                                                         update_existing=True)
+
+        return labelled
+
+
+class StepMemory:
+    """Measures one training step: ``run(step)`` returns the step's result; ``peak`` and
+    ``raw_peak`` (the tracker's own labels) hold the bytes at the step's peak."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
+                 buffers: list[torch.Tensor] = ()) -> None:
+        self.device = device
+        # Tensors allocated before the step and kept through it that the trackers do not know
+        # (the pipeline schedule's receive buffers): counted here, whole.
+        self.buffer_bytes = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in buffers}.values())
+        if isinstance(model, FSDPModule):
+            self.tracker: MemTracker = _FSDPStepTracker(model, optimizer)
+        else:
+            self.tracker = MemTracker()
+            self.tracker.track_external(model, optimizer)
+        self.raw_peak: dict[str, int] = {}
+        self.peak: dict[str, int] = {}
+
+    def run(self, step: Callable[[], T]) -> T:
+        # The trackers refuse a model called again at the top level (they take it for the next
+        # iteration); a step calls it once per micro-batch. Before every module call (this
+        # global hook is registered ahead of the trackers' own), the step is marked as an
+        # enclosing module, so those calls count as nested ones, which they allow. The module
+        # tracker resets its set of enclosing modules after every backward, hence each time.
+        modules = self.tracker._mod_tracker
+        hook = register_module_forward_pre_hook(lambda module, args: modules.parents.add(_STEP))
+        try:
+            with self.tracker:
+                result = step()
+        finally:
+            hook.remove()
+        snapshot = self.tracker.get_tracker_snapshot("peak")
+        self.raw_peak = {getattr(k, "value", str(k)): int(v) for k, v in _device_snapshot(snapshot, self.device).items()}
+        self.peak = categorize(self.raw_peak) | {"pipeline_buffers": self.buffer_bytes}
+        return result
+
+
+def _device_snapshot(snapshot: dict, device: torch.device) -> dict:
+    for dev, values in snapshot.items():
+        if torch.device(dev).type == device.type:
+            return values
+    return {}
+
+
+def categorize(raw: dict[str, int]) -> dict[str, int]:
+    """Tracker labels to the plan's categories (the tracker's own total is dropped)."""
+    out = dict.fromkeys(CATEGORIES, 0)
+    for label, nbytes in raw.items():
+        if label != "Total":
+            out[_CATEGORY_OF.get(label, "transient")] += nbytes
+    return out
