@@ -48,6 +48,9 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="model init and data seed")
     parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW, warm-up + cosine)")
     parser.add_argument("--warmup-steps", type=int, default=None, help="default: a tenth of --steps")
+    parser.add_argument("--memory-report", action="store_true",
+                        help="measure one step's memory per rank by category (torch's memory trackers) and print it "
+                             "against the plan's breakdown")
     parser.add_argument("--master-addr", default="$MASTER_ADDR", help="rendezvous host for multi-node commands")
     parser.add_argument("--master-port", type=int, default=29500, help="rendezvous port for multi-node commands")
 
@@ -80,6 +83,11 @@ def launch_command(args: argparse.Namespace) -> int:
         summary = RunSummary.from_dict(json.loads(summary_path.read_text()))
         print(f"{summary.steps} steps, final loss {summary.losses[-1]:.4f}" if summary.losses else "no steps run")
         print(summary.table())
+        if args.memory_report:
+            from partita.runtime.metrics import memory_table
+
+            print("memory at the peak of one step, by category (torch's memory trackers):")
+            print(memory_table(summary))
         analytic = sorted(d for d, src in plan.cost_sources.items() if src != "measured")
         predicted = summary.predicted_step_time_s
         if analytic and predicted and abs(summary.measured_step_time_s / predicted - 1) > 0.5:
@@ -189,6 +197,8 @@ def worker_arguments(args: argparse.Namespace, metrics: str) -> list[str]:
         out.append("--resume")
     if args.warmup_steps is not None:
         out += ["--warmup-steps", str(args.warmup_steps)]
+    if args.memory_report:
+        out.append("--memory-report")
     return out
 
 

@@ -3,7 +3,9 @@ comparison of measured against predicted step time and per-stage peak memory.
 
 Peak memory is ``torch.cuda.max_memory_allocated`` on GPUs; on CPUs it is the process's peak
 resident set size, which includes the Python and torch runtime and so reads far above any
-prediction of tensor memory.
+prediction of tensor memory. ``--memory-report`` measures one step's tensors by category with
+torch's memory trackers (``partita.runtime.memory``), on CPU and GPU alike, and prints them
+against the plan's breakdown (``memory_table``).
 """
 
 from __future__ import annotations
@@ -73,6 +75,10 @@ class RunSummary:
     predicted_tokens_per_s: float | None = None
     measured_mfu: float | None = None
     predicted_mfu: float | None = None
+    # --memory-report: each rank's tracked bytes by category at one step's peak
+    # ({"rank", "stage", "bytes": {category: bytes}}), and the plan's per-stage breakdown
+    memory: list[dict[str, Any]] | None = None
+    predicted_memory: list[dict[str, int]] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -103,7 +109,7 @@ class RunSummary:
 
 
 def summarize(step_times: list[float], stage_peaks: list[int], memory_kind: str, losses: list[float],
-              plan: Plan) -> RunSummary:
+              plan: Plan, memory: list[dict[str, Any]] | None = None) -> RunSummary:
     timed = step_times[1:] or step_times
     prediction = plan.prediction
     median = statistics.median(timed) if timed else float("nan")
@@ -120,7 +126,33 @@ def summarize(step_times: list[float], stage_peaks: list[int], memory_kind: str,
         measured_tokens_per_s=tokens / median if timed else None,
         predicted_tokens_per_s=prediction.tokens_per_s if prediction else None,
         measured_mfu=flops / median / peak if timed and peak else None,
-        predicted_mfu=prediction.mfu if prediction else None)
+        predicted_mfu=prediction.mfu if prediction else None,
+        memory=memory,
+        predicted_memory=[m.category_bytes() for m in sorted(prediction.memory, key=lambda m: m.stage)]
+        if prediction and memory else None)
+
+
+def memory_table(summary: RunSummary) -> str:
+    """Per stage, its rank with the largest tracked peak: measured against predicted bytes by
+    category (reserve is predicted but is not a tensor, so it is not measured)."""
+    if not summary.memory:
+        return "no memory report (run with --memory-report)"
+    header = ("stage / category", "measured", "predicted", "error")
+    rows = []
+    for stage in sorted({m["stage"] for m in summary.memory}):
+        worst = max((m for m in summary.memory if m["stage"] == stage), key=lambda m: sum(m["bytes"].values()))
+        predicted = (summary.predicted_memory or [{}] * (stage + 1))[stage] if summary.predicted_memory else {}
+        predicted = {k: v for k, v in predicted.items() if k != "reserve"}
+        rows.append((f"stage {stage} (rank {worst['rank']})", fmt_bytes(sum(worst["bytes"].values())),
+                     fmt_bytes(sum(predicted.values())) if predicted else "-",
+                     _error(sum(worst["bytes"].values()), sum(predicted.values()) if predicted else None)))
+        for category, measured in worst["bytes"].items():
+            want = predicted.get(category)
+            rows.append((f"  {category}", fmt_bytes(measured), fmt_bytes(want) if want is not None else "-",
+                         _error(measured, want)))
+    widths = [max(len(r[i]) for r in rows + [header]) for i in range(4)]
+    return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+                     for r in [header] + rows)
 
 
 def _predicted_peaks(prediction, n_stages: int) -> list[int | None]:

@@ -225,7 +225,7 @@ class Trainer:
             if cfg.crash_after_step is not None and done == cfg.crash_after_step:
                 os._exit(17)  # tests: die like a killed process, without cleanup
         writer.close()
-        return _gather_summary(step_times, losses, plan, place, device)
+        return _gather_summary(step_times, losses, plan, place, device, self.measured_memory)
 
 
     def _update(self, pp_group: dist.ProcessGroup | None) -> float:
@@ -257,13 +257,18 @@ def _global_loss(loss_sum: torch.Tensor | None, plan: Plan, device: torch.device
     return float(value) / (plan.dp * plan.num_micro_batches)
 
 
-def _gather_summary(step_times: list[float], losses: list[float], plan: Plan, place, device: torch.device) -> RunSummary | None:
+def _gather_summary(step_times: list[float], losses: list[float], plan: Plan, place, device: torch.device,
+                    measured_memory: dict[str, int] | None) -> RunSummary | None:
     peaks: list = [None] * dist.get_world_size()
-    dist.all_gather_object(peaks, (place.stage.index, peak_memory_bytes(device)))
+    dist.all_gather_object(peaks, (place.stage.index, peak_memory_bytes(device), measured_memory))
     if dist.get_rank() != 0:
         return None
-    stage_peaks = [max(b for s, b in peaks if s == i) for i in range(plan.pp)]
-    return summarize(step_times, stage_peaks, "allocated" if device.type == "cuda" else "peak RSS", losses, plan)
+    stage_peaks = [max(b for s, b, _ in peaks if s == i) for i in range(plan.pp)]
+    memory = None
+    if measured_memory is not None:
+        memory = [{"rank": r, "stage": s, "bytes": m} for r, (s, _, m) in enumerate(peaks)]
+    return summarize(step_times, stage_peaks, "allocated" if device.type == "cuda" else "peak RSS", losses, plan,
+                     memory)
 
 
 def _default_device(plan: Plan) -> torch.device:

@@ -30,7 +30,8 @@ log = logging.getLogger("partita.runtime")
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(steps=args.steps, data=args.data, seed=args.seed, lr=args.lr, warmup_steps=args.warmup_steps,
                        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-                       resume=args.resume, metrics=args.metrics, crash_after_step=args.crash_after_step)
+                       resume=args.resume, metrics=args.metrics, memory_report=args.memory_report,
+                       crash_after_step=args.crash_after_step)
 
 
 def main(argv: list[str] | None = None) -> int:
