@@ -58,12 +58,14 @@ def test_time_limit_bounds_the_whole_search():
     model = load_model("llama-2-70b")
     req = PlanRequest(model=model, cluster=parse_short("4x8xH100+8x8xA100-80GB+4x8xA100-40GB"),
                       seq_len=model.seq_len, global_batch=model.default_global_batch, time_limit_s=0.3)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     try:
         plan, _ = make_plan(req)
     except SearchTimeout:  # a very slow machine: nothing found in 0.3 s, and it says so
         plan = None
-    assert time.perf_counter() - start < 5.0  # 0.3 s plus one candidate's evaluation and the plan's validation
+    # 0.3 s, plus at most one candidate's evaluation and the plan's validation; the whole
+    # search takes several CPU seconds. Wall time is loose for a loaded machine.
+    assert time.process_time() - cpu < 2.0 and time.perf_counter() - start < 10.0
     if plan is not None:
         assert plan.solver.status == "feasible" and plan.solver.gap > 0
 
