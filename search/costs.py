@@ -377,6 +377,7 @@ class StageCost:
     gradients: int
     optimizer: int
     activations_per_mb: int  # one micro-batch's kept activations
+    output_per_mb: int  # the stage output the schedule keeps per micro-batch in flight (not on the last stage)
     retained_output: int  # a last pipeline stage's logits, kept by the schedule until their backward
     in_flight: int  # micro-batches whose activations the stage holds at its peak
     transient: int  # the largest layer transient (its gathered part is in gathered_weights) + recompute
@@ -386,7 +387,7 @@ class StageCost:
 
     @property
     def activations(self) -> int:
-        return self.activations_per_mb * self.in_flight + self.retained_output
+        return (self.activations_per_mb + self.output_per_mb) * self.in_flight + self.retained_output
 
     @property
     def peak_bytes(self) -> int:
@@ -460,7 +461,7 @@ def _stage_cost(cm: CostModel, group: NodeGroup, counts: Mapping[LayerChoice, in
         recompute_peak = max(recompute_peak, m.recompute_peak)
         if largest is None or m.transient > largest.transient:
             largest = m
-    act_msg = micro_batch * cm.seq_len * cm.model.hidden * cm.elem
+    act_msg = activation_message_bytes(cm, micro_batch)
     p2p = 0.0
     stage_size = dp * tp
     if next_group is not None:  # send activations forward, receive their gradient back
@@ -477,8 +478,14 @@ def _stage_cost(cm: CostModel, group: NodeGroup, counts: Mapping[LayerChoice, in
     return StageCost(time_s=fwd + bwd + p2p, forward_s=fwd, backward_s=bwd, compute_s=compute, tp_comm_s=tp_comm,
                      zero_comm_s=zero_comm, p2p_s=p2p, dp_sync_s=dp_sync, optimizer_s=optimizer_s,
                      weights=weights, gathered_weights=gathered_weights, gradients=grads, optimizer=opt,
-                     activations_per_mb=acts + output, retained_output=retained, in_flight=1,
+                     activations_per_mb=acts, output_per_mb=output, retained_output=retained, in_flight=1,
                      transient=transient, pipeline_buffers=buffers, reserve=reserve, capacity=group.memory_bytes)
+
+
+def activation_message_bytes(cm: CostModel, micro_batch: int) -> int:
+    """One micro-batch's hidden states, b x s x h in the compute dtype: what a stage sends on,
+    gets a gradient of, and keeps per micro-batch in flight."""
+    return micro_batch * cm.seq_len * cm.model.hidden * cm.elem
 
 
 def pipeline_memory(cm: CostModel, counts: Mapping[LayerChoice, int], *, micro_batch: int, num_micro_batches: int,
@@ -497,7 +504,7 @@ def pipeline_memory(cm: CostModel, counts: Mapping[LayerChoice, int], *, micro_b
     is_first = "embed" in roles
     if is_first and is_last:
         return 0, 0, 0
-    act_msg = micro_batch * cm.seq_len * cm.model.hidden * cm.elem
+    act_msg = activation_message_bytes(cm, micro_batch)
     buffers = num_micro_batches * act_msg * ((not is_first) + (not is_last))
     if is_last:
         head_tp = next(choice[1] for choice in counts if choice[0] == "head")

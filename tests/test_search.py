@@ -104,7 +104,20 @@ def assert_matches_oracle(model, cluster, space, global_batch):
     # (m - 1 + pp) * (layers per stage + 1) / 2 us in all.
     tol = (plan.num_micro_batches - 1 + plan.pp) * (model.n_layers + 3) * 0.5e-6
     assert best - 1e-12 <= got <= best + tol
+    # "optimal" is a proof: the bound meets the plan (no other shape's optimum beats it)
+    assert plan.solver.status != "optimal" or plan.solver.gap <= tol / got
     return plan
+
+
+def test_an_optimal_deep_pipeline_has_no_gap():
+    """Every shape's CP-SAT memory must equal the evaluator's, also for slots deep in a pipeline
+    (more micro-batches in flight): were the solver to accept a layout the evaluator rejects, its
+    optimum would undercut the plan returned and the report would show a gap."""
+    model, cluster = load_model("llama-2-70b"), parse_short("8x8xH100")
+    req = PlanRequest(model=model, cluster=cluster, seq_len=4096, global_batch=1024)
+    plan, _ = make_plan(req)
+    assert plan.solver.status == "optimal"
+    assert plan.solver.gap <= 1e-6
 
 
 def test_solver_objective_equals_evaluator_prediction():
