@@ -24,14 +24,16 @@ from runtime_helpers import make_plan, run_ranks  # noqa: E402
 from test_runtime_parallel import PLANS, SMALL  # noqa: E402
 
 CFG = TrainConfig(steps=2, warmup_steps=1, lr=1e-3, memory_report=True)
-# Measured and not yet modelled within the tolerance (issue 8's closing note lists them):
+# Measured and not yet modelled within the tolerance (issue 8's closing note has the numbers).
+# The cost model adds a stage's largest transient (a ZeRO-3 gather, a recomputed layer's
+# activations, a backward working set) on top of all its in-flight activations; in these three
+# plans that spike comes mid-forward or mid-backward, when part of the micro-batch's activations
+# do not exist yet or are already freed, so the model over-predicts (safe, but by more than 10 %).
+# Modelling each layer's position in its stage (CP-SAT and evaluator alike) is the fix.
 KNOWN_GAPS = {
-    "recompute": "a recomputed ZeRO-3 layer's backward holds more transient memory than the recomputed "
-                 "activations plus the backward working set (measured 366 KiB, predicted 218 KiB)",
-    "pp-tp": "a first pipeline stage under TP+SP keeps about 45 KiB a micro-batch in flight more than modelled",
-    "pp-fsdp": "the last stage's ZeRO-3 gathers are predicted for every layer; measured 16 % below the total",
-    "mixed": "the block backward working set is predicted but, with this plan's layouts, the peak falls in "
-             "the forward, where no backward temporaries exist",
+    "pp-fsdp": "the last stage's ZeRO-3 gather and recompute spikes are not at full activations: total -16 %",
+    "mixed": "the ZeRO-3 gather spike of layers.4 comes mid-forward: total -10.6 %, activations -32 %",
+    "gpt2-mixed": "as in mixed: activations and transients 29 % below the prediction (total -6 %)",
 }
 MEMORY_PLANS = PLANS | {"bf16-zero1": make_plan(SMALL, dp=2, layer=dict(zero=1), dtype="bf16"),
                         "bf16-pp-tp": make_plan(SMALL, pp=2, tp=2, boundaries=[2], num_micro_batches=3,
@@ -64,7 +66,13 @@ def test_each_ranks_tracked_memory_is_the_plans_prediction(name):
     plan = MEMORY_PLANS[name]
     prediction = predicted(plan)
     for rank, measured in enumerate(run_ranks(_measure_rank, plan.world_size, plan.to_dict(), CFG)):
-        want, got = prediction[measured["stage"]], measured["memory"]
+        want, got = dict(prediction[measured["stage"]]), dict(measured["memory"])
+        if any(l.recompute for l in plan.stage_of_rank(rank).layers):
+            # MemTracker labels a recomputed layer's activations as activations, FSDPMemTracker
+            # (checkpointing sits inside the FSDP unit) as temporaries; the plan counts them as
+            # transient. Compared together.
+            for d in (want, got):
+                d["activations"] += d.pop("transient")
         assert set(got) == set(want), f"rank {rank}: categories {sorted(got)} vs {sorted(want)}"
         total_want, total_got = sum(want.values()), sum(got.values())
         where = f"{name}, rank {rank} (stage {measured['stage']}), measured {got}, predicted {want}"
