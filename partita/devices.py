@@ -19,7 +19,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from partita.errors import PartitaError
-from partita.specio import nearest
 from partita.units import GiB, MiB
 
 LINKS = ("nvlink", "pcie", "xgmi", "loopback")
@@ -117,13 +116,20 @@ CATALOG: dict[str, DeviceType] = {
 # Names people type for the same thing.
 ALIASES = {
     "H100-SXM": "H100", "H100-80GB": "H100", "H100-SXM5": "H100", "H200-SXM": "H200",
-    "A100": "A100-80GB", "A100-SXM": "A100-80GB", "A100-40G": "A100-40GB", "A100-80G": "A100-80GB",
-    "V100": "V100-32GB", "A10": "A10G", "MI300": "MI300X", "CPU": "cpu",
+    "A100-40G": "A100-40GB", "A100-80G": "A100-80GB", "A10": "A10G", "MI300": "MI300X", "CPU": "cpu",
+}
+# Names that fit more than one catalog entry: refused with the candidates, never guessed (an
+# "A100" planned as 80 GB on a 40 GB machine would not fit when it runs).
+AMBIGUOUS = {
+    "a100": ("A100-40GB", "A100-80GB"), "a100-sxm": ("A100-40GB", "A100-80GB"),
+    "a100-sxm4": ("A100-40GB", "A100-80GB"), "v100": ("V100-16GB", "V100-32GB"),
+    "v100-sxm2": ("V100-16GB", "V100-32GB"),
 }
 
 
 def get_device(name: str) -> DeviceType:
-    """Look up a device type by name (case-insensitive, common aliases accepted)."""
+    """Look up a device type by name (case-insensitive, common aliases accepted). A name that
+    fits several entries (``A100``) is refused with the candidates."""
     if name in CATALOG:
         return CATALOG[name]
     if name in ALIASES:
@@ -131,4 +137,20 @@ def get_device(name: str) -> DeviceType:
     folded = {k.lower(): v for k, v in CATALOG.items()} | {k.lower(): CATALOG[v] for k, v in ALIASES.items()}
     if isinstance(name, str) and name.lower() in folded:
         return folded[name.lower()]
-    raise PartitaError(f"unknown device {name!r}; {nearest(str(name), list(CATALOG) + list(ALIASES))}")
+    if isinstance(name, str) and name.lower() in AMBIGUOUS:
+        candidates = AMBIGUOUS[name.lower()]
+        raise PartitaError(f"device {name!r} is ambiguous: it could be {' or '.join(candidates)}; "
+                           f"write the one the cluster has, e.g. {candidates[-1]}")
+    raise PartitaError(f"unknown device {name!r}; {did_you_mean(str(name))} (`partita devices` lists them)")
+
+
+def did_you_mean(name: str) -> str:
+    """Catalog names close to ``name`` (only names the catalog has), or the whole catalog."""
+    import difflib
+
+    by_lower = {k.lower(): k for k in CATALOG}
+    close = difflib.get_close_matches(name.lower(), list(by_lower), n=3, cutoff=0.5)
+    if close:
+        names = [by_lower[c] for c in close]
+        return f"did you mean {' or '.join(names) if len(names) < 3 else ', '.join(names[:-1]) + ' or ' + names[-1]}?"
+    return f"valid: {', '.join(CATALOG)}"
