@@ -173,6 +173,50 @@ class ClusterSpec:
         return "+".join(parts)
 
 
+def _hardware(g: NodeGroup) -> tuple:
+    """A group's hardware, without its name."""
+    return (g.device, g.nodes, g.gpus_per_node, g.memory_bytes, g.intra_link, g.intra_node_gbps, g.network_gbps)
+
+
+def _devices(c: ClusterSpec) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for g in c.groups:
+        out[g.device] = out.get(g.device, 0) + g.size
+    return out
+
+
+def _layout(g: NodeGroup) -> str:
+    return f"{g.nodes}x{g.gpus_per_node}x{g.device}"
+
+
+def same_hardware(a: ClusterSpec, b: ClusterSpec) -> bool:
+    """The same node groups, in any order and under any names: the same cluster to plan for."""
+    return (sorted(map(_hardware, a.groups)) == sorted(map(_hardware, b.groups))
+            and a.inter_group_gbps == b.inter_group_gbps)
+
+
+def cluster_difference(a: ClusterSpec, b: ClusterSpec) -> str:
+    """How two clusters' hardware differs, for messages that name both."""
+    if sorted(map(_hardware, a.groups)) == sorted(map(_hardware, b.groups)):
+        if a.inter_group_gbps != b.inter_group_gbps:
+            return f"inter_group_gbps {a.inter_group_gbps} vs {b.inter_group_gbps}"
+        return "the same hardware"
+    count_a, count_b = _devices(a), _devices(b)
+    if count_a != count_b:
+        return ", ".join(f"{count_a.get(d, 0)} vs {count_b.get(d, 0)} {d}"
+                         for d in sorted(set(count_a) | set(count_b)) if count_a.get(d, 0) != count_b.get(d, 0))
+    if a.short != b.short and sorted(map(_layout, a.groups)) != sorted(map(_layout, b.groups)):
+        return f"nodes {' + '.join(sorted(map(_layout, a.groups)))} vs {' + '.join(sorted(map(_layout, b.groups)))}"
+    fields = ("device", "nodes", "gpus_per_node", "memory_gib", "intra_link", "intra_node_gbps", "network_gbps")
+    for ga, gb in zip(sorted(a.groups, key=_hardware), sorted(b.groups, key=_hardware)):
+        da, db = ga.to_dict(), gb.to_dict()
+        diffs = [f"{k} {da[k]:g} vs {db[k]:g}" if isinstance(da[k], float) else f"{k} {da[k]} vs {db[k]}"
+                 for k in fields if da[k] != db[k]]
+        if diffs:
+            return f"group {ga.name!r} vs {gb.name!r}: {', '.join(diffs)}"
+    return "the groups differ"
+
+
 def parse_short(text: str) -> ClusterSpec:
     """``4x8xA100-80GB+2x8xH100`` -> ClusterSpec. Bad text is one clear error."""
     if not isinstance(text, str) or not text.strip():

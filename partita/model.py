@@ -243,7 +243,8 @@ BUILTIN_ALIASES = {"gpt2-small": "gpt2", "gpt-3-175b": "gpt3-175b", "gpt3": "gpt
 
 
 def load_model(ref: str) -> ModelSpec:
-    """A built-in name, a Partita model YAML file, or a Hugging Face config.json."""
+    """A built-in name, a Partita model YAML file, a Hugging Face config.json or the model
+    folder that holds it."""
     if not isinstance(ref, str) or not ref:
         raise PartitaError("model: give a built-in name (see `partita models`), a YAML file or a config.json")
     name = BUILTIN_ALIASES.get(ref, ref)
@@ -251,9 +252,17 @@ def load_model(ref: str) -> ModelSpec:
         return BUILTIN[name]
     path = Path(ref)
     try:
-        is_file = path.suffix in (".yaml", ".yml", ".json") or path.exists()
+        is_dir = path.is_dir()
+        is_file = not is_dir and (path.suffix in (".yaml", ".yml", ".json") or path.exists())
     except (OSError, ValueError):  # a name no file can have (too long, a NUL byte)
-        is_file = False
+        is_dir = is_file = False
+    if is_dir:  # a Hugging Face model folder: its config.json
+        if not (path / "config.json").is_file():
+            raise PartitaError(f"{ref}: a folder without a config.json; give a Hugging Face model folder, "
+                               f"a config.json, a model YAML or a built-in name")
+        from partita.hf import load_hf_config
+
+        return load_hf_config(path / "config.json")
     if is_file:
         if path.suffix == ".json":
             from partita.hf import load_hf_config
@@ -262,3 +271,11 @@ def load_model(ref: str) -> ModelSpec:
         data = specio.load_yaml(path)
         return ModelSpec.from_dict(data, where=str(path))
     raise PartitaError(f"unknown model {ref!r}; {specio.nearest(ref, list(BUILTIN))}")
+
+
+def model_difference(a: ModelSpec, b: ModelSpec) -> str:
+    """How two specs differ, field by field, for messages that name both ('hidden 4096 vs 5120')."""
+    da, db = a.to_dict(), b.to_dict()
+    keys = [k for k in dict.fromkeys([*da, *db]) if k not in ("name", "default_global_batch")]  # not fingerprinted
+    diffs = [f"{k} {da.get(k)} vs {db.get(k)}" for k in keys if da.get(k) != db.get(k)]
+    return ", ".join(diffs[:4]) + (f" and {len(diffs) - 4} more" if len(diffs) > 4 else "") if diffs else "no field differs"

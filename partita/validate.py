@@ -44,11 +44,11 @@ def _check_runtime_limits(plan: Plan, model: ModelSpec) -> None:
 
 def _check_inputs(plan: Plan, model: ModelSpec, cluster: ClusterSpec) -> None:
     if plan.model_fingerprint != model.fingerprint:
-        raise PartitaError(f"plan was made for model {plan.model.get('name')!r} (fingerprint {plan.model_fingerprint}), "
-                           f"not {model.name!r} ({model.fingerprint}); re-plan with `partita plan`")
+        raise PartitaError(f"plan was made for model {plan.model.get('name')!r}, not {model.name!r} "
+                           f"({_model_difference(plan, model)}); re-plan with `partita plan`")
     if plan.cluster_fingerprint != cluster.fingerprint:
-        raise PartitaError(f"plan was made for cluster {plan.cluster.get('name')!r} (fingerprint {plan.cluster_fingerprint}), "
-                           f"not {cluster.short!r} ({cluster.fingerprint}); re-plan for this cluster")
+        raise PartitaError(f"plan was made for cluster {plan.cluster.get('name')!r}, not {cluster.name!r} "
+                           f"({_cluster_difference(plan, cluster)}); re-plan for this cluster")
     if model.family == "gpt2" and plan.seq_len > model.seq_len:
         raise PartitaError(f"seq_len {plan.seq_len} exceeds the {model.seq_len} positions {model.name} learns")
 
@@ -58,7 +58,7 @@ def _check_degrees(plan: Plan) -> None:
         raise PartitaError(f"pp is {plan.pp} but the plan lists {len(plan.stages)} stages")
     if plan.global_batch != plan.dp * plan.micro_batch * plan.num_micro_batches:
         raise PartitaError(f"global_batch {plan.global_batch} != dp {plan.dp} x micro_batch {plan.micro_batch} x "
-                           f"num_micro_batches {plan.num_micro_batches}")
+                           f"num_micro_batches {plan.num_micro_batches}; make them agree, or re-plan")
     for i, s in enumerate(plan.stages):
         if s.index != i:
             raise PartitaError(f"stage {i} has index {s.index}; stages must be listed in pipeline order 0..{plan.pp - 1}")
@@ -128,3 +128,21 @@ def _check_dtype(plan: Plan, cluster: ClusterSpec) -> None:
             raise PartitaError(f"stage {s.index} runs on CPU ranks, which train in fp32; the plan says {plan.dtype}")
         if group.device != "cpu" and plan.dtype == "bf16" and group.device_type.bf16_tflops == 0:
             raise PartitaError(f"stage {s.index}: {group.device} has no bf16; plan with dtype fp16")
+
+
+def _model_difference(plan: Plan, model: ModelSpec) -> str:
+    from partita.model import model_difference
+
+    try:
+        return model_difference(ModelSpec.from_dict(plan.model, where="plan: model"), model)
+    except (PartitaError, TypeError):
+        return f"fingerprint {plan.model_fingerprint} vs {model.fingerprint}"
+
+
+def _cluster_difference(plan: Plan, cluster: ClusterSpec) -> str:
+    from partita.cluster import cluster_difference
+
+    try:
+        return cluster_difference(ClusterSpec.from_dict(plan.cluster, where="plan: cluster"), cluster)
+    except (PartitaError, TypeError):
+        return f"fingerprint {plan.cluster_fingerprint} vs {cluster.fingerprint}"
