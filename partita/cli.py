@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from typing import Sequence
 
@@ -52,6 +53,37 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _memory_margin(text: str) -> tuple[str, float]:
+    """``4`` or ``4GiB``: GiB per device; ``0.1`` or ``10%``: a fraction of each device's memory."""
+    t = text.strip().lower()
+    unit = "gib" if t.endswith(("gib", "gb", "g")) else "%" if t.endswith("%") else ""
+    number = t.rstrip("gib%").strip()
+    try:
+        value = float(number)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected GiB like 4 or a fraction like 0.1, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
+    if unit == "%":
+        value, unit = value / 100, "fraction"
+    elif not unit:
+        unit = "fraction" if value < 1 else "gib"
+    if unit == "fraction" and value >= 1:
+        raise argparse.ArgumentTypeError(f"a fraction of the device must be < 1 (100%), got {text!r}")
+    return unit, value
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("partita")
+    except Exception:  # not installed (run from a checkout)
+        from partita import __version__
+
+        return __version__
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse, but usage errors are one line and exit 2 like every other bad input."""
 
@@ -64,6 +96,7 @@ def build_parser(with_torch_commands: bool = False) -> argparse.ArgumentParser:
     so planning never pays for importing torch."""
     p = _Parser(prog="partita", description="Plan and run large-model training across (mixed) GPU clusters.")
     p.add_argument("-v", "--verbose", action="store_true", help="log progress and details")
+    p.add_argument("--version", action="version", version=f"partita {_version()}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
     plan = sub.add_parser("plan", help="search for the fastest plan that fits and write it")
@@ -79,8 +112,12 @@ def build_parser(with_torch_commands: bool = False) -> argparse.ArgumentParser:
                       help="wall-clock bound on the whole search, s; the best plan found by then is kept, "
                            "marked feasible with its gap (default: none; the search stops after a fixed amount "
                            "of solver work, so the same input gives the same plan)")
-    plan.add_argument("--workers", type=_positive_int, default=1, help="CP-SAT workers (default 1: deterministic)")
-    plan.add_argument("--seed", type=int, default=0, help="CP-SAT random seed (default 0)")
+    plan.add_argument("--workers", type=_positive_int, default=None, help="CP-SAT workers (default 1: deterministic)")
+    plan.add_argument("--seed", type=int, default=None, help="CP-SAT random seed (default 0)")
+    plan.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None,
+                      help="training dtype (default: bf16 on GPUs, fp16 where a device has no bf16, fp32 on CPU ranks)")
+    plan.add_argument("--memory-margin", type=_memory_margin, default=None, metavar="M",
+                      help="memory to keep free on every device: GiB (4) or a fraction of the device (0.1)")
     plan.add_argument("--tp", type=_int_list, help="allowed tensor-parallel degrees, e.g. 4,8 (default: any that fits)")
     plan.add_argument("--pp", type=_int_list, help="allowed pipeline degrees, e.g. 1,2,4 (default: any)")
     plan.add_argument("--micro-batch", type=_int_list, help="allowed micro-batch sizes, e.g. 1,2 (default: any)")
@@ -123,7 +160,10 @@ def _add_torch_commands(launch: argparse.ArgumentParser, profile: argparse.Argum
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     torch_command = next((a for a in argv if not a.startswith("-")), None) in ("launch", "profile")
-    args = build_parser(torch_command).parse_args(argv)
+    try:
+        args = build_parser(torch_command).parse_args(argv)
+    except SystemExit as e:  # --help, --version, or a usage error (already printed as one line)
+        return e.code if isinstance(e.code, int) else 2
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     if args.command is None:
@@ -137,9 +177,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PartitaError as e:
         print(f"partita: error: {e}", file=sys.stderr)
         return e.exit_code
+    except BrokenPipeError:
+        # The reader went away (`partita plan ... | head -1`). Files are written before anything
+        # is printed, so nothing is lost; stop printing quietly, as Unix tools do.
+        _silence_stdout()
+        return 0
     except KeyboardInterrupt:
         print("partita: interrupted", file=sys.stderr)
         return 130
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush does not fail again
+    (the recipe of Python's `signal` documentation, "Note on SIGPIPE")."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # a stdout without a file descriptor (tests)
+        pass
 
 
 def _dispatch(args: argparse.Namespace) -> int:

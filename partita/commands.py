@@ -1,86 +1,377 @@
-"""What each torch-free CLI command does, and how results are shown to people."""
+"""What each torch-free CLI command does, and how results are shown to people.
+
+Every command checks its input before it works (a missing output folder is refused before a
+search, not after), writes its files before it prints (a closed pipe loses nothing), and says
+what it did not use or could not do instead of falling back in silence.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
+import sys
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 from rich.console import Console
 from rich.table import Table
 
-from partita.cluster import load_cluster
+from partita.cluster import ClusterSpec, load_cluster, same_hardware
 from partita.devices import CATALOG
 from partita.errors import InfeasibleError, PartitaError
-from partita.model import BUILTIN, load_model
+from partita.model import BUILTIN, ModelSpec, load_model
 from partita.plan import LayerStrategy, Plan
 from partita.profile import Profile
 from partita.units import GiB, fmt_bytes, fmt_seconds
 
-import sys
-
-# Wide enough for the plan table when output is piped to a file or a log.
 if TYPE_CHECKING:  # the search loads only when a plan is made
+    from partita.search.costs import CostModel
     from partita.search.uniform import SearchSpace
 
-console = Console(highlight=False, width=None if sys.stdout.isatty() else 150)
+class _Console(Console):
+    def on_broken_pipe(self) -> None:
+        # rich exits with status 1 here; the CLI's handler decides (the work is done: exit 0)
+        raise BrokenPipeError
 
 
-def _profiles(paths: Sequence[str]) -> tuple[Profile, ...]:
-    return tuple(Profile.load(p) for p in paths)
+# Wide enough for the plan table when output is piped to a file or a log.
+console = _Console(highlight=False, width=None if sys.stdout.isatty() else 150)
 
 
+def warn(message: str) -> None:
+    """Something the user should know that does not stop the command: one line on stderr."""
+    print(f"partita: warning: {message}", file=sys.stderr)
+
+
+# ---- partita plan -----------------------------------------------------------------------
 def plan(args: argparse.Namespace) -> int:
+    from partita.search.costs import CostModel
     from partita.search.planner import PlanRequest, make_plan
 
+    # Every input is checked before the search, so bad input fails in a second, not after it.
+    output = writable_output(args.output)
     model = load_model(args.model)
     cluster = load_cluster(args.cluster)
-    req = PlanRequest(model=model, cluster=cluster, seq_len=args.seq_len or model.seq_len,
-                      global_batch=args.global_batch or model.default_global_batch, profiles=_profiles(args.profile),
-                      search=args.search, time_limit_s=args.time_limit, workers=args.workers, seed=args.seed,
-                      space=_space(args, model))
+    seq_len = args.seq_len or model.seq_len
+    global_batch = args.global_batch or model.default_global_batch
+    dtype = plan_dtype(args.dtype, cluster)
+    _check_search_flags(args)
+    space = _space(args, model, cluster, global_batch)
+    profiles = usable_profiles(args.profile, model, cluster, seq_len=seq_len, dtype=dtype)
+    margins = memory_margins(args.memory_margin, cluster)
+    req = PlanRequest(model=model, cluster=with_margins(cluster, margins), seq_len=seq_len,
+                      global_batch=global_batch, profiles=profiles, dtype=dtype, search=args.search,
+                      time_limit_s=args.time_limit, workers=args.workers or 1, seed=args.seed or 0, space=space)
     start = time.perf_counter()
-    with console.status("searching", spinner="dots") as status:
-        result, _ = make_plan(req, progress=lambda what: status.update(what))
+    try:
+        with console.status("searching", spinner="dots") as status:
+            result, _ = make_plan(req, progress=lambda what: status.update(what))
+    except InfeasibleError as e:
+        if any(margins.values()):
+            raise InfeasibleError(f"{e} (that is with --memory-margin keeping "
+                                  f"{_margin_text(margins)} free per device)") from None
+        raise
     wall = time.perf_counter() - start
-    print_plan(result)
-    result.save(args.output)
-    console.print(f"\nwrote {args.output}  (planned in {wall:.2f} s)")
+    cm = CostModel(model, cluster, seq_len=seq_len, dtype=dtype, profiles=profiles)
+    if any(margins.values()):  # the plan is for the real cluster: its devices' full memory, the margin unused
+        from partita.search.planner import attach_prediction
+        from partita.validate import validate_plan
+
+        result = attach_prediction(dataclasses.replace(result, cluster=cluster.to_dict(),
+                                                       cluster_fingerprint=cluster.fingerprint), cm)
+        validate_plan(result, model, cluster)
+    save_plan(result, output)  # before anything is printed: a closed pipe must not lose the plan
+    notes = []
+    idle = idle_devices_note(result, model, cluster, cm=cm, space=space, search=args.search)
+    if idle:
+        notes.append(idle)
+    if any(margins.values()):
+        notes.append(f"memory margin: {_margin_text(margins)} kept free on every device (--memory-margin)")
+    over = cpu_oversubscription(result, cluster)
+    if over:
+        notes.append(f"[bold]warning:[/bold] {over}")
+    print_plan(result, notes=notes)
+    console.print(f"\nwrote {output}  (planned in {wall:.2f} s)")
     return 0
 
 
-def _space(args: argparse.Namespace, model) -> "SearchSpace":
+def writable_output(text: str) -> Path:
+    """The -o path, refused before any work if the plan could not be written there."""
+    path = Path(text)
+    try:
+        if path.is_dir():
+            raise PartitaError(f"-o {text}: is a directory; give a file name, e.g. -o {path / 'plan.yaml'}")
+        parent = path.parent
+        if not parent.exists():
+            raise PartitaError(f"-o {text}: no such directory {str(parent)!r}; create it first or write elsewhere")
+        if not parent.is_dir():
+            raise PartitaError(f"-o {text}: {str(parent)!r} is not a directory")
+        if not os.access(parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+            raise PartitaError(f"-o {text}: no permission to write there; choose another path")
+    except (OSError, ValueError):  # a name no file can have (too long, a NUL byte)
+        raise PartitaError(f"-o {text!r}: not a path a file can be written to") from None
+    return path
+
+
+def save_plan(p: Plan, path: Path) -> None:
+    try:
+        p.save(path)
+    except OSError as e:
+        raise PartitaError(f"-o {path}: cannot write the plan ({e.strerror or e})") from None
+
+
+def plan_dtype(flag: str | None, cluster: ClusterSpec) -> str:
+    """--dtype, or the default: fp32 on CPU ranks, bf16 on GPUs, fp16 where a device lacks bf16."""
+    from partita.search.costs import default_dtype
+
+    if flag is None:
+        return default_dtype(cluster)
+    if any(g.device_type.is_cpu for g in cluster.groups) and flag != "fp32":
+        raise PartitaError(f"--dtype {flag}: CPU ranks train in fp32; drop --dtype or give --dtype fp32")
+    if flag == "bf16":
+        lacking = sorted({g.device for g in cluster.groups if g.device_type.bf16_tflops == 0})
+        if lacking:
+            raise PartitaError(f"--dtype bf16: {' and '.join(lacking)} {'has' if len(lacking) == 1 else 'have'} "
+                               f"no bf16; use --dtype fp16 (the default there) or fp32")
+    return flag
+
+
+def _check_search_flags(args: argparse.Namespace) -> None:
+    if args.search == "uniform":
+        given = [f for f, v in (("--workers", args.workers), ("--seed", args.seed)) if v is not None]
+        if given:
+            raise PartitaError(f"{' and '.join(given)} tune{'s' if len(given) == 1 else ''} the CP-SAT solver, which "
+                               f"--search uniform does not run; drop {'it' if len(given) == 1 else 'them'}")
+
+
+def _space(args: argparse.Namespace, model: ModelSpec, cluster: ClusterSpec, global_batch: int) -> "SearchSpace":
     """The search space the flags allow; a choice that cannot work is one clear error."""
     from partita.search.uniform import SearchSpace
 
+    node_sizes = sorted({g.gpus_per_node for g in cluster.groups})
     for tp in args.tp or ():
         why = model.kinds["block"].tp_divides(tp) if tp > 0 else "it must be >= 1"
         if why:
             raise PartitaError(f"--tp {tp}: {why}; choose a degree that divides heads, kv_heads and ffn")
+        if not any(n % tp == 0 for n in node_sizes):
+            raise PartitaError(f"--tp {tp}: a tensor-parallel group stays inside one node, and the nodes here have "
+                               f"{' or '.join(map(str, node_sizes))} devices; choose a degree that divides the node size")
     if any(v < 1 for v in (args.pp or ()) + (args.micro_batch or ())):
         raise PartitaError("--pp and --micro-batch values must be >= 1")
+    if args.pp:
+        if model.tie_embeddings and 1 not in args.pp:
+            raise PartitaError(f"--pp {_csv(args.pp)}: {model.name} ties its embedding and head weights, which the "
+                               f"runtime keeps in one stage, so pp must be 1")
+        if min(args.pp) > model.n_layers:
+            raise PartitaError(f"--pp {_csv(args.pp)}: {model.name} has {model.n_layers} blocks, so at most "
+                               f"{model.n_layers} stages")
+        if min(args.pp) > cluster.world_size:
+            raise PartitaError(f"--pp {_csv(args.pp)}: the cluster has {cluster.world_size} devices, one stage needs "
+                               f"at least one")
+        if min(args.pp) > global_batch:
+            raise PartitaError(f"--pp {_csv(args.pp)}: 1F1B needs a micro-batch per stage, and global batch "
+                               f"{global_batch} makes at most {global_batch}; raise --global-batch or lower --pp")
+    if args.micro_batch and min(args.micro_batch) > global_batch:
+        raise PartitaError(f"--micro-batch {_csv(args.micro_batch)}: larger than the global batch {global_batch}")
     if any(z > 3 for z in args.zero or ()):
-        raise PartitaError(f"--zero {','.join(map(str, args.zero))}: ZeRO levels are 0, 1, 2 and 3")
+        raise PartitaError(f"--zero {_csv(args.zero)}: ZeRO levels are 0, 1, 2 and 3")
     return SearchSpace(zero_levels=args.zero or (0, 1, 2, 3),
                        recompute=(False,) if args.no_recompute else (False, True),
                        sequence_parallel=(False,) if args.no_sequence_parallel else (False, True),
                        micro_batches=args.micro_batch, tensor_parallel=args.tp, pipeline=args.pp)
 
 
+def _csv(values: Sequence[int]) -> str:
+    return ",".join(map(str, values))
+
+
+# ---- profiles ---------------------------------------------------------------------------
+def usable_profiles(paths: Sequence[str], model: ModelSpec, cluster: ClusterSpec, *, seq_len: int,
+                    dtype: str) -> tuple[Profile, ...]:
+    """The profiles the cost model can use for this model, sequence length and dtype. One that
+    it cannot use is named with the reason (and left out); none usable at all is bad input."""
+    profiles = tuple(Profile.load(p) for p in paths)
+    kept, refused = [], []
+    for path, prof in zip(paths, profiles):
+        if prof.device not in cluster.device_types:
+            raise PartitaError(f"--profile {path}: measured on {prof.device}, but the cluster has "
+                               f"{', '.join(cluster.device_types)}; drop it or change the cluster")
+        why_not = layer_costs_unusable(prof, model, seq_len=seq_len, dtype=dtype)
+        if why_not is not None and not prof.comm:
+            refused.append(f"{path} ({why_not})")
+            continue
+        if any(k.device == prof.device for _, k in kept):
+            raise PartitaError(f"--profile {path}: a second profile for {prof.device}; give one per device type")
+        if why_not is not None:
+            warn(f"profile {path}: its layer costs are not used ({why_not}); its collective fits are")
+        kept.append((path, prof))
+    if refused and not kept:
+        raise PartitaError(f"no profile given can be used: {'; '.join(refused)}; re-measure with `partita profile` "
+                           f"or drop --profile for analytic costs")
+    for text in refused:
+        warn(f"profile {text} is not used; analytic costs stand in for it")
+    return tuple(p for _, p in kept)
+
+
+def layer_costs_unusable(prof: Profile, model: ModelSpec, *, seq_len: int, dtype: str) -> str | None:
+    """Why the profile's layer costs cannot price this model, or None if some can."""
+    if not prof.layers:
+        return "it holds no layer costs"
+    if prof.dtype != dtype:
+        return f"measured in {prof.dtype}, the plan trains in {dtype}; --dtype {prof.dtype} would use it"
+    kinds = set(model.kinds.values())
+    same_model = [l for l in prof.layers if l.kind in kinds]
+    if not same_model:
+        other = prof.layers[0].kind
+        return (f"measured on other layer shapes (hidden {other.hidden}, ffn {other.ffn}, vocab {other.vocab}), "
+                f"not {model.name}'s (hidden {model.hidden}, ffn {model.ffn}, vocab {model.vocab})")
+    if not any(l.seq_len == seq_len for l in same_model):
+        lens = sorted({l.seq_len for l in same_model})
+        return (f"measured at sequence length {', '.join(map(str, lens))}, the plan uses {seq_len}; "
+                f"--seq-len {lens[-1]} would use it")
+    return None
+
+
+# ---- memory margin ----------------------------------------------------------------------
+def memory_margins(flag: tuple[str, float] | None, cluster: ClusterSpec) -> dict[str, int]:
+    """Bytes to keep free per device, by node group; refused where nothing would be left."""
+    if flag is None:
+        return {g.name: 0 for g in cluster.groups}
+    unit, value = flag
+    out = {}
+    for g in cluster.groups:
+        margin = int(value * GiB) if unit == "gib" else int(value * g.memory_bytes)
+        if margin >= g.memory_bytes:
+            raise PartitaError(f"--memory-margin {value:g}{' GiB' if unit == 'gib' else ''}: keeps "
+                               f"{fmt_bytes(margin)} free on a {g.device} of {fmt_bytes(g.memory_bytes)}, "
+                               f"leaving nothing to train with")
+        out[g.name] = margin
+    return out
+
+
+def with_margins(cluster: ClusterSpec, margins: dict[str, int]) -> ClusterSpec:
+    """The cluster as the search sees it: each device's memory less its margin."""
+    if not any(margins.values()):
+        return cluster
+    groups = tuple(dataclasses.replace(g, memory_bytes=g.memory_bytes - margins[g.name]) for g in cluster.groups)
+    return dataclasses.replace(cluster, groups=groups)
+
+
+def _margin_text(margins: dict[str, int]) -> str:
+    lo, hi = min(margins.values()), max(margins.values())
+    return fmt_bytes(lo) if lo == hi else f"{fmt_bytes(lo)} to {fmt_bytes(hi)}"
+
+
+# ---- what a plan leaves unused ------------------------------------------------------------
+def idle_devices_note(p: Plan, model: ModelSpec, cluster: ClusterSpec, *, cm: "CostModel | None" = None,
+                      space: "SearchSpace | None" = None, search: str | None = None) -> str | None:
+    """'uses 8 of 24 GPUs: why' when the plan leaves devices idle. Without the search space
+    (``partita show``) only the reasons the plan itself proves are given."""
+    total, used = cluster.world_size, p.world_size
+    if used >= total:
+        return None
+    unit = "CPU ranks" if cluster.is_cpu else "GPUs" if not any(g.device_type.is_cpu for g in cluster.groups) \
+        else "devices"
+    reasons = []
+    tp_max = _widest_tp(model, cluster, space)
+    batch_cap = p.global_batch * tp_max  # dp x pp <= global batch (a sequence per replica, a micro-batch per stage)
+    cap = min(total, batch_cap)
+    if model.tie_embeddings:
+        one_stage = max(g.size for g in cluster.groups)
+        cap = min(cap, one_stage)
+        reasons.append(f"{model.name} ties its embedding and head weights, which keeps pp at 1: one stage, "
+                       f"in one node group" + (f" (the largest has {one_stage:,})" if len(cluster.groups) > 1 else ""))
+    if batch_cap < total:
+        reasons.append(f"global batch {p.global_batch} allows at most {p.global_batch} data-parallel replicas x "
+                       f"pipeline stages, times tp <= {tp_max}: {batch_cap:,} {unit} at most; a larger "
+                       f"--global-batch would use more")
+    if cm is not None and space is not None and search is not None:
+        most = most_devices(cm, p.global_batch, space, search)
+        if most < cap:
+            limits = " within the --tp/--pp/--micro-batch limits" if (space.tensor_parallel or space.pipeline
+                                                                          or space.micro_batches) else ""
+            reasons.append(f"stages have equal widths of dp x tp ranks that divide the node groups they sit on, "
+                           f"and at most one stage per block and per micro-batch{limits}: no plan shape uses more "
+                           f"than {most:,}")
+        if used < most:
+            proven = p.solver is not None and p.solver.status in ("optimal", "exhaustive")
+            unused = [g for g in cluster.groups if g.name not in {s.group for s in p.stages}]
+            left_out = (f"; the {', '.join(_group_text(g) for g in unused)} group{'s' if len(unused) > 1 else ''} "
+                        f"{'are' if len(unused) > 1 else 'is'} not worth adding") if unused else ""
+            reasons.append(f"{'no' if proven else 'the search found no'} plan on more {unit} (up to {most:,}) "
+                           f"{'is' if proven else 'that was'} predicted faster{left_out}")
+    return f"uses {used:,} of {total:,} {unit}: " + "; ".join(reasons) if reasons else \
+        f"uses {used:,} of {total:,} {unit}"
+
+
+def _group_text(g) -> str:
+    return f"{g.nodes}x{g.gpus_per_node}x{g.device}" if g.nodes > 1 else f"{g.gpus_per_node}x{g.device}"
+
+
+def _widest_tp(model: ModelSpec, cluster: ClusterSpec, space: "SearchSpace | None") -> int:
+    """The widest tensor-parallel degree any stage may take: inside a node, dividing the blocks."""
+    allowed = [t for t in range(1, max(g.gpus_per_node for g in cluster.groups) + 1)
+               if any(g.gpus_per_node % t == 0 for g in cluster.groups) and model.kinds["block"].tp_divides(t) is None
+               and (space is None or not space.tensor_parallel or t in space.tensor_parallel)]
+    return max(allowed, default=1)
+
+
+def most_devices(cm: "CostModel", global_batch: int, space: "SearchSpace", search: str) -> int:
+    """The most devices any plan shape the search considers can use (shapes only, no pricing)."""
+    from partita.search.uniform import grid, hosts, max_stages
+
+    if search == "uniform":
+        return max((len(groups) * dp * tp for groups, tp, dp, _, _ in grid(cm, global_batch, space)), default=0)
+    from partita.search.cpsat import shapes
+
+    most = 0
+    for sh in shapes(cm, global_batch, space):
+        slots = sum(g.size // sh.stage_size for g in cm.cluster.groups if hosts(g, sh.stage_size, sh.tp))
+        slots = min(slots, max_stages(cm, sh.num_micro_batches), max(space.pipeline) if space.pipeline else slots)
+        most = max(most, slots * sh.stage_size)
+    return most
+
+
+def available_cores() -> int:
+    """The cores this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def cpu_oversubscription(p: Plan, cluster: ClusterSpec) -> str | None:
+    cpu_ranks = sum(len(s.ranks) for s in p.stages if cluster.group(s.group).device_type.is_cpu)
+    cores = available_cores()
+    if cpu_ranks <= cores:
+        return None
+    return (f"the plan runs {cpu_ranks} CPU ranks on a machine with {cores} cores: ranks would share cores, so "
+            f"the predicted times are meaningless here; plan for {cores}xcpu at most to run it on this machine")
+
+
+# ---- partita check / show ------------------------------------------------------------------
 def check(args: argparse.Namespace) -> int:
     from partita.search.costs import CostModel
     from partita.search.evaluate import evaluate_plan
     from partita.validate import validate_plan
 
     p = Plan.load(args.plan)
-    cluster = load_cluster(args.cluster)
-    from partita.model import ModelSpec
-
+    given = load_cluster(args.cluster)
     model = ModelSpec.from_dict(p.model, where=f"{args.plan}: model")
+    cluster, same = given, ""
+    if given.fingerprint != p.cluster_fingerprint:
+        own = ClusterSpec.from_dict(p.cluster, where=f"{args.plan}: cluster")
+        if own.fingerprint == p.cluster_fingerprint and same_hardware(own, given):
+            # The same hardware, listed in another order or under other names: the plan's own
+            # spec numbers the ranks, so it is the one to check against.
+            cluster, same = own, f" (the same hardware as {given.short}, ranks numbered as the plan's {own.short})"
     validate_plan(p, model, cluster)
-    cm = CostModel(model, cluster, seq_len=p.seq_len, dtype=p.dtype, profiles=_profiles(args.profile))
+    profiles = usable_profiles(args.profile, model, cluster, seq_len=p.seq_len, dtype=p.dtype)
+    cm = CostModel(model, cluster, seq_len=p.seq_len, dtype=p.dtype, profiles=profiles)
     ev = evaluate_plan(p, cm)
-    console.print(f"{args.plan}: valid for {model.name} on {cluster.short}; "
+    console.print(f"{args.plan}: valid for {model.name} on {cluster.short}{same}; "
                   f"predicted step {fmt_seconds(ev.step_time_s)}")
     over = [s for s in ev.stages if s.peak_bytes > s.capacity]
     for i, s in enumerate(ev.stages):
@@ -88,13 +379,36 @@ def check(args: argparse.Namespace) -> int:
     if over:
         worst = max(ev.stages, key=lambda s: s.peak_bytes / s.capacity)
         raise InfeasibleError(f"the plan does not fit: a device needs {fmt_bytes(worst.peak_bytes)} of "
-                              f"{fmt_bytes(worst.capacity)}; re-plan, or add recompute / ZeRO-3 / a smaller micro-batch")
+                              f"{fmt_bytes(worst.capacity)}; re-plan with `partita plan` for this cluster")
     return 0
 
 
 def show(args: argparse.Namespace) -> int:
-    print_plan(Plan.load(args.plan))
+    """Print a plan, after checking it is one: a hand edit that breaks it is refused, not shown."""
+    from partita.validate import validate_plan
+
+    p = Plan.load(args.plan)
+    model = ModelSpec.from_dict(p.model, where=f"{args.plan}: model")
+    cluster = ClusterSpec.from_dict(p.cluster, where=f"{args.plan}: cluster")
+    try:
+        validate_plan(p, model, cluster)
+        _check_prediction(p)
+    except PartitaError as e:
+        raise PartitaError(f"{args.plan}: {e}") from None
+    idle = idle_devices_note(p, model, cluster)
+    print_plan(p, notes=[idle] if idle else [])
     return 0
+
+
+def _check_prediction(p: Plan) -> None:
+    pred = p.prediction
+    if pred is None:
+        return
+    if len(pred.memory) != p.pp or len(pred.stage_time_s) != p.pp:
+        raise PartitaError(f"the prediction lists {len(pred.stage_time_s)} stage times and {len(pred.memory)} "
+                           f"memory entries for pp {p.pp}; re-check the plan with `partita check` or re-plan")
+    if any(m.capacity_bytes <= 0 for m in pred.memory) or pred.step_time_s <= 0:
+        raise PartitaError("the prediction has a zero capacity or step time; re-plan")
 
 
 def models() -> int:
@@ -149,12 +463,14 @@ def _runs(layers: Sequence[LayerStrategy]) -> list[str]:
     return out
 
 
-def print_plan(p: Plan) -> None:
+def print_plan(p: Plan, notes: Sequence[str] = ()) -> None:
     name = p.model.get("name", "?")
     console.print(f"[bold]{name}[/bold] on [bold]{p.cluster.get('name', '?')}[/bold]: "
                   f"{p.world_size} ranks = dp {p.dp} x tp {p.tp} x pp {p.pp}; seq {p.seq_len}, global batch "
                   f"{p.global_batch} = {p.dp} x micro-batch {p.micro_batch} x {p.num_micro_batches} micro-batches; "
                   f"{p.dtype}, {p.schedule}")
+    for note in notes:
+        console.print(note)
     t = Table(show_lines=True)
     for col in ("stage", "devices", "ranks", "layers", "per-layer choices", "time/mb", "peak memory"):
         t.add_column(col)
@@ -172,6 +488,7 @@ def print_plan(p: Plan) -> None:
                   fmt_seconds(pred.stage_time_s[s.index]) if pred else "", mem)
     console.print(t)
     if pred is not None:
+        print_memory(p)
         console.print(f"predicted step time [bold]{fmt_seconds(pred.step_time_s)}[/bold], "
                       f"{pred.tokens_per_s:,.0f} tokens/s, MFU {100 * pred.mfu:.1f}%  "
                       f"(costs: {', '.join(f'{d} {src}' for d, src in p.cost_sources.items())})")
@@ -189,3 +506,21 @@ def print_plan(p: Plan) -> None:
             line += f", {r.candidates} candidates"
         line += f"; {r.wall_s:.2f} s"
         console.print(line)
+
+
+def print_memory(p: Plan) -> None:
+    """Each stage's predicted peak on one device, by what holds it (categories no stage uses are left out)."""
+    from partita.plan import StageMemory
+
+    memory = p.prediction.memory if p.prediction else ()
+    used = [c for c in StageMemory.CATEGORIES if any(m.category_bytes()[c] for m in memory)]
+    t = Table(title="memory per device, by what holds it", title_justify="left", box=None, padding=(0, 1))
+    t.add_column("stage")
+    for c in used:
+        t.add_column(c.replace("_", " "), justify="right")
+    t.add_column("peak / capacity", justify="right")
+    for m in memory:
+        cats = m.category_bytes()
+        t.add_row(str(m.stage), *(fmt_bytes(cats[c]) for c in used),
+                  f"{fmt_bytes(m.peak_bytes)} / {fmt_bytes(m.capacity_bytes)}")
+    console.print(t)

@@ -64,6 +64,7 @@ def profile_command(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     # Every flag is checked before anything is measured: bad input fails in a second.
     device = resolve_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    _check_device_type(device.type, args.device_type)
     dtype = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
     catalog = catalog_device(device, args.device_type)
     threads = _int_flag(args.threads, "--threads", default=1) if device.type == "cpu" else None
@@ -72,6 +73,8 @@ def profile_command(args: argparse.Namespace) -> int:
     comm_opts = _comm_options(args, device, catalog) if (args.comm or args.comm_only) else None
     nproc = _int_flag(args.nproc, "--nproc", default=torch.cuda.device_count() if device.type == "cuda" else 4)
     output = Path(args.output)
+    if output.is_dir():
+        raise PartitaError(f"-o {args.output}: is a directory; give a file name, e.g. -o {output / 'profile.yaml'}")
     if not output.parent.is_dir():
         raise PartitaError(f"-o {args.output}: no such directory {str(output.parent)!r}")
 
@@ -109,6 +112,22 @@ def _measure_comm(opts, nproc: int, threads: int | None) -> list | None:
 
 
 # ---- flags -> options -------------------------------------------------------------------
+def _check_device_type(kind: str, device_type: str | None) -> None:
+    """Costs measured on the CPU are not a GPU's, and the reverse: a profile must be labelled as
+    the device it was measured on, or the planner would price that GPU with CPU timings."""
+    if device_type is None:
+        return
+    from partita.devices import get_device
+
+    named = get_device(device_type)
+    if kind == "cpu" and not named.is_cpu:
+        raise PartitaError(f"--device-type {device_type}: the costs are measured on the CPU (--device cpu), so the "
+                           f"profile is the CPU's; run on the {named.name} with --device cuda, or drop --device-type")
+    if kind == "cuda" and named.is_cpu:
+        raise PartitaError("--device-type cpu: the costs are measured on a GPU (--device cuda); drop --device-type, "
+                           "or measure the CPU with --device cpu")
+
+
 def _int_flag(text: str | None, flag: str, *, default: int, minimum: int = 1) -> int:
     if text is None:
         return default
