@@ -111,7 +111,8 @@ def build_parser(with_torch_commands: bool = False) -> argparse.ArgumentParser:
     plan.add_argument("--time-limit", type=_positive_float, default=None,
                       help="wall-clock bound on the whole search, s; the best plan found by then is kept, "
                            "marked feasible with its gap (default: none; the search stops after a fixed amount "
-                           "of solver work, so the same input gives the same plan)")
+                           "of solver work, so the same input gives the same plan); with --search uniform it "
+                           "bounds the grid")
     plan.add_argument("--workers", type=_positive_int, default=None, help="CP-SAT workers (default 1: deterministic)")
     plan.add_argument("--seed", type=int, default=None, help="CP-SAT random seed (default 0)")
     plan.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None,
