@@ -133,16 +133,24 @@ def _check_dtype(plan: Plan, cluster: ClusterSpec) -> None:
 def _model_difference(plan: Plan, model: ModelSpec) -> str:
     from partita.model import model_difference
 
+    fingerprints = f"fingerprint {plan.model_fingerprint} vs {model.fingerprint}"
     try:
-        return model_difference(ModelSpec.from_dict(plan.model, where="plan: model"), model)
+        own = ModelSpec.from_dict(plan.model, where="plan: model")
     except (PartitaError, TypeError):
-        return f"fingerprint {plan.model_fingerprint} vs {model.fingerprint}"
+        return fingerprints
+    if own.fingerprint == model.fingerprint:  # the fields agree: the plan's fingerprint was edited
+        return f"{fingerprints}; the plan's own model fields match {model.name}, so its fingerprint was edited"
+    return f"{fingerprints}: {model_difference(own, model)}"
 
 
 def _cluster_difference(plan: Plan, cluster: ClusterSpec) -> str:
     from partita.cluster import cluster_difference
 
+    fingerprints = f"fingerprint {plan.cluster_fingerprint} vs {cluster.fingerprint}"
     try:
-        return cluster_difference(ClusterSpec.from_dict(plan.cluster, where="plan: cluster"), cluster)
+        own = ClusterSpec.from_dict(plan.cluster, where="plan: cluster")
     except (PartitaError, TypeError):
-        return f"fingerprint {plan.cluster_fingerprint} vs {cluster.fingerprint}"
+        return fingerprints
+    if own.fingerprint == cluster.fingerprint:
+        return f"{fingerprints}; the plan's own cluster fields match {cluster.short}, so its fingerprint was edited"
+    return f"{fingerprints}: {cluster_difference(own, cluster)}"
