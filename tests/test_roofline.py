@@ -144,7 +144,7 @@ def test_cpu_is_a_plain_roofline_at_the_catalog_peaks():
 
 
 def test_v100_bf16_uses_its_fp16_tensor_cores():
-    v100 = get_device("V100")
+    v100 = get_device("V100-32GB")
     assert matmul_time_s(v100, 8192, 8192, 8192, "bf16") == matmul_time_s(v100, 8192, 8192, 8192, "fp16")
 
 

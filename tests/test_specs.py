@@ -149,7 +149,7 @@ def test_plan_round_trips(tmp_path, with_results):
     ("4xcpu", [("cpu", "cpu", 1, 4)], 4),
     ("cpu", [("cpu", "cpu", 1, 1)], 1),
     ("2xH100+2xH100", [("h100", "H100", 1, 2), ("h100-2", "H100", 1, 2)], 4),
-    ("8xa100", [("a100-80gb", "A100-80GB", 1, 8)], 8),  # alias, any case
+    ("8xa100-80gb", [("a100-80gb", "A100-80GB", 1, 8)], 8),  # any case
     (" 2 x 4 x h200 ", [("h200", "H200", 2, 4)], 8),
 ])
 def test_short_form_parsing(short, groups, world):
