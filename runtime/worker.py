@@ -2,13 +2,15 @@
 
     torchrun --standalone --nproc-per-node=4 -m partita.runtime.worker plan.yaml --steps 20
 
-Reads the plan, joins the process group (NCCL on GPUs, gloo on CPUs), trains, and on rank 0
-writes the run summary (``--summary``) that ``partita launch`` prints as a table.
+Reads the plan, joins the process group (NCCL on GPUs, gloo on CPUs), trains, on rank 0
+writes the run summary (``--summary``) that ``partita launch`` prints as a table, and tears the
+process groups down before Python exits (``shut_down``).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -17,12 +19,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from partita.errors import PartitaError
 from partita.model import ModelSpec
 from partita.plan import Plan
 from partita.runtime.launch import add_launch_arguments, check_plan, plan_cluster
-from partita.runtime.train import TrainConfig, train
+from partita.runtime.train import TrainConfig, Trainer
 
 log = logging.getLogger("partita.runtime")
 
@@ -62,13 +65,50 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     dist.init_process_group("gloo" if cpu else "nccl", device_id=None if cpu else device)
+    finished = False
     try:
-        summary = train(plan, config_from_args(args), device=device)
-        if summary is not None and args.summary:
-            Path(args.summary).write_text(json.dumps(summary.to_dict()))
+        run(plan, config_from_args(args), device, args.summary)
+        finished = True
     finally:
-        dist.destroy_process_group()
+        shut_down(finished)
     return 0
+
+
+def run(plan: Plan, cfg: TrainConfig, device: torch.device, summary_path: str | None) -> None:
+    """Train, write the summary (rank 0), and wait until every rank is past its last collective."""
+    trainer = Trainer(plan, cfg, device=device)
+    summary = trainer.fit()
+    if summary is not None and summary_path:
+        Path(summary_path).write_text(json.dumps(summary.to_dict()))
+    dist.barrier()  # no rank tears its groups down while a peer is still in a collective with it
+    forget_process_groups(trainer.meshes.world)
+
+
+def forget_process_groups(world: DeviceMesh) -> None:
+    """Drop the world mesh's references to its process groups, so that ``destroy_process_group``
+    holds the last ones and really destroys the groups.
+
+    torch's DTensor caches (``_redistribute``'s planner and transform caches,
+    ``MeshTopoInfo.build_from_mesh``) keep meshes alive for the life of the process, and a mesh
+    keeps its root's groups in ``DeviceMesh._pg_registry``."""
+    registry = getattr(world, "_pg_registry", None)  # a torch without it does not hold the groups there
+    if isinstance(registry, dict):
+        registry.clear()
+
+
+def shut_down(finished: bool) -> None:
+    """Destroy the process groups, once, while the interpreter is fully alive.
+
+    A gloo group has no ``shutdown``: its worker threads stop only in its destructor. A worker
+    that drops its last work while Python finalizes must take the GIL to free the work's tensors;
+    the interpreter ends it with ``pthread_exit``, whose unwinding through a ``noexcept``
+    destructor calls ``std::terminate``: SIGABRT after a finished run. The trainer's reference
+    cycles (FSDP states, the pipeline stage and its group) are collected first, so the groups'
+    destructors run inside ``destroy_process_group`` and join their threads here. After a failure
+    nothing is collected: a group's destructor would wait for work stuck on a peer that is gone."""
+    if finished:
+        gc.collect()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -1,9 +1,11 @@
 """`partita launch`: refusals before any rank starts, multi-node commands, a real torchrun run,
-and kill-and-resume through torch.distributed.checkpoint."""
+the worker's shutdown, and kill-and-resume through torch.distributed.checkpoint."""
 
 import argparse
 import dataclasses
 import json
+import os
+from pathlib import Path
 
 import pytest
 
@@ -16,7 +18,7 @@ from partita.runtime.launch import add_launch_arguments, launch_command  # noqa:
 from partita.runtime.metrics import RunSummary  # noqa: E402
 from partita.runtime.train import TrainConfig, lr_at  # noqa: E402
 from partita.model import BUILTIN  # noqa: E402
-from runtime_helpers import make_plan, run_parallel, run_reference  # noqa: E402
+from runtime_helpers import free_port, make_plan, run_parallel, run_reference  # noqa: E402
 
 
 def parse(*argv):
@@ -129,6 +131,40 @@ def test_launch_runs_ranks_under_torchrun(tmp_path, capsys):
     assert "step time" in out and "stage 0 peak memory" in out
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["steps"] == 2 and len(summary["measured_stage_peak_bytes"]) == 1
+
+
+def _thread_names() -> list[str]:
+    tasks = Path("/proc/self/task")
+    return sorted((tasks / t / "comm").read_text().strip() for t in os.listdir(tasks))
+
+
+def _worker_rank(rank: int, world: int, port: int, plan_path: str, out_dir: str) -> None:
+    from partita.runtime import worker
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    before = _thread_names()
+    code = worker.main([plan_path, "--steps", "1", "--metrics", str(Path(out_dir) / "metrics.jsonl")])
+    (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps({"code": code, "before": before,
+                                                                 "after": _thread_names()}))
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="lists the process's threads through /proc")
+def test_worker_destroys_its_process_groups_before_python_exits(tmp_path):
+    """A gloo group's threads stop only when the group is destroyed; one still running while
+    Python finalizes can abort the finished run (SIGABRT, 'terminate called without an active
+    exception'). The worker must leave only the threads it started with, whatever the timing:
+    FSDP (DTensors, hence torch's mesh caches) and a pipeline stage's group on four ranks."""
+    plan = make_plan(pp=2, dp=2, boundaries=[3], num_micro_batches=2, layer=dict(zero=2))
+    path = saved(plan, tmp_path)
+    mp.start_processes(_worker_rank, args=(plan.world_size, free_port(), str(path), str(tmp_path)),
+                       nprocs=plan.world_size, join=True, start_method="fork")
+    for rank in range(plan.world_size):
+        report = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert report["code"] == 0
+        assert [n for n in report["after"] if "gloo" in n] == [], f"rank {rank}: {report['after']}"
+        assert len(report["after"]) == len(report["before"]), f"rank {rank}: {report['before']} -> {report['after']}"
 
 
 def test_sequence_parallel_needs_an_even_split(tmp_path):
