@@ -6,7 +6,9 @@
 #
 # 1. runtime vs a plain PyTorch loop on the ~1.1B llama (issue: runtime performance);
 # 2. the profiler on llama-3-8b and llama-2-70b shapes, measured vs analytic (profiler targets);
-# 3. the GPU-only tests. The machine has torch, numpy, pyyaml, rich, pytest and hypothesis but no
+# 3. the memory contract on the GPU: tracked bytes by category and the allocator's peak against
+#    the plan's breakdown (llama-1b, bf16, with and without recompute);
+# 4. the GPU-only tests. The machine has torch, numpy, pyyaml, rich, pytest and hypothesis but no
 #    ortools: the package installs without dependencies, and nothing here plans.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -24,4 +26,7 @@ timeout 240 "$PY" benchmarks/runtime_vs_plain.py --model configs/models/llama-1b
     2>&1 | tee "$OUT/runtime_vs_plain.txt"
 PYTHON="$PY" timeout 300 bash benchmarks/profile_gpu.sh 2>&1 | tee "$OUT/profile_gpu.txt"
 cp configs/profiles/h200-*.yaml "$OUT/" 2>/dev/null
+timeout 120 "$PY" benchmarks/memory_gpu.py --out "$OUT/memory_gpu.json" 2>&1 | tee "$OUT/memory_gpu.txt"
+timeout 120 "$PY" benchmarks/memory_gpu.py --recompute --micro-batch 8 --out "$OUT/memory_gpu_recompute.json" \
+    2>&1 | tee "$OUT/memory_gpu_recompute.txt"
 timeout 120 "$PY" -m pytest -q tests/test_runtime_gpu.py tests/test_profiler_gpu.py 2>&1 | tee "$OUT/gpu_tests.txt"
