@@ -14,20 +14,26 @@ Conventions (all per device of a stage, per micro-batch unless said otherwise):
   reduce-scatter pairs of the same volume. The embedding (vocab-parallel) reduces once in
   forward, the head once in backward. Recomputation repeats the forward collectives. TP
   collectives are on the critical path (not overlapped).
-* ZeRO over the dp group, on the layer's parameter shard (``P`` bytes, in the training dtype):
-  level 0: all-reduce of gradients once per step; 1: reduce-scatter of gradients + all-gather
-  of parameters once per step; 2: all-gather in forward and reduce-scatter in backward, every
-  micro-batch; 3: all-gather in forward, all-gather + reduce-scatter in backward, every
-  micro-batch. Per-micro-batch ZeRO traffic overlaps the layer's compute (FSDP prefetch):
-  a layer costs max(compute, gather traffic) per pass. Per-step traffic (levels 0, 1) overlaps
-  the stage's last backward; what sticks out is exposed.
-* Memory, bytes per parameter in mixed precision with Adam: 2 (bf16 weights) + 2 (bf16
-  gradients) + 12 (fp32 master weights, Adam m and v) = 16. In fp32 training: 4 + 4 + 8 = 16.
-  ZeRO-1 shards the 12 (8), ZeRO-2 also the gradients, ZeRO-3 everything; ZeRO-3 holds two
-  gathered layers at a time (the one running and the one prefetched).
+* ZeRO over the dp group, on the layer's parameter shard: parameters are gathered in the
+  compute dtype, gradients reduced in fp32 (FSDP2's ``reduce_dtype``). Level 0: all-reduce of
+  gradients once per step; 1: reduce-scatter of gradients + all-gather of parameters once per
+  step; 2: all-gather in forward and reduce-scatter in backward, every micro-batch; 3:
+  all-gather in forward, all-gather + reduce-scatter in backward, every micro-batch.
+  Per-micro-batch ZeRO traffic overlaps the layer's compute (FSDP prefetch): a layer costs
+  max(compute, gather traffic) per pass. Per-step traffic (levels 0, 1) overlaps the stage's
+  last backward; what sticks out is exposed. A tensor-parallel head's loss (``loss_parallel``)
+  all-reduces three fp32 values a token in forward.
+* Memory: what the runtime holds, by the plan's categories (``partita.plan.StageMemory``;
+  docs/search.md has the table and tests/test_runtime_memory.py measures it). Per parameter,
+  S = dp at ZeRO 1-3 and 1 at ZeRO 0: fp32 weights 4/S (the optimizer's master copy), the
+  compute-dtype copy FSDP2 keeps from forward to backward at ZeRO 0-2, fp32 gradients (4,
+  unsharded while they accumulate over micro-batches at ZeRO 0-1; else 4/S), Adam 8/S. A
+  stage also holds the largest of its layers' transients (ZeRO-2/3 gathers, the backward's
+  working set, the loss's backward) and the largest recomputed layer's activations, and under
+  a pipeline the schedule's receive buffers and kept outputs (``pipeline_memory``).
 * Activations: one micro-batch's saved tensors times the micro-batches in flight at that
   stage under 1F1B: ``min(pp - stage, micro_batches)``; a recomputed layer keeps only its
-  input, plus, transiently, the largest recomputed layer's full activations during backward.
+  input.
 * A fixed reserve per device for the CUDA context, communication buffers and allocator
   fragmentation: ``RESERVE_GPU_BYTES`` (3 GiB) on GPUs, ``RESERVE_CPU_BYTES`` on CPU ranks.
 * Pipeline: 1F1B step time = (m - 1) * max_s T_s + sum_s T_s, with T_s one micro-batch's
