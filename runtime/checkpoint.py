@@ -5,20 +5,31 @@ directory without it is an interrupted save and is skipped on resume.
 
 The learning rate is a function of the step and batches are a function of (seed, step), so
 the step number is the only training state besides the tensors.
+
+Beside the shards, rank 0 writes ``partita.json`` (``CheckpointRecord``): the model's
+fingerprint, the step, and the run's schedule and data. ``check_resume`` reads it before any rank
+starts: another model's checkpoint is refused in one line (loading it would fail on every tensor's
+shape), and a resume that changes the schedule or data says what changes.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from partita.errors import PartitaError
+
 log = logging.getLogger(__name__)
 PREFIX = "step-"
+RECORD = "partita.json"
 # Flat optimizer keys ("state.layers.0.attention.wq.weight.exp_avg", "param_groups.<fqn>.lr"):
 # the form torch.distributed.checkpoint reshards and restores whole, hyperparameters included.
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -35,6 +46,93 @@ def latest_step(root: str | Path) -> int | None:
     return max(steps) if steps else None
 
 
+@dataclass(frozen=True, kw_only=True)
+class CheckpointRecord:
+    """What a checkpoint says about the run that wrote it (``partita.json`` beside the shards)."""
+
+    schema_version: int = 1
+    step: int  # steps the checkpoint holds
+    model_name: str
+    model_fingerprint: str
+    steps: int  # the run's total steps: the cosine schedule's length
+    lr: float
+    warmup_steps: int
+    min_lr_ratio: float
+    data: str  # "synthetic" or the text file's path
+    seed: int
+    global_batch: int
+    seq_len: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict, where: str) -> "CheckpointRecord":
+        names = {f.name for f in fields(cls)}
+        if not isinstance(data, dict) or names - {"schema_version"} - set(data) or set(data) - names:
+            keys = sorted(data) if isinstance(data, dict) else type(data).__name__
+            raise PartitaError(f"{where}: not a checkpoint record (has {keys}, expected {sorted(names)}); resume "
+                               f"from another directory")
+        return cls(**data)
+
+
+def write_record(root: str | Path, record: CheckpointRecord) -> None:
+    path = step_dir(root, record.step) / RECORD
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record.to_dict(), indent=1, sort_keys=True) + "\n")
+
+
+def read_record(root: str | Path, step: int) -> CheckpointRecord | None:
+    """The record of the checkpoint at ``step``; None for a checkpoint saved without one."""
+    path = step_dir(root, step) / RECORD
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise PartitaError(f"{path}: cannot read the checkpoint record ({e}); resume from another directory") from None
+    return CheckpointRecord.from_dict(data, where=str(path))
+
+
+# The settings a resumed run may change, with what a change means.
+_SCHEDULE = (("steps", "--steps"), ("lr", "--lr"), ("warmup_steps", "--warmup-steps"), ("min_lr_ratio", "min_lr_ratio"))
+_BATCHES = (("data", "--data"), ("seed", "--seed"), ("global_batch", "global_batch"), ("seq_len", "seq_len"))
+
+
+def check_resume(root: str | Path, want: CheckpointRecord) -> tuple[int | None, list[str]]:
+    """The step a resume continues from (None: no checkpoint yet) and what the resumed run
+    changes, as warning lines. Refuses another model's checkpoint, and ``want.steps`` at or
+    below the checkpoint's step (nothing would be trained)."""
+    step = latest_step(root)
+    if step is None:
+        return None, []
+    where = step_dir(root, step)
+    have = read_record(root, step)
+    if have is None:
+        return step, [f"{where} holds no {RECORD} (saved by an older partita): the model and schedule it was saved "
+                      f"with cannot be checked"]
+    if have.model_fingerprint != want.model_fingerprint:
+        raise PartitaError(f"--resume: {where} holds model {have.model_name!r} (fingerprint "
+                           f"{have.model_fingerprint}), the plan trains {want.model_name!r} "
+                           f"({want.model_fingerprint}); give another --checkpoint-dir, or a plan for "
+                           f"{have.model_name!r}")
+    if want.steps <= step:
+        raise PartitaError(f"--resume: {where} has already trained {step} steps and --steps is {want.steps}; give "
+                           f"--steps above {step} to train more")
+    warnings = []
+    schedule = [f"{flag} {getattr(have, name)!r} -> {getattr(want, name)!r}" for name, flag in _SCHEDULE
+                if getattr(have, name) != getattr(want, name)]
+    if schedule:
+        warnings.append(f"resuming {where} with {', '.join(schedule)}: the learning rate from step {step + 1} on "
+                        f"follows the new schedule, not the one the checkpoint was trained on")
+    batches = [f"{flag} {getattr(have, name)!r} -> {getattr(want, name)!r}" for name, flag in _BATCHES
+               if getattr(have, name) != getattr(want, name)]
+    if batches:
+        warnings.append(f"resuming {where} with {', '.join(batches)}: the batches from step {step + 1} on differ "
+                        f"from the ones the first run would have trained on")
+    return step, warnings
+
+
 def _train_state(step: int, scaler) -> dict[str, torch.Tensor]:
     state = {"step": torch.tensor(step)}
     if scaler is not None:  # fp16 loss scaling: the scale and how many good steps since it last grew
@@ -44,7 +142,12 @@ def _train_state(step: int, scaler) -> dict[str, torch.Tensor]:
     return state
 
 
-def save(root: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, scaler=None) -> None:
+def save(root: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, scaler=None,
+         record: CheckpointRecord | None = None) -> None:
+    """Every rank writes its shards; rank 0 writes ``record`` first, so a checkpoint complete
+    enough to resume from (``.metadata``, written last) always has one."""
+    if record is not None and (not dist.is_initialized() or dist.get_rank() == 0):
+        write_record(root, record)
     model_state, optim_state = get_state_dict(model, optimizer, options=OPTIONS)
     state = {"model": model_state, "optim": optim_state, "train": _train_state(step, scaler)}
     dcp.save(state, checkpoint_id=str(step_dir(root, step)))

@@ -44,13 +44,33 @@ class TokenSource:
         return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
 
-def _read_bytes(path: Path, *, vocab: int, seq_len: int) -> torch.Tensor:
+def check_data(kind: str, *, vocab: int, seq_len: int) -> None:
+    """Refuse a ``--data`` no batch can be drawn from, without reading the file: the launcher
+    calls it before any rank starts, and every rank before its first collective."""
+    if kind == "synthetic":
+        return
+    path = Path(kind)
+    if not path.exists():
+        raise PartitaError(f"--data {path}: no such file; give 'synthetic' or a local text file")
     if not path.is_file():
-        raise PartitaError(f"--data: {path} is not a file; give 'synthetic' or a local text file")
+        raise PartitaError(f"--data {path} is not a file; give 'synthetic' or a local text file")
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as e:
+        raise PartitaError(f"--data {path}: cannot read it ({e.strerror}); give a readable text file") from None
     if vocab < BYTE_VOCAB:
         raise PartitaError(f"--data {path}: the byte-level tokenizer needs a vocabulary of at least {BYTE_VOCAB} "
                            f"tokens, the model has {vocab}; use --data synthetic")
+    size = path.stat().st_size
+    if size < seq_len + 1:
+        raise PartitaError(f"--data {path}: {size} bytes is shorter than one sequence of seq_len {seq_len} + 1 "
+                           f"tokens ({seq_len + 1} bytes); give a longer text file or --data synthetic")
+
+
+def _read_bytes(path: Path, *, vocab: int, seq_len: int) -> torch.Tensor:
+    check_data(str(path), vocab=vocab, seq_len=seq_len)
     data = np.frombuffer(path.read_bytes(), dtype=np.uint8)
-    if len(data) < seq_len + 1:
+    if len(data) < seq_len + 1:  # the file shrank since it was checked
         raise PartitaError(f"--data {path}: {len(data)} bytes is shorter than one sequence of {seq_len + 1} tokens")
     return torch.from_numpy(data.astype(np.int64))

@@ -11,6 +11,14 @@ beside ``metrics.jsonl``). A plan for several nodes is not
 started: the exact ``torchrun`` command for every node is printed instead (static rendezvous,
 so node ranks, hence global ranks, are the plan's), each running the same entry point,
 ``python -m partita.runtime.worker``.
+
+Everything the launcher can check is checked before a rank starts (``check_launch``): the plan,
+the numbers, ``--data``'s length, that ``--metrics`` and ``--checkpoint-dir`` can be written, and
+that a ``--resume`` checkpoint is this model's. Bad input is one line and exit code 2.
+
+The ranks run under ``python -m partita.runtime.launch`` (``torchrun`` in this process, so that
+an interrupted run ends with the launcher's one line "interrupted" and exit code 130 instead of
+torchrun's traceback).
 """
 
 from __future__ import annotations
@@ -20,14 +28,19 @@ import json
 import logging
 import os
 import shlex
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
-from partita.cluster import ClusterSpec, load_cluster, parse_short
+from partita.cluster import ClusterSpec, load_cluster, parse_short, same_hardware
 from partita.errors import PartitaError
 from partita.model import ModelSpec, load_model
 from partita.plan import Plan
+from partita.runtime import checkpoint
+from partita.runtime.data import check_data
+from partita.runtime.train import TrainConfig, check_config, checkpoint_record
 
 log = logging.getLogger(__name__)
 WORKER = "partita.runtime.worker"
@@ -51,14 +64,19 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--memory-report", action="store_true",
                         help="measure one step's memory per rank by category (torch's memory trackers) and print it "
                              "against the plan's breakdown")
+    parser.add_argument("--run-id", default=None,
+                        help="tag of this run's metrics records (default: the start time and the launcher's pid)")
     parser.add_argument("--master-addr", default="$MASTER_ADDR", help="rendezvous host for multi-node commands")
     parser.add_argument("--master-port", type=int, default=29500, help="rendezvous port for multi-node commands")
 
 
 def launch_command(args: argparse.Namespace) -> int:
     plan = Plan.load(args.plan)
-    cluster = check_launch(plan, args)
     metrics = args.metrics or str(Path("runs") / Path(args.plan).stem / "metrics.jsonl")
+    args.run_id = args.run_id or f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+    cluster, warnings = check_launch(plan, args, metrics)
+    for warning in warnings:
+        print(f"partita: warning: {warning}", file=sys.stderr)
     if _nodes(plan, cluster) > 1:
         for line in torchrun_commands(plan, cluster, args, metrics):
             print(line)
@@ -67,21 +85,22 @@ def launch_command(args: argparse.Namespace) -> int:
     summary_path = Path(metrics).parent / "summary.json"
     summary_path.parent.mkdir(parents=True, exist_ok=True)
     summary_path.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
+    cmd = [sys.executable, "-m", "partita.runtime.launch", "--standalone", "--nnodes=1",
            f"--nproc-per-node={plan.world_size}", "-m", WORKER,
            *worker_arguments(args, metrics), "--summary", str(summary_path)]
     log.info("running %s", shlex.join(cmd))
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
-    rc = subprocess.run(cmd, env=env).returncode
+    rc = run_until_done(cmd, env)
     if rc != 0:
-        log.error("training exited with status %d", rc)
+        print(f"partita: error: training failed (torchrun exited with status {rc}; the ranks' messages are above)",
+              file=sys.stderr)
         return 1
     if summary_path.is_file():
         from partita.runtime.metrics import RunSummary
 
         summary = RunSummary.from_dict(json.loads(summary_path.read_text()))
-        print(f"{summary.steps} steps, final loss {summary.losses[-1]:.4f}" if summary.losses else "no steps run")
+        print(f"run {summary.run_id}: {summary.steps} steps, final loss {summary.losses[-1]:.4f}")
         print(summary.table())
         if args.memory_report:
             from partita.runtime.metrics import memory_table
@@ -96,26 +115,128 @@ def launch_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def check_launch(plan: Plan, args: argparse.Namespace) -> ClusterSpec:
-    """Everything that can be refused before a rank starts; each refusal is one PartitaError line."""
+def run_until_done(cmd: list[str], env: dict[str, str]) -> int:
+    """Run torchrun and wait for it. It runs in its own session, so a Ctrl-C reaches the launcher
+    alone; the launcher hands torchrun one SIGINT (it stops its ranks, which exit at once and
+    quietly: ``worker.main``), waits until it has, and then raises KeyboardInterrupt (the CLI
+    prints "interrupted", exit 130). SIGTERM is handed on the same way (exit 143)."""
+    received: list[int] = []
+    state = {"proc": None, "sent": False}
+
+    def hand_on(signum: int = 0, frame=None) -> None:
+        if signum:
+            received.append(signum)
+        proc = state["proc"]
+        if received and not state["sent"] and proc is not None and proc.poll() is None:
+            state["sent"] = True
+            proc.send_signal(received[0])
+
+    # The handlers are in place before torchrun starts, so no signal can leave it running alone.
+    previous = {sig: signal.signal(sig, hand_on) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        state["proc"] = proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+        hand_on()  # a signal that came while it started
+        rc = proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if received and received[0] == signal.SIGINT:
+        raise KeyboardInterrupt
+    if received:
+        print(f"partita: stopped by {signal.Signals(received[0]).name}", file=sys.stderr)
+        raise SystemExit(128 + received[0])
+    return rc
+
+
+def train_config(args: argparse.Namespace, metrics: str | None = None) -> TrainConfig:
+    """The training settings the flags give (the worker builds the same from the same flags)."""
+    return TrainConfig(steps=args.steps, data=args.data, seed=args.seed, lr=args.lr, warmup_steps=args.warmup_steps,
+                       checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+                       resume=args.resume, metrics=metrics if metrics is not None else args.metrics,
+                       memory_report=args.memory_report, run_id=args.run_id,
+                       crash_after_step=getattr(args, "crash_after_step", None))
+
+
+def check_launch(plan: Plan, args: argparse.Namespace, metrics: str | None = None) -> tuple[ClusterSpec, list[str]]:
+    """Everything that can be refused before a rank starts; each refusal is one PartitaError line.
+    Returns the cluster to run on and warnings to print (what a resume changes)."""
     model = ModelSpec.from_dict(plan.model, where=f"{args.plan}: model")
     cluster = plan_cluster(plan, where=f"{args.plan}: cluster")
     if args.model is not None:
         model = load_model(args.model)
     if args.cluster is not None:
-        cluster = load_cluster(args.cluster)
+        given = load_cluster(args.cluster)
+        # The same hardware listed in another order or under other names is the plan's cluster
+        # (as `partita check` accepts it); the plan's own spec numbers the ranks.
+        if not (cluster.fingerprint == plan.cluster_fingerprint and same_hardware(cluster, given)):
+            cluster = given
     check_plan(plan, model, cluster)
-    if args.steps < 1:
-        raise PartitaError(f"--steps must be at least 1, got {args.steps}")
-    if args.checkpoint_every < 0:
-        raise PartitaError(f"--checkpoint-every must be >= 0, got {args.checkpoint_every}")
-    if args.resume and not args.checkpoint_dir:
-        raise PartitaError("--resume needs --checkpoint-dir")
-    if args.data != "synthetic" and not Path(args.data).is_file():
-        raise PartitaError(f"--data {args.data}: no such file; give 'synthetic' or a local text file")
+    cfg = train_config(args, metrics)
+    check_config(cfg)
+    if not 0 < args.master_port < 65536:
+        raise PartitaError(f"--master-port must be between 1 and 65535, got {args.master_port}")
+    check_data(cfg.data, vocab=model.vocab, seq_len=plan.seq_len)
+    if cfg.metrics is not None:
+        check_writable_file(cfg.metrics, "--metrics")
+    warnings = []
+    if cfg.checkpoint_dir:
+        check_writable_dir(cfg.checkpoint_dir, "--checkpoint-dir")
+        warnings = check_checkpoints(plan, cfg)
     if _nodes(plan, cluster) == 1:
         _check_local_world(plan, cluster, args.nproc)
-    return cluster
+    return cluster, warnings
+
+
+def check_checkpoints(plan: Plan, cfg: TrainConfig) -> list[str]:
+    """A resume must find this model's checkpoint and train past it; a fresh run must not mix its
+    checkpoints with another run's (a later --resume would take the newest of either)."""
+    assert cfg.checkpoint_dir
+    if not cfg.resume:
+        last = checkpoint.latest_step(cfg.checkpoint_dir) if Path(cfg.checkpoint_dir).is_dir() else None
+        if last is not None:
+            raise PartitaError(f"--checkpoint-dir {cfg.checkpoint_dir} already holds a checkpoint "
+                               f"({checkpoint.step_dir(cfg.checkpoint_dir, last).name}); add --resume to continue it, "
+                               f"or give an empty directory")
+        return []
+    step, warnings = checkpoint.check_resume(cfg.checkpoint_dir, checkpoint_record(plan, cfg, 0))
+    if step is None:
+        warnings.append(f"--resume: no checkpoint in {cfg.checkpoint_dir} yet; starting from step 0")
+    return warnings
+
+
+def check_writable_file(path: str, flag: str) -> None:
+    """``path`` is a file this process can append to, or can create (with its folders)."""
+    p = Path(path)
+    if p.is_dir():
+        raise PartitaError(f"{flag} {path} is a directory; give a file path, e.g. {p / 'metrics.jsonl'}")
+    if p.exists():
+        if not os.access(p, os.W_OK):
+            raise PartitaError(f"{flag} {path}: not writable; give a path you can write")
+        return
+    _check_creatable(p.parent, flag, path)
+
+
+def check_writable_dir(path: str, flag: str) -> None:
+    """``path`` is a directory this process can write into, or can create."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise PartitaError(f"{flag} {path} is a file, not a directory; give a directory")
+    if p.is_dir():
+        if not os.access(p, os.W_OK | os.X_OK):
+            raise PartitaError(f"{flag} {path}: directory not writable; give one you can write")
+        return
+    _check_creatable(p.parent, flag, path)
+
+
+def _check_creatable(folder: Path, flag: str, path: str) -> None:
+    """The nearest existing ancestor of ``folder`` is a directory this process can write into."""
+    folder = Path(os.path.abspath(folder))
+    while not folder.exists():
+        folder = folder.parent
+    if not folder.is_dir():
+        raise PartitaError(f"{flag} {path}: {folder} is a file, so it cannot hold a folder; give another path")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise PartitaError(f"{flag} {path}: cannot create it, {folder} is not writable; give a path you can write")
 
 
 def plan_cluster(plan: Plan, where: str = "plan: cluster") -> ClusterSpec:
@@ -191,6 +312,8 @@ def _nodes(plan: Plan, cluster: ClusterSpec) -> int:
 def worker_arguments(args: argparse.Namespace, metrics: str) -> list[str]:
     out = [args.plan, "--steps", str(args.steps), "--data", args.data, "--metrics", metrics,
            "--seed", str(args.seed), "--lr", repr(args.lr), "--checkpoint-every", str(args.checkpoint_every)]
+    if args.run_id:
+        out += ["--run-id", args.run_id]
     if args.checkpoint_dir:
         out += ["--checkpoint-dir", args.checkpoint_dir]
     if args.resume:
@@ -215,3 +338,31 @@ def torchrun_commands(plan: Plan, cluster: ClusterSpec, args: argparse.Namespace
                      f"--rdzv-backend=static --master-addr={args.master_addr} --master-port={args.master_port} "
                      f"-m {WORKER} {worker}")
     return lines
+
+
+def torchrun(argv: list[str]) -> int:
+    """``torchrun`` itself, but an interrupt ends it quietly: torch's agent turns SIGINT/SIGTERM
+    into ``SignalException`` after stopping the ranks, and a failed rank into
+    ``ChildFailedError``; both would end in a traceback of torchrun's own."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main
+
+    # An interrupt is reported once, by the launcher: not as the agent's "Received 2 death
+    # signal" and one "Sending process ... closing signal SIGINT" line per rank.
+    for name in ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+    try:
+        main(argv)
+    except SignalException as e:
+        return 128 + int(e.sigval)
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        print(f"partita: rank {rank} failed with exit code {failure.exitcode}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(torchrun(sys.argv[1:]))

@@ -6,6 +6,9 @@ resident set size, which includes the Python and torch runtime and so reads far 
 prediction of tensor memory. ``--memory-report`` measures one step's tensors by category with
 torch's memory trackers (``partita.runtime.memory``), on CPU and GPU alike, and prints them
 against the plan's breakdown (``memory_table``).
+
+Every record carries the run's ``run_id`` (chosen by ``partita launch``, shared by all ranks), so
+runs that append to one ``metrics.jsonl`` stay apart: ``read_metrics(path, run_id)`` reads one.
 """
 
 from __future__ import annotations
@@ -38,6 +41,12 @@ def peak_flops(plan: Plan) -> float:
     cluster = ClusterSpec.from_dict(plan.cluster)
     return sum(len(s.ranks) * get_device(cluster.group(s.group).device).peak_tflops(plan.dtype) * 1e12
                for s in plan.stages)
+
+
+def read_metrics(path: str | Path, run_id: str | None = None) -> list[dict[str, Any]]:
+    """The records of ``path``, only the run ``run_id``'s when it is given."""
+    records = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return [r for r in records if run_id is None or r.get("run_id") == run_id]
 
 
 class MetricsWriter:
@@ -79,6 +88,7 @@ class RunSummary:
     # ({"rank", "stage", "bytes": {category: bytes}}), and the plan's per-stage breakdown
     memory: list[dict[str, Any]] | None = None
     predicted_memory: list[dict[str, int]] | None = None
+    run_id: str | None = None  # the run_id of this run's metrics records
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -109,7 +119,7 @@ class RunSummary:
 
 
 def summarize(step_times: list[float], stage_peaks: list[int], memory_kind: str, losses: list[float],
-              plan: Plan, memory: list[dict[str, Any]] | None = None) -> RunSummary:
+              plan: Plan, memory: list[dict[str, Any]] | None = None, run_id: str | None = None) -> RunSummary:
     timed = step_times[1:] or step_times
     prediction = plan.prediction
     median = statistics.median(timed) if timed else float("nan")
@@ -129,7 +139,8 @@ def summarize(step_times: list[float], stage_peaks: list[int], memory_kind: str,
         predicted_mfu=prediction.mfu if prediction else None,
         memory=memory,
         predicted_memory=[m.category_bytes() for m in sorted(prediction.memory, key=lambda m: m.stage)]
-        if prediction and memory else None)
+        if prediction and memory else None,
+        run_id=run_id)
 
 
 def memory_table(summary: RunSummary) -> str:

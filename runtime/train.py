@@ -28,10 +28,11 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
 
 from partita.cluster import ClusterSpec
+from partita.errors import PartitaError
 from partita.model import ModelSpec
 from partita.plan import Plan
 from partita.runtime import checkpoint
-from partita.runtime.data import TokenSource
+from partita.runtime.data import TokenSource, check_data
 from partita.runtime.memory import StepMemory
 from partita.runtime.mesh import build_meshes
 from partita.runtime.metrics import MetricsWriter, RunSummary, peak_flops, peak_memory_bytes, summarize
@@ -59,11 +60,43 @@ class TrainConfig:
     resume: bool = False
     metrics: str | None = None  # metrics.jsonl path, shared by all ranks
     memory_report: bool = False  # measure one step's memory by category (torch's memory trackers)
+    run_id: str | None = None  # in every metrics record, so runs appending to one file stay apart
     crash_after_step: int | None = None  # tests: exit abruptly after this many steps, as a kill would
 
     @property
     def warmup(self) -> int:
         return self.warmup_steps if self.warmup_steps is not None else max(1, self.steps // 10)
+
+
+MAX_SEED = 2**32 - 1
+
+
+def check_config(cfg: TrainConfig) -> None:
+    """Refuse settings no run can train with, as one PartitaError naming the flag; the launcher
+    calls it before any rank starts, and every rank again before its first collective."""
+    if cfg.steps < 1:
+        raise PartitaError(f"--steps must be at least 1, got {cfg.steps}")
+    if not (math.isfinite(cfg.lr) and cfg.lr > 0):
+        raise PartitaError(f"--lr must be a finite number > 0, got {cfg.lr}")
+    if cfg.warmup_steps is not None and not 0 <= cfg.warmup_steps <= cfg.steps:
+        raise PartitaError(f"--warmup-steps must be between 0 and --steps {cfg.steps}, got {cfg.warmup_steps}"
+                           + ("; a longer warm-up never reaches --lr" if cfg.warmup_steps > cfg.steps else ""))
+    if not 0 <= cfg.seed <= MAX_SEED:
+        raise PartitaError(f"--seed must be between 0 and {MAX_SEED}, got {cfg.seed}")
+    if cfg.checkpoint_every < 0:
+        raise PartitaError(f"--checkpoint-every must be >= 0 (0: save at the end only), got {cfg.checkpoint_every}")
+    if cfg.checkpoint_every and not cfg.checkpoint_dir:
+        raise PartitaError(f"--checkpoint-every {cfg.checkpoint_every} needs --checkpoint-dir to save into")
+    if cfg.resume and not cfg.checkpoint_dir:
+        raise PartitaError("--resume needs --checkpoint-dir")
+
+
+def checkpoint_record(plan: Plan, cfg: TrainConfig, step: int) -> checkpoint.CheckpointRecord:
+    """What a checkpoint says about the run that wrote it, checked before a resume."""
+    return checkpoint.CheckpointRecord(step=step, model_name=str(plan.model.get("name")),
+                                       model_fingerprint=plan.model_fingerprint, steps=cfg.steps, lr=cfg.lr,
+                                       warmup_steps=cfg.warmup, min_lr_ratio=cfg.min_lr_ratio, data=cfg.data,
+                                       seed=cfg.seed, global_batch=plan.global_batch, seq_len=plan.seq_len)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -138,8 +171,15 @@ class Trainer:
 
     def __init__(self, plan: Plan, cfg: TrainConfig, *, device: torch.device | None = None) -> None:
         self.plan, self.cfg = plan, cfg
-        self.device = device = device or _default_device(plan)
         self.spec = spec = ModelSpec.from_dict(plan.model)
+        # Input no run can train with is refused here, before the first collective (every rank
+        # reads the same files, so every rank refuses alike); `partita launch` checked it already.
+        check_config(cfg)
+        check_data(cfg.data, vocab=spec.vocab, seq_len=plan.seq_len)
+        resume_from = None
+        if cfg.resume and cfg.checkpoint_dir:
+            resume_from, _ = checkpoint.check_resume(cfg.checkpoint_dir, checkpoint_record(plan, cfg, 0))
+        self.device = device = device or _default_device(plan)
         self.meshes = build_meshes(plan, device.type)
         compute_dtype = COMPUTE_DTYPES[plan.dtype]
         mixed = compute_dtype != torch.float32
@@ -163,11 +203,11 @@ class Trainer:
             self.runner = MicroBatchRunner(self.model, units, plan.num_micro_batches, loss)
         self.start_step = 0
         if cfg.resume and cfg.checkpoint_dir:
-            last = checkpoint.latest_step(cfg.checkpoint_dir)
-            if last is None:
+            if resume_from is None:
                 log.warning("--resume: no checkpoint in %s; starting from step 0", cfg.checkpoint_dir)
             else:
-                self.start_step = checkpoint.load(cfg.checkpoint_dir, last, self.model, self.optimizer, self.scaler)
+                self.start_step = checkpoint.load(cfg.checkpoint_dir, resume_from, self.model, self.optimizer,
+                                                  self.scaler)
 
     def fit(self) -> RunSummary | None:
         """Train to ``cfg.steps``. Returns the run summary on rank 0, None elsewhere."""
@@ -211,7 +251,7 @@ class Trainer:
             elapsed = clock.now() - t0
             step_times.append(elapsed)
             losses.append(loss)
-            record = {"step": step + 1, "rank": place.rank, "stage": place.stage.index, "loss": loss, "lr": lr,
+            record = {"run_id": cfg.run_id, "step": step + 1, "rank": place.rank, "stage": place.stage.index, "loss": loss, "lr": lr,
                       "grad_norm": grad_norm, "step_time_s": elapsed, "tokens_per_s": tokens_per_step / elapsed,
                       "mfu": flops_per_step / elapsed / peak if peak else None,
                       "peak_memory_bytes": peak_memory_bytes(device)}
@@ -221,11 +261,12 @@ class Trainer:
                      record["peak_memory_bytes"] / 2**20)
             done = step + 1
             if cfg.checkpoint_dir and ((cfg.checkpoint_every and done % cfg.checkpoint_every == 0) or done == cfg.steps):
-                checkpoint.save(cfg.checkpoint_dir, done, self.model, self.optimizer, self.scaler)
+                checkpoint.save(cfg.checkpoint_dir, done, self.model, self.optimizer, self.scaler,
+                                record=checkpoint_record(plan, cfg, done))
             if cfg.crash_after_step is not None and done == cfg.crash_after_step:
                 os._exit(17)  # tests: die like a killed process, without cleanup
         writer.close()
-        return _gather_summary(step_times, losses, plan, place, device, self.measured_memory)
+        return _gather_summary(step_times, losses, plan, place, device, self.measured_memory, cfg.run_id)
 
 
     def _update(self, pp_group: dist.ProcessGroup | None) -> float:
@@ -258,7 +299,7 @@ def _global_loss(loss_sum: torch.Tensor | None, plan: Plan, device: torch.device
 
 
 def _gather_summary(step_times: list[float], losses: list[float], plan: Plan, place, device: torch.device,
-                    measured_memory: dict[str, int] | None) -> RunSummary | None:
+                    measured_memory: dict[str, int] | None, run_id: str | None = None) -> RunSummary | None:
     peaks: list = [None] * dist.get_world_size()
     dist.all_gather_object(peaks, (place.stage.index, peak_memory_bytes(device), measured_memory))
     if dist.get_rank() != 0:
@@ -268,7 +309,7 @@ def _gather_summary(step_times: list[float], losses: list[float], plan: Plan, pl
     if measured_memory is not None:
         memory = [{"rank": r, "stage": s, "bytes": m} for r, (s, _, m) in enumerate(peaks)]
     return summarize(step_times, stage_peaks, "allocated" if device.type == "cuda" else "peak RSS", losses, plan,
-                     memory)
+                     memory, run_id=run_id)
 
 
 def _default_device(plan: Plan) -> torch.device:

@@ -9,32 +9,69 @@ process groups down before Python exits (``shut_down``).
 
 from __future__ import annotations
 
-import argparse
-import gc
-import json
-import logging
-import os
-import sys
-from pathlib import Path
+import signal
 
-import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
+if __name__ == "__main__":
+    # An interrupted rank ends at once and quietly, wherever it is (importing torch, or blocked
+    # in a collective whose peers are gone): the default action of SIGINT, not Python's
+    # KeyboardInterrupt and its traceback from every rank. torchrun hands the ranks the signal
+    # and reports the interrupt; the launcher prints the one line.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
-from partita.errors import PartitaError
-from partita.model import ModelSpec
-from partita.plan import Plan
-from partita.runtime.launch import add_launch_arguments, check_plan, plan_cluster
-from partita.runtime.train import TrainConfig, Trainer
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import gc  # noqa: E402
+import json  # noqa: E402
+import logging  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+import warnings  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.device_mesh import DeviceMesh  # noqa: E402
+
+from partita.errors import PartitaError  # noqa: E402
+from partita.model import ModelSpec  # noqa: E402
+from partita.plan import Plan  # noqa: E402
+from partita.runtime.launch import add_launch_arguments, check_plan, plan_cluster, train_config  # noqa: E402
+from partita.runtime.data import check_data  # noqa: E402
+from partita.runtime.train import TrainConfig, Trainer, check_config  # noqa: E402
 
 log = logging.getLogger("partita.runtime")
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    return TrainConfig(steps=args.steps, data=args.data, seed=args.seed, lr=args.lr, warmup_steps=args.warmup_steps,
-                       checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-                       resume=args.resume, metrics=args.metrics, memory_report=args.memory_report,
-                       crash_after_step=args.crash_after_step)
+    return train_config(args)
+
+
+def quiet_known_warnings() -> None:
+    """Silence two torch warnings that every rank of a tensor-parallel CPU run printed, each
+    checked harmless here (and shown to a person once, in docs/runtime.md, not once per rank):
+
+    * FSDP2's "FSDP2-wrapped module (...) returned a view tensor": a tensor-parallel module
+      hands its output back with ``DTensor.to_local()`` (``use_local_output=True``), which is a
+      view. The warning is about an in-place op on that view dropping FSDP's pre-backward hook;
+      the runtime never changes a module's output in place (the parallel runs' gradients equal a
+      single process's, tests/test_runtime_parallel.py).
+    * DTensor's "While redistributing from (_NormPartial(2.0), _NormPartial(2.0)) to (Replicate(),
+      Replicate()), 2 sequential all_reduce operations": the gradient norm of a parameter on a
+      2-D (FSDP x TP) mesh reduces over each mesh dimension in turn. Two small all-reduces per
+      step instead of one over a flattened mesh; the sum of squares is the same.
+    """
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned a view tensor",
+                            category=UserWarning)
+    logging.getLogger("torch.distributed.tensor._redistribute").addFilter(_norm_partial_redistribute)
+
+
+def _norm_partial_redistribute(record: logging.LogRecord) -> bool:
+    """False (drop) for the sequential-all-reduce warning about a norm's partial placements only."""
+    args = record.args if isinstance(record.args, tuple) else ()
+    source = args[0] if args else ()
+    return not ("sequential" in str(record.msg) and isinstance(source, (tuple, list)) and source
+                and all(type(p).__name__ == "_NormPartial" for p in source))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,16 +84,21 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format=f"[rank {rank}] %(message)s", stream=sys.stderr)
+    quiet_known_warnings()
     try:
         plan = Plan.load(args.plan)
         cluster = plan_cluster(plan)
-        check_plan(plan, ModelSpec.from_dict(plan.model), cluster)
+        model = ModelSpec.from_dict(plan.model)
+        check_plan(plan, model, cluster)
         plan = plan.with_ranks_from_zero()  # torchrun numbers only the ranks the plan uses
         cpu = cluster.is_cpu
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world != plan.world_size:
             raise PartitaError(f"plan needs world size {plan.world_size} (dp {plan.dp} x tp {plan.tp} x pp {plan.pp}), "
                                f"torchrun started {world} ranks")
+        cfg = config_from_args(args)
+        check_config(cfg)
+        check_data(cfg.data, vocab=model.vocab, seq_len=plan.seq_len)
     except PartitaError as e:
         log.error("%s", e)
         return 2
@@ -67,11 +109,22 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group("gloo" if cpu else "nccl", device_id=None if cpu else device)
     finished = False
     try:
-        run(plan, config_from_args(args), device, args.summary)
+        if cfg.run_id is None:  # started by hand with torchrun: rank 0 names the run
+            cfg = dataclasses.replace(cfg, run_id=_shared_run_id())
+        run(plan, cfg, device, args.summary)
         finished = True
+    except PartitaError as e:  # refused by every rank alike, before the first collective (Trainer)
+        log.error("%s", e)
+        return 2
     finally:
         shut_down(finished)
     return 0
+
+
+def _shared_run_id() -> str:
+    run_id = [f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}" if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(run_id, src=0)
+    return str(run_id[0])
 
 
 def run(plan: Plan, cfg: TrainConfig, device: torch.device, summary_path: str | None) -> None:
