@@ -3,8 +3,11 @@
 
 Most cases call ``partita.cli.main`` in-process (fast); two run the installed command in a
 subprocess to prove the whole program, interpreter exit included, prints no traceback.
+``partita launch`` refuses its cases before it starts any process (starting one fails the test).
 """
 
+import json
+import os
 import subprocess
 import sys
 
@@ -36,6 +39,21 @@ def files(tmp_path_factory):
     prov = Provenance(source="measured", device_name="test")
     Profile(device="cpu", dtype="fp16", provenance=prov, layers=(cost,)).save(d / "fp16.yaml")
     Profile(device="H100", dtype="bf16", provenance=prov, layers=(cost,)).save(d / "h100.yaml")
+    # launch: text too short for one sequence, and checkpoints as a finished run leaves them
+    (d / "empty.txt").write_bytes(b"")
+    (d / "short.txt").write_bytes(b"hello")
+    schedule = dict(schema_version=1, steps=4, lr=1e-3, warmup_steps=1, min_lr_ratio=0.1, data="synthetic", seed=0,
+                    global_batch=data["global_batch"], seq_len=data["seq_len"])
+    for name, model_name, fingerprint in (("ckpt-gpt2", "tiny-gpt2", load_model("tiny-gpt2").fingerprint),
+                                          ("ckpt-llama", "tiny-llama", data["model_fingerprint"])):
+        step = d / name / "step-000004"
+        step.mkdir(parents=True)
+        (step / ".metadata").write_bytes(b"")
+        (step / "partita.json").write_text(json.dumps(dict(schedule, step=4, model_name=model_name,
+                                                           model_fingerprint=fingerprint)))
+    (d / "ckpt-broken" / "step-000004").mkdir(parents=True)
+    (d / "ckpt-broken" / "step-000004" / ".metadata").write_bytes(b"")
+    (d / "ckpt-broken" / "step-000004" / "partita.json").write_text("{not json")
     return d
 
 
@@ -102,6 +120,42 @@ CASES = [
     (["profile", "--device", "cpu", "--model", "tiny-lama"], 2, "did you mean tiny-llama"),
     (["profile", "--device", "cpu", "--model", "tiny-llama", "--micro-batches", "0"], 2, ">= 1"),
     (["profile", "--device", "cpu", "--model", "tiny-llama", "-o", "{d}"], 2, "is a directory"),
+    # launch: the plan and the world
+    (["launch", "{d}/nope.yaml"], 2, "no such file"),
+    (["launch", "{d}/dp3.yaml"], 2, "global_batch 8 != dp 3"),
+    (["launch", "{d}/plan.yaml", "--cluster", "8xcpu"], 2, "4 vs 8 cpu"),
+    (["launch", "{d}/plan.yaml", "--model", "tiny-gpt2"], 2, "plan was made for model 'tiny-llama'"),
+    (["launch", "{d}/plan.yaml", "--nproc", "3"], 2, "--nproc is 3"),
+    # launch: data
+    (["launch", "{d}/plan.yaml", "--data", "{d}/empty.txt"], 2, "0 bytes is shorter than one sequence"),
+    (["launch", "{d}/plan.yaml", "--data", "{d}/short.txt"], 2, "5 bytes is shorter than one sequence"),
+    (["launch", "{d}/plan.yaml", "--data", "{d}/nope.txt"], 2, "no such file"),
+    (["launch", "{d}/plan.yaml", "--data", "{d}/folder"], 2, "is not a file"),
+    # launch: numbers
+    (["launch", "{d}/plan.yaml", "--lr=-1"], 2, "--lr must be a finite number > 0"),
+    (["launch", "{d}/plan.yaml", "--lr", "nan"], 2, "--lr must be a finite number > 0, got nan"),
+    (["launch", "{d}/plan.yaml", "--lr", "inf"], 2, "--lr must be a finite number > 0, got inf"),
+    (["launch", "{d}/plan.yaml", "--lr", "fast"], 2, "invalid float value"),
+    (["launch", "{d}/plan.yaml", "--steps", "0"], 2, "--steps must be at least 1"),
+    (["launch", "{d}/plan.yaml", "--warmup-steps", "-1"], 2, "--warmup-steps must be between 0 and --steps 20"),
+    (["launch", "{d}/plan.yaml", "--warmup-steps", "50"], 2, "never reaches --lr"),
+    (["launch", "{d}/plan.yaml", "--seed", "-1"], 2, "--seed must be between 0 and"),
+    (["launch", "{d}/plan.yaml", "--checkpoint-every", "-1"], 2, "--checkpoint-every must be >= 0"),
+    (["launch", "{d}/plan.yaml", "--master-port", "70000"], 2, "--master-port must be between 1 and 65535"),
+    # launch: where it writes
+    (["launch", "{d}/plan.yaml", "--checkpoint-every", "5"], 2, "needs --checkpoint-dir"),
+    (["launch", "{d}/plan.yaml", "--checkpoint-dir", "{d}/plan.yaml"], 2, "is a file, not a directory"),
+    (["launch", "{d}/plan.yaml", "--checkpoint-dir", "{d}/plan.yaml/ckpt"], 2, "cannot hold a folder"),
+    (["launch", "{d}/plan.yaml", "--metrics", "{d}/folder"], 2, "is a directory; give a file path"),
+    (["launch", "{d}/plan.yaml", "--metrics", "{d}/plan.yaml/metrics.jsonl"], 2, "cannot hold a folder"),
+    # launch: checkpoints
+    (["launch", "{d}/plan.yaml", "--resume"], 2, "--resume needs --checkpoint-dir"),
+    (["launch", "{d}/plan.yaml", "--resume", "--checkpoint-dir", "{d}/ckpt-gpt2"], 2, "holds model 'tiny-gpt2'"),
+    (["launch", "{d}/plan.yaml", "--resume", "--checkpoint-dir", "{d}/ckpt-llama", "--steps", "4"], 2,
+     "give --steps above 4"),
+    (["launch", "{d}/plan.yaml", "--checkpoint-dir", "{d}/ckpt-llama"], 2, "add --resume to continue it"),
+    (["launch", "{d}/plan.yaml", "--resume", "--checkpoint-dir", "{d}/ckpt-broken"], 2,
+     "cannot read the checkpoint record"),
 ]
 
 
@@ -110,6 +164,7 @@ def test_bad_input_is_one_line(argv, code, phrase, files, tmp_path, monkeypatch,
     monkeypatch.chdir(tmp_path)  # where a default plan.yaml or profile.yaml would land
     before = sorted(p.name for p in files.iterdir())
     argv = [a.replace("{d}", str(files)) for a in argv]
+    monkeypatch.setattr(subprocess, "Popen", _no_process)  # refused before anything starts
     assert main(argv) == code
     err = capsys.readouterr().err
     assert "Traceback" not in err
@@ -118,6 +173,25 @@ def test_bad_input_is_one_line(argv, code, phrase, files, tmp_path, monkeypatch,
     assert err.startswith(("partita: error:", "partita: infeasible:")), err
     # nothing was written: no plan or profile beside the inputs, none in the working folder
     assert sorted(p.name for p in files.iterdir()) == before and not list(tmp_path.iterdir())
+
+
+def _no_process(*args, **kwargs):
+    raise AssertionError(f"a bad input started a process: {args}")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere")
+def test_launch_refuses_folders_it_cannot_write(files, tmp_path, capsys):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    try:
+        for flag, path, phrase in (("--metrics", locked / "m.jsonl", "is not writable"),
+                                   ("--checkpoint-dir", locked, "directory not writable"),
+                                   ("--checkpoint-dir", locked / "ckpt", "is not writable")):
+            assert main(["launch", str(files / "plan.yaml"), flag, str(path)]) == 2
+            err = capsys.readouterr().err
+            assert len(err.strip().splitlines()) == 1 and phrase in err, err
+    finally:
+        locked.chmod(0o700)
 
 
 def test_version_and_help_exit_0(capsys):
