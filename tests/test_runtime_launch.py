@@ -1,10 +1,14 @@
 """`partita launch`: refusals before any rank starts, multi-node commands, a real torchrun run,
-the worker's shutdown, and kill-and-resume through torch.distributed.checkpoint."""
+the worker's shutdown, an interrupted run, and kill-and-resume through torch.distributed.checkpoint."""
 
 import argparse
 import dataclasses
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -14,8 +18,9 @@ mp = pytest.importorskip("torch.multiprocessing")
 
 from partita.errors import PartitaError  # noqa: E402
 from partita.runtime.data import TokenSource  # noqa: E402
-from partita.runtime.launch import add_launch_arguments, launch_command  # noqa: E402
-from partita.runtime.metrics import RunSummary  # noqa: E402
+from partita.runtime import checkpoint  # noqa: E402
+from partita.runtime.launch import add_launch_arguments, check_launch, launch_command  # noqa: E402
+from partita.runtime.metrics import RunSummary, read_metrics  # noqa: E402
 from partita.runtime.train import TrainConfig, lr_at  # noqa: E402
 from partita.model import BUILTIN  # noqa: E402
 from runtime_helpers import free_port, make_plan, run_parallel, run_reference  # noqa: E402
@@ -74,6 +79,17 @@ def test_resume_needs_a_checkpoint_dir(tmp_path):
         launch_command(parse(saved(make_plan(dp=2), tmp_path), "--resume"))
 
 
+def test_the_same_hardware_listed_in_another_order_launches(tmp_path):
+    """Like `partita check`: --cluster may list the plan's node groups in another order; the
+    plan's own cluster numbers the ranks. Other hardware is still refused."""
+    plan = make_plan(dp=2, cluster="2xcpu+4xcpu")
+    path = saved(plan, tmp_path)
+    cluster, warnings = check_launch(plan, parse(path, "--cluster", "4xcpu+2xcpu"))
+    assert cluster.fingerprint == plan.cluster_fingerprint and warnings == []
+    with pytest.raises(PartitaError, match="6 vs 8 cpu"):
+        check_launch(plan, parse(path, "--cluster", "4xcpu+4xcpu"))
+
+
 def test_several_nodes_print_one_torchrun_command_per_node(tmp_path, capsys):
     path = saved(make_plan(dp=2, tp=2, cluster="2x2xcpu"), tmp_path)
     assert launch_command(parse(path, "--steps", 5, "--master-addr", "node0")) == 0
@@ -84,6 +100,8 @@ def test_several_nodes_print_one_torchrun_command_per_node(tmp_path, capsys):
         assert f"--node-rank={node}" in command and "--nnodes=2" in command and "--nproc-per-node=2" in command
         assert "--rdzv-backend=static" in command and "--master-addr=node0" in command
         assert "-m partita.runtime.worker" in command and "--steps 5" in command
+    run_ids = {c.split("--run-id ")[1].split()[0] for c in commands}
+    assert len(run_ids) == 1  # every node's ranks tag their records alike
 
 
 # ---- pieces -------------------------------------------------------------------------------------
@@ -109,6 +127,40 @@ def test_text_data_is_bytes_and_reproducible(tmp_path):
         TokenSource(str(text), vocab=128, seq_len=16, global_batch=4, seed=1)
 
 
+def test_metrics_of_one_run_are_read_apart_from_others(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"run_id": run, "step": 1, "rank": r}) + "\n" for run in ("a", "b") for r in (0, 1)))
+    assert [(r["run_id"], r["rank"]) for r in read_metrics(path, "b")] == [("b", 0), ("b", 1)]
+    assert len(read_metrics(path)) == 4
+
+
+def test_worker_filters_exactly_the_known_torch_warnings():
+    import logging
+    import warnings
+
+    from partita.runtime.worker import _norm_partial_redistribute, quiet_known_warnings
+    from torch.distributed.tensor import Replicate, Shard
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet_known_warnings()
+        warnings.warn("FSDP2-wrapped module (FSDPEmbed) returned a view tensor. An in-place op ...", UserWarning)
+        warnings.warn("FSDP2-wrapped module (FSDPEmbed) did something else", UserWarning)
+    assert [str(w.message) for w in caught] == ["FSDP2-wrapped module (FSDPEmbed) did something else"]
+    try:
+        from torch.distributed.tensor._ops._math_ops import _NormPartial
+    except ImportError:
+        pytest.skip("this torch has no _NormPartial")
+    msg = "While redistributing from %s to %s, %d sequential %s operations will be performed. %s"
+
+    def record(src):
+        return logging.LogRecord("torch.distributed.tensor._redistribute", logging.WARNING, "", 0, msg,
+                                 (src, (Replicate(), Replicate()), 2, "all_reduce", ""), None)
+
+    assert not _norm_partial_redistribute(record((_NormPartial(2.0), _NormPartial(2.0))))
+    assert _norm_partial_redistribute(record((Shard(0), Shard(0))))
+
+
 def test_summary_table_reports_error_in_percent():
     summary = RunSummary(steps=3, measured_step_time_s=0.11, predicted_step_time_s=0.1,
                          measured_stage_peak_bytes=[2 << 30], predicted_stage_peak_bytes=[1 << 30],
@@ -120,17 +172,69 @@ def test_summary_table_reports_error_in_percent():
 # ---- real runs ----------------------------------------------------------------------------------
 
 
-def test_launch_runs_ranks_under_torchrun(tmp_path, capsys):
-    path = saved(make_plan(dp=2, layer=dict(zero=2), seq_len=16), tmp_path)
+def test_launch_runs_ranks_under_torchrun(tmp_path, capfd):
+    """dp 2 x tp 2 with FSDP and sequence parallelism: the 2-D mesh whose runs printed torch's
+    view-tensor and sequential-all-reduce warnings from every rank. Two runs append to one
+    metrics file; each run's records carry its own run id."""
+    plan = make_plan(dp=2, tp=2, layer=dict(zero=3, tensor_parallel=2, sequence_parallel=True))
+    path = saved(plan, tmp_path)
     metrics = tmp_path / "metrics.jsonl"
     assert launch_command(parse(path, "--steps", 2, "--metrics", metrics)) == 0
-    records = [json.loads(l) for l in metrics.read_text().splitlines()]
-    assert sorted((r["rank"], r["step"]) for r in records) == [(0, 1), (0, 2), (1, 1), (1, 2)]
-    assert all(r["loss"] > 0 and r["tokens_per_s"] > 0 and r["peak_memory_bytes"] > 0 for r in records)
-    out = capsys.readouterr().out
-    assert "step time" in out and "stage 0 peak memory" in out
+    out, err = capfd.readouterr()
     summary = json.loads((tmp_path / "summary.json").read_text())
+    records = read_metrics(metrics, summary["run_id"])
+    assert sorted((r["rank"], r["step"]) for r in records) == [(r, s) for r in range(4) for s in (1, 2)]
+    assert all(r["loss"] > 0 and r["tokens_per_s"] > 0 and r["peak_memory_bytes"] > 0 for r in records)
+    assert "step time" in out and "stage 0 peak memory" in out and summary["run_id"] in out
     assert summary["steps"] == 2 and len(summary["measured_stage_peak_bytes"]) == 1
+    assert "Warning" not in err and "sequential all_reduce" not in err and "Traceback" not in err, err
+    assert launch_command(parse(path, "--steps", 1, "--metrics", metrics, "--run-id", "again")) == 0
+    assert [(r["run_id"], r["step"]) for r in read_metrics(metrics, "again")] == [("again", 1)] * 4
+    assert len(read_metrics(metrics)) == 12
+
+
+def _metrics_lines(path: Path) -> int:
+    return len(path.read_text().splitlines()) if path.is_file() else 0
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if text in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
+                found.append(int(pid))
+        except OSError:  # it ended while being read
+            pass
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/cmdline").is_file(), reason="finds the ranks through /proc")
+def test_ctrl_c_stops_every_rank_with_one_line(tmp_path):
+    """Ctrl-C (SIGINT to the launcher's process group) once a rank has trained a step: exit 130,
+    the launcher's one line, no traceback from torchrun or any rank, and no rank left running.
+    The signal is sent once the metrics file has a line, whenever that is; the run is far too
+    long to end by itself first."""
+    plan = make_plan(dp=2, layer=dict(zero=2))
+    path = saved(plan, tmp_path)
+    metrics = tmp_path / "metrics.jsonl"
+    launcher = subprocess.Popen([sys.executable, "-m", "partita.cli", "launch", str(path), "--steps", "1000000",
+                                 "--metrics", str(metrics)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600  # a guard against a hang, not part of the check
+        while _metrics_lines(metrics) == 0 and launcher.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert launcher.poll() is None, launcher.communicate()
+        os.killpg(launcher.pid, signal.SIGINT)
+        out, err = launcher.communicate(timeout=300)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    assert launcher.returncode == 130, err
+    assert "Traceback" not in out + err, err
+    assert err.strip().splitlines()[-1] == "partita: interrupted", err
+    assert [l for l in err.splitlines() if not l.startswith("[rank 0] step ")] == ["partita: interrupted"], err
+    assert _processes_mentioning(str(metrics)) == []
 
 
 def _thread_names() -> list[str]:
@@ -160,6 +264,8 @@ def test_worker_destroys_its_process_groups_before_python_exits(tmp_path):
     path = saved(plan, tmp_path)
     mp.start_processes(_worker_rank, args=(plan.world_size, free_port(), str(path), str(tmp_path)),
                        nprocs=plan.world_size, join=True, start_method="fork")
+    run_ids = {r["run_id"] for r in read_metrics(tmp_path / "metrics.jsonl")}
+    assert len(run_ids) == 1 and None not in run_ids  # started without --run-id: rank 0 names the run
     for rank in range(plan.world_size):
         report = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert report["code"] == 0
@@ -188,6 +294,30 @@ def test_kill_and_resume_reproduces_the_uninterrupted_losses(tmp_path):
     assert tail == pytest.approx(losses[2:], rel=1e-6)
     for name, p in params.items():
         torch.testing.assert_close(resumed_params[name], p, rtol=1e-6, atol=1e-7)
+    record = checkpoint.read_record(ckpt, 4)
+    assert (record.model_fingerprint, record.step, record.steps, record.warmup_steps) == (plan.model_fingerprint, 4, 4, 1)
+
+
+def test_resume_is_checked_against_the_checkpoint_before_any_rank_starts(tmp_path):
+    """The checkpoint's record says which model and schedule it holds: another model is refused,
+    as is --steps at or below its step; a changed schedule or data is named in a warning."""
+    plan = make_plan(dp=2)
+    ckpt = tmp_path / "ckpt"
+    run_parallel(plan, TrainConfig(steps=2, warmup_steps=1, checkpoint_dir=str(ckpt)))
+    path = saved(plan, tmp_path)
+    resume = ("--resume", "--checkpoint-dir", ckpt, "--warmup-steps", 1)
+    with pytest.raises(PartitaError, match="holds model 'tiny-llama'.*the plan trains 'tiny-gpt2'"):
+        launch_command(parse(saved(make_plan("tiny-gpt2", dp=2), tmp_path, "gpt2.yaml"), *resume))
+    with pytest.raises(PartitaError, match="already trained 2 steps and --steps is 2; give --steps above 2"):
+        launch_command(parse(path, *resume, "--steps", 2))
+    with pytest.raises(PartitaError, match="already holds a checkpoint .*add --resume"):
+        launch_command(parse(path, "--checkpoint-dir", ckpt))
+    _, warnings = check_launch(plan, parse(path, *resume, "--steps", 4))
+    assert len(warnings) == 1 and "--steps 2 -> 4" in warnings[0] and "learning rate from step 3" in warnings[0]
+    _, warnings = check_launch(plan, parse(path, *resume, "--steps", 4, "--lr", 2e-3, "--seed", 1))
+    assert "--lr 0.001 -> 0.002" in warnings[0] and "--seed 0 -> 1" in warnings[1]
+    _, warnings = check_launch(plan, parse(path, "--resume", "--checkpoint-dir", tmp_path / "empty"))
+    assert warnings == [f"--resume: no checkpoint in {tmp_path / 'empty'} yet; starting from step 0"]
 
 
 def test_each_replica_gets_its_block_of_the_global_batch():
@@ -210,6 +340,9 @@ def test_resume_under_another_plan_reshards_the_checkpoint(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     with pytest.raises(mp.ProcessExitedException):
         run_parallel(saved_as, dataclasses.replace(whole, checkpoint_dir=ckpt, checkpoint_every=2, crash_after_step=2))
+    _, warnings = check_launch(resumed_as, parse(saved(resumed_as, tmp_path), "--steps", 4, "--warmup-steps", 1,
+                                                  "--checkpoint-dir", ckpt, "--resume"))
+    assert warnings == []  # another plan of the same model, the same schedule: nothing to say
     tail, _ = run_parallel(resumed_as, dataclasses.replace(whole, checkpoint_dir=ckpt, resume=True))
     assert tail == pytest.approx(reference[2:], rel=1e-5)
 
