@@ -279,6 +279,13 @@ def _hull_cuts(f: np.ndarray) -> list[tuple[float, float]]:
     return cuts
 
 
+def _slot_floor(p: Problem, r: int, k: int) -> int:
+    """Memory any stage in slot r holds besides its layers' own terms, whatever the pipeline's
+    depth: a used slot r >= 1 is not the last stage, so the schedule keeps a gradient receive
+    buffer per micro-batch and its output per micro-batch in flight (``pipeline_memory``)."""
+    return (p.shape.num_micro_batches + k) * p.output_bytes if r >= 1 else 0
+
+
 class StageFit:
     """Whether a shape's stages can hold all blocks with no stage slower than tau.
 
@@ -311,7 +318,7 @@ class StageFit:
                     mem = np.array([p.block.static_bytes[g][j] + k * p.block.act_bytes[g][j]
                                     for j in range(len(p.block.strategies))], float)
                     xs, ys = _hull(mem, np.array(p.block.time_us[g], float))
-                    per_block = (p.capacity_bytes[g] - (head_room if r == 0 else 0)) / n
+                    per_block = (p.capacity_bytes[g] - (head_room if r == 0 else 0) - _slot_floor(p, r, k)) / n
                     avg = np.interp(per_block, xs, ys)  # beyond the last point: the fastest choice
                     avg[per_block < xs[0]] = np.inf  # not even the leanest choice fits
                     by_key[key] = np.concatenate([[0.0], n * avg])
@@ -329,7 +336,7 @@ class StageFit:
             return cache[key]
         p, N = self.p, self.p.n_blocks
         k = min(r + 1, self.m)
-        room = p.capacity_bytes[g] - (min(min(row) for row in p.head.static_bytes) if r == 0 else 0)
+        room = p.capacity_bytes[g] - (min(min(row) for row in p.head.static_bytes) if r == 0 else 0) - _slot_floor(p, r, k)
         out = np.full(N + 1, np.inf)
         out[0] = 0.0
         if room > 0:
