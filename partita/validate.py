@@ -133,24 +133,25 @@ def _check_dtype(plan: Plan, cluster: ClusterSpec) -> None:
 def _model_difference(plan: Plan, model: ModelSpec) -> str:
     from partita.model import model_difference
 
-    fingerprints = f"fingerprint {plan.model_fingerprint} vs {model.fingerprint}"
-    try:
-        own = ModelSpec.from_dict(plan.model, where="plan: model")
-    except (PartitaError, TypeError):
-        return fingerprints
-    if own.fingerprint == model.fingerprint:  # the fields agree: the plan's fingerprint was edited
-        return f"{fingerprints}; the plan's own model fields match {model.name}, so its fingerprint was edited"
-    return f"{fingerprints}: {model_difference(own, model)}"
+    return _spec_difference("model", plan.model_fingerprint, plan.model, model, ModelSpec.from_dict, model_difference,
+                            model.name)
 
 
 def _cluster_difference(plan: Plan, cluster: ClusterSpec) -> str:
     from partita.cluster import cluster_difference
 
-    fingerprints = f"fingerprint {plan.cluster_fingerprint} vs {cluster.fingerprint}"
+    return _spec_difference("cluster", plan.cluster_fingerprint, plan.cluster, cluster, ClusterSpec.from_dict,
+                            cluster_difference, cluster.short)
+
+
+def _spec_difference(what: str, recorded: str, data, given, load, differ, name: str) -> str:
+    """How the spec a plan records differs from the one given: both fingerprints, and the
+    fields that differ (or that the plan's fingerprint was edited by hand)."""
+    fingerprints = f"fingerprint {recorded} vs {given.fingerprint}"
     try:
-        own = ClusterSpec.from_dict(plan.cluster, where="plan: cluster")
+        own = load(data, where=f"plan: {what}")
     except (PartitaError, TypeError):
         return fingerprints
-    if own.fingerprint == cluster.fingerprint:
-        return f"{fingerprints}; the plan's own cluster fields match {cluster.short}, so its fingerprint was edited"
-    return f"{fingerprints}: {cluster_difference(own, cluster)}"
+    if own.fingerprint == given.fingerprint:
+        return f"{fingerprints}; the plan's own {what} fields match {name}, so its fingerprint was edited"
+    return f"{fingerprints}: {differ(own, given)}"
