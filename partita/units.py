@@ -4,11 +4,17 @@ The cost model works in seconds and bytes. The CP-SAT model needs integers, so c
 turned into integer microseconds and integer bytes here, and only here.
 
 Rounding rule: times round to the nearest microsecond (half up); a step time summed from n
-rounded terms may differ from the float sum by at most n/2 microseconds. Memory stays in
-exact bytes (the cost model's byte counts are integers already; a fractional count rounds
-*up*), so the solver's memory sums equal the evaluator's and a plan fits in one exactly when
-it fits in the other. Bytes fit CP-SAT's int64 with room to spare: a device holds < 2**40
-bytes, and a stage's sum (bytes x blocks x micro-batches in flight) stays below 2**60.
+rounded terms may differ from the float sum by at most n/2 microseconds.
+
+Memory is counted in allocation grains of ``MEMORY_GRAIN`` = 512 bytes, the CUDA caching
+allocator's rounding: the cost model rounds each of its byte counts *up* to whole grains
+(``round_up_to_grain``), so every sum it makes is a whole number of grains, and the solver works
+in grains (``to_grains``, exact) against capacities rounded *down* to grains
+(``capacity_grains``). A plan then fits under the solver exactly when it fits under the
+evaluator. Grains, not bytes, because CP-SAT misjudges linear constraints whose coefficients
+reach the hundreds of gigabytes that byte counts of large models do: it declared a shape of
+llama-2-70b infeasible that a fixed assignment showed feasible (coefficients 32 times smaller
+and up were right).
 """
 
 import math
@@ -27,11 +33,26 @@ def to_us(seconds: float) -> int:
     return int(math.floor(seconds * 1e6 + 0.5))
 
 
-def to_bytes(nbytes: float) -> int:
-    """A byte count as an exact integer: integers unchanged, fractions rounded up."""
+MEMORY_GRAIN = 512
+
+
+def round_up_to_grain(nbytes: float) -> int:
+    """Bytes rounded up to whole allocation grains."""
     if nbytes < 0:
         raise ValueError(f"negative size {nbytes!r} bytes")
-    return nbytes if isinstance(nbytes, int) else int(math.ceil(nbytes))
+    return int(math.ceil(nbytes / MEMORY_GRAIN)) * MEMORY_GRAIN
+
+
+def to_grains(nbytes: int) -> int:
+    """A byte count the cost model made (a whole number of grains) in grains, exactly."""
+    if nbytes % MEMORY_GRAIN:
+        raise ValueError(f"{nbytes} bytes is not a whole number of {MEMORY_GRAIN}-byte grains")
+    return nbytes // MEMORY_GRAIN
+
+
+def capacity_grains(nbytes: int) -> int:
+    """A capacity in whole grains, rounded down."""
+    return nbytes // MEMORY_GRAIN
 
 
 def fmt_bytes(nbytes: float) -> str:

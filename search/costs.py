@@ -59,7 +59,7 @@ from partita.errors import PartitaError
 from partita.model import LayerKind, ModelSpec
 from partita.plan import LayerStrategy
 from partita.profile import LayerCost, Profile, bus_bytes, layer_cost_at
-from partita.units import GiB, MiB
+from partita.units import GiB, MiB, round_up_to_grain
 
 RESERVE_GPU_BYTES = 3 * GiB
 RESERVE_CPU_BYTES = 256 * MiB
@@ -345,9 +345,11 @@ class CostModel:
             full, kept = int(full * scale), int(kept * scale)
         if role == "head" and self._loss_transient(tp, micro_batch) > transient:
             transient, transient_gathered = self._loss_transient(tp, micro_batch), 0
-        return LayerMemory(weights=weights, gathered_weights=gathered, gradients=gradients, optimizer=optimizer,
-                           activations=kept, recompute_peak=(full - kept) if recompute else 0,
-                           transient=transient, transient_gathered=transient_gathered, params=local_params)
+        up = round_up_to_grain  # every byte count in whole allocation grains (partita.units)
+        return LayerMemory(weights=up(weights), gathered_weights=up(gathered), gradients=up(gradients),
+                           optimizer=up(optimizer), activations=up(kept),
+                           recompute_peak=up(full - kept) if recompute else 0, transient=up(transient),
+                           transient_gathered=up(transient_gathered), params=local_params)
 
     def _block_backward_transient(self, tp: int, micro_batch: int) -> int:
         """A block's backward working set: the gradients of the MLP's three ffn/tp-wide
@@ -489,9 +491,9 @@ def _stage_cost(cm: CostModel, group: NodeGroup, counts: Mapping[LayerChoice, in
 
 
 def activation_message_bytes(cm: CostModel, micro_batch: int) -> int:
-    """One micro-batch's hidden states, b x s x h in the compute dtype: what a stage sends on,
-    gets a gradient of, and keeps per micro-batch in flight."""
-    return micro_batch * cm.seq_len * cm.model.hidden * cm.elem
+    """One micro-batch's hidden states, b x s x h in the compute dtype (in whole allocation
+    grains): what a stage sends on, gets a gradient of, and keeps per micro-batch in flight."""
+    return round_up_to_grain(micro_batch * cm.seq_len * cm.model.hidden * cm.elem)
 
 
 def pipeline_memory(cm: CostModel, counts: Mapping[LayerChoice, int], *, micro_batch: int, num_micro_batches: int,
@@ -514,7 +516,7 @@ def pipeline_memory(cm: CostModel, counts: Mapping[LayerChoice, int], *, micro_b
     buffers = num_micro_batches * act_msg * ((not is_first) + (not is_last))
     if is_last:
         head_tp = next(choice[1] for choice in counts if choice[0] == "head")
-        return buffers, 0, micro_batch * cm.seq_len * (cm.model.vocab // head_tp) * cm.elem
+        return buffers, 0, round_up_to_grain(micro_batch * cm.seq_len * (cm.model.vocab // head_tp) * cm.elem)
     return buffers, act_msg, 0
 
 

@@ -53,7 +53,7 @@ from partita.search.costs import CostModel, activation_message_bytes, choice_of,
 from partita.search.evaluate import Evaluation, evaluate_layout
 from partita.search.uniform import (Layout, SearchSpace, UniformResult, batch_splits, divisors, hosts,
                                     infeasible_error, layer_tp, max_stages, sp_choices, tp_allowed)
-from partita.units import to_bytes, to_us
+from partita.units import capacity_grains, to_grains, to_us
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,8 @@ class Shape:
 
 @dataclass(frozen=True)
 class LayerTable:
-    """Integer costs of one layer kind per (group, strategy)."""
+    """Integer costs of one layer kind per (group, strategy): times in microseconds, memory
+    (the ``*_bytes`` fields) in allocation grains (``partita.units.MEMORY_GRAIN``)."""
 
     strategies: tuple[LayerStrategy, ...]  # name is a placeholder
     time_us: tuple[tuple[int, ...], ...]  # [g][k] forward + backward per micro-batch
@@ -139,10 +140,10 @@ def layer_table(cm: CostModel, role: str, shape: Shape, groups: Sequence[NodeGro
             cols["bwd"].append(to_us(t.backward_s))
             cols["sync"].append(to_us(t.dp_sync_s))
             cols["opt"].append(to_us(cm.optimizer_s(g, m.params)))
-            cols["static"].append(to_bytes(m.static_bytes))
-            cols["act"].append(to_bytes(m.activations))
-            cols["rc"].append(to_bytes(m.recompute_peak))
-            cols["gath"].append(to_bytes(m.transient))
+            cols["static"].append(to_grains(m.static_bytes))
+            cols["act"].append(to_grains(m.activations))
+            cols["rc"].append(to_grains(m.recompute_peak))
+            cols["gath"].append(to_grains(m.transient))
         for k in rows:
             rows[k].append(cols[k])
     keep = list(range(len(strategies))) if cm.model.tie_embeddings and role != "block" else undominated([[rows[k][g][j] for k in ("time", "opt", "static", "act", "rc", "gath") for g in range(len(groups))]
@@ -200,7 +201,7 @@ def build_problem(cm: CostModel, shape: Shape, space: SearchSpace) -> Problem | 
     embed = layer_table(cm, "embed", shape, groups, space)
     head = layer_table(cm, "head", shape, groups, space)
     p2p = tuple(tuple(_p2p_us(cm, a, b, shape) for b in groups) for a in groups)
-    capacity = tuple(to_bytes(g.memory_bytes) - to_bytes(cm.reserve_bytes(g)) for g in groups)
+    capacity = tuple(capacity_grains(g.memory_bytes - cm.reserve_bytes(g)) for g in groups)
     lb = _lower_bound_us(cm, shape, block, embed, head, slots)
     extra = lambda g, first, last, k=0: _stage_extra_bytes(cm, shape, groups, g, block, embed, head,  # noqa: E731
                                                             first=first, last=last, head_k=k)
@@ -212,7 +213,7 @@ def build_problem(cm: CostModel, shape: Shape, space: SearchSpace) -> Problem | 
                    extra_middle=tuple(extra(g, False, False) for g in range(len(groups))),
                    extra_last=tuple(tuple(extra(g, False, True, k) for k in heads) for g in range(len(groups))),
                    extra_alone=tuple(tuple(extra(g, True, True, k) for k in heads) for g in range(len(groups))),
-                   output_bytes=to_bytes(activation_message_bytes(cm, shape.micro_batch)))
+                   output_bytes=to_grains(activation_message_bytes(cm, shape.micro_batch)))
 
 
 def _stage_extra_bytes(cm: CostModel, shape: Shape, groups: Sequence[NodeGroup], g: int, block: LayerTable,
@@ -229,9 +230,9 @@ def _stage_extra_bytes(cm: CostModel, shape: Shape, groups: Sequence[NodeGroup],
                            micro_batch=shape.micro_batch, num_micro_batches=shape.num_micro_batches,
                            next_group=None if last else group)
     own = (sum(t.static_bytes[g][k] for t, k, _ in parts)
-           + sc.in_flight * (sum(t.act_bytes[g][k] for t, k, _ in parts) + sc.output_per_mb)
+           + sc.in_flight * (sum(t.act_bytes[g][k] for t, k, _ in parts) + to_grains(sc.output_per_mb))
            + max(t.recompute_bytes[g][k] for t, k, _ in parts) + max(t.transient_bytes[g][k] for t, k, _ in parts))
-    return to_bytes(sc.peak_bytes) - to_bytes(sc.reserve) - own
+    return to_grains(sc.peak_bytes - sc.reserve) - own
 
 
 def _p2p_us(cm: CostModel, a: NodeGroup, b: NodeGroup, shape: Shape) -> int:
