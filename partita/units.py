@@ -1,7 +1,7 @@
 """Units, and the one place where real numbers become the solver's integers.
 
 The cost model works in seconds and bytes. The CP-SAT model needs integers, so costs are
-turned into integer microseconds and integer bytes here, and only here.
+turned into integer microseconds and integer memory grains here, and only here.
 
 Rounding rule: times round to the nearest microsecond (half up); a step time summed from n
 rounded terms may differ from the float sum by at most n/2 microseconds.

@@ -27,8 +27,9 @@ Objective (the cost model's step time, integer microseconds; ``partita.units`` r
 ``(m - 1) * max_r T_r + sum_r T_r + max_r exposed_dp_r + max_r optimizer_r``. The solver's
 objective equals the evaluator's prediction of the returned plan up to that rounding: each
 per-layer term is rounded to the nearest microsecond, so they differ by at most
-``(m - 1 + pp) * (layers per stage + 1) / 2`` microseconds. Memory is in exact integer bytes,
-summed as the evaluator sums them, so the solver accepts exactly the plans that fit.
+``(m - 1 + pp) * (layers per stage + 1) / 2`` microseconds. Memory is in whole allocation
+grains (``partita.units``: the cost model's byte counts are whole grains), summed as the
+evaluator sums them, so the solver accepts exactly the plans that fit.
 
 The uniform planner's best plan is the warm start (a hint, and an upper bound every shape
 must beat), the fallback, and the yardstick reported in the plan.
@@ -579,7 +580,7 @@ class PlanModel:
                 terms.append(p.p2p_us[g][h] * w)
         return sum(terms)
 
-    # (M) per device memory, in exact bytes as the evaluator counts them: static state +
+    # (M) per device memory, in grains as the evaluator counts it: static state +
     # activations x micro-batches in flight + the stage's largest recompute extra + its largest
     # transient (each a maximum over the stage's layers on its group), within the group's
     # capacity less the reserve.

@@ -90,7 +90,7 @@ def test_cpsat_matches_brute_force_oracle(mem_a, mem_b, global_batch):
 
 def assert_matches_oracle(model, cluster, space, global_batch):
     """The search's plan is as fast as the brute-force optimum (or both find nothing). Both
-    judge memory by the evaluator, in exact bytes."""
+    judge memory by the evaluator."""
     cm = CostModel(model, cluster, seq_len=model.seq_len)
     best = brute_force_best(cm, global_batch, space)
     try:
