@@ -309,9 +309,18 @@ class StageFit:
         self.least_p2p = min(min(r) for r in p.p2p_us)
         self.work = N * min(min(r) for r in p.block.time_us) + self.least_embed + self.least_head
         head_room = min(min(r) for r in p.head.static_bytes)
+        # [group, slot, blocks]: least stage time of its blocks, for a slot that may hold the
+        # first stage, and (tighter) for one that does not: a stage after the first also keeps an
+        # activation receive buffer per micro-batch.
+        self.curves = self._curves(n, head_room, first=True)
+        self.curves_not_first = self._curves(n, head_room, first=False)
+
+    def _curves(self, n: np.ndarray, head_room: int, *, first: bool) -> np.ndarray:
+        p = self.p
+        recv = 0 if first else self.m * p.output_bytes
         by_key: dict[tuple[int, int], np.ndarray] = {}
         rows = []
-        for g in range(G):
+        for g in range(len(p.groups)):
             row = []
             for r in range(p.slots):
                 k = min(r + 1, self.m)
@@ -320,13 +329,14 @@ class StageFit:
                     mem = np.array([p.block.static_bytes[g][j] + k * p.block.act_bytes[g][j]
                                     for j in range(len(p.block.strategies))], float)
                     xs, ys = _hull(mem, np.array(p.block.time_us[g], float))
-                    per_block = (p.capacity_bytes[g] - (head_room if r == 0 else 0) - _slot_floor(p, r, k)) / n
+                    room = p.capacity_bytes[g] - (head_room if r == 0 else 0) - _slot_floor(p, r, k) - recv
+                    per_block = room / n
                     avg = np.interp(per_block, xs, ys)  # beyond the last point: the fastest choice
                     avg[per_block < xs[0]] = np.inf  # not even the leanest choice fits
                     by_key[key] = np.concatenate([[0.0], n * avg])
                 row.append(by_key[key])
             rows.append(np.stack(row))
-        self.curves = np.stack(rows)  # [group, slot, blocks]: least stage time of its blocks
+        return np.stack(rows)
 
     def integer_curve(self, r: int, g: int, grain_steps: int = 1024) -> np.ndarray:
         """Least time of n = 0..N whole blocks in slot r on group g within its memory (blocks
@@ -367,6 +377,8 @@ class StageFit:
         depth up to pp at once."""
         p = self.p
         stage = self.curves[:, :pp].copy()
+        if not empty_slots:  # the first stage is slot pp - 1; every other one receives activations
+            stage[:, :pp - 1] = self.curves_not_first[:, :pp - 1]
         stage[:, 1:] += self.least_p2p
         stage[:, 0] += self.least_head
         if not empty_slots:
