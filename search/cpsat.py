@@ -605,6 +605,7 @@ class PlanModel:
             k_in_flight = min(r + 1, m_count)
             recompute = self._stage_max(r, "recompute_bytes", f"recompute_peak[{r}]")
             transient = self._stage_max(r, "transient_bytes", f"transient[{r}]")
+            extra = self._stage_extra(r)
             for g in range(G):
                 static = sum(p.block.static_bytes[g][k] * self.c[r][g][k] for k in range(nb))
                 # Every stage but the last keeps its output per micro-batch in flight.
@@ -615,7 +616,7 @@ class PlanModel:
                 if r == 0:
                     static += sum(p.head.static_bytes[g][k] * self.h[g][k] for k in range(nh))
                     acts += sum(p.head.act_bytes[g][k] * self.h[g][k] for k in range(nh))
-                self.m.add(static + k_in_flight * acts + recompute + transient + self._stage_extra(r)
+                self.m.add(static + k_in_flight * acts + recompute + transient + extra
                            <= p.capacity_bytes[g]).only_enforce_if(self.y[r][g])
 
     def _stage_extra(self, r: int) -> cp_model.LinearExprT:
@@ -625,10 +626,6 @@ class PlanModel:
         G = len(p.groups)
         if not p.extra_first:
             return 0
-        if not hasattr(self, "_extras"):
-            self._extras: dict[int, cp_model.IntVar] = {}
-        if r in self._extras:
-            return self._extras[r]
         values = [v for row in (p.extra_first, p.extra_middle) for v in row]
         values += [v for t in (p.extra_last, p.extra_alone) for row in t for v in row]
         if not any(values):
@@ -644,7 +641,6 @@ class PlanModel:
                 for k in range(len(p.head.strategies)):
                     self.m.add(var >= p.extra_alone[g][k]).only_enforce_if([self.h[g][k], first])
                     self.m.add(var >= p.extra_last[g][k]).only_enforce_if([self.h[g][k], first.Not()])
-        self._extras[r] = var
         return var
 
     def _stage_max(self, r: int, field: str, name: str) -> cp_model.IntVar:
