@@ -1,0 +1,402 @@
+"""Price published, measured training runs with Partita's cost model and print predicted
+against measured throughput, with the source of every number.
+
+    python benchmarks/published_runs.py [--runs benchmarks/published_runs.yaml] [--json rows.json]
+
+Each run in the YAML (its header documents the fields) is built as Partita's layout at the
+published configuration -- model, cluster, tensor/pipeline/data-parallel degrees, ZeRO level,
+micro-batch, global batch, sequence length, recomputation -- and priced with the analytic cost
+model (no measured profile) through ``partita.search.evaluate.evaluate_layout``.
+
+Both sides are compared in one metric, tokens per second per GPU:
+
+* predicted: global_batch * seq_len / (predicted step time * GPUs);
+* measured, as published: tokens/s per GPU as is; a step time the same way as the prediction;
+  teraFLOP/s per GPU divided by the FLOPs per token of the formula the source counted with
+  (Megatron-LM's 96 B s l h^2 (1 + s/6h + V/16lh) per step of B sequences, which counts the
+  recomputed forward).
+
+The MFU columns put both through one formula: Partita's model FLOPs per token
+(``ModelSpec.train_flops_per_token``: 3x the forward, no recomputation) times tokens/s over the
+catalog's dense peak of the device for the run's dtype. Error is (predicted - measured) /
+measured. Runs marked ``closest`` are priced at the nearest configuration Partita can express
+(their differences are printed); ``not_expressible`` runs are listed, not priced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from rich.console import Console
+from rich.table import Table
+
+from partita import specio
+from partita.cluster import ClusterSpec, parse_short
+from partita.devices import get_device
+from partita.errors import PartitaError
+from partita.model import BUILTIN, ModelSpec
+from partita.search.costs import CostModel
+from partita.search.evaluate import Evaluation, evaluate_layout
+from partita.search.uniform import split_blocks, stage_layer_names, strategy
+
+DEFAULT_RUNS = Path(__file__).with_name("published_runs.yaml")
+PRICINGS = ("exact", "closest", "not_expressible")
+METRICS = ("tokens_per_s_per_gpu", "tflops_per_gpu", "step_time_s")
+FLOPS_FORMULAS = ("megatron_recompute",)
+OVERRIDES = ("memory_gib", "intra_node_gbps", "network_gbps")
+SOURCE_KEYS = ("title", "where", "url")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Measured:
+    metric: str
+    value: float
+    flops: str | None = None  # the FLOP-count convention of a tflops_per_gpu figure
+
+
+@dataclass(frozen=True, kw_only=True)
+class PublishedRun:
+    """One published run at its configuration, as the YAML gives it."""
+
+    id: str
+    source: Mapping[str, str]
+    model: ModelSpec
+    cluster: ClusterSpec
+    seq_len: int
+    dtype: str
+    tp: int
+    pp: int
+    dp: int
+    zero: int
+    sequence_parallel: bool
+    micro_batch: int
+    global_batch: int
+    recompute: bool
+    measured: Measured
+    pricing: str
+    blocks_per_stage: tuple[int, ...] | None = None
+    differences: tuple[str, ...] = ()
+    why: str = ""
+    assumed: tuple[str, ...] = ()
+    notes: str = ""
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def num_micro_batches(self) -> int:
+        return self.global_batch // (self.dp * self.micro_batch)
+
+    @property
+    def config(self) -> str:
+        parts = [f"tp{self.tp} pp{self.pp} dp{self.dp}", f"ZeRO-{self.zero}" if self.zero else "DDP"]
+        if self.sequence_parallel:
+            parts.append("SP")
+        parts.append(f"mb{self.micro_batch}x{self.num_micro_batches} gbs{self.global_batch} seq{self.seq_len}")
+        parts.append("recompute" if self.recompute else "no recompute")
+        return f"{self.model.name} on {self.cluster.short}: " + ", ".join(parts) + f", {self.dtype}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Row:
+    """One line of the table (and of --json)."""
+
+    id: str
+    source: str
+    url: str
+    config: str
+    pricing: str
+    zero: int
+    measured_as_published: str
+    measured_tokens_per_s_per_gpu: float
+    measured_mfu: float
+    predicted_tokens_per_s_per_gpu: float | None = None
+    predicted_mfu: float | None = None
+    predicted_step_time_s: float | None = None
+    error_pct: float | None = None
+    fits: bool | None = None
+    breakdown: dict[str, float] = dataclasses.field(default_factory=dict)
+    remark: str = ""  # the differences of a closest row, the reason of a not-expressible one
+
+
+# ---- reading the YAML ------------------------------------------------------------------------
+def load_runs(path: str | Path = DEFAULT_RUNS) -> list[PublishedRun]:
+    data = specio.require_mapping(specio.load_yaml(path), str(path))
+    specio.check_version(data, 1, str(path))
+    runs = data.get("runs")
+    if not isinstance(runs, list) or not runs:
+        raise PartitaError(f"{path}: 'runs' must be a non-empty list")
+    out = [run_from_dict(r, f"{path}: runs[{i}]") for i, r in enumerate(runs)]
+    ids = [r.id for r in out]
+    dupes = sorted({i for i in ids if ids.count(i) > 1})
+    if dupes:
+        raise PartitaError(f"{path}: run ids must be unique; repeated: {', '.join(dupes)}")
+    return out
+
+
+def run_from_dict(data: Any, where: str) -> PublishedRun:
+    data = specio.require_mapping(data, where)
+    fields = [f.name for f in dataclasses.fields(PublishedRun)] + ["cluster_overrides"]
+    unknown = [k for k in data if k not in fields]
+    if unknown:
+        raise PartitaError(f"{where}: unknown key {unknown[0]!r}; valid keys: {', '.join(fields)}")
+    required = ("id", "source", "model", "cluster", "seq_len", "dtype", "tp", "pp", "dp", "zero",
+                "sequence_parallel", "micro_batch", "global_batch", "recompute", "measured", "pricing")
+    missing = [k for k in required if k not in data]
+    if missing:
+        raise PartitaError(f"{where}: missing {', '.join(missing)}")
+    run_id = specio.get_str(data, "id", where)
+    where = f"{where} ({run_id})"
+    source = _source(data["source"], where)
+    model = _model(data["model"], where)
+    cluster = _cluster(data["cluster"], data.get("cluster_overrides") or {}, where)
+    ints = {k: specio.get_int(data, k, where) for k in ("seq_len", "tp", "pp", "dp", "micro_batch", "global_batch")}
+    zero = specio.get_int(data, "zero", where, minimum=0)
+    if zero > 3:
+        raise PartitaError(f"{where}: zero must be 0, 1, 2 or 3, got {zero}")
+    pricing = specio.get_str(data, "pricing", where, choices=PRICINGS)
+    run = PublishedRun(
+        id=run_id, source=source, model=model, cluster=cluster, zero=zero, pricing=pricing,
+        dtype=specio.get_str(data, "dtype", where, choices=("bf16", "fp16")),
+        sequence_parallel=specio.get_bool(data, "sequence_parallel", where),
+        recompute=specio.get_bool(data, "recompute", where),
+        measured=_measured(data["measured"], where),
+        blocks_per_stage=tuple(data["blocks_per_stage"]) if data.get("blocks_per_stage") else None,
+        differences=tuple(_strings(data, "differences", where)), assumed=tuple(_strings(data, "assumed", where)),
+        why=_optional_str(data, "why", where), notes=_optional_str(data, "notes", where),
+        **ints)
+    _check_run(run, where)
+    return run
+
+
+def _source(data: Any, where: str) -> dict[str, str]:
+    data = specio.require_mapping(data, f"{where}: source")
+    for key in SOURCE_KEYS:
+        if not isinstance(data.get(key), str) or not data[key].strip():
+            raise PartitaError(f"{where}: source needs a non-empty {key!r} ({', '.join(SOURCE_KEYS)})")
+    extra = [k for k in data if k not in SOURCE_KEYS]
+    if extra:
+        raise PartitaError(f"{where}: source: unknown key {extra[0]!r}; valid keys: {', '.join(SOURCE_KEYS)}")
+    return {k: data[k] for k in SOURCE_KEYS}
+
+
+def _model(data: Any, where: str) -> ModelSpec:
+    if isinstance(data, str):
+        if data not in BUILTIN:
+            raise PartitaError(f"{where}: model {data!r} is not built in; give its ModelSpec fields instead")
+        return BUILTIN[data]
+    return ModelSpec.from_dict(data, f"{where}: model")
+
+
+def _cluster(text: Any, overrides: Any, where: str) -> ClusterSpec:
+    if not isinstance(text, str):
+        raise PartitaError(f"{where}: cluster must be a short form like 16x8xH100")
+    cluster = parse_short(text)
+    if len(cluster.groups) != 1:
+        raise PartitaError(f"{where}: a published run here is one node group, got {text!r}")
+    overrides = specio.require_mapping(overrides, f"{where}: cluster_overrides")
+    bad = [k for k in overrides if k not in OVERRIDES]
+    if bad:
+        raise PartitaError(f"{where}: cluster_overrides: unknown key {bad[0]!r}; valid keys: {', '.join(OVERRIDES)}")
+    group = cluster.groups[0]
+    changes: dict[str, Any] = {}
+    if "memory_gib" in overrides:
+        changes["memory_bytes"] = int(specio.get_float(overrides, "memory_gib", where) * 2**30)
+    for key in ("intra_node_gbps", "network_gbps"):
+        if key in overrides:
+            changes[key] = specio.get_float(overrides, key, where)
+    return dataclasses.replace(cluster, groups=(dataclasses.replace(group, **changes),))
+
+
+def _measured(data: Any, where: str) -> Measured:
+    data = specio.require_mapping(data, f"{where}: measured")
+    metric = specio.get_str(data, "metric", where, choices=METRICS)
+    value = specio.get_float(data, "value", where)
+    flops = data.get("flops")
+    if metric == "tflops_per_gpu" and flops not in FLOPS_FORMULAS:
+        raise PartitaError(f"{where}: a tflops_per_gpu figure needs flops: one of {', '.join(FLOPS_FORMULAS)}")
+    extra = [k for k in data if k not in ("metric", "value", "flops")]
+    if extra:
+        raise PartitaError(f"{where}: measured: unknown key {extra[0]!r}; valid keys: metric, value, flops")
+    return Measured(metric=metric, value=value, flops=flops)
+
+
+def _optional_str(data: Mapping[str, Any], key: str, where: str) -> str:
+    return specio.get_str(data, key, where) if key in data else ""
+
+
+def _strings(data: Mapping[str, Any], key: str, where: str) -> list[str]:
+    value = data.get(key) or []
+    if not isinstance(value, list) or not all(isinstance(v, str) and v.strip() for v in value):
+        raise PartitaError(f"{where}: {key} must be a list of sentences")
+    return value
+
+
+def _check_run(run: PublishedRun, where: str) -> None:
+    """The numbers must make one layout; say which do not."""
+    if run.gpus != run.cluster.world_size:
+        raise PartitaError(f"{where}: tp {run.tp} x pp {run.pp} x dp {run.dp} = {run.gpus} GPUs, but the cluster "
+                           f"{run.cluster.short} has {run.cluster.world_size}")
+    if run.global_batch % (run.dp * run.micro_batch):
+        raise PartitaError(f"{where}: global batch {run.global_batch} is not a multiple of dp {run.dp} x micro-batch "
+                           f"{run.micro_batch}")
+    if run.pricing == "closest" and not run.differences:
+        raise PartitaError(f"{where}: a closest pricing must list its differences")
+    if run.pricing == "not_expressible" and not run.why:
+        raise PartitaError(f"{where}: a not_expressible run must say why")
+    if run.pricing == "exact" and run.differences:
+        raise PartitaError(f"{where}: an exact pricing has no differences; call it closest")
+    if run.blocks_per_stage is not None:
+        if len(run.blocks_per_stage) != run.pp or sum(run.blocks_per_stage) != run.model.n_layers:
+            raise PartitaError(f"{where}: blocks_per_stage {list(run.blocks_per_stage)} must have pp = {run.pp} "
+                               f"entries summing to the model's {run.model.n_layers} blocks")
+    why = run.model.kinds["block"].tp_divides(run.tp)
+    if why:
+        raise PartitaError(f"{where}: {why}")
+    if run.sequence_parallel and run.tp == 1:
+        raise PartitaError(f"{where}: sequence parallelism needs tp > 1")
+
+
+# ---- the common metric -----------------------------------------------------------------------
+def megatron_flops_per_token(model: ModelSpec, seq_len: int) -> float:
+    """FLOPs per token Megatron-LM counts with full recomputation (Narayanan et al. 2021,
+    Appendix): 96 B s l h^2 (1 + s/6h + V/16lh) per step of B sequences of s tokens."""
+    l, h, s, v = model.n_layers, model.hidden, seq_len, model.vocab
+    return 96.0 * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
+
+
+def measured_tokens_per_s_per_gpu(run: PublishedRun) -> float:
+    m = run.measured
+    if m.metric == "tokens_per_s_per_gpu":
+        return m.value
+    if m.metric == "step_time_s":
+        return run.global_batch * run.seq_len / (m.value * run.gpus)
+    if m.flops == "megatron_recompute":
+        return m.value * 1e12 / megatron_flops_per_token(run.model, run.seq_len)
+    raise PartitaError(f"{run.id}: no conversion for {m.metric} counted as {m.flops}")
+
+
+def mfu(run: PublishedRun, tokens_per_s_per_gpu: float) -> float:
+    peak = get_device(run.cluster.groups[0].device).peak_tflops(run.dtype) * 1e12
+    return tokens_per_s_per_gpu * run.model.train_flops_per_token(run.seq_len) / peak
+
+
+def as_published(m: Measured) -> str:
+    if m.metric == "tokens_per_s_per_gpu":
+        return f"{m.value:,.1f} tok/s/GPU"
+    if m.metric == "step_time_s":
+        return f"{m.value:.2f} s/step"
+    return f"{m.value:g} TFLOP/s/GPU"
+
+
+# ---- pricing ----------------------------------------------------------------------------------
+def evaluate_run(run: PublishedRun) -> Evaluation:
+    """The published layout, priced by the analytic cost model."""
+    cm = CostModel(run.model, run.cluster, seq_len=run.seq_len, dtype=run.dtype)
+    group = run.cluster.groups[0]
+    blocks = list(run.blocks_per_stage or split_blocks(run.model.n_layers, run.pp))
+    stages = [(group, [strategy(run.model, name, tp=run.tp, sp=run.sequence_parallel, zero=run.zero,
+                                recompute=run.recompute) for name in names])
+              for names in stage_layer_names(run.model, blocks)]
+    return evaluate_layout(cm, stages, dp=run.dp, tp=run.tp, micro_batch=run.micro_batch,
+                           num_micro_batches=run.num_micro_batches)
+
+
+def price(run: PublishedRun) -> Row:
+    measured = measured_tokens_per_s_per_gpu(run)
+    base = dict(id=run.id, source=f"{run.source['title']} -- {run.source['where']}", url=run.source["url"],
+                config=run.config, pricing=run.pricing, zero=run.zero, measured_as_published=as_published(run.measured),
+                measured_tokens_per_s_per_gpu=measured, measured_mfu=mfu(run, measured))
+    if run.pricing == "not_expressible":
+        return Row(**base, remark=f"not expressible: {run.why}")
+    ev = evaluate_run(run)
+    predicted = run.global_batch * run.seq_len / (ev.step_time_s * run.gpus)
+    return Row(**base, predicted_tokens_per_s_per_gpu=predicted, predicted_mfu=mfu(run, predicted),
+               predicted_step_time_s=ev.step_time_s, error_pct=100.0 * (predicted - measured) / measured,
+               fits=ev.fits, breakdown={k: round(v, 6) for k, v in ev.breakdown.items()},
+               remark="; ".join(run.differences))
+
+
+# ---- summary ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Summary:
+    label: str
+    count: int
+    median_abs_error_pct: float | None
+    max_abs_error_pct: float | None
+    worst: str | None
+
+
+def summarise(label: str, rows: Sequence[Row]) -> Summary:
+    priced = [r for r in rows if r.error_pct is not None]
+    if not priced:
+        return Summary(label, 0, None, None, None)
+    errors = [abs(r.error_pct) for r in priced]  # type: ignore[arg-type]
+    worst = max(priced, key=lambda r: abs(r.error_pct))  # type: ignore[arg-type]
+    return Summary(label, len(priced), statistics.median(errors), max(errors), worst.id)
+
+
+def summaries(rows: Sequence[Row]) -> list[Summary]:
+    return [summarise("priced (exact + closest)", rows),
+            summarise("exact only", [r for r in rows if r.pricing == "exact"]),
+            summarise("ZeRO-3 / FSDP rows", [r for r in rows if r.zero == 3])]
+
+
+# ---- output -----------------------------------------------------------------------------------
+def render(rows: Sequence[Row], console: Console) -> None:
+    table = Table(title="Published runs: predicted (analytic cost model) against measured", show_lines=True)
+    for name, kw in (("run", {}), ("source", {"max_width": 46}), ("config", {"max_width": 44}),
+                     ("measured", {"justify": "right"}), ("predicted", {"justify": "right"}),
+                     ("error %", {"justify": "right"})):
+        table.add_column(name, **kw)
+    for r in rows:
+        measured = (f"{r.measured_as_published}\n= {r.measured_tokens_per_s_per_gpu:,.1f} tok/s/GPU\n"
+                    f"MFU {100 * r.measured_mfu:.1f} %")
+        if r.predicted_tokens_per_s_per_gpu is None:
+            predicted, error = "-", "-"
+        else:
+            predicted = (f"{r.predicted_tokens_per_s_per_gpu:,.1f} tok/s/GPU\nMFU {100 * (r.predicted_mfu or 0):.1f} %\n"
+                         f"step {r.predicted_step_time_s:.2f} s" + ("" if r.fits else "\n(over memory)"))
+            error = f"{r.error_pct:+.1f}"
+        run = r.id + ("" if r.pricing == "exact" else f"\n[{r.pricing.replace('_', ' ')}]")
+        config = r.config + (f"\n{'closest; differs: ' if r.pricing == 'closest' else ''}{r.remark}" if r.remark else "")
+        table.add_row(run, f"{r.source}\n{r.url}", config, measured, predicted, error)
+    console.print(table)
+    for s in summaries(rows):
+        if s.count:
+            console.print(f"{s.label}: {s.count} rows, median |error| {s.median_abs_error_pct:.1f} %, "
+                          f"max |error| {s.max_abs_error_pct:.1f} % ({s.worst})")
+        else:
+            console.print(f"{s.label}: no rows")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", default=str(DEFAULT_RUNS), help="the runs file (default: %(default)s)")
+    ap.add_argument("--json", metavar="PATH", help="also write the rows and the summary as JSON")
+    args = ap.parse_args(argv)
+    try:
+        rows = [price(run) for run in load_runs(args.runs)]
+    except PartitaError as e:
+        print(f"published_runs: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        payload = {"rows": [dataclasses.asdict(r) for r in rows],
+                   "summary": [dataclasses.asdict(s) for s in summaries(rows)]}
+        Path(args.json).write_text(json.dumps(payload, indent=2, allow_nan=False) + "\n")
+    render(rows, Console(highlight=False, width=None if sys.stdout.isatty() else 200))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
