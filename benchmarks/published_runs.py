@@ -353,8 +353,9 @@ def summaries(rows: Sequence[Row]) -> list[Summary]:
 
 # ---- output -----------------------------------------------------------------------------------
 def render(rows: Sequence[Row], console: Console) -> None:
+    """The table, then what each priced-at-closest or unpriced row differs by, then the summary."""
     table = Table(title="Published runs: predicted (analytic cost model) against measured", show_lines=True)
-    for name, kw in (("run", {}), ("source", {"max_width": 46}), ("config", {"max_width": 44}),
+    for name, kw in (("run", {}), ("source", {"max_width": 48}), ("config", {"max_width": 40}),
                      ("measured", {"justify": "right"}), ("predicted", {"justify": "right"}),
                      ("error %", {"justify": "right"})):
         table.add_column(name, **kw)
@@ -362,15 +363,19 @@ def render(rows: Sequence[Row], console: Console) -> None:
         measured = (f"{r.measured_as_published}\n= {r.measured_tokens_per_s_per_gpu:,.1f} tok/s/GPU\n"
                     f"MFU {100 * r.measured_mfu:.1f} %")
         if r.predicted_tokens_per_s_per_gpu is None:
-            predicted, error = "-", "-"
+            predicted, error = "not expressible", "-"
         else:
             predicted = (f"{r.predicted_tokens_per_s_per_gpu:,.1f} tok/s/GPU\nMFU {100 * (r.predicted_mfu or 0):.1f} %\n"
                          f"step {r.predicted_step_time_s:.2f} s" + ("" if r.fits else "\n(over memory)"))
             error = f"{r.error_pct:+.1f}"
         run = r.id + ("" if r.pricing == "exact" else f"\n[{r.pricing.replace('_', ' ')}]")
-        config = r.config + (f"\n{'closest; differs: ' if r.pricing == 'closest' else ''}{r.remark}" if r.remark else "")
-        table.add_row(run, f"{r.source}\n{r.url}", config, measured, predicted, error)
+        table.add_row(run, r.source, r.config, measured, predicted, error)
     console.print(table)
+    for r in rows:
+        if r.remark:
+            label = "closest, differs by" if r.pricing == "closest" else "not priced"
+            console.print(f"- {r.id} ({label}): {r.remark.removeprefix('not expressible: ')}")
+    console.print()
     for s in summaries(rows):
         if s.count:
             console.print(f"{s.label}: {s.count} rows, median |error| {s.median_abs_error_pct:.1f} %, "

@@ -1,0 +1,126 @@
+"""benchmarks/published_runs.yaml is well formed and every run Partita can express gets a finite
+prediction from the cost model. No assertion on the size of the errors: the yardstick must not
+move with the cost model it measures."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from partita.errors import PartitaError
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _load_module():
+    spec = importlib.util.spec_from_file_location("published_runs", BENCHMARKS / "published_runs.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
+    spec.loader.exec_module(module)
+    return module
+
+
+pr = _load_module()
+RUNS = pr.load_runs(BENCHMARKS / "published_runs.yaml")
+RAW = yaml.safe_load((BENCHMARKS / "published_runs.yaml").read_text())
+
+
+def test_the_file_holds_between_8_and_20_runs_with_unique_ids():
+    assert 8 <= len(RUNS) <= 20
+    assert len({r.id for r in RUNS}) == len(RUNS)
+
+
+@pytest.mark.parametrize("run", RUNS, ids=lambda r: r.id)
+def test_every_run_names_its_source(run):
+    for key in ("title", "where", "url"):
+        assert run.source[key].strip()
+    assert run.source["url"].startswith("https://")
+
+
+@pytest.mark.parametrize("run", RUNS, ids=lambda r: r.id)
+def test_every_run_is_one_consistent_layout(run):
+    assert run.tp * run.pp * run.dp == run.cluster.world_size
+    assert run.global_batch % (run.dp * run.micro_batch) == 0
+    assert run.measured.value > 0
+    assert run.pricing in pr.PRICINGS
+    assert (run.pricing == "closest") == bool(run.differences)
+    assert (run.pricing == "not_expressible") == bool(run.why)
+
+
+@pytest.mark.parametrize("run", [r for r in RUNS if r.pricing != "not_expressible"], ids=lambda r: r.id)
+def test_every_expressible_run_gets_a_finite_prediction(run):
+    row = pr.price(run)
+    for value in (row.predicted_tokens_per_s_per_gpu, row.predicted_step_time_s, row.error_pct, row.predicted_mfu,
+                  row.measured_tokens_per_s_per_gpu):
+        assert value is not None and math.isfinite(value)
+    assert row.predicted_tokens_per_s_per_gpu > 0 and row.predicted_step_time_s > 0
+
+
+@pytest.mark.parametrize("run", [r for r in RUNS if r.pricing == "not_expressible"], ids=lambda r: r.id)
+def test_a_run_partita_cannot_express_is_listed_not_priced(run):
+    row = pr.price(run)
+    assert row.predicted_tokens_per_s_per_gpu is None and row.error_pct is None
+    assert row.remark.startswith("not expressible: ")
+
+
+def test_the_three_published_metrics_become_tokens_per_second_per_gpu():
+    by_id = {r.id: r for r in RUNS}
+    bloom = by_id["bloom-176b-384xA100"]  # 104.70 s per step of 2048 x 2048 tokens on 384 GPUs
+    assert pr.measured_tokens_per_s_per_gpu(bloom) == pytest.approx(2048 * 2048 / (104.70 * 384))
+    tt = by_id["tt-llama3-70b-64xA100-fsdp"]
+    assert pr.measured_tokens_per_s_per_gpu(tt) == 331
+    # Megatron's 1T row: 96 l h^2 (1 + s/6h + V/16lh) FLOPs per token at 163 TFLOP/s
+    one_t = by_id["megatron-1t-3072xA100"]
+    per_token = 96 * 128 * 25600**2 * (1 + 2048 / (6 * 25600) + 51200 / (16 * 128 * 25600))
+    assert pr.measured_tokens_per_s_per_gpu(one_t) == pytest.approx(163e12 / per_token)
+
+
+def test_mfu_of_a_published_row_matches_the_figure_its_source_prints():
+    """torchtitan prints MFU beside tokens/s for the 70B A100 run (51.7 %) over the A100's 312
+    TFLOP/s bf16 peak; its FLOPs per token then also counted the embedding table's parameters
+    (6 x 1.05e9 more, 1.3 %), which Partita's model FLOPs leave out (a lookup)."""
+    tt = {r.id: r for r in RUNS}["tt-llama3-70b-64xA100-fsdp"]
+    assert pr.mfu(tt, 331) == pytest.approx(0.517, rel=0.015)
+
+
+def _with(run_index: int, **changes) -> dict:
+    data = copy.deepcopy(RAW)
+    data["runs"] = [data["runs"][run_index]]
+    data["runs"][0].update(changes)
+    return data
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"tp": 2}, "GPUs, but the cluster"),
+    ({"global_batch": 17}, "not a multiple"),
+    ({"pricing": "closest", "differences": []}, "must list its differences"),
+    ({"pricing": "fuzzy"}, "is not one of"),
+    ({"source": {"title": "t", "where": "w"}}, "source needs"),
+    ({"speed": 3}, "unknown key 'speed'"),
+    ({"measured": {"metric": "tflops_per_gpu", "value": 100}}, "needs flops"),
+    ({"model": "not-a-model"}, "not built in"),
+    ({"cluster_overrides": {"hbm_gbps": 2400}}, "unknown key 'hbm_gbps'"),
+    ({"blocks_per_stage": [1, 2]}, "blocks_per_stage"),
+])
+def test_bad_entries_are_refused_with_what_to_change(tmp_path, changes, message):
+    path = tmp_path / "runs.yaml"
+    path.write_text(yaml.safe_dump(_with(2, **changes)))
+    with pytest.raises(PartitaError, match=message):
+        pr.load_runs(path)
+
+
+def test_the_script_writes_json_rows_and_the_summary(tmp_path, capsys):
+    out = tmp_path / "rows.json"
+    assert pr.main(["--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert [r["id"] for r in data["rows"]] == [r.id for r in RUNS]
+    assert {s["label"] for s in data["summary"]} == {"priced (exact + closest)", "exact only", "ZeRO-3 / FSDP rows"}
+    printed = capsys.readouterr().out
+    assert "median |error|" in printed and "not expressible" in printed
