@@ -103,6 +103,7 @@ class StageMemory:
     reserve_bytes: int  # CUDA context, allocator fragmentation, workspace
     gathered_weights_bytes: int = 0  # the compute-dtype copies FSDP2 keeps from forward to backward
     pipeline_buffers_bytes: int = 0  # the pipeline schedule's per-micro-batch receive buffers
+    peak_at: str = ""  # the moment of the peak: a layer and its phase, e.g. "layers.4 backward"
 
     CATEGORIES = ("weights", "gathered_weights", "gradients", "optimizer", "activations", "transient",
                   "pipeline_buffers", "reserve")
@@ -117,6 +118,8 @@ class StageMemory:
 
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if not self.peak_at:
+            del d["peak_at"]
         d["peak_bytes"] = self.peak_bytes
         return d
 
@@ -124,9 +127,9 @@ class StageMemory:
     def from_dict(cls, data: Any, where: str) -> "StageMemory":
         data = dict(specio.require_mapping(data, where))
         data.pop("peak_bytes", None)
-        optional = ("gathered_weights_bytes", "pipeline_buffers_bytes")
+        optional = ("gathered_weights_bytes", "pipeline_buffers_bytes", "peak_at")
         specio.check_keys(data, cls, where, required=[f.name for f in dataclasses.fields(cls) if f.name not in optional])
-        return cls(**{f.name: specio.get_str(data, f.name, where) if f.name == "device"
+        return cls(**{f.name: specio.get_str(data, f.name, where) if f.name in ("device", "peak_at")
                       else specio.get_int(data, f.name, where, minimum=0) for f in dataclasses.fields(cls)
                       if f.name in data})
 

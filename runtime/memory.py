@@ -17,6 +17,7 @@ fragmentation) is not a tensor and is not tracked; on GPUs the allocator's own p
 
 from __future__ import annotations
 
+import re
 from typing import Any, Callable, TypeVar
 
 import torch
@@ -28,6 +29,7 @@ from torch.distributed.fsdp import FSDPModule
 
 T = TypeVar("T")
 _STEP = "partita training step"
+_LAYER = re.compile(r"(?:^|\.)(embed|head|layers\.\d+)$")  # a layer module's own FQN, not one inside it
 
 # The plan's categories (``partita.plan.StageMemory``), reserve excluded.
 CATEGORIES = ("weights", "gathered_weights", "gradients", "optimizer", "activations", "transient", "pipeline_buffers")
@@ -66,7 +68,10 @@ class _FSDPStepTracker(FSDPMemTracker):
 
 class StepMemory:
     """Measures one training step: ``run(step)`` returns the step's result; ``peak`` and
-    ``raw_peak`` (the tracker's own labels) hold the bytes at the step's peak."""
+    ``raw_peak`` (the tracker's own labels) hold the bytes at the step's peak; ``moments``
+    the bytes at each layer's own forward and backward peak (``{"layers.4 backward": {...}}``,
+    the largest over the step's micro-batches), to compare with the moment a plan names
+    (``StageMemory.peak_at``)."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
                  buffers: list[torch.Tensor] = ()) -> None:
@@ -81,6 +86,7 @@ class StepMemory:
             self.tracker.track_external(model, optimizer)
         self.raw_peak: dict[str, int] = {}
         self.peak: dict[str, int] = {}
+        self.moments: dict[str, dict[str, int]] = {}
 
     def run(self, step: Callable[[], T]) -> T:
         # The trackers refuse a model called again at the top level (they take it for the next
@@ -98,7 +104,27 @@ class StepMemory:
         snapshot = self.tracker.get_tracker_snapshot("peak")
         self.raw_peak = {getattr(k, "value", str(k)): int(v) for k, v in _device_snapshot(snapshot, self.device).items()}
         self.peak = categorize(self.raw_peak) | {"pipeline_buffers": self.buffer_bytes}
+        self.moments = self._layer_moments()
         return result
+
+    def _layer_moments(self) -> dict[str, dict[str, int]]:
+        out: dict[str, dict[str, int]] = {}
+        for stats in self.tracker.memory_tracking.values():
+            match = _LAYER.search(stats.mod_fqn)
+            if match is None:
+                continue  # the stage or model around the layers, or a module inside one
+            for state, snapshots in stats.snapshots.items():
+                phase = str(getattr(state, "value", state)).lower()
+                if "peak" not in phase:
+                    continue
+                phase = "forward" if "forward" in phase else "backward"
+                raws = [{getattr(k, "value", str(k)): int(v) for k, v in _device_snapshot(snap, self.device).items()}
+                        for snap in snapshots]
+                raws = [r for r in raws if r]
+                if raws:
+                    top = max(raws, key=lambda r: r.get("Total", sum(r.values())))
+                    out[f"{match.group(1)} {phase}"] = categorize(top) | {"pipeline_buffers": self.buffer_bytes}
+        return out
 
 
 def _device_snapshot(snapshot: dict, device: torch.device) -> dict:

@@ -226,6 +226,7 @@ class Trainer:
         # then), or its only one.
         tracked_step = min(self.start_step + 1, cfg.steps - 1) if cfg.memory_report else None
         self.measured_memory: dict[str, int] | None = None
+        self.measured_moments: dict[str, dict[str, int]] = {}  # each layer's forward and backward peak
         step_times, losses = self.step_times, []
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -245,6 +246,7 @@ class Trainer:
                 memory = StepMemory(self.model, self.optimizer, device, self.runner.receive_buffers())
                 loss_sum, grad_norm = memory.run(one_step)
                 self.measured_memory = memory.peak
+                self.measured_moments = memory.moments
             else:
                 loss_sum, grad_norm = one_step()
             loss = _global_loss(loss_sum if reports_loss else None, plan, device)

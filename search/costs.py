@@ -27,13 +27,16 @@ Conventions (all per device of a stage, per micro-batch unless said otherwise):
   docs/search.md has the table and tests/test_runtime_memory.py measures it). Per parameter,
   S = dp at ZeRO 1-3 and 1 at ZeRO 0: fp32 weights 4/S (the optimizer's master copy), the
   compute-dtype copy FSDP2 keeps from forward to backward at ZeRO 0-2, fp32 gradients (4,
-  unsharded while they accumulate over micro-batches at ZeRO 0-1; else 4/S), Adam 8/S. A
-  stage also holds the largest of its layers' transients (ZeRO-2/3 gathers, the backward's
-  working set, the loss's backward) and the largest recomputed layer's activations, and under
-  a pipeline the schedule's receive buffers and kept outputs (``pipeline_memory``).
-* Activations: one micro-batch's saved tensors times the micro-batches in flight at that
-  stage under 1F1B: ``min(pp - stage, micro_batches)``; a recomputed layer keeps only its
-  input.
+  unsharded while they accumulate over micro-batches at ZeRO 0-1; else 4/S), Adam 8/S. Under
+  a pipeline a stage also holds the schedule's receive buffers and kept outputs
+  (``pipeline_memory``).
+* Activations and transients: k = ``min(pp - stage, micro_batches)`` micro-batches are in
+  flight at a 1F1B stage's peak (a recomputed layer keeps only its input). k - 1 of them hold
+  all their activations; the running one holds those of the layers up to some layer j, which
+  adds its own transient (a ZeRO-2/3 gather in forward; in backward the re-gathered
+  parameters, the recomputed activations, the working set, the loss's backward). The stage's
+  peak is the largest such moment, taken over its layers in order (``_stage_cost``); the
+  search writes layers in the order that makes it least (``canonical_order``).
 * A fixed reserve per device for the CUDA context, communication buffers and allocator
   fragmentation: ``RESERVE_GPU_BYTES`` (3 GiB) on GPUs, ``RESERVE_CPU_BYTES`` on CPU ranks.
 * Pipeline: 1F1B step time = (m - 1) * max_s T_s + sum_s T_s, with T_s one micro-batch's
@@ -112,10 +115,11 @@ class LayerMemory:
     gradients: int  # at their peak: accumulated unsharded, or the sharded result
     optimizer: int
     activations: int  # one micro-batch, as kept for backward
-    recompute_peak: int  # extra bytes while this layer is recomputed in backward
-    transient: int  # extra bytes while the layer runs: ZeRO-2/3 gathers, reduce buffers, the loss
+    recompute_peak: int  # extra bytes while this layer is recomputed in backward (part of ``transient``)
+    transient: int  # extra bytes at the layer's own peak moment (``peak_phase``), beyond the activations
     transient_gathered: int  # the part of ``transient`` that is gathered parameters
     params: int  # parameters on this device (for the optimizer step)
+    peak_phase: str = "backward"  # "forward" (a ZeRO-2/3 gather) or "backward" (recompute, working set, loss)
 
     @property
     def static_bytes(self) -> int:
@@ -322,15 +326,6 @@ class CostModel:
             gradients = params * REDUCE_BYTES // shard
         optimizer = params * ADAM_STATE_BYTES // shard
         local_params = params // shard
-        # While the layer runs: ZeRO-3's gathered copies (this layer's and the next one's,
-        # prefetched), ZeRO-2's flat all-gather buffer beside the copy it keeps, and the
-        # backward's working set. (The fp32 buffer a layer's gradients are reduced from lives
-        # after its backward, when its larger activations are already freed: measured, it never
-        # adds to the peak.)
-        transient_gathered = {2: params * e, 3: 2 * params * e}.get(z, 0)
-        transient = transient_gathered
-        if role == "block":
-            transient += self._block_backward_transient(tp, micro_batch)
         kind: LayerKind = self.model.kinds[role]
         kw = dict(tp=tp, micro_batch=micro_batch, seq_len=self.seq_len, dtype=self.dtype, sequence_parallel=sp,
                   on_cpu=get_device(device).is_cpu)
@@ -343,20 +338,43 @@ class CostModel:
             analytic_plain = activation_bytes(kind, recompute=False, **(kw | {"sequence_parallel": False}))
             scale = c.activation_bytes / analytic_plain if analytic_plain else 1.0
             full, kept = int(full * scale), int(kept * scale)
-        if role == "head" and self._loss_transient(tp, micro_batch) > transient:
-            transient, transient_gathered = self._loss_transient(tp, micro_batch), 0
+        # A layer's own extra memory peaks at one of two moments (measured per layer and phase with
+        # torch's memory tracker on CPU ranks, tests/test_runtime_memory.py):
+        # - its forward all-gather at ZeRO-2/3: the gather's output buffer and the parameters it
+        #   is copied into are both alive (ZeRO-3: 2 x the compute-dtype layer; ZeRO-2: the
+        #   buffer beside the copy the stage keeps, counted in gathered_weights);
+        # - its backward: the parameters gathered again at ZeRO-3 (with FSDP2's prefetch of the
+        #   layer before it: 2 copies), the unsharded gradient FSDP2 produces in the reduce dtype
+        #   before reducing it, and the larger of the recomputed activations (freed as the
+        #   backward consumes them) and the backward's working set (a block's MLP gradients; the
+        #   loss's backward on the logits for the head, whose gradient comes after it).
+        gather_spike = {2: params * e, 3: 2 * params * e}.get(z, 0)
+        resident = 2 * params * e if z == 3 else 0
+        recompute_extra = full - kept if recompute else 0
+        unsharded_grad = params * REDUCE_BYTES if fsdp and role != "head" else 0
+        if role == "block":
+            working = self._block_backward_transient(tp, micro_batch)
+        elif role == "head":
+            working = self._loss_transient(tp, micro_batch)
+        else:
+            working = 0
+        backward_extra = resident + unsharded_grad + max(recompute_extra, working)
+        if gather_spike > backward_extra:
+            phase, transient, transient_gathered = "forward", gather_spike, gather_spike
+        else:
+            phase, transient, transient_gathered = "backward", backward_extra, resident
         up = round_up_to_grain  # every byte count in whole allocation grains (partita.units)
         return LayerMemory(weights=up(weights), gathered_weights=up(gathered), gradients=up(gradients),
                            optimizer=up(optimizer), activations=up(kept),
-                           recompute_peak=up(full - kept) if recompute else 0, transient=up(transient),
-                           transient_gathered=up(transient_gathered), params=local_params)
+                           recompute_peak=up(recompute_extra), transient=up(transient_gathered) + up(transient - transient_gathered),
+                           transient_gathered=up(transient_gathered), params=local_params, peak_phase=phase)
 
     def _block_backward_transient(self, tp: int, micro_batch: int) -> int:
         """A block's backward working set: the gradients of the MLP's three ffn/tp-wide
-        intermediates and three hidden-wide ones (the incoming gradient, the outgoing one and the
-        residual branch's)."""
+        intermediates and the hidden-wide gradient it passes on (measured: exactly this on CPU
+        ranks, for tp 1 and 2)."""
         t = micro_batch * self.seq_len
-        return 3 * t * (self.model.ffn // tp) * self.elem + 3 * t * self.model.hidden * self.elem
+        return 3 * t * (self.model.ffn // tp) * self.elem + t * self.model.hidden * self.elem
 
     def _loss_transient(self, tp: int, micro_batch: int) -> int:
         """The loss's backward on this rank's vocab/tp logits (t tokens): the gradient of the
@@ -381,26 +399,34 @@ class StageCost:
     dp_sync_s: float  # per step
     optimizer_s: float  # per step
     weights: int
-    gathered_weights: int
+    gathered_weights: int  # the copies kept from forward to backward + the peak layer's gathered part
     gradients: int
     optimizer: int
-    activations_per_mb: int  # one micro-batch's kept activations
+    activations_per_mb: int  # one micro-batch's kept activations, all the stage's layers
+    current_activations: int  # the running micro-batch's at the peak: the layers up to the peak layer
     output_per_mb: int  # the stage output the schedule keeps per micro-batch in flight (not on the last stage)
     retained_output: int  # a last pipeline stage's logits, kept by the schedule until their backward
     in_flight: int  # micro-batches whose activations the stage holds at its peak
-    transient: int  # the largest layer transient (its gathered part is in gathered_weights) + recompute
+    transient: int  # the peak layer's extra bytes (its gathered part is in gathered_weights)
     pipeline_buffers: int  # the schedule's receive buffers: one per micro-batch and direction
     reserve: int
     capacity: int
+    peak_layer: str = ""  # where the stage peaks: a layer name ("layers.N", or the role when unnamed)
+    peak_phase: str = "backward"  # ... in its "forward" or its "backward"
 
     @property
     def activations(self) -> int:
-        return (self.activations_per_mb + self.output_per_mb) * self.in_flight + self.retained_output
+        return (self.activations_per_mb * (self.in_flight - 1) + self.current_activations
+                + self.output_per_mb * self.in_flight + self.retained_output)
 
     @property
     def peak_bytes(self) -> int:
         return (self.weights + self.gathered_weights + self.gradients + self.optimizer + self.activations
                 + self.transient + self.pipeline_buffers + self.reserve)
+
+    @property
+    def peak_at(self) -> str:
+        return f"{self.peak_layer} {self.peak_phase}".strip()
 
     @property
     def exposed_dp_s(self) -> float:
@@ -414,6 +440,8 @@ def in_flight(stage: int, pp: int, num_micro_batches: int) -> int:
 
 # A layer's choices without its name: (role, tensor_parallel, sequence_parallel, zero, recompute).
 LayerChoice = tuple[str, int, bool, int, bool]
+# A stage's layers in order as runs of one choice: ((choice, count, name of the run's last layer), ...).
+Runs = tuple[tuple[LayerChoice, int, str], ...]
 
 
 def choice_of(model: ModelSpec, s: LayerStrategy) -> LayerChoice:
@@ -422,35 +450,64 @@ def choice_of(model: ModelSpec, s: LayerStrategy) -> LayerChoice:
 
 def stage_cost(cm: CostModel, group: NodeGroup, layers: Sequence[LayerStrategy], *, stage: int, pp: int, dp: int,
                tp: int, micro_batch: int, num_micro_batches: int, next_group: NodeGroup | None) -> StageCost:
-    """Cost of one pipeline stage holding these layers."""
-    counts = Counter(choice_of(cm.model, s) for s in layers)
-    return stage_cost_counts(cm, group, counts, stage=stage, pp=pp, dp=dp, tp=tp, micro_batch=micro_batch,
-                             num_micro_batches=num_micro_batches, next_group=next_group)
+    """Cost of one pipeline stage holding these layers, in this order."""
+    runs: list[tuple[LayerChoice, int, str]] = []
+    for s in layers:
+        c = choice_of(cm.model, s)
+        if runs and runs[-1][0] == c:
+            runs[-1] = (c, runs[-1][1] + 1, s.name)
+        else:
+            runs.append((c, 1, s.name))
+    return _stage_cost_runs(cm, group, tuple(runs), stage=stage, pp=pp, dp=dp, tp=tp, micro_batch=micro_batch,
+                            num_micro_batches=num_micro_batches, next_group=next_group)
+
+
+def canonical_order(cm: CostModel, device: str, choices: Iterable[LayerChoice], *, dp: int, micro_batch: int,
+                    num_micro_batches: int) -> list[LayerChoice]:
+    """The order of a stage's layers that gives the least peak for given counts, and the order
+    the search writes plans in: the embedding first and the head last (the model's order), the
+    blocks by decreasing transient. (A stage peaks at max over its layers j of the activations
+    of the layers up to j plus j's transient; ordering by decreasing transient minimises that
+    maximum, as earliest-due-date minimises the greatest lateness on one machine.)"""
+    def key(c: LayerChoice) -> tuple:
+        m = cm.layer_memory_of(c, device, dp=dp, micro_batch=micro_batch, num_micro_batches=num_micro_batches)
+        return ({"embed": 0, "block": 1, "head": 2}[c[0]], -m.transient, c)
+    return sorted(choices, key=key)
 
 
 def stage_cost_counts(cm: CostModel, group: NodeGroup, counts: Mapping[LayerChoice, int], *, stage: int, pp: int,
                       dp: int, tp: int, micro_batch: int, num_micro_batches: int,
                       next_group: NodeGroup | None) -> StageCost:
-    """Cost of one stage from how many of its layers make each choice. Identical blocks cost
-    the same, so each distinct choice is priced once; stages alike but for their position
-    share everything but the micro-batches in flight."""
-    key = (group.name, tuple(sorted(counts.items())), dp, tp, micro_batch, num_micro_batches,
-           next_group.name if next_group else None)
+    """Cost of one stage from how many of its layers make each choice, the layers in the
+    canonical order (``canonical_order``)."""
+    order = canonical_order(cm, group.device, (c for c, n in counts.items() if n), dp=dp, micro_batch=micro_batch,
+                            num_micro_batches=num_micro_batches)
+    runs = tuple((c, counts[c], c[0]) for c in order)
+    return _stage_cost_runs(cm, group, runs, stage=stage, pp=pp, dp=dp, tp=tp, micro_batch=micro_batch,
+                            num_micro_batches=num_micro_batches, next_group=next_group)
+
+
+def _stage_cost_runs(cm: CostModel, group: NodeGroup, runs: Runs, *, stage: int, pp: int, dp: int, tp: int,
+                     micro_batch: int, num_micro_batches: int, next_group: NodeGroup | None) -> StageCost:
+    """Identical blocks cost the same, so each distinct run is priced once; stages alike but
+    for their position share everything but the micro-batches in flight."""
+    key = (group.name, runs, dp, tp, micro_batch, num_micro_batches, next_group.name if next_group else None)
     base = cm.stage_cache.get(key)
     if base is None:
-        base = _stage_cost(cm, group, counts, dp=dp, tp=tp, micro_batch=micro_batch,
+        base = _stage_cost(cm, group, runs, dp=dp, tp=tp, micro_batch=micro_batch,
                            num_micro_batches=num_micro_batches, next_group=next_group)
         cm.stage_cache[key] = base
     return dataclasses.replace(base, in_flight=in_flight(stage, pp, num_micro_batches))
 
 
-def _stage_cost(cm: CostModel, group: NodeGroup, counts: Mapping[LayerChoice, int], *, dp: int, tp: int,
-                micro_batch: int, num_micro_batches: int, next_group: NodeGroup | None) -> StageCost:
+def _stage_cost(cm: CostModel, group: NodeGroup, runs: Runs, *, dp: int, tp: int, micro_batch: int,
+                num_micro_batches: int, next_group: NodeGroup | None) -> StageCost:
     fwd = bwd = compute = tp_comm = zero_comm = dp_sync = 0.0
     weights = gathered_weights = grads = opt = acts = params = 0
-    recompute_peak = 0
-    largest = None  # the layer with the largest transient: the stage's transient is its
-    for choice, n in counts.items():
+    # The running micro-batch at the stage's peak: the activations of the layers up to the peak
+    # layer and that layer's transient (the other micro-batches in flight hold all of theirs).
+    peak: tuple[int, int, LayerMemory, str] | None = None  # (acts so far + transient, acts so far, memory, name)
+    for choice, n, name in runs:
         t = cm.layer_time_of(choice, group, dp=dp, micro_batch=micro_batch)
         m = cm.layer_memory_of(choice, group.device, dp=dp, micro_batch=micro_batch,
                                num_micro_batches=num_micro_batches)
@@ -464,30 +521,31 @@ def _stage_cost(cm: CostModel, group: NodeGroup, counts: Mapping[LayerChoice, in
         gathered_weights += n * m.gathered_weights
         grads += n * m.gradients
         opt += n * m.optimizer
-        acts += n * m.activations
+        acts += n * m.activations  # the run's last layer sees the most activations before it
         params += n * m.params
-        recompute_peak = max(recompute_peak, m.recompute_peak)
-        if largest is None or m.transient > largest.transient:
-            largest = m
+        if peak is None or acts + m.transient > peak[0]:
+            peak = (acts + m.transient, acts, m, name)
     act_msg = activation_message_bytes(cm, micro_batch)
     p2p = 0.0
     stage_size = dp * tp
     if next_group is not None:  # send activations forward, receive their gradient back
         p2p += 2 * cm.collective_s("p2p", act_msg, 2, cm.pp_link(group, next_group, stage_size), group.device)
-    # Reported by what holds the bytes: the largest transient's gathered parameters with the
-    # gathered weights; a recomputed layer's activations, alive only during its backward, as transient.
-    assert largest is not None
-    gathered_weights += largest.transient_gathered
-    transient = largest.transient - largest.transient_gathered + recompute_peak
-    buffers, output, retained = pipeline_memory(cm, counts, micro_batch=micro_batch,
+    # Reported by what holds the bytes: the peak layer's gathered parameters with the gathered
+    # weights, the rest of its transient (recompute, working set, loss) as transient.
+    assert peak is not None
+    _, current, top, peak_layer = peak
+    gathered_weights += top.transient_gathered
+    buffers, output, retained = pipeline_memory(cm, {r[0]: r[1] for r in runs}, micro_batch=micro_batch,
                                                 num_micro_batches=num_micro_batches, is_last=next_group is None)
     optimizer_s = cm.optimizer_s(group, params)
     reserve = cm.reserve_bytes(group)
     return StageCost(time_s=fwd + bwd + p2p, forward_s=fwd, backward_s=bwd, compute_s=compute, tp_comm_s=tp_comm,
                      zero_comm_s=zero_comm, p2p_s=p2p, dp_sync_s=dp_sync, optimizer_s=optimizer_s,
                      weights=weights, gathered_weights=gathered_weights, gradients=grads, optimizer=opt,
-                     activations_per_mb=acts, output_per_mb=output, retained_output=retained, in_flight=1,
-                     transient=transient, pipeline_buffers=buffers, reserve=reserve, capacity=group.memory_bytes)
+                     activations_per_mb=acts, current_activations=current, output_per_mb=output,
+                     retained_output=retained, in_flight=1, transient=top.transient - top.transient_gathered,
+                     pipeline_buffers=buffers, reserve=reserve, capacity=group.memory_bytes,
+                     peak_layer=peak_layer, peak_phase=top.peak_phase)
 
 
 def activation_message_bytes(cm: CostModel, micro_batch: int) -> int:

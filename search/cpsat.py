@@ -83,8 +83,7 @@ class LayerTable:
     optimizer_us: tuple[tuple[int, ...], ...]
     static_bytes: tuple[tuple[int, ...], ...]  # weights + gradients + optimizer state
     act_bytes: tuple[tuple[int, ...], ...]  # kept activations, one micro-batch
-    recompute_bytes: tuple[tuple[int, ...], ...]  # extra while the layer is recomputed
-    transient_bytes: tuple[tuple[int, ...], ...]  # extra while it runs (ZeRO-3 gathers, buffers, loss)
+    transient_bytes: tuple[tuple[int, ...], ...]  # extra at its own peak moment (gathers, recompute, working set)
 
 
 @dataclass(frozen=True)
@@ -130,7 +129,7 @@ def layer_table(cm: CostModel, role: str, shape: Shape, groups: Sequence[NodeGro
     """The integer cost table of one kind. Dominated choices are dropped, except for a tied
     embedding and head, whose choices must be matched pairwise."""
     strategies = strategies_for(cm, role, shape, space)
-    rows: dict[str, list[list[int]]] = {k: [] for k in ("time", "bwd", "sync", "opt", "static", "act", "rc", "gath")}
+    rows: dict[str, list[list[int]]] = {k: [] for k in ("time", "bwd", "sync", "opt", "static", "act", "gath")}
     for g in groups:
         cols: dict[str, list[int]] = {k: [] for k in rows}
         for s in strategies:
@@ -143,18 +142,17 @@ def layer_table(cm: CostModel, role: str, shape: Shape, groups: Sequence[NodeGro
             cols["opt"].append(to_us(cm.optimizer_s(g, m.params)))
             cols["static"].append(to_grains(m.static_bytes))
             cols["act"].append(to_grains(m.activations))
-            cols["rc"].append(to_grains(m.recompute_peak))
             cols["gath"].append(to_grains(m.transient))
         for k in rows:
             rows[k].append(cols[k])
-    keep = list(range(len(strategies))) if cm.model.tie_embeddings and role != "block" else undominated([[rows[k][g][j] for k in ("time", "opt", "static", "act", "rc", "gath") for g in range(len(groups))]
+    keep = list(range(len(strategies))) if cm.model.tie_embeddings and role != "block" else undominated([[rows[k][g][j] for k in ("time", "opt", "static", "act", "gath") for g in range(len(groups))]
                         + [rows["sync"][g][j] - rows["bwd"][g][j] for g in range(len(groups))]
                         for j in range(len(strategies))])
     strategies = [strategies[j] for j in keep]
     tup = lambda k: tuple(tuple(r[j] for j in keep) for r in rows[k])  # noqa: E731
     return LayerTable(strategies=tuple(strategies), time_us=tup("time"), backward_us=tup("bwd"), sync_us=tup("sync"),
                       optimizer_us=tup("opt"), static_bytes=tup("static"), act_bytes=tup("act"),
-                      recompute_bytes=tup("rc"), transient_bytes=tup("gath"))
+                      transient_bytes=tup("gath"))
 
 
 def undominated(vectors: list[list[int]]) -> list[int]:
@@ -219,20 +217,25 @@ def build_problem(cm: CostModel, shape: Shape, space: SearchSpace) -> Problem | 
 
 def _stage_extra_bytes(cm: CostModel, shape: Shape, groups: Sequence[NodeGroup], g: int, block: LayerTable,
                        embed: LayerTable, head: LayerTable, *, first: bool, last: bool, head_k: int) -> int:
-    """A stage's peak under the evaluator, less the reserve and its layers' own terms (static,
-    in-flight activations, the largest recompute extra and transient): what the schedule adds
-    for a stage at this place in the pipeline. Measured on a stage of one block, so the CP-SAT
-    memory sums stay those of the evaluator whatever stage-level terms the cost model holds."""
-    parts = [(block, 0, "layers.0")] + ([(embed, 0, "embed")] if first else []) + ([(head, head_k, "head")] if last else [])
+    """A stage's peak under the evaluator, less the reserve and its layers' own terms (static
+    state, in-flight activations and outputs, the running micro-batch's activations up to its
+    peak layer and that layer's transient): what the schedule adds for a stage at this place in
+    the pipeline. Measured on a stage of one block, so the CP-SAT memory sums stay those of the
+    evaluator whatever stage-level terms the cost model holds."""
+    parts = ([(embed, 0, "embed")] if first else []) + [(block, 0, "layers.0")] + ([(head, head_k, "head")] if last else [])
     counts = {choice_of(cm.model, dataclasses.replace(t.strategies[k], name=name)): 1 for t, k, name in parts}
     pp, stage = {(True, True): (1, 0), (True, False): (2, 0), (False, True): (2, 1), (False, False): (3, 1)}[first, last]
     group = groups[g]
     sc = stage_cost_counts(cm, group, counts, stage=stage, pp=pp, dp=shape.dp, tp=shape.tp,
                            micro_batch=shape.micro_batch, num_micro_batches=shape.num_micro_batches,
                            next_group=None if last else group)
-    own = (sum(t.static_bytes[g][k] for t, k, _ in parts)
-           + sc.in_flight * (sum(t.act_bytes[g][k] for t, k, _ in parts) + to_grains(sc.output_per_mb))
-           + max(t.recompute_bytes[g][k] for t, k, _ in parts) + max(t.transient_bytes[g][k] for t, k, _ in parts))
+    acts = sum(t.act_bytes[g][k] for t, k, _ in parts)
+    running, prefix = 0, 0
+    for t, k, _ in parts:  # the canonical order: embed, blocks, head
+        prefix += t.act_bytes[g][k]
+        running = max(running, prefix + t.transient_bytes[g][k])
+    own = (sum(t.static_bytes[g][k] for t, k, _ in parts) + (sc.in_flight - 1) * acts
+           + sc.in_flight * to_grains(sc.output_per_mb) + running)
     return to_grains(sc.peak_bytes - sc.reserve) - own
 
 
@@ -592,10 +595,10 @@ class PlanModel:
                 terms.append(p.p2p_us[g][h] * w)
         return sum(terms)
 
-    # (M) per device memory, in grains as the evaluator counts it: static state +
-    # activations x micro-batches in flight + the stage's largest recompute extra + its largest
-    # transient (each a maximum over the stage's layers on its group), within the group's
-    # capacity less the reserve.
+    # (M) per device memory, in grains as the evaluator counts it (``costs._stage_cost``): static
+    # state + k - 1 micro-batches' activations + the stage outputs kept + the schedule's extra +
+    # the running micro-batch at each of its layers (the activations of the layers up to it, in
+    # the canonical order, plus its transient), within the group's capacity less the reserve.
     def add_memory(self) -> None:
         p = self.p
         G, nb = len(p.groups), len(p.block.strategies)
@@ -603,21 +606,34 @@ class PlanModel:
         m_count = p.shape.num_micro_batches
         for r in range(p.slots):
             k_in_flight = min(r + 1, m_count)
-            recompute = self._stage_max(r, "recompute_bytes", f"recompute_peak[{r}]")
-            transient = self._stage_max(r, "transient_bytes", f"transient[{r}]")
             extra = self._stage_extra(r)
             for g in range(G):
                 static = sum(p.block.static_bytes[g][k] * self.c[r][g][k] for k in range(nb))
-                # Every stage but the last keeps its output per micro-batch in flight.
-                acts = p.output_bytes if r > 0 else 0
-                acts += sum(p.block.act_bytes[g][k] * self.c[r][g][k] for k in range(nb))
+                embed_acts = sum(p.embed.act_bytes[g][k] * self.e[r][g][k] for k in range(ne))
+                acts = sum(p.block.act_bytes[g][k] * self.c[r][g][k] for k in range(nb)) + embed_acts
                 static += sum(p.embed.static_bytes[g][k] * self.e[r][g][k] for k in range(ne))
-                acts += sum(p.embed.act_bytes[g][k] * self.e[r][g][k] for k in range(ne))
                 if r == 0:
                     static += sum(p.head.static_bytes[g][k] * self.h[g][k] for k in range(nh))
                     acts += sum(p.head.act_bytes[g][k] * self.h[g][k] for k in range(nh))
-                self.m.add(static + k_in_flight * acts + recompute + transient + extra
-                           <= p.capacity_bytes[g]).only_enforce_if(self.y[r][g])
+                # Every stage but the last keeps its output per micro-batch in flight.
+                out = p.output_bytes if r > 0 else 0
+                base = static + (k_in_flight - 1) * acts + k_in_flight * out + extra
+                cap = p.capacity_bytes[g]
+                self.m.add(base + acts <= cap).only_enforce_if(self.y[r][g])
+                for k in range(ne):
+                    if p.embed.transient_bytes[g][k]:
+                        self.m.add(base + p.embed.act_bytes[g][k] + p.embed.transient_bytes[g][k] <= cap
+                                   ).only_enforce_if(self.e[r][g][k])
+                prefix = embed_acts
+                for k in block_order(p.block, g):
+                    prefix = prefix + p.block.act_bytes[g][k] * self.c[r][g][k]
+                    if p.block.transient_bytes[g][k]:
+                        self.m.add(base + prefix + p.block.transient_bytes[g][k] <= cap
+                                   ).only_enforce_if([self.u[r][k], self.y[r][g]])
+                if r == 0:
+                    for k in range(nh):
+                        if p.head.transient_bytes[g][k]:
+                            self.m.add(base + acts + p.head.transient_bytes[g][k] <= cap).only_enforce_if(self.h[g][k])
 
     def _stage_extra(self, r: int) -> cp_model.LinearExprT:
         """The bytes the schedule adds to slot r (see Problem.extra_*), by its group, whether it
@@ -641,26 +657,6 @@ class PlanModel:
                 for k in range(len(p.head.strategies)):
                     self.m.add(var >= p.extra_alone[g][k]).only_enforce_if([self.h[g][k], first])
                     self.m.add(var >= p.extra_last[g][k]).only_enforce_if([self.h[g][k], first.Not()])
-        return var
-
-    def _stage_max(self, r: int, field: str, name: str) -> cp_model.IntVar:
-        """A variable at least ``field`` of every layer slot r holds, on the group it sits on."""
-        p = self.p
-        G = len(p.groups)
-        tables = [getattr(t, field) for t in (p.block, p.embed, p.head)]
-        top = max(max(max(row) for row in t) for t in tables)
-        var = self.m.new_int_var(0, max(top, 0), name)
-        for g in range(G):
-            for k, v in enumerate(tables[0][g]):
-                if v:  # block choice k is present in the slot, and the slot is on group g
-                    self.m.add(var >= v).only_enforce_if([self.u[r][k], self.y[r][g]])
-            for k, v in enumerate(tables[1][g]):
-                if v:
-                    self.m.add(var >= v * self.e[r][g][k])
-            if r == 0:
-                for k, v in enumerate(tables[2][g]):
-                    if v:
-                        self.m.add(var >= v * self.h[g][k])
         return var
 
     # (D) exposed data-parallel sync (what sticks out of a stage's last backward) and the
@@ -743,7 +739,8 @@ class PlanModel:
             if s == 0:
                 k = next(k for g2 in range(G) for k in range(len(p.embed.strategies)) if solver.value(self.e[r][g2][k]))
                 layers.append(dataclasses.replace(p.embed.strategies[k], name="embed"))
-            for k, strat in enumerate(p.block.strategies):
+            for k in block_order(p.block, g):
+                strat = p.block.strategies[k]
                 for _ in range(solver.value(self.c[r][g][k])):
                     layers.append(dataclasses.replace(strat, name=f"layers.{next_block}"))
                     next_block += 1
@@ -755,6 +752,14 @@ class PlanModel:
         sh = p.shape
         return Layout(stage_groups=tuple(stage_groups), stage_layers=tuple(stage_layers), dp=sh.dp, tp=sh.tp,
                       micro_batch=sh.micro_batch, num_micro_batches=sh.num_micro_batches)
+
+
+def block_order(block: LayerTable, g: int) -> list[int]:
+    """The block choices in a stage's canonical order on group g (``costs.canonical_order``):
+    by decreasing transient, ties by the choice itself."""
+    return sorted(range(len(block.strategies)), key=lambda k: (
+        -block.transient_bytes[g][k], (block.strategies[k].tensor_parallel, block.strategies[k].sequence_parallel,
+                                       block.strategies[k].zero, block.strategies[k].recompute)))
 
 
 def _same(a: LayerStrategy, b: LayerStrategy) -> bool:

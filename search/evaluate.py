@@ -66,7 +66,8 @@ def prediction(cm: CostModel, ev: Evaluation, *, devices: Sequence[str], global_
         StageMemory(stage=i, device=devices_of_stage, capacity_bytes=s.capacity, weights_bytes=s.weights,
                     gathered_weights_bytes=s.gathered_weights, gradients_bytes=s.gradients,
                     optimizer_bytes=s.optimizer, activations_bytes=s.activations, transient_bytes=s.transient,
-                    pipeline_buffers_bytes=s.pipeline_buffers, reserve_bytes=s.reserve)
+                    pipeline_buffers_bytes=s.pipeline_buffers, reserve_bytes=s.reserve,
+                    peak_at=s.peak_at)
         for i, (s, devices_of_stage) in enumerate(zip(ev.stages, _stage_devices(devices, len(ev.stages)))))
     return Prediction(step_time_s=ev.step_time_s, tokens_per_s=tokens / ev.step_time_s,
                       mfu=flops / ev.step_time_s / peak, stage_time_s=tuple(s.time_s for s in ev.stages),

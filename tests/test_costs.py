@@ -2,6 +2,8 @@
 
 import pytest
 
+from partita.units import round_up_to_grain
+
 from partita.cluster import parse_short
 from partita.model import load_model
 from partita.plan import LayerStrategy
@@ -49,8 +51,14 @@ def test_zero_levels_shard_what_they_should():
     assert fields(mem(1, 1)) == (4 * p // 8, 2 * p, 4 * p // 8, 8 * p // 8)  # nothing to accumulate
     assert fields(mem(2, 4)) == (4 * p // 8, 2 * p, 4 * p // 8, 8 * p // 8)
     assert fields(mem(3, 4)) == (4 * p // 8, 0, 4 * p // 8, 8 * p // 8)
-    assert mem(3, 4).transient_gathered == 2 * 2 * p  # the running layer and the prefetched one
-    assert mem(2, 4).transient_gathered == 2 * p  # the flat all-gather buffer beside the kept copy
+    # ZeRO-3's backward holds the layer gathered again and the one before it, prefetched; at
+    # either ZeRO level the unsharded fp32 gradient and the working set outweigh the forward's
+    # gather spike (ZeRO-2: the flat all-gather buffer beside the kept copy, 2 x p bytes).
+    working = cm._block_backward_transient(1, 1)
+    assert (mem(3, 4).peak_phase, mem(3, 4).transient_gathered) == ("backward", 2 * 2 * p)
+    assert mem(3, 4).transient == round_up_to_grain(2 * 2 * p + 4 * p + working)
+    assert (mem(2, 4).peak_phase, mem(2, 4).transient_gathered) == ("backward", 0)
+    assert mem(2, 4).transient == round_up_to_grain(4 * p + working) > 2 * p
 
 
 def test_gradients_are_reduced_in_fp32():
