@@ -519,8 +519,9 @@ def print_memory(p: Plan) -> None:
     for c in used:
         t.add_column(c.replace("_", " "), justify="right")
     t.add_column("peak / capacity", justify="right")
+    t.add_column("peak at")
     for m in memory:
         cats = m.category_bytes()
         t.add_row(str(m.stage), *(fmt_bytes(cats[c]) for c in used),
-                  f"{fmt_bytes(m.peak_bytes)} / {fmt_bytes(m.capacity_bytes)}")
+                  f"{fmt_bytes(m.peak_bytes)} / {fmt_bytes(m.capacity_bytes)}", m.peak_at or "-")
     console.print(t)
