@@ -161,9 +161,6 @@ def _space(args: argparse.Namespace, model: ModelSpec, cluster: ClusterSpec, glo
     if any(v < 1 for v in (args.pp or ()) + (args.micro_batch or ())):
         raise PartitaError("--pp and --micro-batch values must be >= 1")
     if args.pp:
-        if model.tie_embeddings and 1 not in args.pp:
-            raise PartitaError(f"--pp {_csv(args.pp)}: {model.name} ties its embedding and head weights, which the "
-                               f"runtime keeps in one stage, so pp must be 1")
         if min(args.pp) > model.n_layers:
             raise PartitaError(f"--pp {_csv(args.pp)}: {model.name} has {model.n_layers} blocks, so at most "
                                f"{model.n_layers} stages")
@@ -278,11 +275,6 @@ def idle_devices_note(p: Plan, model: ModelSpec, cluster: ClusterSpec, *, cm: "C
     tp_max = _widest_tp(model, cluster, space)
     batch_cap = p.global_batch * tp_max  # dp x pp <= global batch (a sequence per replica, a micro-batch per stage)
     cap = min(total, batch_cap)
-    if model.tie_embeddings:
-        one_stage = max(g.size for g in cluster.groups)
-        cap = min(cap, one_stage)
-        reasons.append(f"{model.name} ties its embedding and head weights, which keeps pp at 1: one stage, "
-                       f"in one node group" + (f" (the largest has {one_stage:,})" if len(cluster.groups) > 1 else ""))
     if batch_cap < total:
         reasons.append(f"global batch {p.global_batch} allows at most {p.global_batch} data-parallel replicas x "
                        f"pipeline stages, times tp <= {tp_max}: {batch_cap:,} {unit} at most; a larger "

@@ -31,9 +31,8 @@ def _check_runtime_limits(plan: Plan, model: ModelSpec) -> None:
         raise PartitaError(f"sequence parallelism splits the sequence {plan.tp} ways; seq_len {plan.seq_len} is not "
                            f"divisible by tp {plan.tp}")
     if model.tie_embeddings:
-        if plan.pp > 1:
-            raise PartitaError(f"{model.name} ties its embedding and head weights, which the runtime keeps in one "
-                               f"stage: pp must be 1, the plan has {plan.pp}")
+        # Across pipeline stages the runtime keeps a copy on the last stage and sums the two
+        # copies' gradients (runtime/tied.py): both need the same shards.
         layers = {l.name: l for l in plan.layer_strategies()}
         e, h = layers["embed"], layers["head"]
         if (e.tensor_parallel, e.zero) != (h.tensor_parallel, h.zero):

@@ -265,6 +265,14 @@ def materialize(model: Transformer, *, device: str | torch.device, seed: int) ->
     model.to_empty(device=device)
     for name in model.owned_layer_names():
         init_layer(model.layer(name), name, seed, n_layers=model.spec.n_layers)
-    if model.spec.tie_embeddings and getattr(model, "embed", None) is not None and getattr(model, "head", None) is not None:
+    embed, head = getattr(model, "embed", None), getattr(model, "head", None)
+    if model.spec.tie_embeddings and embed is not None and head is not None:
         model.head.output.weight = model.embed.tok.weight  # to_empty keeps the tie; say so anyway
+    elif model.spec.tie_embeddings and head is not None:
+        # The head on another pipeline stage than the embedding keeps its own copy of the tied
+        # weight; it starts from the value a whole model gets, the embedding's.
+        whole = build_layer(model.spec, "embed", device="cpu")
+        init_layer(whole, "embed", seed, n_layers=model.spec.n_layers)
+        with torch.no_grad():
+            head.output.weight.copy_(whole.tok.weight.to(dtype=head.output.weight.dtype))
     return model

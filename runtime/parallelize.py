@@ -183,7 +183,7 @@ def apply_fsdp(model: Transformer, stage: Stage, meshes: Meshes, mp_policy: Mixe
         mesh = meshes.dp_replicate if strategy.zero == 0 else meshes.dp
         fully_shard(layer, mesh=mesh, reshard_after_forward=strategy.zero == 3, mp_policy=mp_policy)
         units.append(ShardedLayer(name=strategy.name, module=layer, zero=strategy.zero))
-    root_zero = next((s.zero for s in stage.layers if s.name == "embed"), 3) if tied else 3
+    root_zero = next((s.zero for s in stage.layers if s.name in ("embed", "head")), 3) if tied else 3
     root_mesh = meshes.dp_replicate if root_zero == 0 else meshes.dp
     fully_shard(model, mesh=root_mesh, reshard_after_forward=root_zero == 3, mp_policy=mp_policy)
     units.append(ShardedLayer(name="", module=model, zero=root_zero))

@@ -39,6 +39,7 @@ from partita.runtime.metrics import MetricsWriter, RunSummary, peak_flops, peak_
 from partita.runtime.models import build_model
 from partita.runtime.parallelize import parallelize_stage
 from partita.runtime.schedule import MicroBatchRunner, PipelineRunner, loss_function
+from partita.runtime.tied import TiedWeights
 
 log = logging.getLogger(__name__)
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -127,11 +128,16 @@ def _dist_key(t: torch.Tensor) -> tuple:
 
 
 @torch.no_grad()
-def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, pp_group: dist.ProcessGroup | None) -> float:
+def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, pp_group: dist.ProcessGroup | None,
+                   excluded: set[int] = frozenset()) -> float:
     """Clip to a global L2 norm over every gradient of every stage; returns the norm before
     clipping. DTensor gradients are grouped by mesh and placements so each group's norm is one
-    reduction; pipeline stages hold disjoint parameters, so their squares add over ``pp``."""
-    grads = [p.grad for p in params if p.grad is not None]
+    reduction; pipeline stages hold disjoint parameters, so their squares add over ``pp``. The
+    parameters whose ids are ``excluded`` (a tied weight's second copy) are clipped but not
+    counted."""
+    params = [p for p in params if p.grad is not None]
+    grads = [p.grad for p in params if id(p) not in excluded]
+    copies = [p.grad for p in params if id(p) in excluded]
     groups: dict[tuple, list[torch.Tensor]] = {}
     for g in grads:
         groups.setdefault(_dist_key(g), []).append(g)
@@ -150,6 +156,8 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, pp_group: di
     if coef < 1.0:
         for group in groups.values():
             torch._foreach_mul_(group, coef)
+        for g in copies:
+            g.mul_(coef)
     return total
 
 
@@ -196,6 +204,7 @@ class Trainer:
         if self.scaler is not None:
             self.scaler.scale(torch.ones((), device=device))  # creates its scale tensor (the runners scale by value)
         loss = loss_function(plan, self.meshes)
+        self.tied = TiedWeights(self.model, plan, self.meshes.place)
         if plan.pp > 1:
             self.runner = PipelineRunner(self.model, units, plan, self.meshes, device=device,
                                          activation_dtype=compute_dtype, loss=loss)
@@ -274,11 +283,13 @@ class Trainer:
     def _update(self, pp_group: dist.ProcessGroup | None) -> float:
         """Clip and step; under fp16 unscale first and skip the step on overflow (every rank alike)."""
         if self.scaler is None:
-            grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.grad_clip, pp_group)
+            self.tied.sync_gradients()
+            grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.grad_clip, pp_group, self.tied.norm_excluded())
             self.optimizer.step()
         else:
             self.scaler.unscale_(self.optimizer)
-            grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.grad_clip, pp_group)
+            self.tied.sync_gradients()
+            grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.grad_clip, pp_group, self.tied.norm_excluded())
             self.scaler.step(self.optimizer)
             self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)

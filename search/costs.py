@@ -287,6 +287,30 @@ class CostModel:
         return LayerTime(forward_s=forward, backward_s=backward, compute_s=fwd_compute + bwd_compute,
                          tp_comm_s=tp_fwd + tp_bwd, zero_comm_s=zero_fwd + zero_bwd, dp_sync_s=dp_sync)
 
+    def tied_params(self, tp: int) -> int:
+        """The weight a tied embedding and head share, per tp shard (vocab-parallel)."""
+        return self.model.vocab * self.model.hidden // tp if self.model.tie_embeddings else 0
+
+    def tied_sync_s(self, group: NodeGroup, *, dp: int, tp: int, zero: int) -> float:
+        """Per step, a pipeline whose tied embedding and head sit on different stages sums the
+        two copies' gradients between each pair of ranks (fp32, the ZeRO shard), after the last
+        backward: exposed. Priced on the last stage's link to another stage (on a mixed cluster
+        the first stage's group may be slower; not modelled). The copy's own data-parallel
+        reduction at ZeRO 0-1 is exposed as well (it waits for the last micro-batch); at ZeRO 2-3
+        its per-micro-batch gathers and reductions ride on the head's matrix product."""
+        shard = dp if zero >= 1 and dp > 1 else 1
+        grad = self.tied_params(tp) * REDUCE_BYTES // shard
+        link = self.pp_link(group, group, dp * tp)
+        t = self.collective_s("all_reduce", grad, 2, link, group.device)
+        if dp > 1 and zero == 0:
+            t += self.collective_s("all_reduce", self.tied_params(tp) * REDUCE_BYTES, dp, self.dp_link(group, dp, tp),
+                                   group.device)
+        elif dp > 1 and zero == 1:
+            dlink = self.dp_link(group, dp, tp)
+            t += (self.collective_s("reduce_scatter", self.tied_params(tp) * REDUCE_BYTES, dp, dlink, group.device)
+                  + self.collective_s("all_gather", self.tied_params(tp) * self.elem, dp, dlink, group.device))
+        return t
+
     def _param_count(self, role: str, tp: int) -> int:
         """Parameters of one tp shard of the layer (norms and biases of replicated parts
         are counted whole on each shard; they are tiny). A head tied to the embedding owns only
@@ -298,20 +322,24 @@ class CostModel:
         return kind.matmul_params // tp + (kind.params - kind.matmul_params) // (1 if role != "embed" else tp)
 
     def layer_memory(self, role: str, device: str, s: LayerStrategy, *, dp: int, micro_batch: int,
-                     num_micro_batches: int) -> LayerMemory:
+                     num_micro_batches: int, tied_copy: bool = False) -> LayerMemory:
         return self._layer_memory(role, device, s.tensor_parallel, s.sequence_parallel, s.zero, s.recompute, dp,
-                                  micro_batch, num_micro_batches)
+                                  micro_batch, num_micro_batches, tied_copy)
 
     def layer_memory_of(self, choice: tuple[str, int, bool, int, bool], device: str, *, dp: int,
-                        micro_batch: int, num_micro_batches: int) -> LayerMemory:
+                        micro_batch: int, num_micro_batches: int, tied_copy: bool = False) -> LayerMemory:
+        """``tied_copy``: a tied head on another stage than the embedding, holding its own copy
+        of the shared weight (runtime/tied.py)."""
         role, tp, sp, zero, recompute = choice
-        return self._layer_memory(role, device, tp, sp, zero, recompute, dp, micro_batch, num_micro_batches)
+        return self._layer_memory(role, device, tp, sp, zero, recompute, dp, micro_batch, num_micro_batches,
+                                  tied_copy)
 
     def _layer_memory_uncached(self, role: str, device: str, tp: int, sp: bool, zero: int, recompute: bool,
-                               dp: int, micro_batch: int, num_micro_batches: int) -> LayerMemory:
+                               dp: int, micro_batch: int, num_micro_batches: int,
+                               tied_copy: bool = False) -> LayerMemory:
         from partita.search.analytic import activation_bytes
 
-        params = self._param_count(role, tp)
+        params = self._param_count(role, tp) + (self.tied_params(tp) if tied_copy else 0)
         e = self.elem
         z = zero if dp > 1 else 0
         shard = dp if z >= 1 else 1
@@ -413,6 +441,7 @@ class StageCost:
     capacity: int
     peak_layer: str = ""  # where the stage peaks: a layer name ("layers.N", or the role when unnamed)
     peak_phase: str = "backward"  # ... in its "forward" or its "backward"
+    tied_sync_s: float = 0.0  # per step: a tied head's copy summed with the embedding's (runtime/tied.py)
 
     @property
     def activations(self) -> int:
@@ -507,10 +536,21 @@ def _stage_cost(cm: CostModel, group: NodeGroup, runs: Runs, *, dp: int, tp: int
     # The running micro-batch at the stage's peak: the activations of the layers up to the peak
     # layer and that layer's transient (the other micro-batches in flight hold all of theirs).
     peak: tuple[int, int, LayerMemory, str] | None = None  # (acts so far + transient, acts so far, memory, name)
+    roles = {r[0][0] for r in runs}
+    tied_copy = cm.model.tie_embeddings and "head" in roles and "embed" not in roles
+    tied_sync = 0.0
     for choice, n, name in runs:
+        copy = tied_copy and choice[0] == "head"
         t = cm.layer_time_of(choice, group, dp=dp, micro_batch=micro_batch)
         m = cm.layer_memory_of(choice, group.device, dp=dp, micro_batch=micro_batch,
-                               num_micro_batches=num_micro_batches)
+                               num_micro_batches=num_micro_batches, tied_copy=copy)
+        if copy:
+            # The copy's optimizer update is counted with its sync (per step, on this stage only).
+            plain = cm.layer_memory_of(choice, group.device, dp=dp, micro_batch=micro_batch,
+                                       num_micro_batches=num_micro_batches)
+            tied_sync = (cm.tied_sync_s(group, dp=dp, tp=choice[1], zero=choice[3])
+                         + cm.optimizer_s(group, m.params - plain.params))
+            params -= n * (m.params - plain.params)
         fwd += n * t.forward_s
         bwd += n * t.backward_s
         compute += n * t.compute_s
@@ -545,7 +585,7 @@ def _stage_cost(cm: CostModel, group: NodeGroup, runs: Runs, *, dp: int, tp: int
                      activations_per_mb=acts, current_activations=current, output_per_mb=output,
                      retained_output=retained, in_flight=1, transient=top.transient - top.transient_gathered,
                      pipeline_buffers=buffers, reserve=reserve, capacity=group.memory_bytes,
-                     peak_layer=peak_layer, peak_phase=top.peak_phase)
+                     peak_layer=peak_layer, peak_phase=top.peak_phase, tied_sync_s=tied_sync)
 
 
 def activation_message_bytes(cm: CostModel, micro_batch: int) -> int:
@@ -589,7 +629,8 @@ def step_time_s(stages: Sequence[StageCost], num_micro_batches: int) -> tuple[fl
     pipe = pipeline_time_s(times, num_micro_batches)
     exposed_dp = max(s.exposed_dp_s for s in stages)
     optimizer = max(s.optimizer_s for s in stages)
-    total = pipe + exposed_dp + optimizer
+    tied = max(s.tied_sync_s for s in stages)
+    total = pipe + exposed_dp + optimizer + tied
     m = num_micro_batches
     slowest = max(stages, key=lambda s: s.time_s)
     busy = m * slowest.time_s
@@ -602,6 +643,8 @@ def step_time_s(stages: Sequence[StageCost], num_micro_batches: int) -> tuple[fl
         "data_parallel_exposed": exposed_dp,
         "optimizer": optimizer,
     }
+    if tied:
+        breakdown["tied_embedding_sync"] = tied
     return total, breakdown
 
 

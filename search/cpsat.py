@@ -84,6 +84,9 @@ class LayerTable:
     static_bytes: tuple[tuple[int, ...], ...]  # weights + gradients + optimizer state
     act_bytes: tuple[tuple[int, ...], ...]  # kept activations, one micro-batch
     transient_bytes: tuple[tuple[int, ...], ...]  # extra at its own peak moment (gathers, recompute, working set)
+    # A tied head on another stage than the embedding (its own copy of the shared weight):
+    copy_transient_bytes: tuple[tuple[int, ...], ...] = ()
+    tied_us: tuple[tuple[int, ...], ...] = ()  # per step: the copies' gradient sum and the copy's update
 
 
 @dataclass(frozen=True)
@@ -129,7 +132,9 @@ def layer_table(cm: CostModel, role: str, shape: Shape, groups: Sequence[NodeGro
     """The integer cost table of one kind. Dominated choices are dropped, except for a tied
     embedding and head, whose choices must be matched pairwise."""
     strategies = strategies_for(cm, role, shape, space)
-    rows: dict[str, list[list[int]]] = {k: [] for k in ("time", "bwd", "sync", "opt", "static", "act", "gath")}
+    rows: dict[str, list[list[int]]] = {k: [] for k in ("time", "bwd", "sync", "opt", "static", "act", "gath",
+                                                         "copy_gath", "tied")}
+    copy = role == "head" and cm.model.tie_embeddings
     for g in groups:
         cols: dict[str, list[int]] = {k: [] for k in rows}
         for s in strategies:
@@ -143,6 +148,12 @@ def layer_table(cm: CostModel, role: str, shape: Shape, groups: Sequence[NodeGro
             cols["static"].append(to_grains(m.static_bytes))
             cols["act"].append(to_grains(m.activations))
             cols["gath"].append(to_grains(m.transient))
+            if copy:
+                mc = cm.layer_memory(role, g.device, s, dp=shape.dp, micro_batch=shape.micro_batch,
+                                     num_micro_batches=shape.num_micro_batches, tied_copy=True)
+                cols["copy_gath"].append(to_grains(mc.transient))
+                cols["tied"].append(to_us(cm.tied_sync_s(g, dp=shape.dp, tp=s.tensor_parallel, zero=s.zero)
+                                          + cm.optimizer_s(g, mc.params - m.params)))
         for k in rows:
             rows[k].append(cols[k])
     keep = list(range(len(strategies))) if cm.model.tie_embeddings and role != "block" else undominated([[rows[k][g][j] for k in ("time", "opt", "static", "act", "gath") for g in range(len(groups))]
@@ -152,7 +163,8 @@ def layer_table(cm: CostModel, role: str, shape: Shape, groups: Sequence[NodeGro
     tup = lambda k: tuple(tuple(r[j] for j in keep) for r in rows[k])  # noqa: E731
     return LayerTable(strategies=tuple(strategies), time_us=tup("time"), backward_us=tup("bwd"), sync_us=tup("sync"),
                       optimizer_us=tup("opt"), static_bytes=tup("static"), act_bytes=tup("act"),
-                      transient_bytes=tup("gath"))
+                      transient_bytes=tup("gath"), copy_transient_bytes=tup("copy_gath") if copy else (),
+                      tied_us=tup("tied") if copy else ())
 
 
 def undominated(vectors: list[list[int]]) -> list[int]:
@@ -231,9 +243,10 @@ def _stage_extra_bytes(cm: CostModel, shape: Shape, groups: Sequence[NodeGroup],
                            next_group=None if last else group)
     acts = sum(t.act_bytes[g][k] for t, k, _ in parts)
     running, prefix = 0, 0
-    for t, k, _ in parts:  # the canonical order: embed, blocks, head
+    for t, k, name in parts:  # the canonical order: embed, blocks, head
         prefix += t.act_bytes[g][k]
-        running = max(running, prefix + t.transient_bytes[g][k])
+        copy = name == "head" and not first and t.copy_transient_bytes
+        running = max(running, prefix + (t.copy_transient_bytes if copy else t.transient_bytes)[g][k])
     own = (sum(t.static_bytes[g][k] for t, k, _ in parts) + (sc.in_flight - 1) * acts
            + sc.in_flight * to_grains(sc.output_per_mb) + running)
     return to_grains(sc.peak_bytes - sc.reserve) - own
@@ -562,6 +575,8 @@ class PlanModel:
                     self.m.add_implication(self.e[r][g][k], self.y[r][g])
         for g in range(G):
             self.m.add(sum(self.h[g]) == self.y[0][g])
+        self.alone = self.m.new_bool_var("alone")  # one stage: the last is also the first
+        self.m.add(self.alone == self.used[0] - (self.used[1] if p.slots > 1 else 0))
         if self.tied:  # one weight: the runtime needs the same tensor split and ZeRO level for both
             key = lambda s: (s.tensor_parallel, s.zero)  # noqa: E731
             for choice in {key(s) for s in p.embed.strategies} | {key(s) for s in p.head.strategies}:
@@ -631,8 +646,13 @@ class PlanModel:
                         self.m.add(base + prefix + p.block.transient_bytes[g][k] <= cap
                                    ).only_enforce_if([self.u[r][k], self.y[r][g]])
                 if r == 0:
+                    copy = p.head.copy_transient_bytes  # a tied head's copy when the embedding is elsewhere
                     for k in range(nh):
-                        if p.head.transient_bytes[g][k]:
+                        if copy:
+                            self.m.add(base + acts + p.head.transient_bytes[g][k] <= cap
+                                       ).only_enforce_if([self.h[g][k], self.alone])
+                            self.m.add(base + acts + copy[g][k] <= cap).only_enforce_if([self.h[g][k], self.alone.Not()])
+                        elif p.head.transient_bytes[g][k]:
                             self.m.add(base + acts + p.head.transient_bytes[g][k] <= cap).only_enforce_if(self.h[g][k])
 
     def _stage_extra(self, r: int) -> cp_model.LinearExprT:
@@ -670,11 +690,20 @@ class PlanModel:
             opt = (self._block_sum(r, p.block.optimizer_us) + self._embed_sum(r, p.embed.optimizer_us)
                    + self._head_sum(r, p.head.optimizer_us))
             self.m.add(self.O >= opt)
+        # A tied head on its own stage: the copies' gradient sum and the copy's update, per step.
+        self.tied_sync = 0
+        if p.head.tied_us and any(v for row in p.head.tied_us for v in row):
+            top = max(v for row in p.head.tied_us for v in row)
+            self.tied_sync = self.m.new_int_var(0, top, "tied_sync")
+            for g in range(len(p.groups)):
+                for k, v in enumerate(p.head.tied_us[g]):
+                    if v:
+                        self.m.add(self.tied_sync >= v).only_enforce_if([self.h[g][k], self.alone.Not()])
 
     # (O) the 1F1B step time; bounded by the incumbent so only better plans are searched.
     def add_objective(self) -> None:
         m_count = self.p.shape.num_micro_batches
-        self.objective = (m_count - 1) * self.T_max + sum(self.T) + self.E + self.O
+        self.objective = (m_count - 1) * self.T_max + sum(self.T) + self.E + self.O + self.tied_sync
         if self.upper_bound_us is not None:
             self.m.add(self.objective <= self.upper_bound_us)
         self.m.add(self.objective >= self.p.lower_bound_us)

@@ -162,9 +162,7 @@ def sp_choices(cm: CostModel, tp: int, space: SearchSpace) -> tuple[bool, ...]:
 
 def max_stages(cm: CostModel, num_micro_batches: int) -> int:
     """The deepest pipeline the runtime runs: 1F1B needs at least as many micro-batches as
-    stages, and tied embedding and head weights stay in one stage (partita.validate)."""
-    if cm.model.tie_embeddings:
-        return 1
+    stages."""
     return max(1, min(cm.model.n_layers, num_micro_batches))
 
 
@@ -354,9 +352,6 @@ def no_layout_message(cm: CostModel, global_batch: int, space: SearchSpace) -> s
     if space.tensor_parallel and not any(n % t == 0 for t in space.tensor_parallel for n in node_sizes):
         return (f"{where}: --tp {_csv(space.tensor_parallel)}: a tensor-parallel group stays inside one node, and "
                 f"the nodes here have {' or '.join(map(str, node_sizes))} devices; choose a degree that divides it")
-    if space.pipeline and model.tie_embeddings and 1 not in space.pipeline:
-        return (f"{where}: --pp {_csv(space.pipeline)}: {model.name} ties its embedding and head weights, which "
-                f"stay in one stage, so pp must be 1")
     for flag, relaxed in (("--tp", dataclasses.replace(space, tensor_parallel=None)),
                           ("--pp", dataclasses.replace(space, pipeline=None)),
                           ("--micro-batch", dataclasses.replace(space, micro_batches=None))):

@@ -23,12 +23,14 @@ def _plan(tmp_path, *args):
     return code, out
 
 
-def test_tied_embeddings_leave_a_group_idle_and_say_why(tmp_path, capsys):
-    code, out = _plan(tmp_path, "--model", "tiny-gpt2", "--cluster", "2xcpu+2xcpu")
+def test_tied_embeddings_pipeline_over_both_groups(tmp_path, capsys):
+    """A tied embedding and head may sit on different stages (the last keeps a copy), so a
+    gpt2 model uses both node groups; before, it kept one stage and left a group idle."""
+    code, out = _plan(tmp_path, "--model", "tiny-gpt2", "--cluster", "2xcpu+2xcpu", "--pp", "2")
     assert code == 0
     text = capsys.readouterr().out
-    assert "uses 2 of 4 CPU ranks" in text and "ties its embedding and head weights" in text
-    assert "uses 2 of 4 CPU ranks" in _show(out, capsys)  # show says it too, from the plan alone
+    assert "4 ranks = dp 2 x tp 1 x pp 2" in text and "ties its embedding" not in text
+    assert "tied embedding sync" in text  # the copies' gradient sum, priced per step
 
 
 def _show(path, capsys):

@@ -68,9 +68,9 @@ def test_gpu_plan_on_a_machine_without_gpus_is_refused(tmp_path):
         launch_command(parse(path))
 
 
-def test_tied_embeddings_across_stages_are_refused(tmp_path):
-    path = saved(make_plan("tiny-gpt2", pp=2), tmp_path)
-    with pytest.raises(PartitaError, match="ties its embedding"):
+def test_tied_embeddings_split_differently_are_refused(tmp_path):
+    path = saved(make_plan("tiny-gpt2", pp=2, dp=2, per_layer={"embed": dict(zero=1), "head": dict(zero=3)}), tmp_path)
+    with pytest.raises(PartitaError, match="ties its embedding and head weights: they need the same"):
         launch_command(parse(path))
 
 

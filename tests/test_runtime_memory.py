@@ -87,3 +87,19 @@ def test_each_ranks_tracked_memory_is_the_plans_prediction(name):
             slack = max(0.10 * want[category], 0.05 * total_want)
             assert abs(got[category] - want[category]) <= slack, (
                 f"{where}: {category} {got[category]} B, predicted {want[category]} B")
+
+
+def test_a_tied_heads_copy_is_priced():
+    """A tied embedding and head on different stages: the last stage keeps its own copy of the
+    weight (runtime/tied.py). Each rank's peak is the prediction within 10 %, and so are the
+    categories that hold the copy (weights, gathered weights, gradients, optimizer state). (The
+    activations and transients of gpt2 blocks are not compared here: their backward working
+    set is over-predicted, by 160 KiB on these ranks.)"""
+    plan = make_plan("tiny-gpt2", pp=2, dp=2, boundaries=[2], num_micro_batches=3, micro_batch=1, layer=dict(zero=1))
+    prediction = predicted(plan)
+    for rank, measured in enumerate(run_ranks(_measure_rank, plan.world_size, plan.to_dict(), CFG)):
+        _, want = prediction[measured["stage"]]
+        got, peak = measured["memory"], sum(measured["memory"].values())
+        assert abs(peak - sum(want.values())) <= 0.10 * sum(want.values()), (rank, got, want)
+        for category in ("weights", "gathered_weights", "gradients", "optimizer"):
+            assert abs(got[category] - want[category]) <= 0.10 * want[category], (rank, category, got, want)

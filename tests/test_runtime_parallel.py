@@ -75,6 +75,26 @@ def test_plan_trains_like_one_process(name):
     assert_same_training(PLANS[name])
 
 
+@pytest.mark.parametrize("plan", [
+    make_plan("tiny-gpt2", pp=2, boundaries=[2], num_micro_batches=2),
+    make_plan("tiny-gpt2", pp=2, dp=2, boundaries=[1], num_micro_batches=2,
+              per_layer={"embed": dict(zero=2), "head": dict(zero=2)}, layer=dict(zero=1)),
+], ids=["pp2", "pp2-dp2-zero2"])
+def test_tied_embeddings_across_stages_train_like_one_process(plan):
+    """The embedding on the first stage and the head on the last keep one logical weight: the
+    last stage's copy gets the same summed gradient and step, and the gradient norm counts it
+    once, so training matches one process with the weight shared."""
+    losses, params = run_parallel(plan, CFG)
+    ref_losses, ref_params = run_reference(plan, CFG)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-5)
+    copy = params.pop("head.output.weight")
+    torch.testing.assert_close(copy, params["embed.tok.weight"], rtol=0, atol=0)  # the copies stay equal
+    assert set(params) == set(ref_params)
+    for name, ref in ref_params.items():
+        torch.testing.assert_close(params[name], ref, rtol=1e-4, atol=5e-5, msg=lambda m: f"{name}: {m}")
+    assert losses[-1] != losses[0]
+
+
 def test_gqa_with_qkv_bias_under_tp():
     spec = dataclasses.replace(SMALL, name="tiny-qwen", qkv_bias=True)
     assert_same_training(make_plan(spec, tp=2, layer=dict(TP2, sequence_parallel=True)))

@@ -1,0 +1,54 @@
+"""A tied embedding and head on different pipeline stages (Megatron's scheme).
+
+The first stage owns the embedding's weight, the last stage a copy of it as the head's output
+weight; both start equal (``models.materialize``). After every step's backward, each pair of
+ranks at the same data- and tensor-parallel position on those two stages sums the two
+gradients, so both copies take the same optimizer step and stay equal: one logical weight, the
+gradient a single model would get. The copy on the last stage is left out of the gradient norm
+(it would count the same gradient twice) but clipped by the same factor.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from partita.plan import Plan
+from partita.runtime.mesh import RankPlace
+from partita.runtime.models import Transformer
+
+
+class TiedWeights:
+    """Keeps a tied embedding and head equal across the first and last pipeline stage."""
+
+    def __init__(self, model: Transformer, plan: Plan, place: RankPlace) -> None:
+        self.param: torch.nn.Parameter | None = None
+        self.group: dist.ProcessGroup | None = None
+        self.is_copy = False  # the last stage's copy: not counted in the gradient norm
+        if not (model.spec.tie_embeddings and plan.pp > 1):
+            return
+        first, last = plan.stages[0], plan.stages[-1]
+        # Every rank creates every pair's group, in the same order (torch.distributed requires it).
+        for position in range(len(first.ranks)):
+            pair = [first.ranks[position], last.ranks[position]]
+            group = dist.new_group(pair)
+            if place.rank in pair:
+                self.group = group
+        if place.stage.index == 0:
+            self.param = model.embed.tok.weight
+        elif place.stage.index == plan.pp - 1:
+            self.param = model.head.output.weight
+            self.is_copy = True
+
+    def sync_gradients(self) -> None:
+        """Sum the two copies' gradients (call after the step's backward, before clipping)."""
+        if self.param is None or self.param.grad is None:
+            return
+        grad = self.param.grad
+        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        dist.all_reduce(local, group=self.group)
+
+    def norm_excluded(self) -> set[int]:
+        """ids of the parameters to leave out of the gradient norm on this rank."""
+        return {id(self.param)} if self.is_copy and self.param is not None else set()
