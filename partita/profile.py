@@ -9,6 +9,12 @@ width it was sharded to, the micro-batch size and the sequence length. Comm entr
 ``time = latency + bytes / bandwidth`` per collective, link class and group size, where
 ``bytes`` is the collective's *bus* traffic per rank (ring algorithms: all-reduce moves
 2(n-1)/n of the buffer, all-gather and reduce-scatter (n-1)/n of the full buffer).
+
+An optional ``calibration`` block (``partita calibrate``, fitted on measured runs) holds the
+time constants the cost model prices analytic layers with on this device type: a scale on the
+analytic device time, the host's overhead per eager op, the compute slowdown while
+communication overlaps it, and the fixed per-step overhead; its ``runs`` and ``error`` say what
+it was fitted on and how well. Profiles without it load as before (and keep their fingerprint).
 """
 
 from __future__ import annotations
@@ -61,7 +67,7 @@ class Provenance:
     def from_dict(cls, data: Any, where: str) -> "Provenance":
         data = specio.require_mapping(data, where)
         specio.check_keys(data, cls, where, required=("source", "device_name"))
-        specio.get_str(data, "source", where, choices=("measured", "analytic"))
+        specio.get_str(data, "source", where, choices=("measured", "analytic", "calibrated"))
         return cls(**{k: str(v) for k, v in data.items()})
 
 
@@ -123,6 +129,42 @@ class CommCost:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Calibration:
+    """Time constants fitted on measured runs of this device type (``partita calibrate``)."""
+
+    compute_scale: float  # measured / analytic device time of the layers' own work
+    op_overhead_s: float  # host time per dispatched eager op
+    overlap_slowdown: float  # compute slowdown while a collective overlaps it (0: none, 1: no overlap)
+    step_overhead_s: float  # fixed per step: loss reduction, data, Python between micro-batches
+    fitted: tuple[str, ...] = ()  # which of the four were fitted (the others kept their default)
+    runs: tuple[str, ...] = ()  # run ids fitted on
+    error: float = 0.0  # median |predicted / measured - 1| over the fitted observations
+
+    CONSTANTS = ("compute_scale", "op_overhead_s", "overlap_slowdown", "step_overhead_s")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["fitted"], d["runs"] = list(self.fitted), list(self.runs)
+        return d
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> "Calibration":
+        data = specio.require_mapping(data, where)
+        specio.check_keys(data, cls, where, required=cls.CONSTANTS)
+        values = {name: specio.get_float(data, name, where, strict_min=False) for name in cls.CONSTANTS}
+        if values["compute_scale"] <= 0:
+            raise PartitaError(f"{where}: compute_scale must be > 0, got {values['compute_scale']}")
+        fitted = data.get("fitted") or []
+        runs = data.get("runs") or []
+        if not isinstance(fitted, list) or any(f not in cls.CONSTANTS for f in fitted):
+            raise PartitaError(f"{where}: fitted must list some of {', '.join(cls.CONSTANTS)}")
+        if not isinstance(runs, list):
+            raise PartitaError(f"{where}: runs must be a list of run ids")
+        return cls(**values, fitted=tuple(fitted), runs=tuple(str(r) for r in runs),
+                   error=specio.get_float(data, "error", where, strict_min=False) if "error" in data else 0.0)
+
+
+@dataclass(frozen=True, kw_only=True)
 class Profile:
     schema_version: int = SCHEMA_VERSION
     device: str  # catalog name the costs apply to
@@ -130,11 +172,15 @@ class Profile:
     provenance: Provenance
     layers: tuple[LayerCost, ...] = ()
     comm: tuple[CommCost, ...] = ()
+    calibration: Calibration | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"schema_version": self.schema_version, "device": self.device, "dtype": self.dtype,
-                "provenance": self.provenance.to_dict(), "layers": [l.to_dict() for l in self.layers],
-                "comm": [c.to_dict() for c in self.comm]}
+        d = {"schema_version": self.schema_version, "device": self.device, "dtype": self.dtype,
+             "provenance": self.provenance.to_dict(), "layers": [l.to_dict() for l in self.layers],
+             "comm": [c.to_dict() for c in self.comm]}
+        if self.calibration is not None:  # absent, a profile keeps the fingerprint it always had
+            d["calibration"] = self.calibration.to_dict()
+        return d
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "profile") -> "Profile":
@@ -151,7 +197,9 @@ class Profile:
         return cls(device=device, dtype=specio.get_str(data, "dtype", where, choices=("bf16", "fp16", "fp32")),
                    provenance=Provenance.from_dict(data["provenance"], f"{where}: provenance"),
                    layers=tuple(LayerCost.from_dict(l, f"{where}: layers[{i}]") for i, l in enumerate(layers)),
-                   comm=tuple(CommCost.from_dict(c, f"{where}: comm[{i}]") for i, c in enumerate(comm)))
+                   comm=tuple(CommCost.from_dict(c, f"{where}: comm[{i}]") for i, c in enumerate(comm)),
+                   calibration=Calibration.from_dict(data["calibration"], f"{where}: calibration")
+                   if data.get("calibration") is not None else None)
 
     def save(self, path: str | Path) -> None:
         specio.save_yaml(self.to_dict(), path)

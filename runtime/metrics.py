@@ -13,6 +13,7 @@ runs that append to one ``metrics.jsonl`` stay apart: ``read_metrics(path, run_i
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import resource
@@ -89,13 +90,18 @@ class RunSummary:
     memory: list[dict[str, Any]] | None = None
     predicted_memory: list[dict[str, int]] | None = None
     run_id: str | None = None  # the run_id of this run's metrics records
+    # For `partita calibrate`: the plan that ran, and rank 0's timings of its collectives at its
+    # message sizes (``partita.runtime.commprobe``: op, link, ranks, message_bytes, seconds).
+    plan: dict[str, Any] | None = None
+    collectives: list[dict[str, Any]] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "RunSummary":
-        return cls(**data)
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
 
     def table(self) -> str:
         """Measured against predicted, with the error in percent of the prediction."""
@@ -119,7 +125,8 @@ class RunSummary:
 
 
 def summarize(step_times: list[float], stage_peaks: list[int], memory_kind: str, losses: list[float],
-              plan: Plan, memory: list[dict[str, Any]] | None = None, run_id: str | None = None) -> RunSummary:
+              plan: Plan, memory: list[dict[str, Any]] | None = None, run_id: str | None = None,
+              collectives: list[dict[str, Any]] | None = None) -> RunSummary:
     timed = step_times[1:] or step_times
     prediction = plan.prediction
     median = statistics.median(timed) if timed else float("nan")
@@ -140,7 +147,7 @@ def summarize(step_times: list[float], stage_peaks: list[int], memory_kind: str,
         memory=memory,
         predicted_memory=[m.category_bytes() for m in sorted(prediction.memory, key=lambda m: m.stage)]
         if prediction and memory else None,
-        run_id=run_id)
+        run_id=run_id, plan=plan.to_dict(), collectives=collectives)
 
 
 def memory_table(summary: RunSummary) -> str:

@@ -31,6 +31,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from partita.plan import Plan
 from partita.runtime.mesh import Meshes
 from partita.runtime.parallelize import ShardedLayer, set_gradient_sync
+from partita.runtime.phases import PhaseTimer
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -71,17 +72,23 @@ class MicroBatchRunner:
         return []
 
     def __init__(self, model: nn.Module, units: list[ShardedLayer], num_micro_batches: int,
-                 loss: LossFunction | None = None) -> None:
+                 loss: LossFunction | None = None, timer: PhaseTimer | None = None) -> None:
         self.model, self.units, self.n = model, units, num_micro_batches
         self.loss = loss or LossFunction()
+        self.timer = timer or PhaseTimer(torch.device("cpu"))
 
     def run(self, inputs: torch.Tensor, targets: torch.Tensor, loss_scale: float = 1.0) -> torch.Tensor:
         total = torch.zeros((), device=inputs.device)
+        span = self.timer.span
         with self.loss.context():
             for i, (x, y) in enumerate(zip(inputs.chunk(self.n), targets.chunk(self.n))):
                 set_gradient_sync(self.units, last_micro_batch=i == self.n - 1)
-                loss = self.loss(self.model(x), y)
-                (loss * (loss_scale / self.n)).backward()
+                with span("forward"):
+                    logits = self.model(x)
+                with span("loss"):
+                    loss = self.loss(logits, y)
+                with span("backward"):
+                    (loss * (loss_scale / self.n)).backward()
                 total += loss.detach()
         return total
 
@@ -110,7 +117,8 @@ class _StageModule(nn.Module):
 
 class PipelineRunner:
     def __init__(self, model: nn.Module, units: list[ShardedLayer], plan: Plan, meshes: Meshes, *,
-                 device: torch.device, activation_dtype: torch.dtype, loss: LossFunction) -> None:
+                 device: torch.device, activation_dtype: torch.dtype, loss: LossFunction,
+                 timer: PhaseTimer | None = None) -> None:
         stage = meshes.place.stage
         self.is_first, self.is_last = stage.index == 0, stage.index == plan.pp - 1
         self.n = plan.num_micro_batches
@@ -130,10 +138,25 @@ class PipelineRunner:
         self.stage = PipelineStage(self.module, stage.index, plan.pp, device, input_args=inputs,
                                    output_args=outputs, group=meshes.pp.get_group())
         self.loss_scale = 1.0
+        self.timer = timer or PhaseTimer(device)
+        self._time_stage_chunks()
         self.schedule = Schedule1F1B(self.stage, n_microbatches=self.n, loss_fn=self._scaled_loss, scale_grads=True)
 
+    def _time_stage_chunks(self) -> None:
+        """Time each micro-batch's forward and backward as the schedule runs them on this stage
+        (its receives are waited for before, its sends are started after)."""
+        for method, phase in (("forward_one_chunk", "forward"), ("backward_one_chunk", "backward")):
+            inner = getattr(self.stage, method)
+
+            def timed(*args, _inner=inner, _phase=phase, **kwargs):
+                with self.timer.span(_phase):
+                    return _inner(*args, **kwargs)
+
+            setattr(self.stage, method, timed)
+
     def _scaled_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return self.loss(logits, targets) * self.loss_scale
+        with self.timer.span("loss"):
+            return self.loss(logits, targets) * self.loss_scale
 
     def receive_buffers(self) -> list[torch.Tensor]:
         """The schedule's receive buffers (one per micro-batch for activations on every stage but

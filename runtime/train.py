@@ -38,6 +38,7 @@ from partita.runtime.mesh import build_meshes
 from partita.runtime.metrics import MetricsWriter, RunSummary, peak_flops, peak_memory_bytes, summarize
 from partita.runtime.models import build_model
 from partita.runtime.parallelize import parallelize_stage
+from partita.runtime.phases import PhaseTimer
 from partita.runtime.schedule import MicroBatchRunner, PipelineRunner, loss_function
 from partita.runtime.tied import TiedWeights
 
@@ -205,11 +206,12 @@ class Trainer:
             self.scaler.scale(torch.ones((), device=device))  # creates its scale tensor (the runners scale by value)
         loss = loss_function(plan, self.meshes)
         self.tied = TiedWeights(self.model, plan, self.meshes.place)
+        self.timer = PhaseTimer(device)
         if plan.pp > 1:
             self.runner = PipelineRunner(self.model, units, plan, self.meshes, device=device,
-                                         activation_dtype=compute_dtype, loss=loss)
+                                         activation_dtype=compute_dtype, loss=loss, timer=self.timer)
         else:
-            self.runner = MicroBatchRunner(self.model, units, plan.num_micro_batches, loss)
+            self.runner = MicroBatchRunner(self.model, units, plan.num_micro_batches, loss, timer=self.timer)
         self.start_step = 0
         if cfg.resume and cfg.checkpoint_dir:
             if resume_from is None:
@@ -260,12 +262,13 @@ class Trainer:
                 loss_sum, grad_norm = one_step()
             loss = _global_loss(loss_sum if reports_loss else None, plan, device)
             elapsed = clock.now() - t0
+            phases = self.timer.take()  # this step's forward/backward per micro-batch, and its optimizer
             step_times.append(elapsed)
             losses.append(loss)
             record = {"run_id": cfg.run_id, "step": step + 1, "rank": place.rank, "stage": place.stage.index, "loss": loss, "lr": lr,
                       "grad_norm": grad_norm, "step_time_s": elapsed, "tokens_per_s": tokens_per_step / elapsed,
                       "mfu": flops_per_step / elapsed / peak if peak else None,
-                      "peak_memory_bytes": peak_memory_bytes(device)}
+                      "peak_memory_bytes": peak_memory_bytes(device), **phases}
             writer.write(record)
             log.info("step %d/%d  loss %.4f  %.1f ms  %.0f tok/s  MFU %.2f%%  peak %.0f MiB", step + 1, cfg.steps,
                      loss, elapsed * 1e3, record["tokens_per_s"], 100 * (record["mfu"] or 0),
@@ -277,20 +280,28 @@ class Trainer:
             if cfg.crash_after_step is not None and done == cfg.crash_after_step:
                 os._exit(17)  # tests: die like a killed process, without cleanup
         writer.close()
-        return _gather_summary(step_times, losses, plan, place, device, self.measured_memory, cfg.run_id)
+        from partita.runtime.commprobe import probe_collectives
+
+        collectives = probe_collectives(plan, self.meshes, device)
+        return _gather_summary(step_times, losses, plan, place, device, self.measured_memory, cfg.run_id,
+                               collectives)
 
 
     def _update(self, pp_group: dist.ProcessGroup | None) -> float:
         """Clip and step; under fp16 unscale first and skip the step on overflow (every rank alike)."""
+        # The optimizer's own time is recorded (the clip's all-reduce over stages would add the
+        # pipeline's skew to it).
         if self.scaler is None:
             self.tied.sync_gradients()
             grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.grad_clip, pp_group, self.tied.norm_excluded())
-            self.optimizer.step()
+            with self.timer.span("optimizer"):
+                self.optimizer.step()
         else:
             self.scaler.unscale_(self.optimizer)
             self.tied.sync_gradients()
             grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.grad_clip, pp_group, self.tied.norm_excluded())
-            self.scaler.step(self.optimizer)
+            with self.timer.span("optimizer"):
+                self.scaler.step(self.optimizer)
             self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm
@@ -312,7 +323,8 @@ def _global_loss(loss_sum: torch.Tensor | None, plan: Plan, device: torch.device
 
 
 def _gather_summary(step_times: list[float], losses: list[float], plan: Plan, place, device: torch.device,
-                    measured_memory: dict[str, int] | None, run_id: str | None = None) -> RunSummary | None:
+                    measured_memory: dict[str, int] | None, run_id: str | None = None,
+                    collectives: list | None = None) -> RunSummary | None:
     peaks: list = [None] * dist.get_world_size()
     dist.all_gather_object(peaks, (place.stage.index, peak_memory_bytes(device), measured_memory))
     if dist.get_rank() != 0:
@@ -322,7 +334,7 @@ def _gather_summary(step_times: list[float], losses: list[float], plan: Plan, pl
     if measured_memory is not None:
         memory = [{"rank": r, "stage": s, "bytes": m} for r, (s, _, m) in enumerate(peaks)]
     return summarize(step_times, stage_peaks, "allocated" if device.type == "cuda" else "peak RSS", losses, plan,
-                     memory, run_id=run_id)
+                     memory, run_id=run_id, collectives=collectives)
 
 
 def _default_device(plan: Plan) -> torch.device:
