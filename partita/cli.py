@@ -3,7 +3,9 @@
     partita plan --model llama-2-70b --cluster 8x8xH100 -o plan.yaml
     partita plan --model config.json --cluster 4x8xA100-80GB+2x8xH100 --profile h100.yaml
     partita check plan.yaml --cluster 8x8xH100
-    partita show plan.yaml
+    partita show plan.yaml --tokens 2T
+    partita export plan.yaml --to megatron -o megatron.args
+    partita launch plan.yaml --emit slurm -o job.sbatch
     partita models | partita devices
     partita launch plan.yaml --steps 20          (needs torch)
     partita profile --model tiny-llama --device cpu -o prof.yaml   (needs torch)
@@ -91,6 +93,26 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"partita: error: {message} (see `{self.prog} --help`)\n")
 
 
+def _add_json(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON object on stdout instead of tables (schema: docs/json-schema.json)")
+
+
+def _add_tokens(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tokens", default=None, metavar="N",
+                        help="tokens to train on (2T, 500B, 1e12): print time to train, GPU-hours and cost "
+                             "per device type")
+
+
+def _add_emit(launch: argparse.ArgumentParser) -> None:
+    """``partita launch PLAN --emit slurm``: write an sbatch script instead of starting ranks."""
+    launch.add_argument("--emit", choices=("slurm",), default=None,
+                        help="write a batch script that runs the plan instead of running it (slurm: sbatch)")
+    launch.add_argument("-o", "--output", default=None, help="with --emit: the script to write (default job.sbatch)")
+    launch.add_argument("--partition", default=None, help="with --emit slurm: the SLURM partition (all components)")
+    launch.add_argument("--walltime", default=None, help="with --emit slurm: the job's time limit, e.g. 24:00:00")
+
+
 def build_parser(with_torch_commands: bool = False) -> argparse.ArgumentParser:
     """The argument parser. The torch-backed commands' flags load only when one of them runs,
     so planning never pays for importing torch."""
@@ -126,22 +148,40 @@ def build_parser(with_torch_commands: bool = False) -> argparse.ArgumentParser:
     plan.add_argument("--no-recompute", action="store_true", help="never recompute activations")
     plan.add_argument("--no-sequence-parallel", action="store_true", help="never use sequence parallelism")
     plan.add_argument("-o", "--output", default="plan.yaml", help="where to write the plan (default plan.yaml)")
+    plan.add_argument("--top", type=_positive_int, default=1, metavar="K",
+                      help="also list the best plans of K-1 other shapes (written as plan-2.yaml, ...)")
+    _add_tokens(plan)
+    _add_json(plan)
 
     check = sub.add_parser("check", help="validate a plan against a cluster and re-price it")
     check.add_argument("plan")
     check.add_argument("--cluster", required=True)
     check.add_argument("--profile", action="append", default=[], metavar="P")
+    _add_json(check)
 
     show = sub.add_parser("show", help="print a plan")
     show.add_argument("plan")
+    _add_tokens(show)
+    _add_json(show)
 
-    sub.add_parser("models", help="list the built-in models")
-    sub.add_parser("devices", help="list the device catalog")
+    _add_json(sub.add_parser("models", help="list the built-in models"))
+    _add_json(sub.add_parser("devices", help="list the device catalog"))
+
+    export = sub.add_parser("export", help="write a plan as Megatron-LM arguments, a torchtitan TOML or a "
+                                           "DeepSpeed JSON (the closest plan the target runs, both priced)")
+    export.add_argument("plan")
+    export.add_argument("--to", required=True, choices=("megatron", "torchtitan", "deepspeed"))
+    export.add_argument("-o", "--output", default=None,
+                        help="file to write (default: megatron.args, torchtitan.toml or deepspeed.json beside the plan)")
+    export.add_argument("--profile", action="append", default=[], metavar="P",
+                        help="measured profile to price both plans with (as for partita check)")
 
     launch = sub.add_parser("launch", help="train a plan with torch.distributed (torchrun)")
     profile = sub.add_parser("profile", help="measure layer and collective costs on this machine's devices")
     if with_torch_commands:
         _add_torch_commands(launch, profile)
+        if launch.get_default("_missing") is None:
+            _add_emit(launch)
     return p
 
 
@@ -210,9 +250,17 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "show":
         return commands.show(args)
     if args.command == "models":
-        return commands.models()
+        return commands.models(args)
     if args.command == "devices":
-        return commands.devices()
+        return commands.devices(args)
+    if args.command == "export":
+        from partita.export import export_command
+
+        return export_command(args)
+    if args.command == "launch" and getattr(args, "emit", None):
+        from partita.slurm import emit_command
+
+        return emit_command(args)
     if args.command == "launch":
         from partita.runtime.launch import launch_command
 

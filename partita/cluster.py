@@ -10,6 +10,7 @@ Ranks are numbered group by group, node by node, GPU by GPU: group 0's node 0 ho
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,9 @@ class NodeGroup:
     intra_link: str  # nvlink, pcie, xgmi, loopback
     intra_node_gbps: float  # per GPU, per direction
     network_gbps: float  # inter-node, per GPU, per direction
+    # What one device of this group costs per hour, US dollars; None: the catalog's default.
+    # Not hardware: left out of the cluster's fingerprint, so a plan stays valid when it changes.
+    price_per_gpu_hour: float | None = None
 
     @property
     def size(self) -> int:
@@ -44,15 +48,24 @@ class NodeGroup:
     def device_type(self) -> DeviceType:
         return get_device(self.device)
 
+    @property
+    def price(self) -> float | None:
+        """US dollars per device-hour: the group's own price, else the catalog's (None: unknown)."""
+        return self.price_per_gpu_hour if self.price_per_gpu_hour is not None else self.device_type.price_per_gpu_hour
+
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "device": self.device, "nodes": self.nodes, "gpus_per_node": self.gpus_per_node,
-                "memory_gib": self.memory_bytes / GiB, "intra_link": self.intra_link,
-                "intra_node_gbps": self.intra_node_gbps, "network_gbps": self.network_gbps}
+        d = {"name": self.name, "device": self.device, "nodes": self.nodes, "gpus_per_node": self.gpus_per_node,
+             "memory_gib": self.memory_bytes / GiB, "intra_link": self.intra_link,
+             "intra_node_gbps": self.intra_node_gbps, "network_gbps": self.network_gbps}
+        if self.price_per_gpu_hour is not None:
+            d["price_per_gpu_hour"] = self.price_per_gpu_hour
+        return d
 
     @classmethod
     def from_dict(cls, data: Any, where: str) -> "NodeGroup":
         data = specio.require_mapping(data, where)
-        valid = ["name", "device", "nodes", "gpus_per_node", "memory_gib", "intra_link", "intra_node_gbps", "network_gbps"]
+        valid = ["name", "device", "nodes", "gpus_per_node", "memory_gib", "intra_link", "intra_node_gbps", "network_gbps",
+                 "price_per_gpu_hour"]
         for key in data:
             if key not in valid:
                 raise PartitaError(f"{where}: unknown key {key!r}; valid keys: {', '.join(valid)}")
@@ -60,7 +73,10 @@ class NodeGroup:
         memory_gib = specio.get_float(data, "memory_gib", where, default=dev.memory_bytes / GiB)
         if memory_gib * GiB >= 2**63:  # finite, yet no integer byte count (1e308 GiB)
             raise PartitaError(f"{where}: memory_gib {memory_gib} is too large for one device")
-        return make_group(
+        price = data.get("price_per_gpu_hour")
+        if price is not None:
+            price = specio.get_float(data, "price_per_gpu_hour", where, strict_min=False)
+        group = make_group(
             name=specio.get_str(data, "name", where, default=dev.name.lower()),
             device=dev,
             nodes=specio.get_int(data, "nodes", where, default=1),
@@ -70,6 +86,7 @@ class NodeGroup:
             intra_node_gbps=specio.get_float(data, "intra_node_gbps", where, default=dev.intra_node_gbps),
             network_gbps=specio.get_float(data, "network_gbps", where, default=dev.network_gbps),
         )
+        return dataclasses.replace(group, price_per_gpu_hour=price) if price is not None else group
 
 
 def make_group(*, name: str, device: DeviceType, nodes: int, gpus_per_node: int, memory_bytes: int | None = None,
@@ -163,6 +180,8 @@ class ClusterSpec:
     def fingerprint(self) -> str:
         d = self.to_dict()
         d.pop("name")
+        for g in d["groups"]:  # a price is not hardware: re-pricing keeps plans valid
+            g.pop("price_per_gpu_hour", None)
         return specio.fingerprint(d)
 
     @property

@@ -19,10 +19,11 @@ from rich.console import Console
 from rich.table import Table
 
 from partita.cluster import ClusterSpec, load_cluster, same_hardware
-from partita.devices import CATALOG
+from partita.devices import CATALOG, PRICE_SOURCE
 from partita.errors import InfeasibleError, PartitaError
 from partita.model import BUILTIN, ModelSpec, load_model
 from partita.plan import LayerStrategy, Plan
+from partita.pricing import cost_lines, parse_tokens, training_cost
 from partita.profile import Profile
 from partita.units import GiB, fmt_bytes, fmt_seconds
 
@@ -58,6 +59,10 @@ def plan(args: argparse.Namespace) -> int:
     global_batch = args.global_batch or model.default_global_batch
     dtype = plan_dtype(args.dtype, cluster)
     _check_search_flags(args)
+    tokens = parse_tokens(args.tokens) if getattr(args, "tokens", None) else None
+    top = getattr(args, "top", 1) or 1
+    if top > 1 and args.search != "cpsat":
+        raise PartitaError(f"--top {top} lists CP-SAT's best plan of each shape; drop --search uniform")
     space = _space(args, model, cluster, global_batch)
     profiles = usable_profiles(args.profile, model, cluster, seq_len=seq_len, dtype=dtype)
     margins = memory_margins(args.memory_margin, cluster)
@@ -65,9 +70,14 @@ def plan(args: argparse.Namespace) -> int:
                       global_batch=global_batch, profiles=profiles, dtype=dtype, search=args.search,
                       time_limit_s=args.time_limit, workers=args.workers or 1, seed=args.seed or 0, space=space)
     start = time.perf_counter()
+    as_json = getattr(args, "json", False)
+    alternatives: list[Plan] = []
     try:
-        with console.status("searching", spinner="dots") as status:
+        with _Quiet() if as_json else console.status("searching", spinner="dots") as status:
             result, _ = make_plan(req, progress=lambda what: status.update(what))
+            if top > 1:
+                status.update(f"the best plans of {top - 1} other shapes")
+                alternatives = _alternatives(req, result, top - 1)
     except InfeasibleError as e:
         if any(margins.values()):
             raise InfeasibleError(f"{e} (that is with --memory-margin keeping "
@@ -79,10 +89,15 @@ def plan(args: argparse.Namespace) -> int:
         from partita.search.planner import attach_prediction
         from partita.validate import validate_plan
 
-        result = attach_prediction(dataclasses.replace(result, cluster=cluster.to_dict(),
-                                                       cluster_fingerprint=cluster.fingerprint), cm)
-        validate_plan(result, model, cluster)
+        result, *alternatives = [attach_prediction(dataclasses.replace(p, cluster=cluster.to_dict(),
+                                                                       cluster_fingerprint=cluster.fingerprint), cm)
+                                 for p in (result, *alternatives)]
+        for p in (result, *alternatives):
+            validate_plan(p, model, cluster)
     save_plan(result, output)  # before anything is printed: a closed pipe must not lose the plan
+    alt_paths = [output.with_name(f"{output.stem}-{i + 2}{output.suffix}") for i in range(len(alternatives))]
+    for alt, path in zip(alternatives, alt_paths):
+        save_plan(alt, path)
     notes = []
     idle = idle_devices_note(result, model, cluster, cm=cm, space=space, search=args.search)
     if idle:
@@ -92,9 +107,66 @@ def plan(args: argparse.Namespace) -> int:
     over = cpu_oversubscription(result, cluster)
     if over:
         notes.append(f"[bold]warning:[/bold] {over}")
+    cost = training_cost(result, cluster, tokens) if tokens else None
+    if as_json:
+        from partita import jsonout
+
+        plain = [n.replace("[bold]", "").replace("[/bold]", "") for n in notes]
+        jsonout.emit(jsonout.plan_output(result, output=str(output), notes=plain, cost=cost,
+                                         alternatives=[(str(path), alt, alt.solver.status if alt.solver else "")
+                                                       for path, alt in zip(alt_paths, alternatives)]))
+        return 0
     print_plan(result, notes=notes)
+    if cost is not None:
+        console.print("\n".join(cost_lines(cost)))
+    if top > 1:
+        print_alternatives(result, list(zip(alt_paths, alternatives)), output, top)
     console.print(f"\nwrote {output}  (planned in {wall:.2f} s)")
     return 0
+
+
+class _Quiet:
+    """A stand-in for the progress spinner when stdout carries JSON."""
+
+    def __enter__(self) -> "_Quiet":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def update(self, what: str) -> None:
+        pass
+
+
+def _alternatives(req, best: Plan, count: int) -> list[Plan]:
+    """The best plans of ``count`` other shapes (``partita.search.topk``), in the search's budget."""
+    from partita.search.costs import CostModel
+    from partita.search.planner import SAFETY_WALL_S, work_limit
+    from partita.search.topk import alternative_plans
+
+    cm = CostModel(req.model, req.cluster, seq_len=req.seq_len, dtype=req.dtype, profiles=req.profiles)
+    deadline = time.perf_counter() + (req.time_limit_s if req.time_limit_s is not None else SAFETY_WALL_S)
+    return alternative_plans(cm, req, best, count, work_limit=work_limit(req), deadline=deadline)
+
+
+def print_alternatives(best: Plan, alternatives: list[tuple[Path, Plan]], output: Path, top: int) -> None:
+    """The K plans side by side: shape, placement, prediction, and the file each is in."""
+    from partita.jsonout import plan_summary
+
+    t = Table(title=f"the best plans of {1 + len(alternatives)} shapes (--top {top})", title_justify="left")
+    for col in ("#", "dp x tp x pp", "micro-batch", "groups", "blocks/stage", "step", "tokens/s", "MFU",
+                "memory", "search", "file"):
+        t.add_column(col, justify="right" if col in ("#", "step", "tokens/s", "MFU", "memory") else "left")
+    for i, (path, p) in enumerate([(output, best), *alternatives]):
+        s = plan_summary(p)
+        t.add_row(str(i + 1), f"{p.dp} x {p.tp} x {p.pp}", f"{p.micro_batch} x {p.num_micro_batches}",
+                  ",".join(dict.fromkeys(s["groups"])), ",".join(map(str, s["blocks_per_stage"])),
+                  fmt_seconds(s["step_time_s"]), f"{s['tokens_per_s']:,.0f}", f"{100 * s['mfu']:.1f}%",
+                  f"{100 * s['peak_fraction']:.0f}%", p.solver.status if p.solver else "", str(path))
+    console.print(t)
+    if len(alternatives) < top - 1:
+        console.print(f"only {1 + len(alternatives)} shapes hold a plan that fits (or were reached in the search's "
+                      f"work limit)")
 
 
 def writable_output(text: str) -> Path:
@@ -363,11 +435,18 @@ def check(args: argparse.Namespace) -> int:
     profiles = usable_profiles(args.profile, model, cluster, seq_len=p.seq_len, dtype=p.dtype)
     cm = CostModel(model, cluster, seq_len=p.seq_len, dtype=p.dtype, profiles=profiles)
     ev = evaluate_plan(p, cm)
-    console.print(f"{args.plan}: valid for {model.name} on {cluster.short}{same}; "
-                  f"predicted step {fmt_seconds(ev.step_time_s)}")
     over = [s for s in ev.stages if s.peak_bytes > s.capacity]
-    for i, s in enumerate(ev.stages):
-        console.print(f"  stage {i}: peak {fmt_bytes(s.peak_bytes)} of {fmt_bytes(s.capacity)}")
+    if getattr(args, "json", False):
+        from partita import jsonout
+
+        jsonout.emit(jsonout.check_output(path=args.plan, model=model.name, cluster=cluster.short,
+                                          step_time_s=ev.step_time_s,
+                                          stages=[(s.peak_bytes, s.capacity) for s in ev.stages]))
+    else:
+        console.print(f"{args.plan}: valid for {model.name} on {cluster.short}{same}; "
+                      f"predicted step {fmt_seconds(ev.step_time_s)}")
+        for i, s in enumerate(ev.stages):
+            console.print(f"  stage {i}: peak {fmt_bytes(s.peak_bytes)} of {fmt_bytes(s.capacity)}")
     if over:
         worst = max(ev.stages, key=lambda s: s.peak_bytes / s.capacity)
         raise InfeasibleError(f"the plan does not fit: a device needs {fmt_bytes(worst.peak_bytes)} of "
@@ -379,6 +458,7 @@ def show(args: argparse.Namespace) -> int:
     """Print a plan, after checking it is one: a hand edit that breaks it is refused, not shown."""
     from partita.validate import validate_plan
 
+    tokens = parse_tokens(args.tokens) if getattr(args, "tokens", None) else None
     p = Plan.load(args.plan)
     model = ModelSpec.from_dict(p.model, where=f"{args.plan}: model")
     cluster = ClusterSpec.from_dict(p.cluster, where=f"{args.plan}: cluster")
@@ -388,7 +468,15 @@ def show(args: argparse.Namespace) -> int:
     except PartitaError as e:
         raise PartitaError(f"{args.plan}: {e}") from None
     idle = idle_devices_note(p, model, cluster)
+    cost = training_cost(p, cluster, tokens) if tokens else None
+    if getattr(args, "json", False):
+        from partita import jsonout
+
+        jsonout.emit(jsonout.show_output(p, path=args.plan, notes=[idle] if idle else [], cost=cost))
+        return 0
     print_plan(p, notes=[idle] if idle else [])
+    if cost is not None:
+        console.print("\n".join(cost_lines(cost)))
     return 0
 
 
@@ -403,7 +491,12 @@ def _check_prediction(p: Plan) -> None:
         raise PartitaError("the prediction has a zero capacity or step time; re-plan")
 
 
-def models() -> int:
+def models(args: argparse.Namespace | None = None) -> int:
+    if getattr(args, "json", False):
+        from partita import jsonout
+
+        jsonout.emit(jsonout.models_output())
+        return 0
     t = Table(title="built-in models")
     for col in ("name", "family", "params", "layers", "hidden", "heads/kv", "ffn", "vocab", "seq"):
         t.add_column(col, justify="right" if col not in ("name", "family") else "left")
@@ -416,14 +509,22 @@ def models() -> int:
     return 0
 
 
-def devices() -> int:
+def devices(args: argparse.Namespace | None = None) -> int:
+    if getattr(args, "json", False):
+        from partita import jsonout
+
+        jsonout.emit(jsonout.devices_output())
+        return 0
     t = Table(title="device catalog (datasheet, dense)")
-    for col in ("name", "memory", "bf16 TFLOP/s", "fp32 TFLOP/s", "HBM GB/s", "intra-node", "network GB/s", "source"):
+    for col in ("name", "memory", "bf16 TFLOP/s", "fp32 TFLOP/s", "HBM GB/s", "intra-node", "network GB/s", "$/GPU-hour",
+                "source"):
         t.add_column(col)
     for d in CATALOG.values():
         t.add_row(d.name, f"{d.memory_bytes / GiB:.0f} GiB", f"{d.bf16_tflops:g}", f"{d.fp32_tflops:g}",
-                  f"{d.hbm_gbps:g}", f"{d.intra_link} {d.intra_node_gbps:g} GB/s", f"{d.network_gbps:g}", d.source)
+                  f"{d.hbm_gbps:g}", f"{d.intra_link} {d.intra_node_gbps:g} GB/s", f"{d.network_gbps:g}",
+                  f"{d.price_per_gpu_hour:g}" if d.price_per_gpu_hour is not None else "-", d.source)
     console.print(t)
+    console.print(f"prices: {PRICE_SOURCE}; a node group's price_per_gpu_hour in a cluster YAML overrides them")
     return 0
 
 

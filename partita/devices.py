@@ -23,6 +23,12 @@ from partita.units import GiB, MiB
 
 LINKS = ("nvlink", "pcie", "xgmi", "loopback")
 
+# Where the catalog's default prices come from. A snapshot of a moving market: a cluster YAML's
+# node group overrides it with ``price_per_gpu_hour`` (what you actually pay).
+PRICE_SOURCE = ("on-demand cloud list prices, May 2026: midpoint of the specialty-provider tier in "
+                "mercatus-ai.com/blog/cloud-gpu-pricing (A100 80GB $1.10-1.50, H100 SXM5 $2.50-3.50, "
+                "H200 SXM5 $3.50-4.50 per GPU-hour)")
+
 
 @dataclass(frozen=True, kw_only=True)
 class DeviceType:
@@ -37,6 +43,9 @@ class DeviceType:
     network_gbps: float
     gpus_per_node: int  # the usual node size, the default for a short-form cluster
     source: str
+    # On-demand price of one device for one hour, US dollars (None: no public figure the catalog
+    # cites; give ``price_per_gpu_hour`` in the cluster YAML). See PRICE_SOURCE.
+    price_per_gpu_hour: float | None = None
 
     def peak_tflops(self, dtype: str) -> float:
         if dtype == "bf16":
@@ -59,7 +68,7 @@ CATALOG: dict[str, DeviceType] = {
         # (1,979 with sparsity), FP32 67 TFLOPS, NVLink 900 GB/s bidirectional; DGX H100: 8x 400 Gb/s NDR.
         DeviceType(name="H100", memory_bytes=81559 * MiB, bf16_tflops=989, fp16_tflops=989, fp32_tflops=67,
                    hbm_gbps=3350, intra_link="nvlink", intra_node_gbps=450, network_gbps=50, gpus_per_node=8,
-                   source="NVIDIA H100 datasheet, SXM5"),
+                   source="NVIDIA H100 datasheet, SXM5", price_per_gpu_hour=3.00),
         # Same datasheet, PCIe card: 80 GB HBM2e, 2.0 TB/s, BF16 756 dense, FP32 51; PCIe Gen5 x16 128 GB/s bidir.
         DeviceType(name="H100-PCIe", memory_bytes=81559 * MiB, bf16_tflops=756, fp16_tflops=756, fp32_tflops=51,
                    hbm_gbps=2000, intra_link="pcie", intra_node_gbps=64, network_gbps=25, gpus_per_node=8,
@@ -67,12 +76,12 @@ CATALOG: dict[str, DeviceType] = {
         # NVIDIA H200 datasheet (SXM): 141 GB HBM3e (about 139 GiB usable, as this project's H200 reports), 4.8 TB/s, BF16 989 dense, FP32 67, NVLink 900 GB/s bidir.
         DeviceType(name="H200", memory_bytes=int(139 * GiB), bf16_tflops=989, fp16_tflops=989, fp32_tflops=67,
                    hbm_gbps=4800, intra_link="nvlink", intra_node_gbps=450, network_gbps=50, gpus_per_node=8,
-                   source="NVIDIA H200 datasheet, SXM"),
+                   source="NVIDIA H200 datasheet, SXM", price_per_gpu_hour=4.00),
         # NVIDIA A100 datasheet (SXM4 80GB): HBM2e 2,039 GB/s, BF16 312 dense, FP32 19.5,
         # NVLink 600 GB/s bidir; DGX A100: 8x 200 Gb/s HDR.
         DeviceType(name="A100-80GB", memory_bytes=81920 * MiB, bf16_tflops=312, fp16_tflops=312, fp32_tflops=19.5,
                    hbm_gbps=2039, intra_link="nvlink", intra_node_gbps=300, network_gbps=25, gpus_per_node=8,
-                   source="NVIDIA A100 datasheet, SXM4 80GB"),
+                   source="NVIDIA A100 datasheet, SXM4 80GB", price_per_gpu_hour=1.30),
         # Same datasheet, SXM4 40GB: HBM2 1,555 GB/s.
         DeviceType(name="A100-40GB", memory_bytes=40960 * MiB, bf16_tflops=312, fp16_tflops=312, fp32_tflops=19.5,
                    hbm_gbps=1555, intra_link="nvlink", intra_node_gbps=300, network_gbps=25, gpus_per_node=8,

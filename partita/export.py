@@ -1,0 +1,262 @@
+"""``partita export PLAN --to megatron|torchtitan|deepspeed``: the plan in the words of the stack
+a team already runs, or the closest plan that stack can run, with both priced.
+
+    partita export plan.yaml --to megatron -o megatron.args
+    partita export plan.yaml --to torchtitan -o job.toml
+    partita export plan.yaml --to deepspeed -o ds_config.json
+
+A plan chooses every layer's strategy; the targets take one setting for all layers (and
+DeepSpeed's pipeline one even split). Each target module (``export_megatron``,
+``export_torchtitan``, ``export_deepspeed``) says what it can express by listing the plans it
+can run that keep the plan's shape (degrees, micro-batching, placement): the plan itself when it
+is expressible, else every combination of the settings the target has. The export takes the
+plan unchanged when it can; otherwise the fastest variant that fits, priced with Partita's own
+cost model (``search/evaluate.py``); with none fitting, the one closest to fitting, said so.
+Both predictions and every change are printed, and the file holds the exported plan's settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+from partita.cluster import ClusterSpec
+from partita.errors import PartitaError
+from partita.model import ModelSpec
+from partita.plan import LayerStrategy, Plan
+from partita.units import fmt_bytes, fmt_seconds
+
+TARGETS = {"megatron": "partita.export_megatron", "torchtitan": "partita.export_torchtitan",
+           "deepspeed": "partita.export_deepspeed"}
+
+
+@dataclass(frozen=True)
+class Export:
+    """What an export wrote: the plan the file expresses, the original, and what changed."""
+
+    target: str
+    original: Plan  # re-priced with the export's cost model
+    exported: Plan  # the plan the file runs, priced the same way
+    changes: tuple[str, ...]  # empty: the file expresses the plan exactly
+    text: str  # the file's content
+    notes: tuple[str, ...] = ()
+    fits: bool = True
+
+
+def target_module(name: str):
+    if name not in TARGETS:
+        raise PartitaError(f"--to {name!r}: choose {', '.join(TARGETS)}")
+    return importlib.import_module(TARGETS[name])
+
+
+# ---- building the plans a target can run --------------------------------------------------
+def is_block(layer: LayerStrategy) -> bool:
+    return layer.name.startswith("layers.")
+
+
+def with_layers(plan: Plan, choose: Callable[[int, int, LayerStrategy], LayerStrategy]) -> Plan:
+    """The plan with every layer replaced by ``choose(stage index, block index in stage, layer)``
+    (the block index is -1 for the embedding and the head)."""
+    stages = []
+    for s in plan.stages:
+        layers, block = [], 0
+        for layer in s.layers:
+            layers.append(choose(s.index, block if is_block(layer) else -1, layer))
+            block += is_block(layer)
+        stages.append(dataclasses.replace(s, layers=tuple(layers)))
+    return dataclasses.replace(plan, stages=tuple(stages), prediction=None)
+
+
+def uniform(plan: Plan, model: ModelSpec, *, sequence_parallel: bool, zero: int,
+            recompute: Callable[[int, int], bool]) -> Plan:
+    """Every layer alike, as the targets set them: tensor parallel wherever the layer's shapes
+    divide the stage's tp (``search.uniform.layer_tp``), one sequence-parallel setting and ZeRO
+    level for all, recomputation where ``recompute(stage, block)`` says (blocks only)."""
+    from partita.search.uniform import layer_tp
+
+    def choose(stage: int, block: int, layer: LayerStrategy) -> LayerStrategy:
+        role = "embed" if layer.name == "embed" else "head" if layer.name == "head" else "block"
+        tp = layer_tp(model, role, plan.tp)
+        return LayerStrategy(name=layer.name, tensor_parallel=tp, sequence_parallel=sequence_parallel and tp > 1,
+                             zero=zero, recompute=block >= 0 and recompute(stage, block))
+
+    return with_layers(plan, choose)
+
+
+def resplit(plan: Plan, blocks_per_stage: Sequence[int]) -> Plan:
+    """The plan with its blocks dealt to the stages in these counts (each layer keeps its choices)."""
+    layers = plan.layer_strategies()
+    embed = [l for l in layers if l.name == "embed"]
+    head = [l for l in layers if l.name == "head"]
+    blocks = [l for l in layers if is_block(l)]
+    stages, start = [], 0
+    for s, count in zip(plan.stages, blocks_per_stage):
+        own = blocks[start:start + count]
+        start += count
+        own = (embed if s.index == 0 else []) + own + (head if s.index == plan.pp - 1 else [])
+        stages.append(dataclasses.replace(s, layers=tuple(own)))
+    return dataclasses.replace(plan, stages=tuple(stages), prediction=None)
+
+
+def blocks_per_stage(plan: Plan) -> list[int]:
+    return [sum(1 for l in s.layers if is_block(l)) for s in plan.stages]
+
+
+def same_layers(a: Plan, b: Plan) -> bool:
+    return [s.layers for s in a.stages] == [s.layers for s in b.stages]
+
+
+def recompute_counts(plan: Plan) -> list[int]:
+    return [sum(1 for l in s.layers if is_block(l) and l.recompute) for s in plan.stages]
+
+
+# ---- choosing and pricing -----------------------------------------------------------------
+def describe_changes(original: Plan, exported: Plan) -> list[str]:
+    """Each setting whose values over the layers differ between the two plans, as counts."""
+    changes = []
+    if blocks_per_stage(original) != blocks_per_stage(exported):
+        changes.append(f"blocks per stage {_csv(blocks_per_stage(original))} -> {_csv(blocks_per_stage(exported))}")
+    for attr, label in (("tensor_parallel", "tensor parallel"), ("sequence_parallel", "sequence parallel"),
+                        ("zero", "ZeRO level"), ("recompute", "recompute")):
+        before = [getattr(l, attr) for l in original.layer_strategies()]
+        after = [getattr(l, attr) for l in exported.layer_strategies()]
+        if before != after:
+            changes.append(f"{label}: {_counts(before)} -> {_counts(after)}")
+    return changes
+
+
+def _counts(values: list) -> str:
+    c = Counter(values)
+    if len(c) == 1:
+        return f"{_value(next(iter(c)))} on all {len(values)} layers"
+    return ", ".join(f"{_value(v)} on {n}" for v, n in sorted(c.items(), key=lambda kv: str(kv[0])))
+
+
+def _value(v) -> str:
+    return ("on" if v else "off") if isinstance(v, bool) else str(v)
+
+
+def _csv(values: Iterable[int]) -> str:
+    return ",".join(map(str, values))
+
+
+def closest(plan: Plan, variants: Iterable[Plan], price: Callable[[Plan], Plan]) -> tuple[Plan, bool]:
+    """The plan itself if a variant equals it; else the fastest variant that fits; else the one
+    closest to fitting. Returns (priced plan, fits)."""
+    priced = []
+    for v in variants:
+        if same_layers(v, plan) and blocks_per_stage(v) == blocks_per_stage(plan):
+            p = price(v)
+            return p, _fits(p)
+        priced.append(price(v))
+    if not priced:
+        raise PartitaError("the target can run no variant of this plan")
+    fitting = [p for p in priced if _fits(p)]
+    if fitting:
+        return min(fitting, key=lambda p: p.prediction.step_time_s), True
+    return min(priced, key=_peak_fraction), False
+
+
+def _peak_fraction(p: Plan) -> float:
+    return max(m.peak_bytes / m.capacity_bytes for m in p.prediction.memory)
+
+
+def _fits(p: Plan) -> bool:
+    return _peak_fraction(p) <= 1.0
+
+
+def export_plan(plan: Plan, target: str, *, profiles: Sequence = ()) -> Export:
+    """Price the plan and the closest one the target runs; render the target's file."""
+    from partita.search.costs import CostModel
+    from partita.search.planner import attach_prediction
+
+    mod = target_module(target)
+    model = ModelSpec.from_dict(plan.model, where="plan: model")
+    cluster = plan_cluster(plan)
+    cm = CostModel(model, cluster, seq_len=plan.seq_len, dtype=plan.dtype, profiles=profiles)
+    price = lambda p: attach_prediction(p, cm)  # noqa: E731
+    original = price(plan)
+    exported, fits = closest(plan, mod.variants(plan, model), price)
+    notes = list(mod.notes(exported, model, cluster)) + mixed_device_notes(exported, cluster)
+    return Export(target=target, original=original, exported=exported,
+                  changes=tuple(describe_changes(plan, exported)), text=mod.render(exported, model),
+                  notes=tuple(notes), fits=fits)
+
+
+def mixed_device_notes(plan: Plan, cluster: ClusterSpec) -> list[str]:
+    """Stages on different device types run under one config, if the ranks start in stage order."""
+    devices = [s.device for s in plan.stages]
+    if len(set(devices)) < 2:
+        return []
+    order = ", ".join(f"stage {s.index}: {s.device} ({s.group}, ranks {s.ranks[0]}-{s.ranks[-1]})" for s in plan.stages)
+    return [f"the stages sit on different device types; the target runs them under one config if its pipeline "
+            f"ranks start in stage order (pipeline-major rank order): {order}"]
+
+
+# ---- the command ------------------------------------------------------------------------
+def export_command(args: argparse.Namespace) -> int:
+    from partita.commands import console, usable_profiles, writable_output
+    from partita.validate import validate_plan
+
+    mod = target_module(args.to)
+    output = writable_output(args.output or str(Path(args.plan).with_name(mod.FILE)))
+    plan = Plan.load(args.plan)
+    model = ModelSpec.from_dict(plan.model, where=f"{args.plan}: model")
+    cluster = plan_cluster(plan)
+    try:
+        validate_plan(plan, model, cluster)
+    except PartitaError as e:
+        raise PartitaError(f"{args.plan}: {e}") from None
+    profiles = usable_profiles(args.profile, model, cluster, seq_len=plan.seq_len, dtype=plan.dtype)
+    ex = export_plan(plan, args.to, profiles=profiles)
+    try:
+        output.write_text(ex.text)
+    except OSError as e:
+        raise PartitaError(f"-o {output}: cannot write ({e.strerror or e})") from None
+    for line in report_lines(ex):
+        console.print(line, markup=False)
+    console.print(f"wrote {output}", markup=False)
+    return 0
+
+
+def report_lines(ex: Export) -> list[str]:
+    lines = []
+    if not ex.changes:
+        lines.append(f"{ex.target} expresses the plan exactly")
+    else:
+        lines.append(f"{ex.target} cannot express the plan as it is; exported the closest plan it runs "
+                     f"(same degrees, micro-batching and placement), changed:")
+        lines += [f"  {c}" for c in ex.changes]
+    for label, p in (("plan", ex.original), (f"{ex.target} export", ex.exported)):
+        pred = p.prediction
+        peak = max(pred.memory, key=lambda m: m.peak_bytes / m.capacity_bytes)
+        lines.append(f"{label + ':':<20} step {fmt_seconds(pred.step_time_s)}, {pred.tokens_per_s:,.0f} tokens/s, "
+                     f"MFU {100 * pred.mfu:.1f}%, peak memory {fmt_bytes(peak.peak_bytes)} of "
+                     f"{fmt_bytes(peak.capacity_bytes)} (stage {peak.stage})")
+    if ex.changes:
+        slow = ex.exported.prediction.step_time_s / ex.original.prediction.step_time_s - 1
+        lines.append(f"the export is predicted {abs(slow) * 100:.1f}% {'slower' if slow >= 0 else 'faster'}")
+    if not ex.fits:
+        lines.append("warning: no plan this target runs in the plan's shape fits in memory; the export is the "
+                     "closest to fitting; re-plan with `partita plan` limited to what the target runs")
+    lines += [f"note: {n}" for n in ex.notes]
+    return lines
+
+
+def plan_cluster(plan: Plan) -> ClusterSpec:
+    """The cluster the plan holds; a short form (``8xH100``) is rebuilt from its name when that gives
+    the same spec (as ``partita launch`` does), so its fingerprint matches."""
+    from partita.cluster import parse_short
+
+    try:
+        short = parse_short(str(plan.cluster.get("name", "")))
+        if short.to_dict() == dict(plan.cluster):
+            return short
+    except PartitaError:
+        pass
+    return ClusterSpec.from_dict(plan.cluster, where="plan: cluster")

@@ -1,0 +1,83 @@
+"""A plan as a DeepSpeed JSON config (``deepspeed.initialize(config=...)``).
+
+Every key was checked against DeepSpeed 0.19.8 (PyPI) and is read by its own parser,
+``deepspeed.runtime.config.DeepSpeedConfig``: ``train_micro_batch_size_per_gpu``,
+``gradient_accumulation_steps`` (``runtime/constants.py``), ``zero_optimization.stage``
+(``runtime/zero/config.py``), ``bf16.enabled`` / ``fp16.enabled`` (``runtime/precision_config.py``),
+``activation_checkpointing`` (``runtime/activation_checkpointing/config.py``),
+``tensor_parallel.autotp_size`` (``runtime/tensor_parallel/config.py``) and ``pipeline``
+(``get_pipeline_config`` in ``runtime/config.py``). ``train_batch_size`` is left for DeepSpeed to
+derive (micro-batch x accumulation x data-parallel ranks), so the file holds for the plan's dp
+without naming the world size.
+
+What maps how:
+  * ZeRO level 0-3 is ``zero_optimization.stage``, one for all layers; DeepSpeed's pipeline
+    engine runs ZeRO 0 and 1 only, so a pipelined plan exports with ZeRO <= 1.
+  * Tensor parallelism is AutoTP (``tensor_parallel.autotp_size`` = tp), which has no sequence
+    parallelism: exported with SP off.
+  * Pipeline: stages and micro-batching are set in code, ``PipelineModule(layers, num_stages=pp,
+    partition_method="uniform", activation_checkpoint_interval=...)``; the config's ``pipeline``
+    section records the stage count. DeepSpeed splits by layer count, not by a given list, so an
+    uneven plan exports with the blocks split as evenly as Partita's uniform planner splits them.
+  * Recomputation is set by the model code (``deepspeed.checkpointing.checkpoint`` or the
+    pipeline's checkpoint interval) for every block or none; ``activation_checkpointing`` holds
+    DeepSpeed's options for it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Iterator
+
+from partita.cluster import ClusterSpec
+from partita.export import blocks_per_stage, resplit, uniform
+from partita.model import ModelSpec
+from partita.plan import Plan
+
+FILE = "deepspeed.json"
+
+
+def variants(plan: Plan, model: ModelSpec) -> Iterator[Plan]:
+    from partita.search.uniform import split_blocks
+
+    zeros = (0, 1) if plan.pp > 1 else (0, 1, 2, 3)
+    base = plan if plan.pp == 1 else resplit(plan, split_blocks(model.n_layers, plan.pp))
+    even = blocks_per_stage(base)
+    if blocks_per_stage(plan) in ([max(even)] * plan.pp, even):  # already as even as DeepSpeed splits
+        base = plan
+    for zero in zeros:
+        for recompute in (False, True):
+            yield uniform(base, model, sequence_parallel=False, zero=zero, recompute=lambda s, b, r=recompute: r)
+
+
+def config(plan: Plan, model: ModelSpec) -> dict:
+    layers = plan.layer_strategies()
+    cfg: dict = {"train_micro_batch_size_per_gpu": plan.micro_batch,
+                 "gradient_accumulation_steps": plan.num_micro_batches,
+                 "zero_optimization": {"stage": layers[0].zero},
+                 "bf16": {"enabled": plan.dtype == "bf16"}, "fp16": {"enabled": plan.dtype == "fp16"}}
+    if plan.tp > 1:
+        cfg["tensor_parallel"] = {"autotp_size": plan.tp}
+    if plan.pp > 1:
+        cfg["pipeline"] = {"stages": plan.pp, "partition": "uniform",
+                           "activation_checkpoint_interval": 1 if any(l.recompute for l in layers) else 0}
+    if any(l.recompute for l in layers):
+        cfg["activation_checkpointing"] = {"partition_activations": False, "contiguous_memory_optimization": False,
+                                           "cpu_checkpointing": False}
+    return cfg
+
+
+def render(plan: Plan, model: ModelSpec) -> str:
+    return json.dumps(config(plan, model), indent=2) + "\n"
+
+
+def notes(plan: Plan, model: ModelSpec, cluster: ClusterSpec) -> list[str]:
+    out = [f"DeepSpeed derives train_batch_size = {plan.micro_batch} x {plan.num_micro_batches} x data-parallel ranks "
+           f"({plan.dp} here: {plan.global_batch})"]
+    if any(l.recompute for l in plan.layer_strategies()):
+        out.append("recompute every block in the model code (deepspeed.checkpointing.checkpoint around each block, or "
+                   "PipelineModule(activation_checkpoint_interval=1))")
+    if plan.pp > 1:
+        out.append(f"build the model as PipelineModule(layers, num_stages={plan.pp}, partition_method='uniform'); "
+                   f"blocks per stage {','.join(map(str, blocks_per_stage(plan)))}")
+    return out

@@ -1,0 +1,132 @@
+"""A plan as Megatron-LM command-line arguments (``pretrain_gpt.py``), one flag a line.
+
+Every flag was checked against Megatron-LM's source, NVIDIA/Megatron-LM at commit
+d98e8a64ddf34856e74b24714e3bedb2f5a39553 (2026-08-22): ``megatron/training/arguments.py``
+declares some flags itself and builds the rest from config dataclasses, one ``--field-name`` per
+field (``megatron/training/argument_utils.py``, ``ArgumentGroupFactory._format_arg_name``):
+
+  * ``--tensor-model-parallel-size``, ``--pipeline-model-parallel-size``, ``--sequence-parallel``,
+    ``--bf16``/``--fp16``: ``ModelParallelConfig`` (``megatron/core/model_parallel_config.py``);
+  * ``--num-layers``, ``--hidden-size``, ``--ffn-hidden-size``, ``--num-attention-heads``,
+    ``--num-query-groups``, ``--normalization``, ``--recompute-granularity``, ``--recompute-method``,
+    ``--recompute-num-layers``, ``--disable-bias-linear`` (the name ``add_bias_linear`` declares):
+    ``TransformerConfig`` (``megatron/core/transformer/transformer_config.py``);
+  * ``--micro-batch-size``, ``--global-batch-size``: ``TrainingConfig``; ``--vocab-size``:
+    ``TokenizerConfig`` (``megatron/training/config/training_config.py``);
+  * ``--group-query-attention``, ``--max-position-embeddings``, ``--position-embedding-type``,
+    ``--swiglu``, ``--untie-embeddings-and-output-weights`` (``_add_network_size_args``),
+    ``--seq-length`` (``_add_data_args``), ``--use-distributed-optimizer``, ``--use-megatron-fsdp``
+    (``common_config.py``), ``--data-parallel-sharding-strategy`` and
+    ``--pipeline-model-parallel-layout`` (``_add_distributed_args``).
+
+What maps how:
+  * ZeRO 1 is the distributed optimizer; ZeRO 2 and 3 are Megatron-FSDP with sharding strategy
+    ``optim_grads`` and ``optim_grads_params`` (v1 needs the distributed optimizer too). Megatron-FSDP
+    is exported without pipeline parallelism only (pp = 1), the combination this module trusts.
+  * Recomputation is ``--recompute-granularity full``: ``--recompute-method uniform
+    --recompute-num-layers 1`` recomputes every block; ``block`` with N recomputes the first N
+    blocks of every pipeline stage. Embedding and head are never recomputed.
+  * An uneven split is ``--pipeline-model-parallel-layout`` (``E`` embedding, ``t`` a block, ``L``
+    the loss with the output layer, stages split by ``|``; parsed by
+    ``megatron/core/transformer/pipeline_parallel_layer_layout.py``); an even one needs no flag.
+  * Megatron sets tensor and sequence parallelism, the ZeRO level and the recompute rule once
+    for all layers: a plan whose layers differ exports as the closest plan with one setting.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+from partita.cluster import ClusterSpec
+from partita.export import blocks_per_stage, is_block, recompute_counts, uniform
+from partita.model import ModelSpec
+from partita.plan import Plan
+
+FILE = "megatron.args"
+FSDP_STRATEGY = {2: "optim_grads", 3: "optim_grads_params"}
+
+
+def variants(plan: Plan, model: ModelSpec) -> Iterator[Plan]:
+    """Every plan of this shape Megatron runs: one SP setting, one ZeRO level, the first N blocks
+    of each stage recomputed. The plan's own settings first."""
+    most = max(blocks_per_stage(plan))
+    sps = (False, True) if plan.tp > 1 else (False,)
+    zeros = (0, 1, 2, 3) if plan.pp == 1 else (0, 1)
+    for sp in sps:
+        for zero in zeros:
+            for n in range(most + 1):
+                yield uniform(plan, model, sequence_parallel=sp, zero=zero, recompute=lambda s, b, n=n: b < n)
+
+
+def render(plan: Plan, model: ModelSpec) -> str:
+    args = arguments(plan, model)
+    lines = [f"# Megatron-LM arguments for {model.name}: dp {plan.dp} x tp {plan.tp} x pp {plan.pp} = {plan.world_size} "
+             f"ranks", "# (from `partita export`; pass to pretrain_gpt.py with your data and tokenizer flags)"]
+    i = 0
+    while i < len(args):
+        if i + 1 < len(args) and not args[i + 1].startswith("--"):
+            lines.append(f"{args[i]} {_quote(args[i + 1])}")
+            i += 2
+        else:
+            lines.append(args[i])
+            i += 1
+    return "\n".join(lines) + "\n"
+
+
+def _quote(value: str) -> str:
+    return f"'{value}'" if any(c in value for c in "|*() ") else value
+
+
+def arguments(plan: Plan, model: ModelSpec) -> list[str]:
+    """The argv list (flags and values); the plan must be one Megatron runs (``variants``)."""
+    layers = plan.layer_strategies()
+    blocks = [l for l in layers if is_block(l)]
+    args = ["--num-layers", str(model.n_layers), "--hidden-size", str(model.hidden),
+            "--ffn-hidden-size", str(model.ffn), "--num-attention-heads", str(model.heads)]
+    if model.kv_heads != model.heads:
+        args += ["--group-query-attention", "--num-query-groups", str(model.kv_heads)]
+    args += ["--seq-length", str(plan.seq_len), "--max-position-embeddings", str(max(plan.seq_len, model.seq_len)),
+             "--vocab-size", str(model.vocab)]
+    if model.family != "gpt2":  # llama-style: RoPE, RMSNorm, SwiGLU, no biases
+        args += ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear"]
+    if not model.tie_embeddings:
+        args.append("--untie-embeddings-and-output-weights")
+    args += ["--tensor-model-parallel-size", str(plan.tp), "--pipeline-model-parallel-size", str(plan.pp)]
+    if any(l.sequence_parallel for l in layers):
+        args.append("--sequence-parallel")
+    args += ["--micro-batch-size", str(plan.micro_batch), "--global-batch-size", str(plan.global_batch)]
+    if plan.dtype in ("bf16", "fp16"):
+        args.append(f"--{plan.dtype}")
+    zero = layers[0].zero
+    if zero >= 1:
+        args.append("--use-distributed-optimizer")
+    if zero >= 2:
+        args += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", FSDP_STRATEGY[zero]]
+    counts = recompute_counts(plan)
+    if any(counts):
+        args += ["--recompute-granularity", "full"]
+        if all(l.recompute for l in blocks):
+            args += ["--recompute-method", "uniform", "--recompute-num-layers", "1"]
+        else:
+            args += ["--recompute-method", "block", "--recompute-num-layers", str(max(counts))]
+    split = blocks_per_stage(plan)
+    if len(set(split)) > 1:
+        args += ["--pipeline-model-parallel-layout", layout(split)]
+    return args
+
+
+def layout(split: list[int]) -> str:
+    """``Et*3|t*5|t*4L``: the embedding, the blocks of each stage, the loss (with the output layer)."""
+    stages = []
+    for i, n in enumerate(split):
+        text = "t" * min(n, 1) + (f"*{n}" if n > 1 else "")
+        stages.append(("E" if i == 0 else "") + text + ("L" if i == len(split) - 1 else ""))
+    return "|".join(stages)
+
+
+def notes(plan: Plan, model: ModelSpec, cluster: ClusterSpec) -> list[str]:
+    out = ["Megatron pads the vocabulary to a multiple of 128 x tp (--make-vocab-size-divisible-by); data, "
+           "tokenizer, optimizer and schedule flags are yours to add"]
+    if model.family == "gpt2":
+        out.append("gpt2 family: Megatron's defaults (learned positions, LayerNorm, GeLU, biases) match it")
+    return out

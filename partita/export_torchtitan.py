@@ -1,0 +1,136 @@
+"""A plan as a torchtitan job TOML (``--job.config_file job.toml``).
+
+Written for torchtitan 0.2.2 (PyPI), the last release whose ``ConfigManager`` reads a job TOML
+(``torchtitan/config/manager.py``: ``_maybe_load_toml`` on ``--job.config_file``; unknown keys
+are refused by ``_dict_to_dataclass``); every key is a field of ``torchtitan/config/job_config.py``
+there. torchtitan 0.3 (pytorch/torchtitan main, 2026-09) dropped TOML files for Python config
+registries (``--module``/``--config``) with command-line overrides of the same section.key
+names; the file's header lists the ``[parallelism]`` and ``[training]`` values as such overrides.
+
+What maps how:
+  * ``[parallelism]``: ``tensor_parallel_degree`` = tp (torchtitan's llama TP plan splits every
+    block, the embedding and the output, and always adds sequence parallelism, so a plan exports
+    with SP on wherever tp > 1); ``pipeline_parallel_degree`` = pp with ``pipeline_parallel_schedule
+    = "1F1B"``, ``pipeline_parallel_microbatch_size`` = the micro-batch and the split as
+    ``module_fqns_per_model_part`` (torchtitan's module names: ``tok_embeddings``, ``layers.N``,
+    ``norm``, ``output``), exact for uneven splits; data parallelism by ZeRO level: 0 is
+    ``data_parallel_replicate_degree`` = dp (DDP), 2 is ``data_parallel_shard_degree`` = dp with
+    ``fsdp_reshard_after_forward = "never"`` (FSDP2 keeping parameters gathered from forward to
+    backward), 3 the same with ``"always"``. torchtitan has no ZeRO-1.
+  * ``[activation_checkpoint]``: ``mode = "none"`` or ``"full"`` (every block), or ``"selective"``
+    with ``selective_ac_option = "k"``: every k-th block of each stage (counted from 1 in
+    ``torchtitan/distributed/activation_checkpoint.py``, ``_apply_layer_sac``).
+  * ``[training]``: ``local_batch_size`` = micro-batch x micro-batches (per data-parallel rank),
+    ``global_batch_size``, ``seq_len``, ``mixed_precision_param`` (bfloat16 or float32; torchtitan
+    trains no fp16).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Iterator
+
+from partita.cluster import ClusterSpec
+from partita.export import blocks_per_stage, is_block, uniform
+from partita.model import ModelSpec
+from partita.plan import Plan
+
+FILE = "torchtitan.toml"
+RESHARD = {2: "never", 3: "always"}
+MAX_SELECTIVE = 8  # every k-th block, k = 2..8
+# Partita's built-in models that torchtitan 0.2.2 ships as a llama3 flavor (torchtitan/models/llama3/__init__.py).
+FLAVORS = {"llama-3-8b": "8B", "llama-3-70b": "70B", "llama-3-405b": "405B"}
+
+
+def recompute_rule(k: int):
+    """Which blocks torchtitan recomputes: none (0), all (1), or every k-th of a stage (k >= 2)."""
+    return lambda stage, block: k == 1 or (k >= 2 and (block + 1) % k == 0)
+
+
+def variants(plan: Plan, model: ModelSpec) -> Iterator[Plan]:
+    """The plans of this shape torchtitan runs: SP with TP, ZeRO 0/2/3, none/full/every k-th recomputed."""
+    zeros = (0, 2, 3) if plan.dp > 1 else (0,)
+    most = max(blocks_per_stage(plan))
+    for zero in zeros:
+        for k in range(0, min(MAX_SELECTIVE, most) + 1):
+            yield uniform(plan, model, sequence_parallel=True, zero=zero, recompute=recompute_rule(k))
+
+
+def ac_setting(plan: Plan) -> tuple[str, int]:
+    """(mode, k) of the plan (one of ``variants``)."""
+    for k in range(0, MAX_SELECTIVE + 1):
+        rule = recompute_rule(k)
+        if all(l.recompute == rule(s.index, b) for s in plan.stages
+               for b, l in enumerate(x for x in s.layers if is_block(x))):
+            return ("none", 0) if k == 0 else ("full", 1) if k == 1 else ("selective", k)
+    raise ValueError("the plan's recomputation is not one torchtitan expresses")
+
+
+def config(plan: Plan, model: ModelSpec) -> dict:
+    """The job config as nested sections (what the TOML holds)."""
+    zero = plan.layer_strategies()[0].zero
+    par: dict = {"tensor_parallel_degree": plan.tp, "pipeline_parallel_degree": plan.pp}
+    if zero == 0:
+        par |= {"data_parallel_replicate_degree": plan.dp, "data_parallel_shard_degree": 1}
+    else:
+        par |= {"data_parallel_replicate_degree": 1, "data_parallel_shard_degree": plan.dp,
+                "fsdp_reshard_after_forward": RESHARD[zero]}
+    if plan.pp > 1:
+        par |= {"pipeline_parallel_schedule": "1F1B", "pipeline_parallel_microbatch_size": plan.micro_batch,
+                "module_fqns_per_model_part": module_names(plan)}
+    mode, k = ac_setting(plan)
+    ac: dict = {"mode": mode}
+    if mode == "selective":
+        ac["selective_ac_option"] = str(k)
+    training = {"local_batch_size": plan.micro_batch * plan.num_micro_batches, "global_batch_size": plan.global_batch,
+                "seq_len": plan.seq_len, "mixed_precision_param": "float32" if plan.dtype == "fp32" else "bfloat16"}
+    out: dict = {}
+    if model.name in FLAVORS:
+        out["model"] = {"name": "llama3", "flavor": FLAVORS[model.name]}
+    return out | {"parallelism": par, "activation_checkpoint": ac, "training": training}
+
+
+def module_names(plan: Plan) -> list[list[str]]:
+    names = []
+    for s in plan.stages:
+        part = []
+        for l in s.layers:
+            part += ["tok_embeddings"] if l.name == "embed" else ["norm", "output"] if l.name == "head" else [l.name]
+        names.append(part)
+    return names
+
+
+def render(plan: Plan, model: ModelSpec) -> str:
+    cfg = config(plan, model)
+    overrides = " ".join(f"--{sec}.{key} {_cli(v)}" for sec in ("parallelism", "training")
+                         for key, v in cfg[sec].items() if key != "module_fqns_per_model_part")
+    lines = [f"# torchtitan job config for {model.name}: dp {plan.dp} x tp {plan.tp} x pp {plan.pp} = "
+             f"{plan.world_size} ranks (from `partita export`)",
+             "# torchtitan 0.2.x: torchrun ... -m torchtitan.train --job.config_file THIS_FILE",
+             f"# torchtitan >= 0.3 (no TOML): add {overrides}"]
+    if "model" not in cfg:
+        lines.append(f"# [model]: set name and flavor to the torchtitan model matching {model.name}")
+    for section, values in cfg.items():
+        lines += ["", f"[{section}]"] + [f"{k} = {_toml(v)}" for k, v in values.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _toml(value) -> str:
+    """A TOML value: strings and lists of strings are JSON-quoted (valid TOML basic strings)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return str(value)
+    return json.dumps(value)
+
+
+def _cli(value) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def notes(plan: Plan, model: ModelSpec, cluster: ClusterSpec) -> list[str]:
+    out = []
+    if plan.dtype == "fp16":
+        out.append("torchtitan trains in bfloat16 or float32, not fp16: the TOML says bfloat16, which this plan's "
+                   "devices may lack")
+    return out

@@ -1,0 +1,161 @@
+"""partita export --to megatron|torchtitan|deepspeed: exact where the target expresses the plan,
+else the closest plan it runs with both predictions; the files loaded by the targets' own parsers
+where they install (torchtitan 0.2.2, DeepSpeed 0.19.8), else checked against their source."""
+
+import dataclasses
+import importlib
+import importlib.util
+import json
+import re
+import shlex
+import sys
+import tomllib
+import types
+
+import pytest
+
+from partita.cli import main
+from partita.export import blocks_per_stage, export_plan, uniform
+from partita.export_megatron import arguments, layout
+from partita.model import load_model
+from partita.plan import Plan
+
+MIXED = "2x8xH100+2x8xA100-80GB"
+
+
+@pytest.fixture(scope="module")
+def plans(tmp_path_factory):
+    d = tmp_path_factory.mktemp("export")
+    made = {}
+    for name, argv in {"mixed": ["--model", "llama-3-8b", "--cluster", MIXED, "--global-batch", "64"],
+                       "dense": ["--model", "llama-3-8b", "--cluster", "2x8xH100", "--global-batch", "64",
+                                 "--pp", "2", "--tp", "4"]}.items():
+        path = d / f"{name}.yaml"
+        assert main(["plan", *argv, "-o", str(path)]) == 0
+        made[name] = path
+    return made
+
+
+def _expressible_uneven(path):
+    """The mixed plan made expressible by Megatron (one setting for all layers), its uneven split kept."""
+    p = Plan.load(path)
+    model = load_model("llama-3-8b")
+    return uniform(p, model, sequence_parallel=p.tp > 1, zero=1, recompute=lambda s, b: False), model
+
+
+def test_megatron_keeps_an_uneven_split_exactly(plans):
+    p, model = _expressible_uneven(plans["mixed"])
+    assert len(set(blocks_per_stage(p))) > 1  # the search put more blocks on the faster group
+    ex = export_plan(p, "megatron")
+    assert ex.changes == () and ex.exported.prediction.step_time_s == pytest.approx(ex.original.prediction.step_time_s)
+    args = arguments(ex.exported, model)
+    value = args[args.index("--pipeline-model-parallel-layout") + 1]
+    assert value == layout(blocks_per_stage(p))
+    # unrolled as Megatron's PipelineParallelLayerLayout.parse_str_to_list does: x*n -> n x's, '|' splits stages
+    stages = re.sub(r"(.)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), value).split("|")
+    assert [s.count("t") for s in stages] == blocks_per_stage(p)
+    assert stages[0].startswith("E") and stages[-1].endswith("L")
+
+
+def test_a_plan_megatron_cannot_express_prints_the_closest_and_both_predictions(plans, tmp_path, capsys):
+    p = Plan.load(plans["mixed"])
+    first = p.stages[0]
+    odd = dataclasses.replace(first.layers[1], zero=3 - first.layers[1].zero or 1)  # one block differs
+    p = dataclasses.replace(p, stages=(dataclasses.replace(first, layers=(first.layers[0], odd, *first.layers[2:])),
+                                       *p.stages[1:]))
+    path = tmp_path / "odd.yaml"
+    p.save(path)
+    assert main(["export", str(path), "--to", "megatron", "-o", str(tmp_path / "m.args")]) == 0
+    out = capsys.readouterr().out
+    assert "cannot express" in out and "ZeRO level" in out
+    assert re.search(r"^plan: +step", out, re.M) and re.search(r"^megatron export: +step", out, re.M)
+    assert "predicted" in out
+
+
+def test_megatron_arguments_are_flags_megatron_declares(plans, tmp_path):
+    assert main(["export", str(plans["dense"]), "--to", "megatron", "-o", str(tmp_path / "m.args")]) == 0
+    lines = [l for l in (tmp_path / "m.args").read_text().splitlines() if not l.startswith("#")]
+    argv = [tok for l in lines for tok in shlex.split(l)]
+    flags = {a for a in argv if a.startswith("--")}
+    # Declared in NVIDIA/Megatron-LM d98e8a64 (2026-08-22), megatron/training/arguments.py directly or through
+    # ArgumentGroupFactory from ModelParallelConfig, TransformerConfig, TrainingConfig, TokenizerConfig and
+    # common_config.py (see partita/export_megatron.py for each). megatron-core on PyPI ships megatron.core only,
+    # without megatron/training/arguments.py, so its parser cannot be loaded here.
+    declared = {"--num-layers", "--hidden-size", "--ffn-hidden-size", "--num-attention-heads",
+                "--group-query-attention", "--num-query-groups", "--seq-length", "--max-position-embeddings",
+                "--vocab-size", "--position-embedding-type", "--normalization", "--swiglu", "--disable-bias-linear",
+                "--untie-embeddings-and-output-weights", "--tensor-model-parallel-size",
+                "--pipeline-model-parallel-size", "--sequence-parallel", "--micro-batch-size", "--global-batch-size",
+                "--bf16", "--fp16", "--use-distributed-optimizer", "--use-megatron-fsdp",
+                "--data-parallel-sharding-strategy", "--recompute-granularity", "--recompute-method",
+                "--recompute-num-layers", "--pipeline-model-parallel-layout"}
+    assert flags <= declared
+    p = Plan.load(plans["dense"])
+    value = lambda flag: argv[argv.index(flag) + 1]  # noqa: E731
+    assert value("--tensor-model-parallel-size") == str(p.tp) and value("--pipeline-model-parallel-size") == str(p.pp)
+    assert value("--micro-batch-size") == str(p.micro_batch) and value("--global-batch-size") == str(p.global_batch)
+
+
+def _torchtitan_config_manager(monkeypatch):
+    """torchtitan's own ConfigManager (0.2.x, the last release that reads a job TOML). The package's
+    __init__ imports its GPU kernels (triton), which a CPU machine lacks; the config modules need
+    torch alone, so they are loaded under the package's own path without running that __init__."""
+    spec = importlib.util.find_spec("torchtitan")
+    if spec is None:
+        pytest.skip("torchtitan not installed (pip install 'torchtitan==0.2.2', the last release that reads TOML)")
+    for name in [n for n in sys.modules if n == "torchtitan" or n.startswith("torchtitan.")]:
+        monkeypatch.delitem(sys.modules, name)
+    package = types.ModuleType("torchtitan")
+    package.__path__ = list(spec.submodule_search_locations)
+    monkeypatch.setitem(sys.modules, "torchtitan", package)
+    return importlib.import_module("torchtitan.config.manager")
+
+
+def test_torchtitan_toml_loads_in_torchtitans_config_manager(plans, tmp_path, monkeypatch):
+    out = tmp_path / "job.toml"
+    assert main(["export", str(plans["dense"]), "--to", "torchtitan", "-o", str(out)]) == 0
+    p = Plan.load(plans["dense"])
+    data = tomllib.loads(out.read_text())
+    par = data["parallelism"]
+    assert (par["tensor_parallel_degree"], par["pipeline_parallel_degree"]) == (p.tp, p.pp)
+    assert par["data_parallel_replicate_degree"] * par["data_parallel_shard_degree"] == p.dp
+    names = par["module_fqns_per_model_part"]
+    assert names[0][0] == "tok_embeddings" and names[-1][-2:] == ["norm", "output"]
+    assert data["training"]["global_batch_size"] == p.global_batch
+    manager = _torchtitan_config_manager(monkeypatch)
+    cfg = manager.ConfigManager().parse_args(["--job.config_file", str(out)])
+    assert cfg.parallelism.tensor_parallel_degree == p.tp and cfg.parallelism.pipeline_parallel_degree == p.pp
+    assert cfg.parallelism.module_fqns_per_model_part == names
+    assert cfg.training.seq_len == p.seq_len and cfg.training.local_batch_size == p.micro_batch * p.num_micro_batches
+    assert cfg.activation_checkpoint.mode == data["activation_checkpoint"]["mode"]
+    assert cfg.model.flavor == "8B"
+
+
+def test_deepspeed_json_loads_in_deepspeeds_config_parser(plans, tmp_path, capsys):
+    out = tmp_path / "ds.json"
+    assert main(["export", str(plans["mixed"]), "--to", "deepspeed", "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    p = Plan.load(plans["mixed"])
+    data = json.loads(out.read_text())
+    assert data["train_micro_batch_size_per_gpu"] == p.micro_batch
+    assert data["gradient_accumulation_steps"] == p.num_micro_batches
+    assert data["zero_optimization"]["stage"] <= 1  # DeepSpeed's pipeline engine: ZeRO 0 or 1
+    if len(set(blocks_per_stage(p))) > 1:
+        assert "blocks per stage" in text  # the uneven split became DeepSpeed's even one, and said so
+    config = pytest.importorskip("deepspeed.runtime.config", reason="deepspeed not installed")
+    ds = config.DeepSpeedConfig(data)
+    assert ds.train_micro_batch_size_per_gpu == p.micro_batch and ds.gradient_accumulation_steps == p.num_micro_batches
+    assert ds.zero_optimization_stage == data["zero_optimization"]["stage"] and ds.bfloat16_config.enabled
+    assert ds.pipeline["stages"] == p.pp
+
+
+@pytest.mark.parametrize("argv,phrase", [
+    (["export", "{plan}", "--to", "nemo"], "--to"),
+    (["export", "{d}/missing.yaml", "--to", "megatron"], "missing.yaml"),
+    (["export", "{plan}", "--to", "megatron", "-o", "{d}/no/such/dir/m.args"], "no such directory"),
+])
+def test_bad_export_input_is_one_line(argv, phrase, plans, tmp_path, capsys):
+    argv = [a.format(plan=plans["dense"], d=tmp_path) for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and phrase in err and "Traceback" not in err

@@ -1,0 +1,129 @@
+"""--json on plan/check/show/models/devices (validated against docs/json-schema.json), --tokens
+(time, GPU-hours, dollars per device type, prices overridable in the cluster YAML), plan --top K."""
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from partita.cli import main
+from partita.cluster import load_cluster
+from partita.errors import PartitaError
+from partita.plan import Plan
+from partita.pricing import parse_tokens, training_cost
+
+jsonschema = pytest.importorskip("jsonschema")
+SCHEMA = json.loads((Path(__file__).parent.parent / "docs" / "json-schema.json").read_text())
+MIXED = "2x8xH100+2x8xA100-80GB"
+
+
+def run_json(capsys, argv):
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    obj = json.loads(out)  # the whole of stdout is one JSON object
+    jsonschema.validate(obj, SCHEMA)
+    return obj
+
+
+@pytest.fixture(scope="module")
+def mixed_plan(tmp_path_factory):
+    path = tmp_path_factory.mktemp("mixed") / "plan.yaml"
+    assert main(["plan", "--model", "llama-3-8b", "--cluster", MIXED, "--global-batch", "64", "-o", str(path)]) == 0
+    return path
+
+
+def test_every_command_prints_schema_valid_json(capsys, tmp_path, mixed_plan):
+    out = run_json(capsys, ["plan", "--model", "tiny-llama", "--cluster", "4xcpu", "-o", str(tmp_path / "t.yaml"),
+                            "--json"])
+    assert out["command"] == "plan" and out["plan"] == Plan.load(tmp_path / "t.yaml").to_dict()
+    assert run_json(capsys, ["show", str(mixed_plan), "--json", "--tokens", "1T"])["training"]["tokens"] == 10**12
+    check = run_json(capsys, ["check", str(mixed_plan), "--cluster", MIXED, "--json"])
+    assert check["fits"] and len(check["stages"]) == Plan.load(mixed_plan).pp
+    assert any(m["name"] == "llama-3-8b" for m in run_json(capsys, ["models", "--json"])["models"])
+    devices = run_json(capsys, ["devices", "--json"])["devices"]
+    assert {d["name"]: d["price_per_gpu_hour"] for d in devices}["H100"] > 0
+
+
+def test_schema_refuses_what_is_not_output():
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"schema_version": 1, "command": "check", "valid": True}, SCHEMA)
+
+
+@pytest.mark.parametrize("text,tokens", [("2T", 2 * 10**12), ("500B", 5 * 10**11), ("1e12", 10**12),
+                                         ("1.5t", 15 * 10**11), ("300M", 3 * 10**8), ("4096", 4096)])
+def test_token_counts(text, tokens):
+    assert parse_tokens(text) == tokens
+
+
+@pytest.mark.parametrize("text", ["", "two", "-1T", "0", "2X", "1e30"])
+def test_bad_token_counts(text):
+    with pytest.raises(PartitaError, match="--tokens"):
+        parse_tokens(text)
+
+
+def test_time_gpu_hours_and_cost_per_device_type(mixed_plan):
+    p = Plan.load(mixed_plan)
+    cost = training_cost(p, load_cluster(MIXED), 10**12)
+    assert cost.seconds == pytest.approx(10**12 / p.prediction.tokens_per_s)
+    by = {d.device: d for d in cost.by_device}
+    for device, price in (("H100", 3.0), ("A100-80GB", 1.3)):
+        ranks = sum(len(s.ranks) for s in p.stages if s.device == device)
+        if ranks:
+            assert by[device].gpu_hours == pytest.approx(ranks * cost.seconds / 3600)
+            assert by[device].cost_usd == pytest.approx(by[device].gpu_hours * price)
+    assert cost.cost_usd == pytest.approx(sum(d.cost_usd for d in cost.by_device))
+
+
+def test_cluster_yaml_overrides_prices_without_changing_the_cluster(tmp_path, mixed_plan, capsys):
+    spec = load_cluster(MIXED).to_dict()
+    for g in spec["groups"]:
+        g["price_per_gpu_hour"] = 2.0 if g["device"] == "H100" else 0.5
+    path = tmp_path / "priced.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    priced = load_cluster(str(path))
+    assert priced.fingerprint == load_cluster(MIXED).fingerprint  # a price is not hardware
+    p = Plan.load(mixed_plan)
+    cost = training_cost(p, priced, 10**12)
+    assert {d.device: d.price_per_gpu_hour for d in cost.by_device}.items() <= {"H100": 2.0, "A100-80GB": 0.5}.items()
+    out = run_json(capsys, ["plan", "--model", "llama-3-8b", "--cluster", str(path), "--global-batch", "64",
+                            "--tokens", "2T", "-o", str(tmp_path / "p.yaml"), "--json"])
+    assert out["training"]["cost_usd"] == pytest.approx(sum(d["gpu_hours"] * {"H100": 2.0, "A100-80GB": 0.5}[d["device"]]
+                                                            for d in out["training"]["by_device"]))
+
+
+def test_unpriced_devices_report_hours_and_no_dollars(tmp_path, capsys):
+    path = tmp_path / "l4.yaml"
+    assert main(["plan", "--model", "gpt2", "--cluster", "8xL4", "-o", str(path), "--tokens", "1B"]) == 0
+    out = capsys.readouterr().out
+    assert "GPU-hours" in out and "no price" in out
+
+
+def test_top_k_lists_different_shapes_best_first(tmp_path, capsys):
+    base = ["plan", "--model", "llama-3-8b", "--cluster", MIXED, "--global-batch", "64"]
+    assert main([*base, "-o", str(tmp_path / "one.yaml")]) == 0
+    capsys.readouterr()
+    out = run_json(capsys, [*base, "-o", str(tmp_path / "p.yaml"), "--top", "3", "--json"])
+    one, best = Plan.load(tmp_path / "one.yaml"), Plan.load(tmp_path / "p.yaml")
+    assert best.solver.objective_us == one.solver.objective_us  # K=1 is the ordinary, exact search
+    alts = out["alternatives"]
+    assert 1 <= len(alts) <= 2
+    shapes = {(best.dp, best.tp, best.micro_batch, best.num_micro_batches)}
+    times = [best.prediction.step_time_s]
+    for alt in alts:
+        p = Plan.load(alt["output"])
+        shapes.add((p.dp, p.tp, p.micro_batch, p.num_micro_batches))
+        times.append(p.prediction.step_time_s)
+        assert alt["step_time_s"] == p.prediction.step_time_s
+    assert len(shapes) == 1 + len(alts) and times == sorted(times)
+
+
+@pytest.mark.parametrize("argv,phrase", [
+    (["plan", "--model", "tiny-llama", "--cluster", "4xcpu", "--tokens", "lots"], "--tokens"),
+    (["plan", "--model", "tiny-llama", "--cluster", "4xcpu", "--top", "2", "--search", "uniform"], "--top 2"),
+    (["plan", "--model", "tiny-llama", "--cluster", "4xcpu", "--top", "0"], "--top"),
+])
+def test_bad_flags_are_one_line(argv, phrase, tmp_path, capsys):
+    assert main([*argv, "-o", str(tmp_path / "x.yaml")]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and len(captured.err.strip().splitlines()) == 1 and phrase in captured.err
