@@ -74,7 +74,7 @@ CASES = [
     (["plan", "--model", "tiny-gpt2", "--cluster", "4xcpu", "--seq-len", "128"], 2, "learns 64 positions"),
     (["plan", *TINY, "--tp", "3"], 2, "not divisible"),
     (["plan", "--model", "llama-2-7b", "--cluster", "8xH100", "--tp", "16"], 2, "inside one node"),
-    (["plan", "--model", "tiny-gpt2", "--cluster", "4xcpu", "--pp", "3"], 2, "pp must be 1"),
+    (["plan", "--model", "tiny-gpt2", "--cluster", "4xcpu", "--pp", "5"], 2, "at most 4 stages"),
     (["plan", *TINY, "--pp", "7"], 2, "6 blocks"),
     (["plan", *TINY, "--micro-batch", "16"], 2, "larger than the global batch 8"),
     (["plan", *TINY, "--micro-batch", "3", "--search", "uniform"], 2, "meets --micro-batch 3"),
