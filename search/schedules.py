@@ -1,0 +1,216 @@
+"""Pipeline schedules: what a step costs under each, from the schedule's own action lists.
+
+A schedule is an order of actions per rank: F (forward of one micro-batch through one stage),
+B (its whole backward), or, for zero-bubble schedules, I (the backward to the input) and W (to
+the weights). ``simulate`` plays such lists with a duration per stage and action kind, each
+action waiting for the rank's previous one and for its data (a forward for the previous stage's
+forward of that micro-batch, a backward for the next stage's backward, plus a send), and
+returns the step's makespan, each rank's busy time and the most micro-batches whose
+activations each rank holds at once. The action lists are torch's own
+(``torch.distributed.pipelining``'s schedule classes, through its schedule visualiser), so the
+simulation is of what the runtime executes; ``closed_form_s`` gives the formulas the search
+uses, and the tests compare the two.
+
+Stages are numbered as torch numbers them: with v stages per rank ("virtual stages", the
+interleaved schedules), rank r holds stages r, r + pp, ..., r + (v - 1) pp; the ZB-V schedule
+holds r and 2 pp - 1 - r (a V). Importing this module needs no torch; the action lists do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Sequence
+
+from partita.errors import PartitaError
+
+# The plan's names of the schedules and torch's classes for them.
+SCHEDULES = {
+    "1f1b": "Schedule1F1B",
+    "interleaved-1f1b": "ScheduleInterleaved1F1B",
+    "interleaved-zb": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
+}
+
+
+@dataclass(frozen=True)
+class Action:
+    stage: int
+    kind: str  # "F", "B", "I" or "W"
+    micro_batch: int
+
+
+@dataclass(frozen=True)
+class Simulation:
+    makespan_s: float
+    busy_s: tuple[float, ...]  # per rank: the time its actions take
+    in_flight: tuple[int, ...]  # per rank: most (stage, micro-batch) pairs holding activations at once
+
+    @property
+    def bubble_s(self) -> float:
+        """The idle time of the busiest rank."""
+        return self.makespan_s - max(self.busy_s)
+
+
+def stages_of_rank(schedule: str, rank: int, pp: int, v: int) -> tuple[int, ...]:
+    """The stages rank ``rank`` holds, in torch's numbering."""
+    if schedule == "zbv":
+        return (rank, 2 * pp - 1 - rank)
+    return tuple(rank + i * pp for i in range(v))
+
+
+def check(schedule: str, pp: int, v: int, m: int) -> str | None:
+    """Why torch's schedule does not run this (pp, v, m), or None."""
+    if schedule not in SCHEDULES:
+        return f"unknown pipeline schedule {schedule!r}; valid: {', '.join(SCHEDULES)}"
+    if schedule == "1f1b" and v != 1:
+        return "1f1b runs one stage per rank (virtual_stages 1)"
+    if schedule == "zbv" and v != 2:
+        return "zbv runs two stages per rank, in a V (virtual_stages 2)"
+    if schedule in ("interleaved-1f1b", "interleaved-zb") and v < 2:
+        return f"{schedule} needs at least two stages per rank (virtual_stages >= 2)"
+    if m < pp and schedule != "1f1b":
+        return f"{schedule} needs at least as many micro-batches as ranks: {m} < {pp}"
+    if schedule in ("interleaved-1f1b", "interleaved-zb"):
+        rounds = max(1, m // pp)
+        if m % rounds:
+            return f"{schedule} needs the micro-batches ({m}) to be a multiple of the rounds ({rounds} = m // pp)"
+    return None
+
+
+@lru_cache(maxsize=256)
+def torch_actions(schedule: str, pp: int, v: int, m: int) -> tuple[tuple[Action, ...], ...]:
+    """Each rank's compute actions, in order, as torch's schedule class emits them."""
+    why = check(schedule, pp, v, m)
+    if why:
+        raise PartitaError(why)
+    if schedule == "1f1b":
+        return tuple(_one_f_one_b(r, pp, m) for r in range(pp))
+    from torch.distributed.pipelining import _schedule_visualizer as visualizer
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    cls = getattr(torch_schedules, SCHEDULES[schedule])
+    ops = visualizer.get_schedule_ops(cls, pp, m, num_stages_per_rank=v if v > 1 else None)
+    out = []
+    for row in ops:
+        acts = []
+        for a in row:
+            if a is None:
+                continue
+            kind = str(getattr(a.computation_type, "value", a.computation_type))
+            if kind in ("F", "B", "I", "W"):
+                acts.append(Action(a.stage_index, kind, a.microbatch_index))
+        out.append(tuple(acts))
+    return tuple(out)
+
+
+def _one_f_one_b(rank: int, pp: int, m: int) -> tuple[Action, ...]:
+    """Torch's ``Schedule1F1B`` order on one rank: pp - rank forwards, then backward and forward
+    in turn, then the remaining backwards. (Its visualiser misnumbers the micro-batches of
+    single-stage schedules, so this one order is written out.)"""
+    warm = min(pp - rank, m)
+    acts = [Action(rank, "F", i) for i in range(warm)]
+    for i in range(m - warm):
+        acts += [Action(rank, "B", i), Action(rank, "F", warm + i)]
+    acts += [Action(rank, "B", i) for i in range(m - warm, m)]
+    return tuple(acts)
+
+
+def simulate(actions: Sequence[Sequence[Action]], forward_s: Sequence[float], backward_s: Sequence[float], *,
+             weight_share: float = 0.5, send_s: float = 0.0) -> Simulation:
+    """Play the ranks' action lists: ``forward_s[s]``/``backward_s[s]`` per micro-batch of stage
+    s; a split backward spends ``weight_share`` of it in W and the rest in I. A forward waits
+    for the previous stage's forward of its micro-batch, a backward (or I) for the next stage's,
+    each plus ``send_s`` when the two stages sit on different ranks."""
+    rank_of = {a.stage: r for r, row in enumerate(actions) for a in row}
+    last = max(rank_of)
+    done: dict[tuple[str, int, int], float] = {}
+    clock = [0.0] * len(actions)
+    busy = [0.0] * len(actions)
+    pos = [0] * len(actions)
+    holding = [0] * len(actions)
+    most = [0] * len(actions)
+    remaining = sum(len(row) for row in actions)
+    while remaining:
+        progressed = False
+        for r, row in enumerate(actions):
+            while pos[r] < len(row):
+                a = row[pos[r]]
+                ready = _ready(a, done, rank_of, last, send_s)
+                if ready is None:
+                    break
+                if a.kind == "F":
+                    dur = forward_s[a.stage]
+                elif a.kind == "B":
+                    dur = backward_s[a.stage]
+                elif a.kind == "I":
+                    dur = backward_s[a.stage] * (1 - weight_share)
+                else:
+                    dur = backward_s[a.stage] * weight_share
+                start = max(clock[r], ready)
+                clock[r] = start + dur
+                busy[r] += dur
+                done[(a.kind, a.stage, a.micro_batch)] = clock[r]
+                if a.kind == "F":
+                    holding[r] += 1
+                    most[r] = max(most[r], holding[r])
+                elif a.kind in ("B", "W"):
+                    holding[r] -= 1
+                pos[r] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise PartitaError("the pipeline schedule's actions wait on each other (deadlock)")
+    return Simulation(makespan_s=max(clock), busy_s=tuple(busy), in_flight=tuple(most))
+
+
+def _ready(a: Action, done: dict, rank_of: dict[int, int], last: int, send_s: float) -> float | None:
+    def after(key: tuple[str, int, int], other_stage: int) -> float | None:
+        t = done.get(key)
+        if t is None:
+            return None
+        return t + (send_s if rank_of[other_stage] != rank_of[a.stage] else 0.0)
+
+    if a.kind == "F":
+        return 0.0 if a.stage == 0 else after(("F", a.stage - 1, a.micro_batch), a.stage - 1)
+    if a.kind == "W":
+        return done.get(("I", a.stage, a.micro_batch))
+    own = done.get(("F", a.stage, a.micro_batch))
+    if own is None:
+        return None
+    if a.stage == last:
+        return own
+    nxt = after(("B", a.stage + 1, a.micro_batch), a.stage + 1)
+    if nxt is None:
+        nxt = after(("I", a.stage + 1, a.micro_batch), a.stage + 1)
+    return None if nxt is None else max(own, nxt)
+
+
+def closed_form_s(schedule: str, rank_times: Sequence[float], m: int, v: int) -> float:
+    """The step the search prices, from each rank's time T_r for one micro-batch through all
+    its stages (forward + backward, sends included):
+
+    * 1F1B: (m - 1) max T + sum T;
+    * interleaved 1F1B: (m - 1) max T + sum T / v + (1 - 1/v) max T: the warm-up and the drain
+      pass a micro-batch through one virtual stage (T_r / v) per rank instead of a whole rank
+      (the bubble shrinks v-fold, Narayanan et al., SC'21, section 2.2.2), and one whole
+      micro-batch still crosses the slowest rank.
+
+    Both equal ``simulate`` on torch's action lists when the ranks are equal, and are never
+    below it otherwise (tests/test_schedules.py)."""
+    if schedule == "1f1b":
+        return (m - 1) * max(rank_times) + sum(rank_times)
+    if schedule == "interleaved-1f1b":
+        return (m - 1) * max(rank_times) + sum(rank_times) / v + (1 - 1 / v) * max(rank_times)
+    raise PartitaError(f"no closed form for {schedule!r} yet")
+
+
+def in_flight_chunks(schedule: str, rank: int, pp: int, v: int, m: int) -> int:
+    """The most (stage, micro-batch) pairs whose activations rank ``rank`` holds at once: 1F1B
+    min(pp - rank, m) (whole stages); interleaved 1F1B min((v - 1) pp + 2 (pp - rank - 1) + 1,
+    m v), in virtual stages of about 1/v of the rank's layers each (torch's warm-up)."""
+    if schedule == "1f1b":
+        return min(pp - rank, m)
+    if schedule == "interleaved-1f1b":
+        return min((v - 1) * pp + 2 * (pp - rank - 1) + 1, m * v)
+    raise PartitaError(f"no in-flight count for {schedule!r} yet")
