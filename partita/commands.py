@@ -561,7 +561,8 @@ def print_plan(p: Plan, notes: Sequence[str] = ()) -> None:
     console.print(f"[bold]{name}[/bold] on [bold]{p.cluster.get('name', '?')}[/bold]: "
                   f"{p.world_size} ranks = dp {p.dp} x tp {p.tp} x pp {p.pp}; seq {p.seq_len}, global batch "
                   f"{p.global_batch} = {p.dp} x micro-batch {p.micro_batch} x {p.num_micro_batches} micro-batches; "
-                  f"{p.dtype}, {p.schedule}")
+                  f"{p.dtype}, {p.schedule}" + (f" with {p.virtual_stages} virtual stages per rank"
+                                                 if p.virtual_stages > 1 else ""))
     for note in notes:
         console.print(note)
     t = Table(show_lines=True)
@@ -576,8 +577,11 @@ def print_plan(p: Plan, notes: Sequence[str] = ()) -> None:
             pct = 100 * m.peak_bytes / m.capacity_bytes
             mem = f"{fmt_bytes(m.peak_bytes)} / {fmt_bytes(m.capacity_bytes)} ({pct:.0f}%)"
         ranks = f"{s.ranks[0]}-{s.ranks[-1]}" if len(s.ranks) > 1 else str(s.ranks[0])
+        # Under an interleaved schedule, one paragraph per virtual stage.
+        choices = "\n".join(f"virtual stage {c * p.pp + s.index}:\n  " + "\n  ".join(_runs(chunk)) if s.chunks
+                            else "\n".join(_runs(chunk)) for c, chunk in enumerate(s.chunk_layers()))
         t.add_row(str(s.index), f"{len(s.ranks)}x {s.device} ({s.group})", ranks, f"{blocks} blocks",
-                  "\n".join(_runs(s.layers)),
+                  choices,
                   fmt_seconds(pred.stage_time_s[s.index]) if pred else "", mem)
     console.print(t)
     if pred is not None:

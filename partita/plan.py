@@ -31,7 +31,7 @@ from partita.errors import PartitaError
 
 SCHEMA_VERSION = 1
 ZERO_LEVELS = (0, 1, 2, 3)
-SCHEDULES = ("1f1b",)
+SCHEDULES = ("1f1b", "interleaved-1f1b")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,14 +63,30 @@ class Stage:
     device: str  # device type, for reading; must match the group's
     ranks: tuple[int, ...]
     layers: tuple[LayerStrategy, ...]
+    # Under an interleaved schedule the stage's ranks run v virtual stages: ``chunks`` gives how
+    # many of ``layers`` (in order) each holds; empty: one stage, all of them.
+    chunks: tuple[int, ...] = ()
 
     @property
     def layer_names(self) -> list[str]:
         return [l.name for l in self.layers]
 
+    def chunk_layers(self) -> list[tuple[LayerStrategy, ...]]:
+        """The layers of each virtual stage this stage's ranks run, in order."""
+        if not self.chunks:
+            return [self.layers]
+        out, start = [], 0
+        for n in self.chunks:
+            out.append(self.layers[start:start + n])
+            start += n
+        return out
+
     def to_dict(self) -> dict[str, Any]:
-        return {"index": self.index, "group": self.group, "device": self.device,
-                "ranks": list(self.ranks), "layers": [l.to_dict() for l in self.layers]}
+        d = {"index": self.index, "group": self.group, "device": self.device,
+             "ranks": list(self.ranks), "layers": [l.to_dict() for l in self.layers]}
+        if self.chunks:
+            d["chunks"] = list(self.chunks)
+        return d
 
     @classmethod
     def from_dict(cls, data: Any, where: str) -> "Stage":
@@ -82,10 +98,17 @@ class Stage:
         layers = data["layers"]
         if not isinstance(layers, list) or not layers:
             raise PartitaError(f"{where}: layers must be a non-empty list")
+        chunks = data.get("chunks") or []
+        if not isinstance(chunks, list) or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 1
+                                                   for c in chunks):
+            raise PartitaError(f"{where}: chunks must be a list of positive layer counts, one per virtual stage")
+        if chunks and sum(chunks) != len(layers):
+            raise PartitaError(f"{where}: chunks {chunks} add up to {sum(chunks)} layers, the stage has {len(layers)}")
         return cls(index=specio.get_int(data, "index", where, minimum=0),
                    group=specio.get_str(data, "group", where), device=specio.get_str(data, "device", where),
                    ranks=tuple(ranks),
-                   layers=tuple(LayerStrategy.from_dict(l, f"{where}: layers[{i}]") for i, l in enumerate(layers)))
+                   layers=tuple(LayerStrategy.from_dict(l, f"{where}: layers[{i}]") for i, l in enumerate(layers)),
+                   chunks=tuple(chunks))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -234,7 +257,21 @@ class Plan:
         return dataclasses.replace(self, stages=stages)
 
     def layer_strategies(self) -> list[LayerStrategy]:
-        return [l for s in self.stages for l in s.layers]
+        """Every layer, in the model's order (under an interleaved schedule, virtual stage by
+        virtual stage: chunk 0 of every stage, then chunk 1, ...)."""
+        return [l for chunk in self.virtual_stage_layers() for l in chunk]
+
+    @property
+    def virtual_stages(self) -> int:
+        """Stages per rank: 1, or v under an interleaved schedule."""
+        return max(1, len(self.stages[0].chunks)) if self.stages else 1
+
+    def virtual_stage_layers(self) -> list[tuple[LayerStrategy, ...]]:
+        """The layers of every virtual stage in pipeline order: stage i of chunk c is virtual
+        stage c * pp + i (torch's numbering for interleaved schedules)."""
+        per_stage = [s.chunk_layers() for s in self.stages]
+        v = max(len(c) for c in per_stage)
+        return [chunks[c] for c in range(v) for chunks in per_stage if c < len(chunks)]
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {}

@@ -94,7 +94,20 @@ def _check_ranks(plan: Plan, cluster: ClusterSpec) -> None:
 
 
 def _check_layers(plan: Plan, model: ModelSpec) -> None:
-    names = [l.name for s in plan.stages for l in s.layers]
+    from partita.search.schedules import check
+
+    v = plan.virtual_stages
+    counts = {len(s.chunks) for s in plan.stages}
+    if plan.schedule == "1f1b" and not counts <= {0, 1}:
+        raise PartitaError(f"schedule 1f1b runs one stage per rank; the plan splits stages into chunks "
+                           f"{[list(s.chunks) for s in plan.stages]}: drop them or use interleaved-1f1b")
+    if plan.schedule != "1f1b" and (len(counts) != 1 or v < 2):
+        raise PartitaError(f"schedule {plan.schedule} needs every stage split into the same number (>= 2) of "
+                           f"chunks; the plan has {[list(s.chunks) for s in plan.stages]}")
+    why = check(plan.schedule, plan.pp, v, plan.num_micro_batches)
+    if why:
+        raise PartitaError(f"{why}; choose another schedule or number of micro-batches")
+    names = [l.name for l in plan.layer_strategies()]
     expected = model.layer_names()
     if names != expected:
         missing = [n for n in expected if n not in names]

@@ -181,17 +181,19 @@ class Transformer(nn.Module):
         if spec.tie_embeddings:
             self.head.output.weight = self.embed.tok.weight
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Any part may be missing on a pipeline stage (deleted or set to None).
+    def forward(self, x: torch.Tensor, only: tuple[str, ...] | None = None) -> torch.Tensor:
+        """Through every layer this module holds, or only those named (a virtual stage of an
+        interleaved pipeline). Any part may be missing on a pipeline stage (deleted or None)."""
         embed = getattr(self, "embed", None)
-        if embed is not None:
+        if embed is not None and (only is None or "embed" in only):
             x = embed(x)
         layers = getattr(self, "layers", None)
         if layers is not None:
-            for block in layers.values():
-                x = block(x)
+            for key, block in layers.items():
+                if only is None or f"layers.{key}" in only:
+                    x = block(x)
         head = getattr(self, "head", None)
-        if head is not None:
+        if head is not None and (only is None or "head" in only):
             x = head(x)
         return x
 

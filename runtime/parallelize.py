@@ -126,24 +126,26 @@ def apply_tensor_parallel(model: Transformer, stage: Stage, meshes: Meshes) -> N
     """Per-layer TP/SP styles, plus the layout conversions between neighbouring layers."""
     mesh = meshes.tp
     family = model.spec.family
-    previous = FULL  # what the stage receives: tokens, or whole hidden states from the stage before
-    for strategy in stage.layers:
-        layer = model.get_submodule(strategy.name)
-        role = model.spec.role_of(strategy.name)
-        layout = _layout(strategy)
-        takes = FULL if role == "embed" else layout
-        gives = FULL if role == "head" else layout
-        if strategy.tensor_parallel > 1:
-            parallelize_module(layer, mesh, _layer_styles(role, family, layout == SEQ))
-        convert_in = _convert(previous, takes, inputs=True)
-        if convert_in is not None:  # a hook on the layer itself, so recomputation replays it
-            parallelize_module(layer, mesh, convert_in)
-        if role == "embed" and gives == SEQ and family != "llama":  # positions are added whole, then split
-            parallelize_module(layer, mesh, _convert(FULL, SEQ, inputs=False))
-        previous = gives
-    if previous == SEQ:
-        last = model.get_submodule(stage.layers[-1].name)
-        parallelize_module(last, mesh, _convert(SEQ, FULL, inputs=False))
+    # Each (virtual) stage receives tokens or whole hidden states and sends whole hidden states.
+    for chunk in stage.chunk_layers():
+        previous = FULL
+        for strategy in chunk:
+            layer = model.get_submodule(strategy.name)
+            role = model.spec.role_of(strategy.name)
+            layout = _layout(strategy)
+            takes = FULL if role == "embed" else layout
+            gives = FULL if role == "head" else layout
+            if strategy.tensor_parallel > 1:
+                parallelize_module(layer, mesh, _layer_styles(role, family, layout == SEQ))
+            convert_in = _convert(previous, takes, inputs=True)
+            if convert_in is not None:  # a hook on the layer itself, so recomputation replays it
+                parallelize_module(layer, mesh, convert_in)
+            if role == "embed" and gives == SEQ and family != "llama":  # positions are added whole, then split
+                parallelize_module(layer, mesh, _convert(FULL, SEQ, inputs=False))
+            previous = gives
+        if previous == SEQ:
+            last = model.get_submodule(chunk[-1].name)
+            parallelize_module(last, mesh, _convert(SEQ, FULL, inputs=False))
     if model.spec.tie_embeddings and model.embed is not None and model.head is not None:
         model.head.output.weight = model.embed.tok.weight  # TP replaced both; tie them again
 

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -97,13 +97,14 @@ class _StageModule(nn.Module):
     """The stage's model as the schedule sees it. Not an FSDP module itself, so the schedule
     runs plain autograd and the plan's per-layer ZeRO policy (set here) stays in force."""
 
-    def __init__(self, model: nn.Module, units: list[ShardedLayer], num_micro_batches: int) -> None:
+    def __init__(self, model: nn.Module, units: list[ShardedLayer], num_micro_batches: int,
+                 only: tuple[str, ...] | None = None) -> None:
         super().__init__()
-        self.model, self.units, self.n = model, units, num_micro_batches
+        self.model, self.units, self.n, self.only = model, units, num_micro_batches, only
         self.forwards = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.model(x)
+        out = self.model(x, only=self.only) if self.only is not None else self.model(x)
         if self.units and out.requires_grad:
             index = self.forwards
             self.forwards += 1
@@ -122,7 +123,6 @@ class PipelineRunner:
         stage = meshes.place.stage
         self.is_first, self.is_last = stage.index == 0, stage.index == plan.pp - 1
         self.n = plan.num_micro_batches
-        self.module = _StageModule(model, units, self.n)
         self.loss = loss
         spec_hidden = int(plan.model["hidden"])
         vocab = int(plan.model["vocab"]) // (loss.vocab_mesh.size() if loss.vocab_mesh is not None else 1)
@@ -133,26 +133,52 @@ class PipelineRunner:
             # requires_grad marks what carries gradients between stages (everything but tokens)
             return torch.empty(*shape, device="meta", dtype=dtype, requires_grad=dtype.is_floating_point)
 
-        inputs = meta(b, s, dtype=torch.int64) if self.is_first else meta(b, s, spec_hidden)
-        outputs = meta(b, s, vocab) if self.is_last else meta(b, s, spec_hidden)
-        self.stage = PipelineStage(self.module, stage.index, plan.pp, device, input_args=inputs,
-                                   output_args=outputs, group=meshes.pp.get_group())
+        # One pipeline stage per virtual stage this rank runs (one under 1F1B): virtual stage c
+        # of plan stage i is torch's stage c * pp + i; each runs only its own layers.
+        chunks = stage.chunk_layers()
+        n_stages = plan.pp * len(chunks)
+        self.modules, self.stages = [], []
+        for c, layers in enumerate(chunks):
+            names = {l.name for l in layers}
+            index = c * plan.pp + stage.index
+            # Each virtual stage sets the gradient policy of its own layers' FSDP units; the root
+            # unit (a tied embedding or head, if any) goes with the virtual stage that holds it.
+            root_chunk = next((i for i, ls in enumerate(chunks) if {l.name for l in ls} & {"embed", "head"}), 0)
+            own = [u for u in units if u.name in names or (u.name == "" and c == root_chunk)]
+            module = _StageModule(model, own, self.n, only=tuple(sorted(names))) if len(chunks) > 1 \
+                else _StageModule(model, units, self.n)
+            first, last = index == 0, index == n_stages - 1
+            inputs = meta(b, s, dtype=torch.int64) if first else meta(b, s, spec_hidden)
+            outputs = meta(b, s, vocab) if last else meta(b, s, spec_hidden)
+            self.modules.append(module)
+            self.stages.append(PipelineStage(module, index, n_stages, device, input_args=inputs, output_args=outputs,
+                                             group=meshes.pp.get_group()))
+        self.module, self.stage = self.modules[0], self.stages[0]
         self.loss_scale = 1.0
         self.timer = timer or PhaseTimer(device)
         self._time_stage_chunks()
-        self.schedule = Schedule1F1B(self.stage, n_microbatches=self.n, loss_fn=self._scaled_loss, scale_grads=True)
+        if plan.schedule == "interleaved-1f1b":
+            # Every virtual stage's module wraps the whole model, so torch's own scaling (each
+            # stage divides its module's gradients by the micro-batches) would apply v times:
+            # the runner scales once instead.
+            self.schedule = ScheduleInterleaved1F1B(self.stages, n_microbatches=self.n, loss_fn=self._scaled_loss,
+                                                    scale_grads=False)
+        else:
+            self.schedule = Schedule1F1B(self.stage, n_microbatches=self.n, loss_fn=self._scaled_loss,
+                                         scale_grads=True)
 
     def _time_stage_chunks(self) -> None:
         """Time each micro-batch's forward and backward as the schedule runs them on this stage
         (its receives are waited for before, its sends are started after)."""
-        for method, phase in (("forward_one_chunk", "forward"), ("backward_one_chunk", "backward")):
-            inner = getattr(self.stage, method)
+        for stage in self.stages:
+            for method, phase in (("forward_one_chunk", "forward"), ("backward_one_chunk", "backward")):
+                inner = getattr(stage, method)
 
-            def timed(*args, _inner=inner, _phase=phase, **kwargs):
-                with self.timer.span(_phase):
-                    return _inner(*args, **kwargs)
+                def timed(*args, _inner=inner, _phase=phase, **kwargs):
+                    with self.timer.span(_phase):
+                        return _inner(*args, **kwargs)
 
-            setattr(self.stage, method, timed)
+                setattr(stage, method, timed)
 
     def _scaled_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         with self.timer.span("loss"):
@@ -162,11 +188,13 @@ class PipelineRunner:
         """The schedule's receive buffers (one per micro-batch for activations on every stage but
         the first, and for gradients on every stage but the last), allocated at the first step
         and kept."""
-        infos = [*self.stage.args_recv_info.values(), *self.stage.grad_recv_info.values()]
+        infos = [info for stage in self.stages
+                 for info in (*stage.args_recv_info.values(), *stage.grad_recv_info.values())]
         return [i.buffer for info in infos for i in info if isinstance(getattr(i, "buffer", None), torch.Tensor)]
 
     def run(self, inputs: torch.Tensor, targets: torch.Tensor, loss_scale: float = 1.0) -> torch.Tensor | None:
-        self.module.forwards = 0
+        for module in self.modules:
+            module.forwards = 0
         self.loss_scale = loss_scale
         losses: list[torch.Tensor] = []
         # return_outputs=False: the last stage keeps no micro-batch's logits after its backward.
@@ -177,6 +205,12 @@ class PipelineRunner:
                 self.schedule.step(target=targets, losses=losses, return_outputs=False)
             else:
                 self.schedule.step(return_outputs=False)
-        if self.module.units and self.module.forwards != self.n:
-            raise RuntimeError(f"pipeline stage ran {self.module.forwards} forwards for {self.n} micro-batches")
+        for module in self.modules:
+            if module.units and module.forwards != self.n:
+                raise RuntimeError(f"pipeline stage ran {module.forwards} forwards for {self.n} micro-batches")
+        if len(self.stages) > 1:
+            with torch.no_grad():
+                for p in self.module.model.parameters():
+                    if p.grad is not None:
+                        p.grad.div_(self.n)
         return torch.stack([l.detach() for l in losses]).sum() / loss_scale if self.is_last else None

@@ -442,6 +442,7 @@ class StageCost:
     peak_layer: str = ""  # where the stage peaks: a layer name ("layers.N", or the role when unnamed)
     peak_phase: str = "backward"  # ... in its "forward" or its "backward"
     tied_sync_s: float = 0.0  # per step: a tied head's copy summed with the embedding's (runtime/tied.py)
+    peak_gathered: int = 0  # the part of gathered_weights that is the peak layer's own gathers
 
     @property
     def activations(self) -> int:
@@ -585,7 +586,38 @@ def _stage_cost(cm: CostModel, group: NodeGroup, runs: Runs, *, dp: int, tp: int
                      activations_per_mb=acts, current_activations=current, output_per_mb=output,
                      retained_output=retained, in_flight=1, transient=top.transient - top.transient_gathered,
                      pipeline_buffers=buffers, reserve=reserve, capacity=group.memory_bytes,
-                     peak_layer=peak_layer, peak_phase=top.peak_phase, tied_sync_s=tied_sync)
+                     peak_layer=peak_layer, peak_phase=top.peak_phase, tied_sync_s=tied_sync,
+                     peak_gathered=top.transient_gathered)
+
+
+def interleaved_stage_cost(cm: CostModel, group: NodeGroup, chunks: Sequence[Sequence[LayerStrategy]], *,
+                           stage: int, pp: int, dp: int, tp: int, micro_batch: int, num_micro_batches: int,
+                           next_groups: Sequence[NodeGroup | None]) -> StageCost:
+    """One plan stage whose ranks run v virtual stages (interleaved 1F1B): ``chunks[c]`` are the
+    layers of virtual stage c, ``next_groups[c]`` the group its output goes to (None for the
+    pipeline's last). Times, static state, sends and the schedule's buffers add up over the
+    virtual stages; in flight are ``schedules.in_flight_chunks`` virtual-stage micro-batches,
+    each counted at the largest virtual stage's activations (an upper bound when they differ),
+    the running one at the peak of whichever virtual stage peaks highest."""
+    from partita.search.schedules import in_flight_chunks
+
+    parts = [stage_cost(cm, group, layers, stage=0, pp=1, dp=dp, tp=tp, micro_batch=micro_batch,
+                        num_micro_batches=num_micro_batches, next_group=nxt)
+             for layers, nxt in zip(chunks, next_groups)]
+    add = lambda field: sum(getattr(p, field) for p in parts)  # noqa: E731
+    running = max(parts, key=lambda p: p.current_activations + p.transient + p.peak_gathered)
+    kept_copies = sum(p.gathered_weights - p.peak_gathered for p in parts)
+    return dataclasses.replace(
+        parts[0], time_s=add("time_s"), forward_s=add("forward_s"), backward_s=add("backward_s"),
+        compute_s=add("compute_s"), tp_comm_s=add("tp_comm_s"), zero_comm_s=add("zero_comm_s"), p2p_s=add("p2p_s"),
+        dp_sync_s=add("dp_sync_s"), optimizer_s=add("optimizer_s"), weights=add("weights"),
+        gathered_weights=kept_copies + running.peak_gathered, peak_gathered=running.peak_gathered,
+        gradients=add("gradients"), optimizer=add("optimizer"),
+        activations_per_mb=max(p.activations_per_mb for p in parts), current_activations=running.current_activations,
+        output_per_mb=activation_message_bytes(cm, micro_batch), retained_output=add("retained_output"),
+        in_flight=in_flight_chunks("interleaved-1f1b", stage, pp, len(chunks), num_micro_batches),
+        transient=running.transient, pipeline_buffers=add("pipeline_buffers"), peak_layer=running.peak_layer,
+        peak_phase=running.peak_phase, tied_sync_s=add("tied_sync_s"))
 
 
 def activation_message_bytes(cm: CostModel, micro_batch: int) -> int:
@@ -623,10 +655,14 @@ def pipeline_time_s(stage_times: Sequence[float], num_micro_batches: int) -> flo
     return (num_micro_batches - 1) * max(stage_times) + sum(stage_times)
 
 
-def step_time_s(stages: Sequence[StageCost], num_micro_batches: int) -> tuple[float, dict[str, float]]:
-    """Step time and its breakdown by cause (seconds per step)."""
+def step_time_s(stages: Sequence[StageCost], num_micro_batches: int, *, schedule: str = "1f1b",
+                virtual_stages: int = 1) -> tuple[float, dict[str, float]]:
+    """Step time and its breakdown by cause (seconds per step). Under an interleaved schedule
+    each stage's time is its ranks' time for a micro-batch through all their virtual stages."""
+    from partita.search.schedules import closed_form_s
+
     times = [s.time_s for s in stages]
-    pipe = pipeline_time_s(times, num_micro_batches)
+    pipe = closed_form_s(schedule, times, num_micro_batches, virtual_stages)
     exposed_dp = max(s.exposed_dp_s for s in stages)
     optimizer = max(s.optimizer_s for s in stages)
     tied = max(s.tied_sync_s for s in stages)

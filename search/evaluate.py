@@ -8,7 +8,8 @@ from typing import Mapping, Sequence
 from partita.cluster import NodeGroup
 from partita.devices import get_device
 from partita.plan import LayerStrategy, Plan, Prediction, StageMemory
-from partita.search.costs import CostModel, LayerChoice, StageCost, stage_cost, stage_cost_counts, step_time_s
+from partita.search.costs import (CostModel, LayerChoice, StageCost, interleaved_stage_cost, stage_cost,
+                                  stage_cost_counts, step_time_s)
 
 
 @dataclass(frozen=True)
@@ -52,9 +53,29 @@ def evaluate_counts(cm: CostModel, stages: Sequence[tuple[NodeGroup, Mapping[Lay
 
 
 def evaluate_plan(plan: Plan, cm: CostModel) -> Evaluation:
+    if plan.virtual_stages > 1:
+        return evaluate_interleaved(cm, [(cm.cluster.group(s.group), s.chunk_layers()) for s in plan.stages],
+                                    dp=plan.dp, tp=plan.tp, micro_batch=plan.micro_batch,
+                                    num_micro_batches=plan.num_micro_batches, schedule=plan.schedule)
     stages = [(cm.cluster.group(s.group), s.layers) for s in plan.stages]
     return evaluate_layout(cm, stages, dp=plan.dp, tp=plan.tp, micro_batch=plan.micro_batch,
                            num_micro_batches=plan.num_micro_batches)
+
+
+def evaluate_interleaved(cm: CostModel, stages: Sequence[tuple[NodeGroup, Sequence[Sequence[LayerStrategy]]]], *,
+                         dp: int, tp: int, micro_batch: int, num_micro_batches: int,
+                         schedule: str = "interleaved-1f1b") -> Evaluation:
+    """Evaluate stages whose ranks run several virtual stages each, given as (node group, the
+    layers of each virtual stage) in pipeline order; virtual stage c of stage i feeds virtual
+    stage c of stage i + 1, and the last stage's feeds the first stage's c + 1."""
+    pp, v = len(stages), len(stages[0][1])
+    costs = []
+    for i, (group, chunks) in enumerate(stages):
+        nexts = [stages[i + 1][0] if i + 1 < pp else (stages[0][0] if c + 1 < v else None) for c in range(v)]
+        costs.append(interleaved_stage_cost(cm, group, chunks, stage=i, pp=pp, dp=dp, tp=tp, micro_batch=micro_batch,
+                                            num_micro_batches=num_micro_batches, next_groups=nexts))
+    step, breakdown = step_time_s(costs, num_micro_batches, schedule=schedule, virtual_stages=v)
+    return Evaluation(step_time_s=step, breakdown=breakdown, stages=tuple(costs))
 
 
 def prediction(cm: CostModel, ev: Evaluation, *, devices: Sequence[str], global_batch: int) -> Prediction:

@@ -8,6 +8,8 @@ one process with no parallelism at all, which is what the parallel run must repr
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import socket
 import tempfile
@@ -143,3 +145,20 @@ def _reference(plan: Plan, cfg, grad_norms: list[float]) -> tuple[list[float], d
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def interleaved(plan: Plan, chunks: list[list[int]]) -> Plan:
+    """``plan`` under the interleaved 1F1B schedule: stage i's ranks run virtual stages of
+    ``chunks[i]`` layers each, virtual stage c of stage i being the (c * pp + i)-th slice of the
+    model in order."""
+    layers = plan.layer_strategies()
+    per: dict[int, list] = {i: [] for i in range(plan.pp)}
+    start = 0
+    for c in range(len(chunks[0])):
+        for i in range(plan.pp):
+            per[i].extend(layers[start:start + chunks[i][c]])
+            start += chunks[i][c]
+    assert start == len(layers), "the chunks must cover the model"
+    stages = tuple(dataclasses.replace(s, layers=tuple(per[s.index]), chunks=tuple(chunks[s.index]))
+                   for s in plan.stages)
+    return dataclasses.replace(plan, stages=stages, schedule="interleaved-1f1b")

@@ -22,7 +22,7 @@ from partita.plan import Plan  # noqa: E402
 from partita.runtime.train import TrainConfig  # noqa: E402
 from partita.search.costs import CostModel  # noqa: E402
 from partita.search.planner import attach_prediction  # noqa: E402
-from runtime_helpers import make_plan, run_ranks  # noqa: E402
+from runtime_helpers import interleaved, make_plan, run_ranks  # noqa: E402
 from test_runtime_parallel import PLANS, SMALL  # noqa: E402
 
 CFG = TrainConfig(steps=2, warmup_steps=1, lr=1e-3, memory_report=True)
@@ -38,7 +38,8 @@ KNOWN_GAPS = {
 }
 MEMORY_PLANS = PLANS | {"bf16-zero1": make_plan(SMALL, dp=2, layer=dict(zero=1), dtype="bf16"),
                         "bf16-pp-tp": make_plan(SMALL, pp=2, tp=2, boundaries=[2], num_micro_batches=3,
-                                                layer=dict(tensor_parallel=2, sequence_parallel=True), dtype="bf16")}
+                                                layer=dict(tensor_parallel=2, sequence_parallel=True), dtype="bf16"),
+                        "interleaved": interleaved(make_plan(SMALL, pp=2, num_micro_batches=4), [[2, 1], [1, 2]])}
 
 
 def _measure_rank(rank: int, plan_dict: dict, cfg: TrainConfig) -> dict:

@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 
 from partita.model import BUILTIN  # noqa: E402
 from partita.runtime.train import TrainConfig  # noqa: E402
-from runtime_helpers import make_plan, run_parallel, run_reference  # noqa: E402
+from runtime_helpers import interleaved, make_plan, run_parallel, run_reference  # noqa: E402
 
 CFG = TrainConfig(steps=2, warmup_steps=1, lr=1e-3)
 # Four blocks are enough for uneven stages and keep the collectives few (the whole file should
@@ -93,6 +93,36 @@ def test_tied_embeddings_across_stages_train_like_one_process(plan):
     for name, ref in ref_params.items():
         torch.testing.assert_close(params[name], ref, rtol=1e-4, atol=5e-5, msg=lambda m: f"{name}: {m}")
     assert losses[-1] != losses[0]
+
+
+def run_reference_names(plan):
+    """The parameter names of one whole model (a tied head's weight is the embedding's)."""
+    from partita.model import ModelSpec
+    from partita.runtime.models import build_model
+
+    return build_model(ModelSpec.from_dict(plan.model)).named_parameters()
+
+
+@pytest.mark.parametrize("plan", [
+    interleaved(make_plan(SMALL, pp=2, num_micro_batches=4), [[2, 1], [1, 2]]),
+    interleaved(make_plan(SMALL, pp=2, dp=2, num_micro_batches=2, layer=dict(zero=3),
+                          per_layer={"layers.1": dict(zero=1), "layers.2": dict(zero=2, recompute=True)}),
+                [[2, 1], [1, 2]]),
+    interleaved(make_plan(SMALL, pp=2, tp=2, num_micro_batches=4, layer=dict(TP2, sequence_parallel=True)),
+                [[2, 1], [1, 2]]),
+    interleaved(make_plan("tiny-gpt2", pp=2, num_micro_batches=2), [[1, 2], [2, 1]]),
+], ids=["pp2-v2", "pp2-v2-fsdp", "pp2-v2-tp-sp", "pp2-v2-tied"])
+def test_interleaved_pipeline_trains_like_one_process(plan):
+    """Two virtual stages per rank (torch's ScheduleInterleaved1F1B): the same losses and
+    parameters as one process; the tied model's two copies stay equal."""
+    losses, params = run_parallel(plan, CFG)
+    if "head.output.weight" in params and "head.output.weight" not in dict(run_reference_names(plan)):
+        torch.testing.assert_close(params.pop("head.output.weight"), params["embed.tok.weight"], rtol=0, atol=0)
+    ref_losses, ref_params = run_reference(plan, CFG)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-5)
+    assert set(params) == set(ref_params)
+    for name, ref in ref_params.items():
+        torch.testing.assert_close(params[name], ref, rtol=1e-4, atol=5e-5, msg=lambda m: f"{name}: {m}")
 
 
 def test_gqa_with_qkv_bias_under_tp():
