@@ -176,6 +176,7 @@ def build_parser(with_torch_commands: bool = False) -> argparse.ArgumentParser:
     export.add_argument("--profile", action="append", default=[], metavar="P",
                         help="measured profile to price both plans with (as for partita check)")
 
+
     launch = sub.add_parser("launch", help="train a plan with torch.distributed (torchrun)")
     profile = sub.add_parser("profile", help="measure layer and collective costs on this machine's devices")
     if with_torch_commands:
@@ -261,6 +262,11 @@ def _dispatch(args: argparse.Namespace) -> int:
         from partita.slurm import emit_command
 
         return emit_command(args)
+    if args.command == "launch":
+        given = [f for f, v in (("-o", getattr(args, "output", None)), ("--partition", getattr(args, "partition", None)),
+                                ("--walltime", getattr(args, "walltime", None))) if v is not None]
+        if given:
+            raise PartitaError(f"{' and '.join(given)} only apply with --emit slurm; add it, or drop them to train here")
     if args.command == "launch":
         from partita.runtime.launch import launch_command
 

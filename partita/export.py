@@ -176,6 +176,9 @@ def export_plan(plan: Plan, target: str, *, profiles: Sequence = ()) -> Export:
     from partita.search.planner import attach_prediction
 
     mod = target_module(target)
+    if plan.schedule != "1f1b":
+        raise PartitaError(f"the plan runs the {plan.schedule} schedule; export writes 1F1B plans so far: re-plan "
+                           f"with the 1F1B schedule to export it")
     model = ModelSpec.from_dict(plan.model, where="plan: model")
     cluster = plan_cluster(plan)
     cm = CostModel(model, cluster, seq_len=plan.seq_len, dtype=plan.dtype, profiles=profiles)

@@ -41,10 +41,8 @@ def variants(plan: Plan, model: ModelSpec) -> Iterator[Plan]:
     from partita.search.uniform import split_blocks
 
     zeros = (0, 1) if plan.pp > 1 else (0, 1, 2, 3)
-    base = plan if plan.pp == 1 else resplit(plan, split_blocks(model.n_layers, plan.pp))
-    even = blocks_per_stage(base)
-    if blocks_per_stage(plan) in ([max(even)] * plan.pp, even):  # already as even as DeepSpeed splits
-        base = plan
+    even = split_blocks(model.n_layers, plan.pp)
+    base = plan if blocks_per_stage(plan) == even else resplit(plan, even)
     for zero in zeros:
         for recompute in (False, True):
             yield uniform(base, model, sequence_parallel=False, zero=zero, recompute=lambda s, b, r=recompute: r)

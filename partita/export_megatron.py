@@ -21,7 +21,8 @@ field (``megatron/training/argument_utils.py``, ``ArgumentGroupFactory._format_a
 
 What maps how:
   * ZeRO 1 is the distributed optimizer; ZeRO 2 and 3 are Megatron-FSDP with sharding strategy
-    ``optim_grads`` and ``optim_grads_params`` (v1 needs the distributed optimizer too). Megatron-FSDP
+    ``optim_grads`` and ``optim_grads_params`` (v1 needs the distributed optimizer too, and
+    ``validate_args`` the ``--ckpt-format fsdp_dtensor`` checkpoints, ``CheckpointConfig``). Megatron-FSDP
     is exported without pipeline parallelism only (pp = 1), the combination this module trusts.
   * Recomputation is ``--recompute-granularity full``: ``--recompute-method uniform
     --recompute-num-layers 1`` recomputes every block; ``block`` with N recomputes the first N
@@ -101,7 +102,9 @@ def arguments(plan: Plan, model: ModelSpec) -> list[str]:
     if zero >= 1:
         args.append("--use-distributed-optimizer")
     if zero >= 2:
-        args += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", FSDP_STRATEGY[zero]]
+        # Megatron-FSDP checkpoints only in its own format (validate_args asserts it)
+        args += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", FSDP_STRATEGY[zero],
+                 "--ckpt-format", "fsdp_dtensor"]
     counts = recompute_counts(plan)
     if any(counts):
         args += ["--recompute-granularity", "full"]

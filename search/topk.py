@@ -31,16 +31,18 @@ class Alternative:
     bound_us: int
 
 
-def shape_of_plan(p: Plan) -> Shape:
-    return Shape(p.dp * p.tp, p.tp, p.dp, p.micro_batch, p.num_micro_batches)
+def same_shape(shape: Shape, p: Plan) -> bool:
+    """Whether the plan is of this shape (compared by the fields both have, so a shape that grows
+    more fields still compares)."""
+    return (shape.stage_size, shape.tp, shape.dp, shape.micro_batch, shape.num_micro_batches) == (
+        p.dp * p.tp, p.tp, p.dp, p.micro_batch, p.num_micro_batches)
 
 
 def other_shapes(cm: CostModel, req, best: Plan, count: int, *, work_limit: float,
                  deadline: float) -> list[Alternative]:
     """Up to ``count`` plans, each the best of a shape other than ``best``'s, fastest first."""
-    skip = shape_of_plan(best)
     problems = [p for p in (build_problem(cm, s, req.space) for s in shapes(cm, req.global_batch, req.space)
-                            if s != skip) if p is not None]
+                            if not same_shape(s, best)) if p is not None]
     problems.sort(key=lambda p: p.lower_bound_us)
     found: list[Alternative] = []
     work_left = work_limit

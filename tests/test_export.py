@@ -6,6 +6,7 @@ import dataclasses
 import importlib
 import importlib.util
 import json
+import os
 import re
 import shlex
 import sys
@@ -87,7 +88,7 @@ def test_megatron_arguments_are_flags_megatron_declares(plans, tmp_path):
                 "--untie-embeddings-and-output-weights", "--tensor-model-parallel-size",
                 "--pipeline-model-parallel-size", "--sequence-parallel", "--micro-batch-size", "--global-batch-size",
                 "--bf16", "--fp16", "--use-distributed-optimizer", "--use-megatron-fsdp",
-                "--data-parallel-sharding-strategy", "--recompute-granularity", "--recompute-method",
+                "--data-parallel-sharding-strategy", "--ckpt-format", "--recompute-granularity", "--recompute-method",
                 "--recompute-num-layers", "--pipeline-model-parallel-layout"}
     assert flags <= declared
     p = Plan.load(plans["dense"])
@@ -159,3 +160,23 @@ def test_bad_export_input_is_one_line(argv, phrase, plans, tmp_path, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and phrase in err and "Traceback" not in err
+
+
+def test_megatron_argument_parser_accepts_the_arguments(plans, tmp_path, monkeypatch):
+    """Megatron's own parse_args, where a Megatron-LM checkout is named (megatron-core on PyPI lacks
+    megatron.training; the checkout needs its own dependencies, triton among them)."""
+    root = os.environ.get("PARTITA_MEGATRON_LM")
+    if not root:
+        pytest.skip("set PARTITA_MEGATRON_LM to a Megatron-LM checkout to parse with Megatron's own parser")
+    monkeypatch.syspath_prepend(root)
+    try:
+        megatron_arguments = importlib.import_module("megatron.training.arguments")
+    except ImportError as e:
+        pytest.skip(f"megatron.training does not import here ({e})")
+    p, model = _expressible_uneven(plans["mixed"])
+    argv = arguments(export_plan(p, "megatron").exported, model)
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *argv, "--tokenizer-type", "NullTokenizer", "--mock-data"])
+    args = megatron_arguments.parse_args()
+    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (p.tp, p.pp)
+    assert args.pipeline_model_parallel_layout == layout(blocks_per_stage(p))
+    assert (args.micro_batch_size, args.global_batch_size) == (p.micro_batch, p.global_batch)

@@ -73,3 +73,9 @@ def test_bad_input_is_one_line(mixed, tmp_path, capsys, extra, phrase):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and phrase in err and not (tmp_path / "j.sbatch").exists()
+
+
+def test_emit_flags_without_emit_are_refused(mixed, tmp_path, capsys):
+    assert main(["launch", str(mixed), "--partition", "gpu"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "--emit slurm" in err
