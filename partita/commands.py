@@ -589,7 +589,9 @@ def print_plan(p: Plan, notes: Sequence[str] = ()) -> None:
         console.print(f"predicted step time [bold]{fmt_seconds(pred.step_time_s)}[/bold], "
                       f"{pred.tokens_per_s:,.0f} tokens/s, MFU {100 * pred.mfu:.1f}%  "
                       f"(costs: {', '.join(f'{d} {src}' for d, src in p.cost_sources.items())})")
-        parts = [f"{k.replace('_', ' ')} {fmt_seconds(v)}" for k, v in pred.breakdown.items() if v > 0]
+        parts = [f"{k.replace('_', ' ')} {fmt_seconds(v)}"
+                 + (f" ({100 * v / pred.step_time_s:.1f}% of the step)" if k == "pipeline_bubble" else "")
+                 for k, v in pred.breakdown.items() if v > 0]
         console.print("  per step: " + ", ".join(parts))
     if p.solver is not None:
         r = p.solver

@@ -50,6 +50,7 @@ Conventions (all per device of a stage, per micro-batch unless said otherwise):
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections import Counter
 from dataclasses import dataclass
@@ -499,10 +500,15 @@ def canonical_order(cm: CostModel, device: str, choices: Iterable[LayerChoice], 
     blocks by decreasing transient. (A stage peaks at max over its layers j of the activations
     of the layers up to j plus j's transient; ordering by decreasing transient minimises that
     maximum, as earliest-due-date minimises the greatest lateness on one machine.)"""
-    def key(c: LayerChoice) -> tuple:
-        m = cm.layer_memory_of(c, device, dp=dp, micro_batch=micro_batch, num_micro_batches=num_micro_batches)
-        return ({"embed": 0, "block": 1, "head": 2}[c[0]], -m.transient, c)
-    return sorted(choices, key=key)
+    choices = tuple(choices)
+    cache_key = ("order", device, choices, dp, micro_batch, num_micro_batches)
+    order = cm.stage_cache.get(cache_key)
+    if order is None:
+        def key(c: LayerChoice) -> tuple:
+            m = cm.layer_memory_of(c, device, dp=dp, micro_batch=micro_batch, num_micro_batches=num_micro_batches)
+            return ({"embed": 0, "block": 1, "head": 2}[c[0]], -m.transient, c)
+        order = cm.stage_cache[cache_key] = sorted(choices, key=key)
+    return order
 
 
 def stage_cost_counts(cm: CostModel, group: NodeGroup, counts: Mapping[LayerChoice, int], *, stage: int, pp: int,
@@ -522,12 +528,18 @@ def _stage_cost_runs(cm: CostModel, group: NodeGroup, runs: Runs, *, stage: int,
     """Identical blocks cost the same, so each distinct run is priced once; stages alike but
     for their position share everything but the micro-batches in flight."""
     key = (group.name, runs, dp, tp, micro_batch, num_micro_batches, next_group.name if next_group else None)
-    base = cm.stage_cache.get(key)
-    if base is None:
-        base = _stage_cost(cm, group, runs, dp=dp, tp=tp, micro_batch=micro_batch,
-                           num_micro_batches=num_micro_batches, next_group=next_group)
-        cm.stage_cache[key] = base
-    return dataclasses.replace(base, in_flight=in_flight(stage, pp, num_micro_batches))
+    k = in_flight(stage, pp, num_micro_batches)
+    placed = cm.stage_cache.get(key + (k,))
+    if placed is None:
+        base = cm.stage_cache.get(key)
+        if base is None:
+            base = _stage_cost(cm, group, runs, dp=dp, tp=tp, micro_batch=micro_batch,
+                               num_micro_batches=num_micro_batches, next_group=next_group)
+            cm.stage_cache[key] = base
+        placed = copy.copy(base)  # dataclasses.replace re-runs __init__: this is the search's hot path
+        object.__setattr__(placed, "in_flight", k)
+        cm.stage_cache[key + (k,)] = placed
+    return placed
 
 
 def _stage_cost(cm: CostModel, group: NodeGroup, runs: Runs, *, dp: int, tp: int, micro_batch: int,
@@ -590,20 +602,26 @@ def _stage_cost(cm: CostModel, group: NodeGroup, runs: Runs, *, dp: int, tp: int
                      peak_gathered=top.transient_gathered)
 
 
-def interleaved_stage_cost(cm: CostModel, group: NodeGroup, chunks: Sequence[Sequence[LayerStrategy]], *,
+def interleaved_stage_cost(cm: CostModel, group: NodeGroup,
+                           chunks: Sequence[Sequence[LayerStrategy] | Mapping[LayerChoice, int]], *,
                            stage: int, pp: int, dp: int, tp: int, micro_batch: int, num_micro_batches: int,
                            next_groups: Sequence[NodeGroup | None]) -> StageCost:
     """One plan stage whose ranks run v virtual stages (interleaved 1F1B): ``chunks[c]`` are the
-    layers of virtual stage c, ``next_groups[c]`` the group its output goes to (None for the
+    layers of virtual stage c (or counts of their choices), ``next_groups[c]`` the group its output goes to (None for the
     pipeline's last). Times, static state, sends and the schedule's buffers add up over the
     virtual stages; in flight are ``schedules.in_flight_chunks`` virtual-stage micro-batches,
     each counted at the largest virtual stage's activations (an upper bound when they differ),
     the running one at the peak of whichever virtual stage peaks highest."""
     from partita.search.schedules import in_flight_chunks
 
-    parts = [stage_cost(cm, group, layers, stage=0, pp=1, dp=dp, tp=tp, micro_batch=micro_batch,
-                        num_micro_batches=num_micro_batches, next_group=nxt)
-             for layers, nxt in zip(chunks, next_groups)]
+    def part(layers, nxt: NodeGroup | None) -> StageCost:
+        kw = dict(stage=0, pp=1, dp=dp, tp=tp, micro_batch=micro_batch, num_micro_batches=num_micro_batches,
+                  next_group=nxt)
+        if isinstance(layers, Mapping):  # counts of choices (the search's fast path): canonical order
+            return stage_cost_counts(cm, group, layers, **kw)
+        return stage_cost(cm, group, layers, **kw)
+
+    parts = [part(layers, nxt) for layers, nxt in zip(chunks, next_groups)]
     add = lambda field: sum(getattr(p, field) for p in parts)  # noqa: E731
     running = max(parts, key=lambda p: p.current_activations + p.transient + p.peak_gathered)
     kept_copies = sum(p.gathered_weights - p.peak_gathered for p in parts)

@@ -62,11 +62,11 @@ def evaluate_plan(plan: Plan, cm: CostModel) -> Evaluation:
                            num_micro_batches=plan.num_micro_batches)
 
 
-def evaluate_interleaved(cm: CostModel, stages: Sequence[tuple[NodeGroup, Sequence[Sequence[LayerStrategy]]]], *,
+def evaluate_interleaved(cm: CostModel, stages: Sequence[tuple[NodeGroup, Sequence]], *,
                          dp: int, tp: int, micro_batch: int, num_micro_batches: int,
                          schedule: str = "interleaved-1f1b") -> Evaluation:
     """Evaluate stages whose ranks run several virtual stages each, given as (node group, the
-    layers of each virtual stage) in pipeline order; virtual stage c of stage i feeds virtual
+    layers of each virtual stage, or counts of their choices) in pipeline order; virtual stage c of stage i feeds virtual
     stage c of stage i + 1, and the last stage's feeds the first stage's c + 1."""
     pp, v = len(stages), len(stages[0][1])
     costs = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -102,6 +103,49 @@ def layout_to_plan(cm: CostModel, layout: Layout, *, global_batch: int, solver: 
     return attach_prediction(plan, cm)
 
 
+def interleaved_to_plan(cm: CostModel, layout, *, global_batch: int, solver: SolverReport | None) -> Plan:
+    """An ``interleaved.InterleavedLayout`` as a plan: each stage's layers virtual stage by
+    virtual stage, with their counts (``Stage.chunks``), under interleaved 1F1B."""
+    from partita.search.uniform import Layout
+
+    flat = Layout(stage_groups=layout.stage_groups,
+                  stage_layers=tuple(tuple(l for chunk in stage for l in chunk) for stage in layout.stage_chunks),
+                  dp=layout.dp, tp=layout.tp, micro_batch=layout.micro_batch, num_micro_batches=layout.num_micro_batches)
+    plan = layout_to_plan(cm, flat, global_batch=global_batch, solver=None)
+    stages = tuple(dataclasses.replace(st, chunks=tuple(len(c) for c in chunks))
+                   for st, chunks in zip(plan.stages, layout.stage_chunks))
+    plan = dataclasses.replace(plan, stages=stages, schedule="interleaved-1f1b", solver=solver)
+    return attach_prediction(plan, cm)
+
+
+def _consider_interleaved(cm: CostModel, req: PlanRequest, plan: Plan, uni: UniformResult, deadline: float) -> Plan:
+    """The uniform grid's fastest pipelines under interleaved 1F1B (``search/interleaved.py``):
+    the fastest that fits replaces the 1F1B plan when it is faster. The 1F1B search's proof
+    covers 1F1B plans only, so the plan then reports status "feasible", with the lower of the
+    two searches' bounds."""
+    from partita.search.interleaved import interleaved_search
+
+    if req.space.pipeline and max(req.space.pipeline) < 2:
+        return plan
+    if not uni.pipelined:
+        return plan
+    found = interleaved_search(cm, global_batch=req.global_batch, space=req.space, candidates=uni.pipelined,
+                               deadline=deadline)
+    if found.best is None or plan.prediction is None or found.best_eval.step_time_s >= plan.prediction.step_time_s:
+        return plan
+    objective = to_us(found.best_eval.step_time_s)
+    old = plan.solver
+    if old is not None and old.method == "uniform":  # the grid's proof covers the grid only
+        status, bound = "feasible", min(old.bound_us, int(found.bound_us), objective)
+    else:
+        status = "feasible"
+        bound = min(old.bound_us if old is not None else objective, int(found.bound_us), objective)
+    report = dataclasses.replace(old, status=status, objective_us=objective, bound_us=bound,
+                                 gap=round((objective - bound) / objective, 6) if objective else 0.0,
+                                 candidates=old.candidates + found.evaluated) if old is not None else None
+    return interleaved_to_plan(cm, found.best, global_batch=req.global_batch, solver=report)
+
+
 def attach_prediction(plan: Plan, cm: CostModel) -> Plan:
     import dataclasses
 
@@ -140,6 +184,10 @@ def make_plan(req: PlanRequest, progress: Callable[[str], None] | None = None) -
         if progress:
             progress("CP-SAT search")
         plan = solve_plan(cm, req, uni, deadline=deadline, work_limit=work_limit(req))
+    if time.perf_counter() < deadline:
+        if progress:
+            progress("interleaved pipelines")
+        plan = _consider_interleaved(cm, req, plan, uni, deadline)
     validate_plan(plan, req.model, req.cluster)
     return plan, uni
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
 from partita.cluster import ClusterSpec, NodeGroup
@@ -68,6 +68,10 @@ class UniformResult:
     balanced: Layout | None = None
     balanced_eval: Evaluation | None = None
     complete: bool = True  # False: the deadline stopped the grid before it had seen every candidate
+
+    # The fastest pipelined candidates that fit, as (step time, candidate), for the interleaved
+    # schedule's search (search/interleaved.py).
+    pipelined: list = field(default_factory=list)
 
     def fastest(self) -> tuple[Layout, Evaluation] | None:
         """The uniform plan or its rebalanced variant, whichever is faster; None if neither fits."""
@@ -205,12 +209,15 @@ def uniform_search(cm: CostModel, *, global_batch: int, space: SearchSpace = Sea
                     lazy = (stage_groups, blocks, tp, dp, mb, m, sp, zero, recompute)
                     if len(stage_groups) > 1:
                         promising.append((_penalised(ev), lazy))
+                        if ev.fits:
+                            result.pipelined.append((ev.step_time_s, lazy))
                     if ev.fits:
                         if result.best_eval is None or ev.step_time_s < result.best_eval.step_time_s:
                             result.best, result.best_eval = lazy, ev
                     elif result.closest_eval is None or ev.peak_over_capacity < result.closest_eval.peak_over_capacity:
                         result.closest, result.closest_eval = lazy, ev
     promising.sort(key=lambda t: t[0])
+    result.pipelined = sorted(result.pipelined, key=lambda t: t[0])[:PIPELINED_KEPT]
     for _, lazy in promising[:REBALANCED]:
         if deadline is not None and time.perf_counter() > deadline:
             break  # rebalancing only improves the warm start; the grid itself is what completes
@@ -225,6 +232,7 @@ def uniform_search(cm: CostModel, *, global_batch: int, space: SearchSpace = Sea
 
 
 REBALANCED = 8  # multi-stage candidates whose block split is rebalanced
+PIPELINED_KEPT = 16  # the fastest pipelined candidates the interleaved search starts from
 
 
 def _penalised(ev: Evaluation) -> float:

@@ -1,0 +1,119 @@
+"""Interleaved 1F1B candidates: the uniform grid's fastest pipelines with v virtual stages per rank.
+
+The uniform grid's fastest pipelined candidates that fit (``UniformResult.pipelined``, 16) are
+tried with v = 2 and 4 virtual stages per rank where torch's ``ScheduleInterleaved1F1B`` runs
+them (``schedules.check``) and every virtual stage holds at least one block: the blocks split
+as evenly as possible over the pp * v virtual stages (virtual stage c of stage i is the model's
+(c * pp + i)-th slice), every layer making the candidate's choice, priced by the evaluator
+(``evaluate.evaluate_interleaved``). This is a heuristic, not a proof: the planner keeps the
+fastest when it beats the 1F1B plan and then reports status "feasible", with a lower bound that
+holds for every interleaved plan of the grid's shapes (``bound_us``) as well as for 1F1B.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+from partita.cluster import NodeGroup
+from partita.plan import LayerStrategy
+from partita.search.costs import CostModel, choice_of
+from partita.search.evaluate import Evaluation, evaluate_interleaved
+from partita.search.schedules import check
+from partita.search.uniform import SearchSpace, grid, sp_choices, split_blocks, strategy
+
+VIRTUAL_STAGES = (2, 4)
+
+
+@dataclass(frozen=True)
+class InterleavedLayout:
+    stage_groups: tuple[NodeGroup, ...]
+    stage_chunks: tuple[tuple[tuple[LayerStrategy, ...], ...], ...]  # [stage][virtual stage] -> layers
+    dp: int
+    tp: int
+    micro_batch: int
+    num_micro_batches: int
+
+    @property
+    def pp(self) -> int:
+        return len(self.stage_groups)
+
+    @property
+    def virtual_stages(self) -> int:
+        return len(self.stage_chunks[0])
+
+
+@dataclass
+class InterleavedResult:
+    best: InterleavedLayout | None = None
+    best_eval: Evaluation | None = None
+    evaluated: int = 0
+    bound_us: float = float("inf")  # no interleaved plan of the grid's shapes is faster (seconds x 1e6)
+
+
+def chunk_names(n_layers: int, pp: int, v: int) -> list[list[list[str]]]:
+    """[stage][virtual stage] -> layer names, the blocks split evenly over the pp * v virtual
+    stages in pipeline order (embedding on the first, head on the last)."""
+    counts = split_blocks(n_layers, pp * v)
+    out: list[list[list[str]]] = [[[] for _ in range(v)] for _ in range(pp)]
+    start = 0
+    for g, count in enumerate(counts):
+        c, i = divmod(g, pp)
+        names = [f"layers.{j}" for j in range(start, start + count)]
+        start += count
+        if g == 0:
+            names = ["embed"] + names
+        if g == pp * v - 1:
+            names = names + ["head"]
+        out[i][c] = names
+    return out
+
+
+def _counts(names: list[str], choice: dict) -> Counter:
+    """How many layers of a virtual stage make each choice (every block alike)."""
+    return Counter(choice["layers.0" if n.startswith("layers.") else n] for n in names)
+
+
+def interleaved_search(cm: CostModel, *, global_batch: int, space: SearchSpace, candidates: list,
+                       deadline: float | None = None) -> InterleavedResult:
+    """The fastest interleaved variant that fits of the given pipelined uniform candidates
+    (``UniformResult.pipelined``: the grid's fastest, as lazy tuples), and a lower bound on
+    every interleaved plan of the grid's shapes."""
+    result = InterleavedResult()
+    model = cm.model
+    for stage_groups, tp, dp, mb, m in grid(cm, global_batch, space):
+        pp = len(stage_groups)
+        if pp < 2 or not any(pp * v <= model.n_layers and not check("interleaved-1f1b", pp, v, m)
+                             for v in VIRTUAL_STAGES):
+            continue
+        # Whatever v and however the layers split, the step is at least m x the busiest rank's
+        # time, so at least m x W / pp, with W the least work of one micro-batch (each layer at
+        # its cheapest choice on the shape's fastest group). Memory is ignored: a valid bound.
+        least = 0.0
+        for role, name, count in (("embed", "embed", 1), ("block", "layers.0", model.n_layers), ("head", "head", 1)):
+            least += count * min(cm.layer_time(role, g, strategy(model, name, tp=tp, sp=sp, zero=z, recompute=rc),
+                                               dp=dp, micro_batch=mb).total_s
+                                 for g in set(stage_groups) for sp in sp_choices(cm, tp, space)
+                                 for z in (space.zero_levels if dp > 1 else (0,)) for rc in space.recompute)
+        result.bound_us = min(result.bound_us, m * least / pp * 1e6)
+    for _, (stage_groups, _blocks, tp, dp, mb, m, sp, zero, recompute) in candidates:
+        if deadline is not None and time.perf_counter() > deadline:
+            break
+        pp = len(stage_groups)
+        for v in VIRTUAL_STAGES:
+            if pp * v > model.n_layers or check("interleaved-1f1b", pp, v, m):
+                continue
+            names = chunk_names(model.n_layers, pp, v)
+            choice = {n: choice_of(model, strategy(model, n, tp=tp, sp=sp, zero=zero, recompute=recompute))
+                      for n in ("embed", "layers.0", "head")}
+            counts = [[_counts(chunk, choice) for chunk in stage] for stage in names]
+            ev = evaluate_interleaved(cm, list(zip(stage_groups, counts)), dp=dp, tp=tp, micro_batch=mb,
+                                      num_micro_batches=m)
+            result.evaluated += 1
+            if ev.fits and (result.best_eval is None or ev.step_time_s < result.best_eval.step_time_s):
+                chunks = tuple(tuple(tuple(strategy(model, n, tp=tp, sp=sp, zero=zero, recompute=recompute)
+                                           for n in chunk) for chunk in stage) for stage in names)
+                result.best = InterleavedLayout(stage_groups, chunks, dp, tp, mb, m)
+                result.best_eval = ev
+    return result
