@@ -59,24 +59,29 @@ def is_block(layer: LayerStrategy) -> bool:
     return layer.name.startswith("layers.")
 
 
-def with_layers(plan: Plan, choose: Callable[[int, int, LayerStrategy], LayerStrategy]) -> Plan:
-    """The plan with every layer replaced by ``choose(stage index, block index in stage, layer)``
-    (the block index is -1 for the embedding and the head)."""
+def with_layers(plan: Plan, choose: Callable[[int, int, LayerStrategy], LayerStrategy], *,
+                per_chunk: bool = False) -> Plan:
+    """The plan with every layer replaced by ``choose(stage index, block index, layer)``: the
+    block's place among its stage's blocks (in the order the stage's virtual stages hold them),
+    or with ``per_chunk`` among its virtual stage's; -1 for the embedding and the head."""
     stages = []
     for s in plan.stages:
         layers, block = [], 0
-        for layer in s.layers:
-            layers.append(choose(s.index, block if is_block(layer) else -1, layer))
-            block += is_block(layer)
+        for chunk in s.chunk_layers():
+            block = 0 if per_chunk else block
+            for layer in chunk:
+                layers.append(choose(s.index, block if is_block(layer) else -1, layer))
+                block += is_block(layer)
         stages.append(dataclasses.replace(s, layers=tuple(layers)))
     return dataclasses.replace(plan, stages=tuple(stages), prediction=None)
 
 
 def uniform(plan: Plan, model: ModelSpec, *, sequence_parallel: bool, zero: int,
-            recompute: Callable[[int, int], bool]) -> Plan:
+            recompute: Callable[[int, int], bool], per_chunk: bool = False) -> Plan:
     """Every layer alike, as the targets set them: tensor parallel wherever the layer's shapes
     divide the stage's tp (``search.uniform.layer_tp``), one sequence-parallel setting and ZeRO
-    level for all, recomputation where ``recompute(stage, block)`` says (blocks only)."""
+    level for all, recomputation where ``recompute(stage, block)`` says (blocks only; the block
+    counted per virtual stage with ``per_chunk``)."""
     from partita.search.uniform import layer_tp
 
     def choose(stage: int, block: int, layer: LayerStrategy) -> LayerStrategy:
@@ -85,11 +90,12 @@ def uniform(plan: Plan, model: ModelSpec, *, sequence_parallel: bool, zero: int,
         return LayerStrategy(name=layer.name, tensor_parallel=tp, sequence_parallel=sequence_parallel and tp > 1,
                              zero=zero, recompute=block >= 0 and recompute(stage, block))
 
-    return with_layers(plan, choose)
+    return with_layers(plan, choose, per_chunk=per_chunk)
 
 
 def resplit(plan: Plan, blocks_per_stage: Sequence[int]) -> Plan:
-    """The plan with its blocks dealt to the stages in these counts (each layer keeps its choices)."""
+    """A 1F1B plan with the blocks dealt to the stages in these counts, in the model's order (each
+    layer keeps its choices; an interleaved plan's virtual stages are merged)."""
     layers = plan.layer_strategies()
     embed = [l for l in layers if l.name == "embed"]
     head = [l for l in layers if l.name == "head"]
@@ -99,8 +105,15 @@ def resplit(plan: Plan, blocks_per_stage: Sequence[int]) -> Plan:
         own = blocks[start:start + count]
         start += count
         own = (embed if s.index == 0 else []) + own + (head if s.index == plan.pp - 1 else [])
-        stages.append(dataclasses.replace(s, layers=tuple(own)))
-    return dataclasses.replace(plan, stages=tuple(stages), prediction=None)
+        stages.append(dataclasses.replace(s, layers=tuple(own), chunks=()))
+    return dataclasses.replace(plan, stages=tuple(stages), schedule="1f1b", prediction=None)
+
+
+def virtual_stages(plan: Plan) -> list[tuple[bool, int, bool]]:
+    """(holds the embedding, blocks, holds the head) of every virtual stage in pipeline order
+    (one per stage under 1F1B; under an interleaved schedule chunk c of stage i is c * pp + i)."""
+    return [(any(l.name == "embed" for l in chunk), sum(1 for l in chunk if is_block(l)),
+             any(l.name == "head" for l in chunk)) for chunk in plan.virtual_stage_layers()]
 
 
 def blocks_per_stage(plan: Plan) -> list[int]:
@@ -108,17 +121,21 @@ def blocks_per_stage(plan: Plan) -> list[int]:
 
 
 def same_layers(a: Plan, b: Plan) -> bool:
-    return [s.layers for s in a.stages] == [s.layers for s in b.stages]
+    return a.schedule == b.schedule and [(s.layers, s.chunks) for s in a.stages] == [(s.layers, s.chunks)
+                                                                                  for s in b.stages]
 
 
 def recompute_counts(plan: Plan) -> list[int]:
-    return [sum(1 for l in s.layers if is_block(l) and l.recompute) for s in plan.stages]
+    """Recomputed blocks of each virtual stage, in pipeline order."""
+    return [sum(1 for l in chunk if is_block(l) and l.recompute) for chunk in plan.virtual_stage_layers()]
 
 
 # ---- choosing and pricing -----------------------------------------------------------------
 def describe_changes(original: Plan, exported: Plan) -> list[str]:
     """Each setting whose values over the layers differ between the two plans, as counts."""
     changes = []
+    if original.schedule != exported.schedule or original.virtual_stages != exported.virtual_stages:
+        changes.append(f"schedule {_schedule(original)} -> {_schedule(exported)}")
     if blocks_per_stage(original) != blocks_per_stage(exported):
         changes.append(f"blocks per stage {_csv(blocks_per_stage(original))} -> {_csv(blocks_per_stage(exported))}")
     for attr, label in (("tensor_parallel", "tensor parallel"), ("sequence_parallel", "sequence parallel"),
@@ -128,6 +145,10 @@ def describe_changes(original: Plan, exported: Plan) -> list[str]:
         if before != after:
             changes.append(f"{label}: {_counts(before)} -> {_counts(after)}")
     return changes
+
+
+def _schedule(p: Plan) -> str:
+    return p.schedule + (f" ({p.virtual_stages} virtual stages per rank)" if p.virtual_stages > 1 else "")
 
 
 def _counts(values: list) -> str:
@@ -150,7 +171,7 @@ def closest(plan: Plan, variants: Iterable[Plan], price: Callable[[Plan], Plan])
     closest to fitting. Returns (priced plan, fits)."""
     priced = []
     for v in variants:
-        if same_layers(v, plan) and blocks_per_stage(v) == blocks_per_stage(plan):
+        if same_layers(v, plan):
             p = price(v)
             return p, _fits(p)
         priced.append(price(v))
@@ -176,9 +197,6 @@ def export_plan(plan: Plan, target: str, *, profiles: Sequence = ()) -> Export:
     from partita.search.planner import attach_prediction
 
     mod = target_module(target)
-    if plan.schedule != "1f1b":
-        raise PartitaError(f"the plan runs the {plan.schedule} schedule; export writes 1F1B plans so far: re-plan "
-                           f"with the 1F1B schedule to export it")
     model = ModelSpec.from_dict(plan.model, where="plan: model")
     cluster = plan_cluster(plan)
     cm = CostModel(model, cluster, seq_len=plan.seq_len, dtype=plan.dtype, profiles=profiles)

@@ -18,7 +18,8 @@ What maps how:
   * Pipeline: stages and micro-batching are set in code, ``PipelineModule(layers, num_stages=pp,
     partition_method="uniform", activation_checkpoint_interval=...)``; the config's ``pipeline``
     section records the stage count. DeepSpeed splits by layer count, not by a given list, so an
-    uneven plan exports with the blocks split as evenly as Partita's uniform planner splits them.
+    uneven plan exports with the blocks split as evenly as Partita's uniform planner splits them;
+    its pipeline engine has no interleaved schedule, so an interleaved plan exports as 1F1B.
   * Recomputation is set by the model code (``deepspeed.checkpointing.checkpoint`` or the
     pipeline's checkpoint interval) for every block or none; ``activation_checkpointing`` holds
     DeepSpeed's options for it.
@@ -42,7 +43,7 @@ def variants(plan: Plan, model: ModelSpec) -> Iterator[Plan]:
 
     zeros = (0, 1) if plan.pp > 1 else (0, 1, 2, 3)
     even = split_blocks(model.n_layers, plan.pp)
-    base = plan if blocks_per_stage(plan) == even else resplit(plan, even)
+    base = plan if blocks_per_stage(plan) == even and plan.virtual_stages == 1 else resplit(plan, even)
     for zero in zeros:
         for recompute in (False, True):
             yield uniform(base, model, sequence_parallel=False, zero=zero, recompute=lambda s, b, r=recompute: r)

@@ -30,6 +30,9 @@ What maps how:
   * An uneven split is ``--pipeline-model-parallel-layout`` (``E`` embedding, ``t`` a block, ``L``
     the loss with the output layer, stages split by ``|``; parsed by
     ``megatron/core/transformer/pipeline_parallel_layer_layout.py``); an even one needs no flag.
+    An interleaved plan (v virtual stages per rank) is the same argument with pp x v entries in
+    pipeline order (Megatron derives its virtual pipeline size from it and runs its interleaved
+    1F1B schedule); the block recompute rule then counts blocks per virtual stage.
   * Megatron sets tensor and sequence parallelism, the ZeRO level and the recompute rule once
     for all layers: a plan whose layers differ exports as the closest plan with one setting.
 """
@@ -39,7 +42,7 @@ from __future__ import annotations
 from typing import Iterator
 
 from partita.cluster import ClusterSpec
-from partita.export import blocks_per_stage, is_block, recompute_counts, uniform
+from partita.export import blocks_per_stage, is_block, recompute_counts, uniform, virtual_stages
 from partita.model import ModelSpec
 from partita.plan import Plan
 
@@ -50,13 +53,15 @@ FSDP_STRATEGY = {2: "optim_grads", 3: "optim_grads_params"}
 def variants(plan: Plan, model: ModelSpec) -> Iterator[Plan]:
     """Every plan of this shape Megatron runs: one SP setting, one ZeRO level, the first N blocks
     of each stage recomputed. The plan's own settings first."""
-    most = max(blocks_per_stage(plan))
+    most = max(n for _, n, _ in virtual_stages(plan))
     sps = (False, True) if plan.tp > 1 else (False,)
     zeros = (0, 1, 2, 3) if plan.pp == 1 else (0, 1)
+    per_chunk = plan.virtual_stages > 1  # Megatron recomputes per model chunk (virtual stage)
     for sp in sps:
         for zero in zeros:
             for n in range(most + 1):
-                yield uniform(plan, model, sequence_parallel=sp, zero=zero, recompute=lambda s, b, n=n: b < n)
+                yield uniform(plan, model, sequence_parallel=sp, zero=zero, recompute=lambda s, b, n=n: b < n,
+                              per_chunk=per_chunk)
 
 
 def render(plan: Plan, model: ModelSpec) -> str:
@@ -113,13 +118,15 @@ def arguments(plan: Plan, model: ModelSpec) -> list[str]:
         else:
             args += ["--recompute-method", "block", "--recompute-num-layers", str(max(counts))]
     split = blocks_per_stage(plan)
-    if len(set(split)) > 1:
-        args += ["--pipeline-model-parallel-layout", layout(split)]
+    if len(set(split)) > 1 or plan.virtual_stages > 1:
+        args += ["--pipeline-model-parallel-layout", layout([n for _, n, _ in virtual_stages(plan)])]
     return args
 
 
 def layout(split: list[int]) -> str:
-    """``Et*3|t*5|t*4L``: the embedding, the blocks of each stage, the loss (with the output layer)."""
+    """``Et*3|t*5|t*4L``: the embedding, the blocks of each (virtual) stage in pipeline order, the
+    loss (with the output layer). With pp x v entries Megatron runs v virtual stages per rank,
+    entry c * pp + i on pipeline rank i, as Partita numbers them."""
     stages = []
     for i, n in enumerate(split):
         text = "t" * min(n, 1) + (f"*{n}" if n > 1 else "")

@@ -13,7 +13,8 @@ What maps how:
     with SP on wherever tp > 1); ``pipeline_parallel_degree`` = pp with ``pipeline_parallel_schedule
     = "1F1B"``, ``pipeline_parallel_microbatch_size`` = the micro-batch and the split as
     ``module_fqns_per_model_part`` (torchtitan's module names: ``tok_embeddings``, ``layers.N``,
-    ``norm``, ``output``), exact for uneven splits; data parallelism by ZeRO level: 0 is
+    ``norm``, ``output``), exact for uneven splits; an interleaved plan is ``"Interleaved1F1B"`` with
+    one part per virtual stage; data parallelism by ZeRO level: 0 is
     ``data_parallel_replicate_degree`` = dp (DDP), 2 is ``data_parallel_shard_degree`` = dp with
     ``fsdp_reshard_after_forward = "never"`` (FSDP2 keeping parameters gathered from forward to
     backward), 3 the same with ``"always"``. torchtitan has no ZeRO-1.
@@ -76,7 +77,8 @@ def config(plan: Plan, model: ModelSpec) -> dict:
         par |= {"data_parallel_replicate_degree": 1, "data_parallel_shard_degree": plan.dp,
                 "fsdp_reshard_after_forward": RESHARD[zero]}
     if plan.pp > 1:
-        par |= {"pipeline_parallel_schedule": "1F1B", "pipeline_parallel_microbatch_size": plan.micro_batch,
+        par |= {"pipeline_parallel_schedule": "Interleaved1F1B" if plan.virtual_stages > 1 else "1F1B",
+                "pipeline_parallel_microbatch_size": plan.micro_batch,
                 "module_fqns_per_model_part": module_names(plan)}
     mode, k = ac_setting(plan)
     ac: dict = {"mode": mode}
@@ -91,10 +93,12 @@ def config(plan: Plan, model: ModelSpec) -> dict:
 
 
 def module_names(plan: Plan) -> list[list[str]]:
+    """One list of torchtitan module names per (virtual) stage, in pipeline order (torchtitan's
+    looped schedules put part c * pp + i on rank i, as Partita numbers virtual stages)."""
     names = []
-    for s in plan.stages:
+    for chunk in plan.virtual_stage_layers():
         part = []
-        for l in s.layers:
+        for l in chunk:
             part += ["tok_embeddings"] if l.name == "embed" else ["norm", "output"] if l.name == "head" else [l.name]
         names.append(part)
     return names

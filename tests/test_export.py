@@ -180,3 +180,51 @@ def test_megatron_argument_parser_accepts_the_arguments(plans, tmp_path, monkeyp
     assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (p.tp, p.pp)
     assert args.pipeline_model_parallel_layout == layout(blocks_per_stage(p))
     assert (args.micro_batch_size, args.global_batch_size) == (p.micro_batch, p.global_batch)
+
+
+def _interleaved(path, v=2):
+    """The plan with each stage's ranks running v virtual stages of equal blocks (chunk c of stage
+    i is virtual stage c * pp + i), every layer's choices kept."""
+    p = Plan.load(path)
+    layers = p.layer_strategies()
+    per = (len([l for l in layers if l.name.startswith("layers.")])) // (p.pp * v)
+    blocks = [l for l in layers if l.name.startswith("layers.")]
+    chunks = {}
+    for k in range(p.pp * v):
+        chunk = blocks[k * per:(k + 1) * per]
+        chunk = ([layers[0]] if k == 0 else []) + chunk + ([layers[-1]] if k == p.pp * v - 1 else [])
+        chunks[k] = chunk
+    stages = tuple(dataclasses.replace(s, layers=tuple(l for c in range(v) for l in chunks[c * p.pp + s.index]),
+                                       chunks=tuple(len(chunks[c * p.pp + s.index]) for c in range(v)))
+                   for s in p.stages)
+    return dataclasses.replace(p, stages=stages, schedule="interleaved-1f1b", prediction=None)
+
+
+def test_an_interleaved_plan_exports_its_virtual_stages(plans, tmp_path, capsys, monkeypatch):
+    p = _interleaved(plans["dense"])
+    path = tmp_path / "interleaved.yaml"
+    p.save(path)
+    model = load_model("llama-3-8b")
+    assert main(["export", str(path), "--to", "megatron", "-o", str(tmp_path / "m.args")]) == 0
+    argv = [t for l in (tmp_path / "m.args").read_text().splitlines() if not l.startswith("#") for t in shlex.split(l)]
+    value = argv[argv.index("--pipeline-model-parallel-layout") + 1]
+    stages = value.split("|")
+    assert len(stages) == p.pp * p.virtual_stages and stages[0].startswith("E") and stages[-1].endswith("L")
+    assert "schedule interleaved" not in capsys.readouterr().out  # Megatron keeps the schedule
+    assert main(["export", str(path), "--to", "torchtitan", "-o", str(tmp_path / "t.toml")]) == 0
+    par = tomllib.loads((tmp_path / "t.toml").read_text())["parallelism"]
+    assert par["pipeline_parallel_schedule"] == "Interleaved1F1B"
+    assert len(par["module_fqns_per_model_part"]) == p.pp * p.virtual_stages
+    assert par["module_fqns_per_model_part"][1][0] == f"layers.{32 // 4}"  # virtual stage 1 sits on rank 1
+    if importlib.util.find_spec("torchtitan") is not None:
+        cfg = _torchtitan_config_manager(monkeypatch).ConfigManager().parse_args(
+            ["--job.config_file", str(tmp_path / "t.toml")])
+        assert cfg.parallelism.pipeline_parallel_schedule == "Interleaved1F1B"
+        assert cfg.parallelism.module_fqns_per_model_part == par["module_fqns_per_model_part"]
+    capsys.readouterr()
+    assert main(["export", str(path), "--to", "deepspeed", "-o", str(tmp_path / "d.json")]) == 0
+    out = capsys.readouterr().out
+    assert "schedule interleaved-1f1b (2 virtual stages per rank) -> 1f1b" in out
+    ex = export_plan(p, "deepspeed")
+    assert ex.exported.virtual_stages == 1 and blocks_per_stage(ex.exported) == [16, 16]
+    assert model.n_layers == 32
