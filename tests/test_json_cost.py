@@ -127,3 +127,27 @@ def test_bad_flags_are_one_line(argv, phrase, tmp_path, capsys):
     assert main([*argv, "-o", str(tmp_path / "x.yaml")]) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and len(captured.err.strip().splitlines()) == 1 and phrase in captured.err
+
+
+def test_export_pricing_json_and_top_k_need_no_torch(tmp_path):
+    """export, --tokens, --json and --top run where torch is not installed (a login node)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "class Block:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name == 'torch' or name.startswith('torch.'):\n"
+            "            raise ImportError('torch blocked')\n"
+            "sys.meta_path.insert(0, Block())\n"
+            "import partita.export, partita.export_megatron, partita.export_torchtitan, partita.export_deepspeed\n"
+            "import partita.pricing, partita.jsonout, partita.slurm, partita.search.topk\n"
+            "from partita.cli import main\n"
+            "plan = sys.argv[1]\n"
+            "assert main(['plan', '--model', 'gpt2', '--cluster', '8xH100', '-o', plan, '--tokens', '1B', '--top', '2',"
+            " '--json']) == 0\n"
+            "sys.exit(main(['export', plan, '--to', 'megatron', '-o', plan + '.args']))\n")
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "p.yaml")], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "p.yaml.args").is_file()
