@@ -16,32 +16,24 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
-from partita.cluster import NodeGroup
-from partita.plan import LayerStrategy
 from partita.search.costs import CostModel, choice_of
 from partita.search.evaluate import Evaluation, evaluate_interleaved
 from partita.search.schedules import check
-from partita.search.uniform import SearchSpace, grid, sp_choices, split_blocks, strategy
+from partita.search.uniform import Layout, SearchSpace, grid, sp_choices, split_blocks, strategy
 
 VIRTUAL_STAGES = (2, 4)
 
 
-@dataclass(frozen=True)
-class InterleavedLayout:
-    stage_groups: tuple[NodeGroup, ...]
-    stage_chunks: tuple[tuple[tuple[LayerStrategy, ...], ...], ...]  # [stage][virtual stage] -> layers
-    dp: int
-    tp: int
-    micro_batch: int
-    num_micro_batches: int
+@dataclass(frozen=True, kw_only=True)
+class InterleavedLayout(Layout):
+    """A candidate whose stages' layers (``stage_layers``) form virtual stages of
+    ``chunk_sizes[stage]`` layers each, in order."""
 
-    @property
-    def pp(self) -> int:
-        return len(self.stage_groups)
+    chunk_sizes: tuple[tuple[int, ...], ...]
 
     @property
     def virtual_stages(self) -> int:
-        return len(self.stage_chunks[0])
+        return len(self.chunk_sizes[0])
 
 
 @dataclass
@@ -112,8 +104,10 @@ def interleaved_search(cm: CostModel, *, global_batch: int, space: SearchSpace, 
                                       num_micro_batches=m)
             result.evaluated += 1
             if ev.fits and (result.best_eval is None or ev.step_time_s < result.best_eval.step_time_s):
-                chunks = tuple(tuple(tuple(strategy(model, n, tp=tp, sp=sp, zero=zero, recompute=recompute)
-                                           for n in chunk) for chunk in stage) for stage in names)
-                result.best = InterleavedLayout(stage_groups, chunks, dp, tp, mb, m)
+                layers = tuple(tuple(strategy(model, n, tp=tp, sp=sp, zero=zero, recompute=recompute)
+                                     for chunk in stage for n in chunk) for stage in names)
+                result.best = InterleavedLayout(stage_groups=stage_groups, stage_layers=layers, dp=dp, tp=tp,
+                                                micro_batch=mb, num_micro_batches=m,
+                                                chunk_sizes=tuple(tuple(len(c) for c in stage) for stage in names))
                 result.best_eval = ev
     return result

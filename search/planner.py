@@ -106,16 +106,9 @@ def layout_to_plan(cm: CostModel, layout: Layout, *, global_batch: int, solver: 
 def interleaved_to_plan(cm: CostModel, layout, *, global_batch: int, solver: SolverReport | None) -> Plan:
     """An ``interleaved.InterleavedLayout`` as a plan: each stage's layers virtual stage by
     virtual stage, with their counts (``Stage.chunks``), under interleaved 1F1B."""
-    from partita.search.uniform import Layout
-
-    flat = Layout(stage_groups=layout.stage_groups,
-                  stage_layers=tuple(tuple(l for chunk in stage for l in chunk) for stage in layout.stage_chunks),
-                  dp=layout.dp, tp=layout.tp, micro_batch=layout.micro_batch, num_micro_batches=layout.num_micro_batches)
-    plan = layout_to_plan(cm, flat, global_batch=global_batch, solver=None)
-    stages = tuple(dataclasses.replace(st, chunks=tuple(len(c) for c in chunks))
-                   for st, chunks in zip(plan.stages, layout.stage_chunks))
-    plan = dataclasses.replace(plan, stages=stages, schedule="interleaved-1f1b", solver=solver)
-    return attach_prediction(plan, cm)
+    plan = layout_to_plan(cm, layout, global_batch=global_batch, solver=None)
+    stages = tuple(dataclasses.replace(st, chunks=sizes) for st, sizes in zip(plan.stages, layout.chunk_sizes))
+    return attach_prediction(dataclasses.replace(plan, stages=stages, schedule="interleaved-1f1b", solver=solver), cm)
 
 
 def _consider_interleaved(cm: CostModel, req: PlanRequest, plan: Plan, uni: UniformResult, deadline: float) -> Plan:
