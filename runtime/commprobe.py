@@ -1,4 +1,5 @@
-"""After the last step: time the collectives this plan runs, on the groups it runs them on.
+"""After the last step: time the collectives this plan runs, on the groups it runs them on, and
+the host's overhead per eager op.
 
 A step's collectives hide inside FSDP's hooks, DTensor's operators and the pipeline schedule,
 where timing them would add synchronisation to every step. So a run measures them once, at
@@ -12,6 +13,7 @@ samples (the slowest rank's time per repeat, median over repeats) go into the ru
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from typing import Any, Callable
@@ -23,6 +25,7 @@ from partita.cluster import ClusterSpec
 from partita.model import ModelSpec
 from partita.plan import Plan
 from partita.runtime.mesh import Meshes
+from partita.runtime.phases import RunQueueDelay
 
 SMALL_BYTES = 4096
 REPEATS = 5
@@ -123,3 +126,49 @@ def _time(run: Callable[[], None], group, device: torch.device) -> float:
     slowest = torch.tensor(times, dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
     return statistics.median(slowest.tolist())
+
+
+# ---- the host's overhead per eager op --------------------------------------------------------
+def probe_op_overhead(plan: Plan, device: torch.device, iterations: int = 20) -> float:
+    """Seconds of host time per dispatched op of this model's block, measured on a copy of the
+    block shrunk until its kernels take next to nothing (the same modules, hence the same ops,
+    autograd and Python around them): the median of ``iterations`` forward + backward passes
+    divided by the ops they dispatch (counted once with a dispatch mode)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from partita.runtime.models import build_layer
+
+    spec = ModelSpec.from_dict(plan.model)
+    group = spec.heads // spec.kv_heads
+    small = dataclasses.replace(spec, name=f"{spec.name}-probe", hidden=4 * 2 * group, heads=2 * group, kv_heads=2,
+                                ffn=16, vocab=32, seq_len=8)
+    block = build_layer(small, "block", device=device)
+    block = block.to_empty(device=device)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0.0, 0.02)
+    x = torch.randn(1, 8, small.hidden, device=device, requires_grad=True)
+
+    def once() -> None:
+        block(x).sum().backward()
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        once()
+    delay = RunQueueDelay()  # time spent waiting for a core is not the ops' (phases.py)
+    times = []
+    for _ in range(iterations):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0, d0 = time.perf_counter(), delay.seconds()
+        once()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0 - (delay.seconds() - d0))
+    return max(0.0, statistics.median(times)) / max(1, Count.ops)

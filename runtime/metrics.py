@@ -94,6 +94,7 @@ class RunSummary:
     # message sizes (``partita.runtime.commprobe``: op, link, ranks, message_bytes, seconds).
     plan: dict[str, Any] | None = None
     collectives: list[dict[str, Any]] | None = None
+    op_overhead_s: float | None = None  # rank 0's host time per eager op (commprobe.probe_op_overhead)
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -126,7 +127,7 @@ class RunSummary:
 
 def summarize(step_times: list[float], stage_peaks: list[int], memory_kind: str, losses: list[float],
               plan: Plan, memory: list[dict[str, Any]] | None = None, run_id: str | None = None,
-              collectives: list[dict[str, Any]] | None = None) -> RunSummary:
+              collectives: list[dict[str, Any]] | None = None, op_overhead_s: float | None = None) -> RunSummary:
     timed = step_times[1:] or step_times
     prediction = plan.prediction
     median = statistics.median(timed) if timed else float("nan")
@@ -147,7 +148,7 @@ def summarize(step_times: list[float], stage_peaks: list[int], memory_kind: str,
         memory=memory,
         predicted_memory=[m.category_bytes() for m in sorted(prediction.memory, key=lambda m: m.stage)]
         if prediction and memory else None,
-        run_id=run_id, plan=plan.to_dict(), collectives=collectives)
+        run_id=run_id, plan=plan.to_dict(), collectives=collectives, op_overhead_s=op_overhead_s)
 
 
 def memory_table(summary: RunSummary) -> str:

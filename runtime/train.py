@@ -248,7 +248,7 @@ class Trainer:
             lr = lr_at(step, cfg)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
-            t0 = clock.now()
+            t0, delay0 = clock.now(), self.timer.delay.seconds()
             def one_step() -> tuple[torch.Tensor | None, float]:
                 loss_sum = self.runner.run(inputs, targets, self.scaler.get_scale() if self.scaler else 1.0)
                 return loss_sum, self._update(pp_group)
@@ -263,6 +263,7 @@ class Trainer:
             loss = _global_loss(loss_sum if reports_loss else None, plan, device)
             elapsed = clock.now() - t0
             phases = self.timer.take()  # this step's forward/backward per micro-batch, and its optimizer
+            phases["run_delay_s"] = self.timer.delay.seconds() - delay0  # waiting for a core (CPU ranks)
             step_times.append(elapsed)
             losses.append(loss)
             record = {"run_id": cfg.run_id, "step": step + 1, "rank": place.rank, "stage": place.stage.index, "loss": loss, "lr": lr,
@@ -280,11 +281,12 @@ class Trainer:
             if cfg.crash_after_step is not None and done == cfg.crash_after_step:
                 os._exit(17)  # tests: die like a killed process, without cleanup
         writer.close()
-        from partita.runtime.commprobe import probe_collectives
+        from partita.runtime.commprobe import probe_collectives, probe_op_overhead
 
         collectives = probe_collectives(plan, self.meshes, device)
+        op_overhead = probe_op_overhead(plan, device)
         return _gather_summary(step_times, losses, plan, place, device, self.measured_memory, cfg.run_id,
-                               collectives)
+                               collectives, op_overhead)
 
 
     def _update(self, pp_group: dist.ProcessGroup | None) -> float:
@@ -324,7 +326,7 @@ def _global_loss(loss_sum: torch.Tensor | None, plan: Plan, device: torch.device
 
 def _gather_summary(step_times: list[float], losses: list[float], plan: Plan, place, device: torch.device,
                     measured_memory: dict[str, int] | None, run_id: str | None = None,
-                    collectives: list | None = None) -> RunSummary | None:
+                    collectives: list | None = None, op_overhead_s: float | None = None) -> RunSummary | None:
     peaks: list = [None] * dist.get_world_size()
     dist.all_gather_object(peaks, (place.stage.index, peak_memory_bytes(device), measured_memory))
     if dist.get_rank() != 0:
@@ -334,7 +336,7 @@ def _gather_summary(step_times: list[float], losses: list[float], plan: Plan, pl
     if measured_memory is not None:
         memory = [{"rank": r, "stage": s, "bytes": m} for r, (s, _, m) in enumerate(peaks)]
     return summarize(step_times, stage_peaks, "allocated" if device.type == "cuda" else "peak RSS", losses, plan,
-                     memory, run_id=run_id, collectives=collectives)
+                     memory, run_id=run_id, collectives=collectives, op_overhead_s=op_overhead_s)
 
 
 def _default_device(plan: Plan) -> torch.device:

@@ -1,0 +1,116 @@
+"""The time side's constants and small formulas: achieved collective bandwidth, the host's
+per-op overhead, the overlap slowdown, the fixed per-step overhead. ``search/costs.py`` prices
+with them; ``partita calibrate`` (``search/calibrate.py``) replaces them with fitted values.
+
+Where each default comes from is stated beside it (and in docs/search.md): cited, measured on
+this project's CPU development machine, or assumed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from partita.model import LayerKind
+
+# ---- achieved bus bandwidth --------------------------------------------------------------
+# NCCL reaches a fraction of the link's line rate (protocol overhead): on NVLink "~20 %", an
+# effective 370 of H100's 450 GB/s per direction as bus bandwidth (S. Jeaugey, NVIDIA, in
+# NVIDIA/nccl-tests#212, 2024; without NVLink SHARP). The same fraction is assumed for the other
+# GPU links and for the network (unverified: no cited nccl-tests figure for them here). The
+# message-size dependence comes from the per-step latency (``LINK_LATENCY_S`` in costs.py):
+# achieved busbw(S) = S / (steps x latency + S / (efficiency x line rate)).
+# gloo between CPU ranks is not NCCL; its figures come from a calibration or `partita profile
+# --comm` (efficiency 1: the catalog's nominal loopback rate stands as is).
+LINK_EFFICIENCY = {"nvlink": 370 / 450, "xgmi": 370 / 450, "pcie": 370 / 450, "network": 370 / 450,
+                   "loopback": 1.0}
+
+# ---- overlap -----------------------------------------------------------------------------
+# While a collective runs beside compute, the compute slows: on A100/H100/MI250/MI210 by 18.9 %
+# on average (40 % at most) against the same compute alone (Lee et al., "Characterizing
+# Compute-Communication Overlap in GPU-Accelerated Distributed Deep Learning", arXiv:2507.03114,
+# 2025). On CPU ranks gloo's threads share the cores the compute runs on, so overlap buys
+# nothing: the slowdown is 1 (the two add up), unless a calibration says otherwise.
+OVERLAP_SLOWDOWN_GPU = 0.189
+OVERLAP_SLOWDOWN_CPU = 1.0
+
+
+def overlapped_s(compute_s: float, comm_s: float, slowdown: float) -> float:
+    """A pass whose compute runs beside ``comm_s`` of communication: the compute slows by
+    ``slowdown`` for as long as the two overlap, and the pass lasts at least the communication.
+    slowdown 0: max(compute, comm) (perfect overlap); 1: compute + comm (none)."""
+    return max(comm_s, compute_s + slowdown * min(compute_s, comm_s))
+
+
+# ---- host overhead -------------------------------------------------------------------------
+# Host time per dispatched eager op (Python, the dispatcher, autograd, the launch). GPU: the
+# op runs asynchronously, so a pass takes max(device time, ops x overhead); CPU: the host does
+# the work, so the two add. Defaults: CPU 3 us, measured on the development machine (a loop of
+# tiny torch ops costs 1.3-1.8 us each; a module's op with autograd and Python around it about
+# twice that); GPU 5 us, the elementwise kernel floor of docs/calibration.md (assumed there, not
+# measured). `partita calibrate` fits it.
+OP_OVERHEAD_S = {"cpu": 3e-6, "gpu": 5e-6}
+# The fixed part of a step beyond its layers and optimizer (the loss's all-reduce, data to the
+# device, Python between micro-batches): assumed 1 ms on either; fitted by `partita calibrate`.
+STEP_OVERHEAD_S = {"cpu": 1e-3, "gpu": 1e-3}
+
+# Aten ops one layer dispatches in eager PyTorch, forward and backward, counted with a
+# TorchDispatchMode on the runtime's own models (tests/test_timing.py recounts them), tp 1,
+# no sequence parallelism. The head's forward includes the loss. Grouped-query attention adds
+# the repeat of k and v. Tensor parallelism adds DTensor's own ops (not counted).
+_OPS = {
+    ("llama", "embed"): (1, 2),
+    ("llama", "block"): (106, 136),
+    ("llama", "head"): (16, 33),
+    ("gpt2", "embed"): (4, 6),
+    ("gpt2", "block"): (39, 94),
+    ("gpt2", "head"): (10, 18),
+}
+GQA_EXTRA_OPS = (8, 8)
+# AdamW's single-tensor update (torch's default for CPU tensors) dispatches 10 ops per
+# parameter tensor; on GPUs the foreach update's launches do not grow with the tensor count
+# and fall in the per-step overhead.
+OPTIMIZER_OPS_PER_TENSOR = {"cpu": 10, "gpu": 0}
+
+
+def layer_ops(kind: LayerKind) -> tuple[int, int]:
+    """(forward, backward) eager ops of one layer of this kind."""
+    fwd, bwd = _OPS[(kind.family, kind.role)]
+    if kind.role == "block" and kind.heads != kind.kv_heads:
+        fwd, bwd = fwd + GQA_EXTRA_OPS[0], bwd + GQA_EXTRA_OPS[1]
+    return fwd, bwd
+
+
+def param_tensors(kind: LayerKind, tied_head: bool = False) -> int:
+    """Parameter tensors of one layer (each one update of the optimizer's loop)."""
+    norms = 1 if kind.family == "llama" else 2  # LayerNorm has a bias
+    if kind.role == "embed":
+        return 1 + (1 if kind.learned_positions else 0)
+    if kind.role == "head":
+        return norms + (0 if tied_head else 1)
+    if kind.family == "gpt2":
+        return 2 * 6 + 2 * norms
+    return 7 + 2 * norms + (3 if kind.qkv_bias else 0)
+
+
+def host_bound_s(device_s: float, ops: int, op_overhead_s: float, on_cpu: bool) -> float:
+    """A pass's time given its device time and its ops' host time: their sum on a CPU (the host
+    does the work), the larger on a GPU (the host runs ahead of the device)."""
+    host = ops * op_overhead_s
+    return device_s + host if on_cpu else max(device_s, host)
+
+
+@dataclass(frozen=True)
+class TimeConstants:
+    """The time constants one device type is priced with (defaults or a calibration)."""
+
+    compute_scale: float  # multiplies the analytic (roofline) device time
+    op_overhead_s: float
+    overlap_slowdown: float
+    step_overhead_s: float
+
+
+def default_constants(on_cpu: bool) -> TimeConstants:
+    key = "cpu" if on_cpu else "gpu"
+    return TimeConstants(compute_scale=1.0, op_overhead_s=OP_OVERHEAD_S[key],
+                         overlap_slowdown=OVERLAP_SLOWDOWN_CPU if on_cpu else OVERLAP_SLOWDOWN_GPU,
+                         step_overhead_s=STEP_OVERHEAD_S[key])
