@@ -23,7 +23,7 @@ from partita.devices import CATALOG, PRICE_SOURCE
 from partita.errors import InfeasibleError, PartitaError
 from partita.model import BUILTIN, ModelSpec, load_model
 from partita.plan import LayerStrategy, Plan
-from partita.pricing import cost_lines, parse_tokens, training_cost
+from partita.pricing import TrainingCost, cost_lines, parse_tokens, training_cost
 from partita.profile import Profile
 from partita.units import GiB, fmt_bytes, fmt_seconds
 
@@ -108,19 +108,20 @@ def plan(args: argparse.Namespace) -> int:
     if over:
         notes.append(f"[bold]warning:[/bold] {over}")
     cost = training_cost(result, cluster, tokens) if tokens else None
+    alt_costs = [training_cost(alt, cluster, tokens) for alt in alternatives] if tokens else [None] * len(alternatives)
     if as_json:
         from partita import jsonout
 
         plain = [n.replace("[bold]", "").replace("[/bold]", "") for n in notes]
         jsonout.emit(jsonout.plan_output(result, output=str(output), notes=plain, cost=cost,
-                                         alternatives=[(str(path), alt, alt.solver.status if alt.solver else "")
-                                                       for path, alt in zip(alt_paths, alternatives)]))
+                                         alternatives=[(str(path), alt, alt.solver.status if alt.solver else "", c)
+                                                       for path, alt, c in zip(alt_paths, alternatives, alt_costs)]))
         return 0
     print_plan(result, notes=notes)
     if cost is not None:
         console.print("\n".join(cost_lines(cost)))
     if top > 1:
-        print_alternatives(result, list(zip(alt_paths, alternatives)), output, top)
+        print_alternatives([(output, result, cost), *zip(alt_paths, alternatives, alt_costs)], top)
     console.print(f"\nwrote {output}  (planned in {wall:.2f} s)")
     return 0
 
@@ -149,24 +150,33 @@ def _alternatives(req, best: Plan, count: int) -> list[Plan]:
     return alternative_plans(cm, req, best, count, work_limit=work_limit(req), deadline=deadline)
 
 
-def print_alternatives(best: Plan, alternatives: list[tuple[Path, Plan]], output: Path, top: int) -> None:
-    """The K plans side by side: shape, placement, prediction, and the file each is in."""
+def print_alternatives(plans: "list[tuple[Path, Plan, TrainingCost | None]]", top: int) -> None:
+    """The K plans side by side: shape, placement, prediction (and with --tokens the time and cost
+    of training), and the file each is in."""
     from partita.jsonout import plan_summary
+    from partita.pricing import fmt_duration
 
-    t = Table(title=f"the best plans of {1 + len(alternatives)} shapes (--top {top})", title_justify="left")
-    for col in ("#", "dp x tp x pp", "micro-batch", "groups", "blocks/stage", "step", "tokens/s", "MFU",
-                "memory", "search", "file"):
-        t.add_column(col, justify="right" if col in ("#", "step", "tokens/s", "MFU", "memory") else "left")
-    for i, (path, p) in enumerate([(output, best), *alternatives]):
+    priced = plans[0][2] is not None
+    t = Table(title=f"the best plans of {len(plans)} shapes (--top {top})", title_justify="left", box=None,
+              padding=(0, 1))
+    cols = ["#", "dp x tp x pp", "micro-batch", "groups", "blocks/stage", "step", "tokens/s", "MFU", "memory"]
+    cols += ["time", "GPU-hours", "cost"] if priced else []
+    for col in cols + ["search", "file"]:
+        t.add_column(col, justify="right" if col in ("#", "step", "tokens/s", "MFU", "memory", "time", "GPU-hours",
+                                                     "cost") else "left")
+    for i, (path, p, cost) in enumerate(plans):
         s = plan_summary(p)
-        t.add_row(str(i + 1), f"{p.dp} x {p.tp} x {p.pp}", f"{p.micro_batch} x {p.num_micro_batches}",
-                  ",".join(dict.fromkeys(s["groups"])), ",".join(map(str, s["blocks_per_stage"])),
-                  fmt_seconds(s["step_time_s"]), f"{s['tokens_per_s']:,.0f}", f"{100 * s['mfu']:.1f}%",
-                  f"{100 * s['peak_fraction']:.0f}%", p.solver.status if p.solver else "", str(path))
+        row = [str(i + 1), f"{p.dp} x {p.tp} x {p.pp}", f"{p.micro_batch} x {p.num_micro_batches}",
+               ",".join(dict.fromkeys(s["groups"])), ",".join(map(str, s["blocks_per_stage"])),
+               fmt_seconds(s["step_time_s"]), f"{s['tokens_per_s']:,.0f}", f"{100 * s['mfu']:.1f}%",
+               f"{100 * s['peak_fraction']:.0f}%"]
+        if cost is not None:
+            row += [fmt_duration(cost.seconds), f"{cost.gpu_hours:,.0f}",
+                    f"${cost.cost_usd:,.0f}" if cost.cost_usd is not None else "-"]
+        t.add_row(*row, p.solver.status if p.solver else "", str(path))
     console.print(t)
-    if len(alternatives) < top - 1:
-        console.print(f"only {1 + len(alternatives)} shapes hold a plan that fits (or were reached in the search's "
-                      f"work limit)")
+    if len(plans) < top:
+        console.print(f"only {len(plans)} shapes hold a plan that fits (or were reached in the search's work limit)")
 
 
 def writable_output(text: str) -> Path:

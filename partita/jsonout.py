@@ -45,13 +45,15 @@ def plan_summary(p: Plan) -> dict[str, Any]:
 
 
 def plan_output(p: Plan, *, output: str, notes: Sequence[str], cost: TrainingCost | None,
-                alternatives: Sequence[tuple[str, Plan, str]] = ()) -> dict[str, Any]:
+                alternatives: Sequence[tuple[str, Plan, str, TrainingCost | None]] = ()) -> dict[str, Any]:
+    """``alternatives``: (file, plan, search status, training cost or None) of each other shape."""
     out = _head("plan") | {"output": output, "plan": p.to_dict(), "notes": list(notes)}
     if cost is not None:
         out["training"] = cost.to_dict()
     if alternatives:
         out["alternatives"] = [{"rank": i + 1, "output": path, "status": status} | plan_summary(alt)
-                               for i, (path, alt, status) in enumerate(alternatives)]
+                               | ({"training": c.to_dict()} if c is not None else {})
+                               for i, (path, alt, status, c) in enumerate(alternatives)]
     return out
 
 

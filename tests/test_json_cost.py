@@ -103,7 +103,7 @@ def test_top_k_lists_different_shapes_best_first(tmp_path, capsys):
     base = ["plan", "--model", "llama-3-8b", "--cluster", MIXED, "--global-batch", "64"]
     assert main([*base, "-o", str(tmp_path / "one.yaml")]) == 0
     capsys.readouterr()
-    out = run_json(capsys, [*base, "-o", str(tmp_path / "p.yaml"), "--top", "3", "--json"])
+    out = run_json(capsys, [*base, "-o", str(tmp_path / "p.yaml"), "--top", "3", "--json", "--tokens", "1T"])
     one, best = Plan.load(tmp_path / "one.yaml"), Plan.load(tmp_path / "p.yaml")
     assert best.solver.objective_us == one.solver.objective_us  # K=1 is the ordinary, exact search
     alts = out["alternatives"]
@@ -115,7 +115,11 @@ def test_top_k_lists_different_shapes_best_first(tmp_path, capsys):
         shapes.add((p.dp, p.tp, p.micro_batch, p.num_micro_batches))
         times.append(p.prediction.step_time_s)
         assert alt["step_time_s"] == p.prediction.step_time_s
+        assert alt["training"]["seconds"] == pytest.approx(10**12 / p.prediction.tokens_per_s)
     assert len(shapes) == 1 + len(alts) and times == sorted(times)
+    assert main([*base, "-o", str(tmp_path / "q.yaml"), "--top", "2", "--tokens", "1T"]) == 0
+    table = capsys.readouterr().out
+    assert "the best plans of 2 shapes" in table and "GPU-hours" in table and (tmp_path / "q-2.yaml").is_file()
 
 
 @pytest.mark.parametrize("argv,phrase", [
