@@ -23,7 +23,8 @@ What maps how:
   * ZeRO 1 is the distributed optimizer; ZeRO 2 and 3 are Megatron-FSDP with sharding strategy
     ``optim_grads`` and ``optim_grads_params`` (v1 needs the distributed optimizer too, and
     ``validate_args`` the ``--ckpt-format fsdp_dtensor`` checkpoints, ``CheckpointConfig``). Megatron-FSDP
-    is exported without pipeline parallelism only (pp = 1), the combination this module trusts.
+    is exported without pipeline parallelism only (pp = 1): its v2 refuses pp > 1
+    (``megatron/core/distributed/fsdp/mcore_fsdp_adapter.py``), and v1 is not trusted with it here.
   * Recomputation is ``--recompute-granularity full``: ``--recompute-method uniform
     --recompute-num-layers 1`` recomputes every block; ``block`` with N recomputes the first N
     blocks of every pipeline stage. Embedding and head are never recomputed.
