@@ -575,8 +575,10 @@ class PlanModel:
                     self.m.add_implication(self.e[r][g][k], self.y[r][g])
         for g in range(G):
             self.m.add(sum(self.h[g]) == self.y[0][g])
-        self.alone = self.m.new_bool_var("alone")  # one stage: the last is also the first
-        self.m.add(self.alone == self.used[0] - (self.used[1] if p.slots > 1 else 0))
+        self.alone = None
+        if p.head.copy_transient_bytes:  # a tied head keeps a copy when the pipeline has several stages
+            self.alone = self.m.new_bool_var("alone")  # one stage: the last is also the first
+            self.m.add(self.alone == self.used[0] - (self.used[1] if p.slots > 1 else 0))
         if self.tied:  # one weight: the runtime needs the same tensor split and ZeRO level for both
             key = lambda s: (s.tensor_parallel, s.zero)  # noqa: E731
             for choice in {key(s) for s in p.embed.strategies} | {key(s) for s in p.head.strategies}:
