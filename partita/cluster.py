@@ -276,3 +276,16 @@ def load_cluster(ref: str) -> ClusterSpec:
     if is_file:
         return ClusterSpec.from_dict(specio.load_yaml(ref), where=ref)
     return parse_short(ref)
+
+
+def recorded_cluster(data: Any, where: str = "plan: cluster") -> ClusterSpec:
+    """The cluster a plan records (its ``cluster`` mapping). A short-form cluster (``4xcpu``)
+    is rebuilt from its name when that reproduces the mapping exactly: reading the mapping back
+    turns integer bandwidths into floats, which would change the fingerprint."""
+    try:
+        short = parse_short(str(data.get("name", "")))
+        if short.to_dict() == dict(data):
+            return short
+    except PartitaError:
+        pass
+    return ClusterSpec.from_dict(data, where=where)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
-from partita.cluster import ClusterSpec
+from partita.cluster import ClusterSpec, recorded_cluster
 from partita.errors import PartitaError
 from partita.model import ModelSpec
 from partita.plan import LayerStrategy, Plan
@@ -270,14 +270,6 @@ def report_lines(ex: Export) -> list[str]:
 
 
 def plan_cluster(plan: Plan) -> ClusterSpec:
-    """The cluster the plan holds; a short form (``8xH100``) is rebuilt from its name when that gives
-    the same spec (as ``partita launch`` does), so its fingerprint matches."""
-    from partita.cluster import parse_short
-
-    try:
-        short = parse_short(str(plan.cluster.get("name", "")))
-        if short.to_dict() == dict(plan.cluster):
-            return short
-    except PartitaError:
-        pass
-    return ClusterSpec.from_dict(plan.cluster, where="plan: cluster")
+    """The cluster the plan holds, with the fingerprint it was planned for (as ``partita launch``
+    reads it)."""
+    return recorded_cluster(plan.cluster)

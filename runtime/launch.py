@@ -34,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-from partita.cluster import ClusterSpec, load_cluster, parse_short, same_hardware
+from partita.cluster import ClusterSpec, load_cluster, recorded_cluster, same_hardware
 from partita.errors import PartitaError
 from partita.model import ModelSpec, load_model
 from partita.plan import Plan
@@ -240,16 +240,8 @@ def _check_creatable(folder: Path, flag: str, path: str) -> None:
 
 
 def plan_cluster(plan: Plan, where: str = "plan: cluster") -> ClusterSpec:
-    """The cluster the plan holds. A short-form cluster (``4xcpu``) is rebuilt from its name when
-    that reproduces the plan's dict exactly: reading the dict back turns integer bandwidths into
-    floats, which changes the fingerprint."""
-    try:
-        short = parse_short(str(plan.cluster.get("name", "")))
-        if short.to_dict() == dict(plan.cluster):
-            return short
-    except PartitaError:
-        pass
-    return ClusterSpec.from_dict(plan.cluster, where=where)
+    """The cluster the plan holds (``partita.cluster.recorded_cluster``)."""
+    return recorded_cluster(plan.cluster, where)
 
 
 def check_plan(plan: Plan, model: ModelSpec, cluster: ClusterSpec) -> None:
