@@ -6,6 +6,7 @@ import sys
 import yaml
 
 from partita.cli import main
+from torch_blocker import BLOCK_TORCH  # noqa: E402
 
 
 def run(*args, cwd=None):
@@ -62,13 +63,8 @@ def test_models_and_devices_list():
 
 
 def test_search_imports_without_torch(tmp_path):
-    code = ("import sys\n"
-            "class Block:\n"
-            "    def find_spec(self, name, path=None, target=None):\n"
-            "        if name == 'torch' or name.startswith('torch.'):\n"
-            "            raise ImportError('torch blocked')\n"
-            "sys.meta_path.insert(0, Block())\n"
-            "import partita, partita.cli, partita.commands, partita.validate\n"
+    code = (BLOCK_TORCH +
+                        "import partita, partita.cli, partita.commands, partita.validate\n"
             "import partita.search.costs, partita.search.cpsat, partita.search.uniform, partita.search.planner\n"
             "from partita.cli import main\n"
             "sys.exit(main(['plan', '--model', 'gpt2', '--cluster', '8xA100-80GB', '-o', sys.argv[1]]))\n")

@@ -12,6 +12,7 @@ from partita.cluster import load_cluster
 from partita.errors import PartitaError
 from partita.plan import Plan
 from partita.pricing import parse_tokens, training_cost
+from torch_blocker import BLOCK_TORCH  # noqa: E402
 
 jsonschema = pytest.importorskip("jsonschema")
 SCHEMA = json.loads((Path(__file__).parent.parent / "docs" / "json-schema.json").read_text())
@@ -138,13 +139,8 @@ def test_export_pricing_json_and_top_k_need_no_torch(tmp_path):
     import subprocess
     import sys
 
-    code = ("import sys\n"
-            "class Block:\n"
-            "    def find_spec(self, name, path=None, target=None):\n"
-            "        if name == 'torch' or name.startswith('torch.'):\n"
-            "            raise ImportError('torch blocked')\n"
-            "sys.meta_path.insert(0, Block())\n"
-            "import partita.export, partita.export_megatron, partita.export_torchtitan, partita.export_deepspeed\n"
+    code = (BLOCK_TORCH +
+                        "import partita.export, partita.export_megatron, partita.export_torchtitan, partita.export_deepspeed\n"
             "import partita.pricing, partita.jsonout, partita.slurm, partita.search.topk\n"
             "from partita.cli import main\n"
             "plan = sys.argv[1]\n"
