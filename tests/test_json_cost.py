@@ -140,7 +140,7 @@ def test_export_pricing_json_and_top_k_need_no_torch(tmp_path):
     import sys
 
     code = (BLOCK_TORCH +
-                        "import partita.export, partita.export_megatron, partita.export_torchtitan, partita.export_deepspeed\n"
+            "import partita.export, partita.export_megatron, partita.export_torchtitan, partita.export_deepspeed\n"
             "import partita.pricing, partita.jsonout, partita.slurm, partita.search.topk\n"
             "from partita.cli import main\n"
             "plan = sys.argv[1]\n"
