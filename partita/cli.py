@@ -4,6 +4,7 @@
     partita plan --model config.json --cluster 4x8xA100-80GB+2x8xH100 --profile h100.yaml
     partita check plan.yaml --cluster 8x8xH100
     partita show plan.yaml --tokens 2T
+    partita show plan.yaml --timeline step.svg --report plan.html
     partita export plan.yaml --to megatron -o megatron.args
     partita launch plan.yaml --emit slurm -o job.sbatch
     partita models | partita devices
@@ -161,6 +162,9 @@ def build_parser(with_torch_commands: bool = False) -> argparse.ArgumentParser:
 
     show = sub.add_parser("show", help="print a plan")
     show.add_argument("plan")
+    show.add_argument("--timeline", metavar="FILE", help="draw one step's pipeline timeline per stage (.svg or .png)")
+    show.add_argument("--report", metavar="FILE",
+                      help="write one self-contained HTML page: summary, timeline, memory per device, placement")
     _add_tokens(show)
     _add_json(show)
 

@@ -469,6 +469,7 @@ def show(args: argparse.Namespace) -> int:
     from partita.validate import validate_plan
 
     tokens = parse_tokens(args.tokens) if getattr(args, "tokens", None) else None
+    pictures = picture_outputs(args)
     p = Plan.load(args.plan)
     model = ModelSpec.from_dict(p.model, where=f"{args.plan}: model")
     cluster = ClusterSpec.from_dict(p.cluster, where=f"{args.plan}: cluster")
@@ -479,6 +480,7 @@ def show(args: argparse.Namespace) -> int:
         raise PartitaError(f"{args.plan}: {e}") from None
     idle = idle_devices_note(p, model, cluster)
     cost = training_cost(p, cluster, tokens) if tokens else None
+    write_pictures(p, cluster, pictures, source=args.plan)
     if getattr(args, "json", False):
         from partita import jsonout
 
@@ -487,7 +489,30 @@ def show(args: argparse.Namespace) -> int:
     print_plan(p, notes=[idle] if idle else [])
     if cost is not None:
         console.print("\n".join(cost_lines(cost)))
+    for path in pictures.values():
+        console.print(f"wrote {path}")
     return 0
+
+
+def picture_outputs(args: argparse.Namespace) -> dict[str, Path]:
+    """show's --timeline and --report files, refused before any work if they cannot be written."""
+    from partita.report import REPORT_FORMATS, TIMELINE_FORMATS, output_path
+
+    out = {}
+    if getattr(args, "timeline", None):
+        out["timeline"] = output_path("--timeline", args.timeline, TIMELINE_FORMATS)
+    if getattr(args, "report", None):
+        out["report"] = output_path("--report", args.report, REPORT_FORMATS)
+    return out
+
+
+def write_pictures(p: Plan, cluster: ClusterSpec, pictures: dict[str, Path], *, source: str) -> None:
+    from partita.report import write_report, write_timeline
+
+    if "timeline" in pictures:
+        write_timeline(p, cluster, pictures["timeline"])
+    if "report" in pictures:
+        write_report(p, cluster, pictures["report"], source=source)
 
 
 def _check_prediction(p: Plan) -> None:
