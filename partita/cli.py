@@ -10,6 +10,7 @@
     partita models | partita devices
     partita launch plan.yaml --steps 20          (needs torch)
     partita profile --model tiny-llama --device cpu -o prof.yaml   (needs torch)
+    partita calibrate runs/plan -o cpu-calibrated.yaml
 
 Exit codes: 0 ok; 2 bad input (one line on stderr); 3 no plan fits (with the reason).
 """
@@ -180,6 +181,11 @@ def build_parser(with_torch_commands: bool = False) -> argparse.ArgumentParser:
     export.add_argument("--profile", action="append", default=[], metavar="P",
                         help="measured profile to price both plans with (as for partita check)")
 
+    calibrate = sub.add_parser("calibrate", help="fit a device type's time constants to measured runs "
+                                                 "(partita launch's run directories) into a profile")
+    calibrate.add_argument("runs", nargs="+", metavar="RUN_DIR",
+                           help="run directories (metrics.jsonl + summary.json), all on one device type")
+    calibrate.add_argument("-o", "--output", required=True, help="the calibrated profile to write (YAML)")
 
     launch = sub.add_parser("launch", help="train a plan with torch.distributed (torchrun)")
     profile = sub.add_parser("profile", help="measure layer and collective costs on this machine's devices")
@@ -262,6 +268,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         from partita.export import export_command
 
         return export_command(args)
+    if args.command == "calibrate":
+        return commands.calibrate(args)
     if args.command == "launch" and getattr(args, "emit", None):
         from partita.slurm import emit_command
 

@@ -278,13 +278,17 @@ def usable_profiles(paths: Sequence[str], model: ModelSpec, cluster: ClusterSpec
             raise PartitaError(f"--profile {path}: measured on {prof.device}, but the cluster has "
                                f"{', '.join(cluster.device_types)}; drop it or change the cluster")
         why_not = layer_costs_unusable(prof, model, seq_len=seq_len, dtype=dtype)
-        if why_not is not None and not prof.comm:
+        if prof.calibration is not None and prof.dtype != dtype:
+            refused.append(f"{path} (calibrated on {prof.dtype} runs, the plan trains in {dtype})")
+            continue
+        if why_not is not None and not prof.comm and prof.calibration is None:
             refused.append(f"{path} ({why_not})")
             continue
         if any(k.device == prof.device for _, k in kept):
             raise PartitaError(f"--profile {path}: a second profile for {prof.device}; give one per device type")
-        if why_not is not None:
-            warn(f"profile {path}: its layer costs are not used ({why_not}); its collective fits are")
+        if why_not is not None and (prof.layers or prof.calibration is None):
+            warn(f"profile {path}: its layer costs are not used ({why_not}); its collective fits"
+                 f"{' and calibration are' if prof.calibration else ' are'}")
         kept.append((path, prof))
     if refused and not kept:
         raise PartitaError(f"no profile given can be used: {'; '.join(refused)}; re-measure with `partita profile` "
@@ -423,6 +427,37 @@ def cpu_oversubscription(p: Plan, cluster: ClusterSpec) -> str | None:
         return None
     return (f"the plan runs {cpu_ranks} CPU ranks on a machine with {cores} cores: ranks would share cores, so "
             f"the predicted times are meaningless here; plan for {cores}xcpu at most to run it on this machine")
+
+
+# ---- partita calibrate -------------------------------------------------------------------
+def calibrate(args: argparse.Namespace) -> int:
+    """Fit the device type's time constants to the runs, write the profile, print the fit."""
+    from partita.search.calibrate import calibrate as fit, load_run
+
+    output = writable_output(args.output)
+    runs = [load_run(path) for path in args.runs]
+    command = "partita calibrate " + " ".join(args.runs) + f" -o {args.output}"
+    profile, table = fit(runs, command=command)
+    try:
+        profile.save(output)
+    except OSError as e:
+        raise PartitaError(f"-o {output}: cannot write the profile ({e.strerror or e})") from None
+    cal = profile.calibration
+    assert cal is not None
+    t = Table(title=f"calibration of {profile.device} ({profile.dtype}) on {len(runs)} run(s)", title_justify="left")
+    for col in ("run", "observation", "predicted", "measured", "error"):
+        t.add_column(col, justify="left" if col in ("run", "observation") else "right")
+    for run_id, what, predicted, measured in table:
+        t.add_row(run_id, what, fmt_seconds(predicted), fmt_seconds(measured), f"{(predicted / measured - 1) * 100:+.1f}%")
+    console.print(t)
+    for name in cal.CONSTANTS:
+        value = getattr(cal, name)
+        shown = fmt_seconds(value) if name.endswith("_s") else f"{value:.3g}"
+        console.print(f"  {name.replace('_', ' ')}: {shown} ({'fitted' if name in cal.fitted else 'default'})")
+    for c in profile.comm:
+        console.print(f"  {c.op} on {c.ranks} {c.link} ranks: {c.latency_s * 1e6:.0f} us + bytes / {c.bandwidth_gbps:.3g} GB/s")
+    console.print(f"median |error| {cal.error:.1%}\nwrote {output}")
+    return 0
 
 
 # ---- partita check / show ------------------------------------------------------------------

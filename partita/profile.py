@@ -136,7 +136,7 @@ class Calibration:
     op_overhead_s: float  # host time per dispatched eager op
     overlap_slowdown: float  # compute slowdown while a collective overlaps it (0: none, 1: no overlap)
     step_overhead_s: float  # fixed per step: loss reduction, data, Python between micro-batches
-    fitted: tuple[str, ...] = ()  # which of the four were fitted (the others kept their default)
+    fitted: tuple[str, ...] = ()  # which of the four were fitted to the runs (the others kept their default)
     runs: tuple[str, ...] = ()  # run ids fitted on
     error: float = 0.0  # median |predicted / measured - 1| over the fitted observations
 

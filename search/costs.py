@@ -19,9 +19,12 @@ Conventions (all per device of a stage, per micro-batch unless said otherwise):
   gradients once per step; 1: reduce-scatter of gradients + all-gather of parameters once per
   step; 2: all-gather in forward and reduce-scatter in backward, every micro-batch; 3:
   all-gather in forward, all-gather + reduce-scatter in backward, every micro-batch.
-  Per-micro-batch ZeRO traffic overlaps the layer's compute (FSDP prefetch): a layer costs
-  max(compute, gather traffic) per pass. Per-step traffic (levels 0, 1) overlaps the stage's
-  last backward; what sticks out is exposed. A tensor-parallel head's loss (``loss_parallel``)
+  Per-micro-batch ZeRO traffic runs beside the layer's compute (FSDP prefetch) and slows it by
+  the overlap slowdown while it runs (``timing.overlapped_s``); a stage's first gather and last
+  reduce-scatter are exposed (its largest layer's traffic, times 1 - slowdown, charged m times
+  at the largest stage in ``step_time_s``). Per-step traffic (levels 0, 1) is reduced layer by
+  layer as the last backward frees it: at least the largest layer's reduction is exposed, and
+  all of it beyond (1 - slowdown) x that backward. A tensor-parallel head's loss (``loss_parallel``)
   all-reduces three fp32 values a token in forward.
 * Memory: what the runtime holds, by the plan's categories (``partita.plan.StageMemory``;
   docs/search.md has the table and tests/test_runtime_memory.py measures it). Per parameter,
@@ -40,8 +43,14 @@ Conventions (all per device of a stage, per micro-batch unless said otherwise):
 * A fixed reserve per device for the CUDA context, communication buffers and allocator
   fragmentation: ``RESERVE_GPU_BYTES`` (3 GiB) on GPUs, ``RESERVE_CPU_BYTES`` on CPU ranks.
 * Pipeline: 1F1B step time = (m - 1) * max_s T_s + sum_s T_s, with T_s one micro-batch's
-  forward + backward at stage s including its TP/ZeRO collectives and point-to-point sends.
-* Collectives are ring algorithms priced on the links the ranks use. Stages are aligned to
+  forward + backward at stage s including its TP/ZeRO collectives and its side of each stage
+  boundary (sender and receiver both pay; under TP each rank sends its 1/tp shard, priced
+  only), then the exposed ZeRO edge, data-parallel sync, optimizer and a fixed per-step overhead.
+* Host overhead: an analytic layer pass takes max(device time, ops x per-op overhead) on a GPU
+  and their sum on a CPU rank (``timing.host_bound_s``); a profile's calibration scales the
+  device time and sets the overhead (``time_constants``).
+* Collectives are ring algorithms priced on the links the ranks use, at the bus bandwidth NCCL
+  achieves there (``timing.LINK_EFFICIENCY``), or a profile's measured fit. Stages are aligned to
   nodes (a stage's size divides the node size or is a multiple of it), so a group of ranks
   inside one stage sits in one node exactly when it is no wider than a node; sends between
   stages are intra-node only on a single-node group, else priced on the network; between node
@@ -63,6 +72,8 @@ from partita.errors import PartitaError
 from partita.model import LayerKind, ModelSpec
 from partita.plan import LayerStrategy
 from partita.profile import LayerCost, Profile, bus_bytes, layer_cost_at
+from partita.search.timing import (LINK_EFFICIENCY, OPTIMIZER_OPS_PER_TENSOR, TimeConstants, default_constants,
+                                   host_bound_s, layer_ops, overlapped_s, param_tensors)
 from partita.units import GiB, MiB, round_up_to_grain
 
 RESERVE_GPU_BYTES = 3 * GiB
@@ -95,12 +106,15 @@ class Link:
 class LayerTime:
     """One layer's time per micro-batch on one device, and its per-step traffic."""
 
-    forward_s: float  # compute + exposed TP collectives, or the ZeRO gather if longer
+    forward_s: float  # compute + TP collectives, overlapped with the ZeRO gather (``overlapped_s``)
     backward_s: float
     compute_s: float  # forward + backward + recompute, without communication
     tp_comm_s: float
     zero_comm_s: float  # per micro-batch ZeRO traffic (overlapped with compute)
     dp_sync_s: float  # per step: gradient all-reduce (ZeRO 0) or reduce-scatter + all-gather (1)
+    zero_edge_s: float = 0.0  # exposed if this is the stage's edge layer: (1 - slowdown) x its ZeRO traffic
+    overlap_window_s: float = 0.0  # the part of its backward the data-parallel sync can hide behind
+    optimizer_s: float = 0.0  # per step: Adam on the local shard (memory-bound) + its host ops
 
     @property
     def total_s(self) -> float:
@@ -174,12 +188,37 @@ class CostModel:
             if measured is not None:
                 self._used_sources[device].add("measured")
                 return measured
-        self._used_sources[device].add("analytic")
-        return layer_cost(kind, get_device(device), tp=tp, micro_batch=micro_batch, seq_len=self.seq_len,
-                          dtype=self.dtype)
+        dev = get_device(device)
+        c = layer_cost(kind, dev, tp=tp, micro_batch=micro_batch, seq_len=self.seq_len, dtype=self.dtype)
+        k = self.time_constants(device)
+        self._used_sources[device].add("calibrated" if self._calibrated(device) else "analytic")
+        # The roofline's device time, scaled by a calibration, and the host's eager ops: a pass
+        # takes the larger of the two on a GPU, their sum on a CPU (search/timing.py).
+        ops_fwd, ops_bwd = layer_ops(kind)
+        fwd = host_bound_s(k.compute_scale * c.forward_s, ops_fwd, k.op_overhead_s, dev.is_cpu)
+        bwd = host_bound_s(k.compute_scale * c.backward_s, ops_bwd, k.op_overhead_s, dev.is_cpu)
+        return dataclasses.replace(c, forward_s=fwd, backward_s=bwd, recompute_s=fwd)
+
+    def _calibrated(self, device: str) -> bool:
+        profile = self.profiles.get(device)
+        return profile is not None and profile.calibration is not None and profile.dtype == self.dtype
+
+    def time_constants(self, device: str) -> TimeConstants:
+        """The device type's time constants: its profile's calibration, else the defaults."""
+        if self._calibrated(device):
+            cal = self.profiles[device].calibration
+            return TimeConstants(compute_scale=cal.compute_scale, op_overhead_s=cal.op_overhead_s,
+                                 overlap_slowdown=cal.overlap_slowdown, step_overhead_s=cal.step_overhead_s)
+        return default_constants(get_device(device).is_cpu)
+
+    @property
+    def step_overhead_s(self) -> float:
+        """The fixed per-step overhead: the largest of the cluster's device types' (a step ends
+        when its slowest rank does)."""
+        return max(self.time_constants(d).step_overhead_s for d in self.cluster.device_types)
 
     def cost_sources(self) -> dict[str, str]:
-        """Per device type: "measured", "analytic" or "mixed", for the costs asked so far."""
+        """Per device type: "measured", "analytic", "calibrated" or "mixed", for the costs asked so far."""
         out = {}
         for device in self.cluster.device_types:
             used = self._used_sources[device] or {"measured" if device in self.profiles else "analytic"}
@@ -224,8 +263,10 @@ class CostModel:
         return Link("network", self.cluster.between_groups_gbps(a, b), LINK_LATENCY_S["network"])
 
     def collective_s(self, op: str, nbytes: float, n: int, link: Link, device: str | None = None) -> float:
-        """Ring collective time: latency per step plus bus bytes over bandwidth. A measured
-        comm fit of the device's profile replaces the link's datasheet figures."""
+        """Ring collective time: latency per step plus bus bytes over the bus bandwidth NCCL
+        achieves on the link (``LINK_EFFICIENCY`` of its line rate; the latency term makes the
+        achieved bandwidth grow with the message size). A measured comm fit of the device's
+        profile replaces these datasheet figures."""
         if n <= 1 or nbytes <= 0:
             return 0.0
         bus = bus_bytes(op, nbytes, n)
@@ -234,7 +275,7 @@ class CostModel:
             fit = profile.comm_fit(op, link.kind, n)
             if fit is not None:
                 return fit.time_s(bus)
-        return ring_steps(op, n) * link.latency_s + bus / (link.gbps * 1e9)
+        return ring_steps(op, n) * link.latency_s + bus / (LINK_EFFICIENCY.get(link.kind, 1.0) * link.gbps * 1e9)
 
     # ---- one layer ----------------------------------------------------------------------
     def layer_time(self, role: str, group: NodeGroup, s: LayerStrategy, *, dp: int, micro_batch: int) -> LayerTime:
@@ -283,10 +324,23 @@ class CostModel:
                 zero_fwd, zero_bwd = ag, rs
             else:
                 zero_fwd, zero_bwd = ag, ag + rs
-        forward = max(fwd_compute + tp_fwd, zero_fwd)
-        backward = max(bwd_compute + tp_bwd, zero_bwd)
+        # Per-micro-batch ZeRO traffic runs beside the layer's compute (FSDP prefetch), which it
+        # slows (``overlapped_s``); the stage's first gather and last reduce-scatter have nothing
+        # to hide behind: the stage charges its largest layer's traffic once more, less what the
+        # slowdown already charged (``zero_edge_s``; search/timing.py, docs/search.md).
+        k = self.time_constants(device)
+        slowdown = k.overlap_slowdown
+        forward = overlapped_s(fwd_compute + tp_fwd, zero_fwd, slowdown)
+        backward = overlapped_s(bwd_compute + tp_bwd, zero_bwd, slowdown)
+        edge = max(0.0, 1.0 - slowdown) * (zero_fwd + zero_bwd)
+        shard = dp if zero >= 1 and dp > 1 else 1
+        tensors = param_tensors(self.model.kinds[role], tied_head=role == "head" and self.model.tie_embeddings)
+        host_ops = OPTIMIZER_OPS_PER_TENSOR["cpu" if group.device_type.is_cpu else "gpu"] * tensors
+        optimizer = k.compute_scale * self.optimizer_s(group, params // shard) + host_ops * k.op_overhead_s
         return LayerTime(forward_s=forward, backward_s=backward, compute_s=fwd_compute + bwd_compute,
-                         tp_comm_s=tp_fwd + tp_bwd, zero_comm_s=zero_fwd + zero_bwd, dp_sync_s=dp_sync)
+                         tp_comm_s=tp_fwd + tp_bwd, zero_comm_s=zero_fwd + zero_bwd, dp_sync_s=dp_sync,
+                         zero_edge_s=edge, overlap_window_s=max(0.0, 1.0 - slowdown) * backward,
+                         optimizer_s=optimizer)
 
     def tied_params(self, tp: int) -> int:
         """The weight a tied embedding and head share, per tp shard (vocab-parallel)."""
@@ -444,6 +498,15 @@ class StageCost:
     peak_phase: str = "backward"  # ... in its "forward" or its "backward"
     tied_sync_s: float = 0.0  # per step: a tied head's copy summed with the embedding's (runtime/tied.py)
     peak_gathered: int = 0  # the part of gathered_weights that is the peak layer's own gathers
+    # time (search/timing.py, docs/search.md): per micro-batch, the exposed first gather / last
+    # reduce-scatter (the largest of the stage's layers' ZeRO traffic, charged once per
+    # micro-batch in step_time_s); per step, the largest layer's data-parallel reduction (it ends
+    # the backward, nothing left to hide it) and the backward the others can hide behind; this
+    # stage's side of the boundary to the next stage (in p2p_s; the next stage pays its side).
+    zero_edge_s: float = 0.0
+    dp_edge_s: float = 0.0
+    overlap_window_s: float = 0.0
+    send_s: float = 0.0
 
     @property
     def activations(self) -> int:
@@ -461,7 +524,12 @@ class StageCost:
 
     @property
     def exposed_dp_s(self) -> float:
-        return max(0.0, self.dp_sync_s - self.backward_s)
+        """Per-step gradient reductions run layer by layer as the last micro-batch's backward
+        frees them; the last one (the stage's first layer) has nothing left to hide behind, and
+        all of them together hide at most behind the backward's overlap window."""
+        if self.dp_sync_s <= 0:
+            return 0.0
+        return max(self.dp_edge_s, self.dp_sync_s - self.overlap_window_s)
 
 
 def in_flight(stage: int, pp: int, num_micro_batches: int) -> int:
@@ -545,6 +613,7 @@ def _stage_cost_runs(cm: CostModel, group: NodeGroup, runs: Runs, *, stage: int,
 def _stage_cost(cm: CostModel, group: NodeGroup, runs: Runs, *, dp: int, tp: int, micro_batch: int,
                 num_micro_batches: int, next_group: NodeGroup | None) -> StageCost:
     fwd = bwd = compute = tp_comm = zero_comm = dp_sync = 0.0
+    zero_edge = dp_edge = window = optimizer_s = 0.0
     weights = gathered_weights = grads = opt = acts = params = 0
     # The running micro-batch at the stage's peak: the activations of the layers up to the peak
     # layer and that layer's transient (the other micro-batches in flight hold all of theirs).
@@ -570,6 +639,9 @@ def _stage_cost(cm: CostModel, group: NodeGroup, runs: Runs, *, dp: int, tp: int
         tp_comm += n * t.tp_comm_s
         zero_comm += n * t.zero_comm_s
         dp_sync += n * t.dp_sync_s
+        zero_edge, dp_edge = max(zero_edge, t.zero_edge_s), max(dp_edge, t.dp_sync_s)
+        window += n * t.overlap_window_s
+        optimizer_s += n * t.optimizer_s
         weights += n * m.weights
         gathered_weights += n * m.gathered_weights
         grads += n * m.gradients
@@ -578,11 +650,10 @@ def _stage_cost(cm: CostModel, group: NodeGroup, runs: Runs, *, dp: int, tp: int
         params += n * m.params
         if peak is None or acts + m.transient > peak[0]:
             peak = (acts + m.transient, acts, m, name)
-    act_msg = activation_message_bytes(cm, micro_batch)
-    p2p = 0.0
-    stage_size = dp * tp
-    if next_group is not None:  # send activations forward, receive their gradient back
-        p2p += 2 * cm.collective_s("p2p", act_msg, 2, cm.pp_link(group, next_group, stage_size), group.device)
+    # This stage's side of the boundary to the next (the next stage pays its own side of it:
+    # ``with_receives``).
+    send = boundary_s(cm, group, next_group, dp=dp, tp=tp, micro_batch=micro_batch) if next_group is not None else 0.0
+    p2p = send
     # Reported by what holds the bytes: the peak layer's gathered parameters with the gathered
     # weights, the rest of its transient (recompute, working set, loss) as transient.
     assert peak is not None
@@ -590,7 +661,6 @@ def _stage_cost(cm: CostModel, group: NodeGroup, runs: Runs, *, dp: int, tp: int
     gathered_weights += top.transient_gathered
     buffers, output, retained = pipeline_memory(cm, {r[0]: r[1] for r in runs}, micro_batch=micro_batch,
                                                 num_micro_batches=num_micro_batches, is_last=next_group is None)
-    optimizer_s = cm.optimizer_s(group, params)
     reserve = cm.reserve_bytes(group)
     return StageCost(time_s=fwd + bwd + p2p, forward_s=fwd, backward_s=bwd, compute_s=compute, tp_comm_s=tp_comm,
                      zero_comm_s=zero_comm, p2p_s=p2p, dp_sync_s=dp_sync, optimizer_s=optimizer_s,
@@ -599,7 +669,32 @@ def _stage_cost(cm: CostModel, group: NodeGroup, runs: Runs, *, dp: int, tp: int
                      retained_output=retained, in_flight=1, transient=top.transient - top.transient_gathered,
                      pipeline_buffers=buffers, reserve=reserve, capacity=group.memory_bytes,
                      peak_layer=peak_layer, peak_phase=top.peak_phase, tied_sync_s=tied_sync,
-                     peak_gathered=top.transient_gathered)
+                     peak_gathered=top.transient_gathered, zero_edge_s=zero_edge, dp_edge_s=dp_edge,
+                     overlap_window_s=window, send_s=send)
+
+
+def boundary_s(cm: CostModel, group: NodeGroup, other: NodeGroup, *, dp: int, tp: int, micro_batch: int) -> float:
+    """One side's time at a stage boundary per micro-batch: the activation one way in forward,
+    its gradient the other way in backward. Under tensor parallelism each rank sends only its
+    1/tp shard of the activation and the receiving tensor group all-gathers it (Megatron-LM's
+    scatter/gather); both sides are charged the gather, once each (in forward on one side, in
+    backward on the other). Priced only: the runtime still sends the whole activation."""
+    act_msg = activation_message_bytes(cm, micro_batch)
+    link = cm.pp_link(group, other, dp * tp)
+    shard = cm.collective_s("p2p", act_msg / tp, 2, link, group.device)
+    gather = cm.collective_s("all_gather", act_msg, tp, cm.tp_link(group, tp), group.device)
+    return 2 * shard + gather
+
+
+def with_receives(stages: Sequence[StageCost], *, wrap: bool = False) -> list[StageCost]:
+    """Each stage after the first also pays its side of the boundary before it: the same
+    transfers as the sender's side (both ranks wait for a blocking send and receive). With
+    ``wrap`` (interleaved schedules) the first stage receives what the last one sends on."""
+    out = list(stages)
+    for i in range(0 if wrap else 1, len(out)):
+        receive = stages[i - 1].send_s
+        out[i] = dataclasses.replace(out[i], time_s=out[i].time_s + receive, p2p_s=out[i].p2p_s + receive)
+    return out
 
 
 def interleaved_stage_cost(cm: CostModel, group: NodeGroup,
@@ -635,7 +730,9 @@ def interleaved_stage_cost(cm: CostModel, group: NodeGroup,
         output_per_mb=activation_message_bytes(cm, micro_batch), retained_output=add("retained_output"),
         in_flight=in_flight_chunks("interleaved-1f1b", stage, pp, len(chunks), num_micro_batches),
         transient=running.transient, pipeline_buffers=add("pipeline_buffers"), peak_layer=running.peak_layer,
-        peak_phase=running.peak_phase, tied_sync_s=add("tied_sync_s"))
+        peak_phase=running.peak_phase, tied_sync_s=add("tied_sync_s"),
+        zero_edge_s=max(p.zero_edge_s for p in parts), dp_edge_s=max(p.dp_edge_s for p in parts),
+        overlap_window_s=add("overlap_window_s"), send_s=add("send_s"))
 
 
 def activation_message_bytes(cm: CostModel, micro_batch: int) -> int:
@@ -674,9 +771,13 @@ def pipeline_time_s(stage_times: Sequence[float], num_micro_batches: int) -> flo
 
 
 def step_time_s(stages: Sequence[StageCost], num_micro_batches: int, *, schedule: str = "1f1b",
-                virtual_stages: int = 1) -> tuple[float, dict[str, float]]:
+                virtual_stages: int = 1, step_overhead_s: float = 0.0) -> tuple[float, dict[str, float]]:
     """Step time and its breakdown by cause (seconds per step). Under an interleaved schedule
-    each stage's time is its ranks' time for a micro-batch through all their virtual stages."""
+    each stage's time is its ranks' time for a micro-batch through all their virtual stages.
+    ``stages`` come with their receives (``with_receives``); ``step_overhead_s`` is the fixed
+    part (``CostModel.step_overhead_s``). The stages' exposed ZeRO edges are charged once per
+    micro-batch at the largest: the slowest stage sets the pipeline's pace (the edge inside each
+    stage's own time made CP-SAT's proofs several times slower)."""
     from partita.search.schedules import closed_form_s
 
     times = [s.time_s for s in stages]
@@ -684,18 +785,20 @@ def step_time_s(stages: Sequence[StageCost], num_micro_batches: int, *, schedule
     exposed_dp = max(s.exposed_dp_s for s in stages)
     optimizer = max(s.optimizer_s for s in stages)
     tied = max(s.tied_sync_s for s in stages)
-    total = pipe + exposed_dp + optimizer + tied
+    zero_edge = num_micro_batches * max(s.zero_edge_s for s in stages)
+    total = pipe + zero_edge + exposed_dp + optimizer + tied + step_overhead_s
     m = num_micro_batches
     slowest = max(stages, key=lambda s: s.time_s)
     busy = m * slowest.time_s
     breakdown = {
         "compute": m * slowest.compute_s,
         "tensor_parallel_comm": m * slowest.tp_comm_s,
-        "zero_exposed": max(0.0, busy - m * (slowest.compute_s + slowest.tp_comm_s + slowest.p2p_s)),
+        "zero_exposed": max(0.0, busy - m * (slowest.compute_s + slowest.tp_comm_s + slowest.p2p_s)) + zero_edge,
         "pipeline_send": m * slowest.p2p_s,
         "pipeline_bubble": pipe - busy,
         "data_parallel_exposed": exposed_dp,
         "optimizer": optimizer,
+        "step_overhead": step_overhead_s,
     }
     if tied:
         breakdown["tied_embedding_sync"] = tied

@@ -24,10 +24,11 @@ pipeline degree stays a decision: used slots are a prefix, and the first stage (
 embedding) is the highest used slot.
 
 Objective (the cost model's step time, integer microseconds; ``partita.units`` rounding):
-``(m - 1) * max_r T_r + sum_r T_r + max_r exposed_dp_r + max_r optimizer_r``. The solver's
-objective equals the evaluator's prediction of the returned plan up to that rounding: each
-per-layer term is rounded to the nearest microsecond, so they differ by at most
-``(m - 1 + pp) * (layers per stage + 1) / 2`` microseconds. Memory is in whole allocation
+``(m - 1) * max_r T_r + sum_r T_r + m * Z + max_r exposed_dp_r + max_r optimizer_r`` plus the
+fixed per-step overhead, with Z the largest stage's exposed ZeRO edge. The solver's objective
+equals the evaluator's prediction of the returned plan up to that rounding: each per-layer term
+is rounded to the nearest microsecond, so they differ by at most
+``(m - 1 + pp) * (layers per stage + 3) / 2 + m / 2 + 1`` microseconds. Memory is in whole allocation
 grains (``partita.units``: the cost model's byte counts are whole grains), summed as the
 evaluator sums them, so the solver accepts exactly the plans that fit.
 
@@ -50,7 +51,7 @@ from ortools.sat.python import cp_model
 import ortools
 from partita.cluster import NodeGroup
 from partita.plan import LayerStrategy, Plan, SolverReport
-from partita.search.costs import CostModel, activation_message_bytes, choice_of, stage_cost_counts
+from partita.search.costs import CostModel, activation_message_bytes, boundary_s, choice_of, stage_cost_counts
 from partita.search.evaluate import Evaluation, evaluate_layout
 from partita.search.uniform import (Layout, SearchSpace, UniformResult, batch_splits, divisors, hosts,
                                     infeasible_error, layer_tp, max_stages, sp_choices, tp_allowed)
@@ -87,6 +88,9 @@ class LayerTable:
     # A tied head on another stage than the embedding (its own copy of the shared weight):
     copy_transient_bytes: tuple[tuple[int, ...], ...] = ()
     tied_us: tuple[tuple[int, ...], ...] = ()  # per step: the copies' gradient sum and the copy's update
+    # Time terms a stage takes as the largest over its layers, or sums (costs.StageCost):
+    edge_us: tuple[tuple[int, ...], ...] = ()  # exposed ZeRO traffic if it is the stage's edge layer
+    window_us: tuple[tuple[int, ...], ...] = ()  # backward the data-parallel sync can hide behind
 
 
 @dataclass(frozen=True)
@@ -112,6 +116,7 @@ class Problem:
     extra_last: tuple[tuple[int, ...], ...] = ()
     extra_alone: tuple[tuple[int, ...], ...] = ()
     output_bytes: int = 0  # a stage's output (micro_batch x seq x hidden), kept per micro-batch in flight
+    step_overhead_us: int = 0  # the fixed per-step overhead (CostModel.step_overhead_s)
 
 
 def strategies_for(cm: CostModel, role: str, shape: Shape, space: SearchSpace) -> list[LayerStrategy]:
@@ -132,7 +137,7 @@ def layer_table(cm: CostModel, role: str, shape: Shape, groups: Sequence[NodeGro
     """The integer cost table of one kind. Dominated choices are dropped, except for a tied
     embedding and head, whose choices must be matched pairwise."""
     strategies = strategies_for(cm, role, shape, space)
-    rows: dict[str, list[list[int]]] = {k: [] for k in ("time", "bwd", "sync", "opt", "static", "act", "gath",
+    rows: dict[str, list[list[int]]] = {k: [] for k in ("time", "bwd", "sync", "opt", "static", "act", "gath", "edge", "win",
                                                          "copy_gath", "tied")}
     copy = role == "head" and cm.model.tie_embeddings
     for g in groups:
@@ -144,7 +149,9 @@ def layer_table(cm: CostModel, role: str, shape: Shape, groups: Sequence[NodeGro
             cols["time"].append(to_us(t.total_s))
             cols["bwd"].append(to_us(t.backward_s))
             cols["sync"].append(to_us(t.dp_sync_s))
-            cols["opt"].append(to_us(cm.optimizer_s(g, m.params)))
+            cols["opt"].append(to_us(t.optimizer_s))
+            cols["edge"].append(to_us(t.zero_edge_s))
+            cols["win"].append(to_us(t.overlap_window_s))
             cols["static"].append(to_grains(m.static_bytes))
             cols["act"].append(to_grains(m.activations))
             cols["gath"].append(to_grains(m.transient))
@@ -156,15 +163,15 @@ def layer_table(cm: CostModel, role: str, shape: Shape, groups: Sequence[NodeGro
                                           + cm.optimizer_s(g, mc.params - m.params)))
         for k in rows:
             rows[k].append(cols[k])
-    keep = list(range(len(strategies))) if cm.model.tie_embeddings and role != "block" else undominated([[rows[k][g][j] for k in ("time", "opt", "static", "act", "gath") for g in range(len(groups))]
-                        + [rows["sync"][g][j] - rows["bwd"][g][j] for g in range(len(groups))]
+    keep = list(range(len(strategies))) if cm.model.tie_embeddings and role != "block" else undominated([[rows[k][g][j] for k in ("time", "opt", "static", "act", "gath", "edge", "sync") for g in range(len(groups))]
+                        + [-rows["win"][g][j] for g in range(len(groups))]
                         for j in range(len(strategies))])
     strategies = [strategies[j] for j in keep]
     tup = lambda k: tuple(tuple(r[j] for j in keep) for r in rows[k])  # noqa: E731
     return LayerTable(strategies=tuple(strategies), time_us=tup("time"), backward_us=tup("bwd"), sync_us=tup("sync"),
                       optimizer_us=tup("opt"), static_bytes=tup("static"), act_bytes=tup("act"),
                       transient_bytes=tup("gath"), copy_transient_bytes=tup("copy_gath") if copy else (),
-                      tied_us=tup("tied") if copy else ())
+                      tied_us=tup("tied") if copy else (), edge_us=tup("edge"), window_us=tup("win"))
 
 
 def undominated(vectors: list[list[int]]) -> list[int]:
@@ -224,7 +231,8 @@ def build_problem(cm: CostModel, shape: Shape, space: SearchSpace) -> Problem | 
                    extra_middle=tuple(extra(g, False, False) for g in range(len(groups))),
                    extra_last=tuple(tuple(extra(g, False, True, k) for k in heads) for g in range(len(groups))),
                    extra_alone=tuple(tuple(extra(g, True, True, k) for k in heads) for g in range(len(groups))),
-                   output_bytes=to_grains(activation_message_bytes(cm, shape.micro_batch)))
+                   output_bytes=to_grains(activation_message_bytes(cm, shape.micro_batch)),
+                   step_overhead_us=to_us(cm.step_overhead_s))
 
 
 def _stage_extra_bytes(cm: CostModel, shape: Shape, groups: Sequence[NodeGroup], g: int, block: LayerTable,
@@ -253,8 +261,8 @@ def _stage_extra_bytes(cm: CostModel, shape: Shape, groups: Sequence[NodeGroup],
 
 
 def _p2p_us(cm: CostModel, a: NodeGroup, b: NodeGroup, shape: Shape) -> int:
-    msg = activation_message_bytes(cm, shape.micro_batch)
-    return to_us(2 * cm.collective_s("p2p", msg, 2, cm.pp_link(a, b, shape.stage_size), a.device))
+    """One side of the boundary between a stage on ``a`` and the next on ``b`` (each side pays it)."""
+    return to_us(boundary_s(cm, a, b, dp=shape.dp, tp=shape.tp, micro_batch=shape.micro_batch))
 
 
 def _lower_bound_us(cm: CostModel, shape: Shape, block: LayerTable, embed: LayerTable, head: LayerTable,
@@ -395,7 +403,9 @@ class StageFit:
         stage = self.curves[:, :pp].copy()
         if not empty_slots:  # the first stage is slot pp - 1; every other one receives activations
             stage[:, :pp - 1] = self.curves_not_first[:, :pp - 1]
-        stage[:, 1:] += self.least_p2p
+        stage[:, 1:] += self.least_p2p  # a used slot r >= 1 sends to slot r - 1 ...
+        if not empty_slots:  # ... and every stage but the first pays its side of the boundary before it
+            stage[:, :pp - 1] += self.least_p2p
         stage[:, 0] += self.least_head
         if not empty_slots:
             stage[:, pp - 1] += self.least_embed
@@ -407,7 +417,7 @@ class StageFit:
         return min(any_group, per_group) >= p.n_blocks
 
     def _floor(self, pp: int) -> float:
-        return self.work + (pp - 1) * self.least_p2p
+        return self.work + 2 * (pp - 1) * self.least_p2p  # each boundary is paid on both sides
 
     def prunes(self, incumbent_us: int) -> bool:
         """True if no plan of this shape can beat the incumbent."""
@@ -477,10 +487,11 @@ class PlanModel:
         self.u = [[m.new_bool_var(f"u[{r},{k}]") for k in range(nb)] for r in range(K)]  # strategy k used in slot r
         # The longest a stage can take: every layer at its slowest choice, plus a send.
         most = lambda t: max(max(row) for row in t.time_us)  # noqa: E731
-        horizon = p.n_blocks * most(p.block) + most(p.embed) + most(p.head) + max(max(r) for r in p.p2p_us)
+        horizon = p.n_blocks * most(p.block) + most(p.embed) + most(p.head) + 2 * max(max(r) for r in p.p2p_us)
         self.T = [m.new_int_var(0, horizon, f"T[{r}]") for r in range(K)]
         self.T_max = m.new_int_var(0, horizon, "T_max")
         self.E = m.new_int_var(0, horizon, "exposed_dp")
+        self.Z = m.new_int_var(0, horizon, "zero_edge")  # the largest stage edge, per micro-batch
         self.O = m.new_int_var(0, horizon, "optimizer")
         self.upper_bound_us = upper_bound_us
 
@@ -587,15 +598,37 @@ class PlanModel:
                 head = [self.h[g][k] for g in range(G) for k, s in enumerate(p.head.strategies) if key(s) == choice]
                 self.m.add(sum(embed) == sum(head))
 
-    # (T) stage time: its layers plus the send to the next stage (slot r - 1) and back.
+    # (T) stage time: its layers and its side of each boundary: the send to the next stage (slot
+    # r - 1) and the gradient back, the receive from the stage before (slot r + 1) and its gradient.
     def add_stage_time(self) -> None:
         p = self.p
+        boundary = [self._p2p(r) if r > 0 else 0 for r in range(p.slots)]
         for r in range(p.slots):
             expr = self._block_sum(r, p.block.time_us) + self._embed_sum(r, p.embed.time_us) + self._head_sum(r, p.head.time_us)
-            if r > 0:
-                expr += self._p2p(r)
+            if r > 0:  # its side of the boundary to the next stage ...
+                expr += boundary[r]
+            if r + 1 < p.slots:  # ... and of the one from the stage before (nothing when that slot is unused)
+                expr += boundary[r + 1]
             self.m.add(self.T[r] == expr)
             self.m.add(self.T_max >= self.T[r])
+
+    def _at_least_each_layer(self, var: cp_model.IntVar, r: int, field: str) -> None:
+        """var >= ``field`` of every layer slot r holds, on the group it sits on (the objective
+        grows with var, so the solver sets it to the largest)."""
+        p = self.p
+        G = len(p.groups)
+        tables = [getattr(t, field) for t in (p.block, p.embed, p.head)]
+        for g in range(G):
+            for k, v in enumerate(tables[0][g]):
+                if v:
+                    self.m.add(var >= v).only_enforce_if([self.u[r][k], self.y[r][g]])
+            for k, v in enumerate(tables[1][g]):
+                if v:
+                    self.m.add(var >= v * self.e[r][g][k])
+            if r == 0:
+                for k, v in enumerate(tables[2][g]):
+                    if v:
+                        self.m.add(var >= v * self.h[g][k])
 
     def _p2p(self, r: int) -> cp_model.LinearExpr:
         """Send cost between slot r and slot r - 1, through pair booleans w[g][h] = y[r][g] and y[r-1][h]."""
@@ -681,14 +714,19 @@ class PlanModel:
                     self.m.add(var >= p.extra_last[g][k]).only_enforce_if([self.h[g][k], first.Not()])
         return var
 
-    # (D) exposed data-parallel sync (what sticks out of a stage's last backward) and the
+    # (D) exposed data-parallel sync (what sticks out of the overlap window of a stage's last
+    # backward, and at least its largest layer's reduction), the exposed ZeRO edge (a stage's
+    # largest layer's per-micro-batch ZeRO traffic, charged m times in the objective) and the
     # optimizer step, each the maximum over stages.
     def add_data_parallel_and_optimizer(self) -> None:
         p = self.p
         for r in range(p.slots):
             sync = self._block_sum(r, p.block.sync_us) + self._embed_sum(r, p.embed.sync_us) + self._head_sum(r, p.head.sync_us)
-            bwd = self._block_sum(r, p.block.backward_us) + self._embed_sum(r, p.embed.backward_us) + self._head_sum(r, p.head.backward_us)
-            self.m.add(self.E >= sync - bwd)
+            window = (self._block_sum(r, p.block.window_us) + self._embed_sum(r, p.embed.window_us)
+                      + self._head_sum(r, p.head.window_us))
+            self.m.add(self.E >= sync - window)
+            self._at_least_each_layer(self.E, r, "sync_us")  # the last reduction hides behind nothing
+            self._at_least_each_layer(self.Z, r, "edge_us")
             opt = (self._block_sum(r, p.block.optimizer_us) + self._embed_sum(r, p.embed.optimizer_us)
                    + self._head_sum(r, p.head.optimizer_us))
             self.m.add(self.O >= opt)
@@ -705,7 +743,8 @@ class PlanModel:
     # (O) the 1F1B step time; bounded by the incumbent so only better plans are searched.
     def add_objective(self) -> None:
         m_count = self.p.shape.num_micro_batches
-        self.objective = (m_count - 1) * self.T_max + sum(self.T) + self.E + self.O + self.tied_sync
+        self.objective = ((m_count - 1) * self.T_max + sum(self.T) + m_count * self.Z + self.E + self.O + self.tied_sync
+                          + self.p.step_overhead_us)
         if self.upper_bound_us is not None:
             self.m.add(self.objective <= self.upper_bound_us)
         self.m.add(self.objective >= self.p.lower_bound_us)

@@ -9,7 +9,7 @@ from partita.cluster import NodeGroup
 from partita.devices import get_device
 from partita.plan import LayerStrategy, Plan, Prediction, StageMemory
 from partita.search.costs import (CostModel, LayerChoice, StageCost, interleaved_stage_cost, stage_cost,
-                                  stage_cost_counts, step_time_s)
+                                  stage_cost_counts, step_time_s, with_receives)
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,8 @@ def evaluate_layout(cm: CostModel, stages: Sequence[tuple[NodeGroup, Sequence[La
         next_group = stages[i + 1][0] if i + 1 < pp else None
         costs.append(stage_cost(cm, group, layers, stage=i, pp=pp, dp=dp, tp=tp, micro_batch=micro_batch,
                                 num_micro_batches=num_micro_batches, next_group=next_group))
-    step, breakdown = step_time_s(costs, num_micro_batches)
+    costs = with_receives(costs)  # each stage also pays its side of the boundary before it
+    step, breakdown = step_time_s(costs, num_micro_batches, step_overhead_s=cm.step_overhead_s)
     return Evaluation(step_time_s=step, breakdown=breakdown, stages=tuple(costs))
 
 
@@ -48,7 +49,8 @@ def evaluate_counts(cm: CostModel, stages: Sequence[tuple[NodeGroup, Mapping[Lay
     costs = [stage_cost_counts(cm, group, counts, stage=i, pp=pp, dp=dp, tp=tp, micro_batch=micro_batch,
                                num_micro_batches=num_micro_batches, next_group=stages[i + 1][0] if i + 1 < pp else None)
              for i, (group, counts) in enumerate(stages)]
-    step, breakdown = step_time_s(costs, num_micro_batches)
+    costs = with_receives(costs)  # each stage also pays its side of the boundary before it
+    step, breakdown = step_time_s(costs, num_micro_batches, step_overhead_s=cm.step_overhead_s)
     return Evaluation(step_time_s=step, breakdown=breakdown, stages=tuple(costs))
 
 
@@ -74,7 +76,9 @@ def evaluate_interleaved(cm: CostModel, stages: Sequence[tuple[NodeGroup, Sequen
         nexts = [stages[i + 1][0] if i + 1 < pp else (stages[0][0] if c + 1 < v else None) for c in range(v)]
         costs.append(interleaved_stage_cost(cm, group, chunks, stage=i, pp=pp, dp=dp, tp=tp, micro_batch=micro_batch,
                                             num_micro_batches=num_micro_batches, next_groups=nexts))
-    step, breakdown = step_time_s(costs, num_micro_batches, schedule=schedule, virtual_stages=v)
+    costs = with_receives(costs, wrap=True)  # each stage also pays its side of the boundaries before its chunks
+    step, breakdown = step_time_s(costs, num_micro_batches, schedule=schedule, virtual_stages=v,
+                                  step_overhead_s=cm.step_overhead_s)
     return Evaluation(step_time_s=step, breakdown=breakdown, stages=tuple(costs))
 
 

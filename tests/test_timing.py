@@ -1,0 +1,133 @@
+"""The time side of the cost model (search/timing.py and its use in search/costs.py): op counts
+against the dispatcher, overlap, host floors, both sides of a pipeline boundary, the exposed
+ZeRO edge and data-parallel sync, and a calibration's constants."""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from partita.cluster import parse_short
+from partita.model import load_model
+from partita.plan import LayerStrategy
+from partita.profile import Calibration, Profile, Provenance
+from partita.runtime.models import build_layer
+from partita.search.costs import CostModel
+from partita.search.evaluate import evaluate_layout
+from partita.search.timing import (GQA_EXTRA_OPS, host_bound_s, layer_ops, overlapped_s, param_tensors)
+
+
+class _Count(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _dispatched(model_name: str, role: str) -> tuple[int, int]:
+    spec = load_model(model_name)
+    layer = build_layer(spec, role, device="cpu")
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.02)
+    x = torch.randint(0, spec.vocab, (1, 8)) if role == "embed" else torch.randn(1, 8, spec.hidden, requires_grad=True)
+    with _Count() as fwd:
+        y = layer(x)
+        if role == "head":
+            y = F.cross_entropy(y.flatten(0, 1).float(), torch.randint(0, spec.vocab, (8,)))
+    grad = torch.ones_like(y) if role != "head" else None
+    with _Count() as bwd:
+        y.backward(grad)
+    return fwd.n, bwd.n
+
+
+@pytest.mark.parametrize("model_name", ["tiny-llama", "tiny-gpt2", "llama-2-7b"])
+@pytest.mark.parametrize("role", ["embed", "block", "head"])
+def test_op_counts_are_what_the_dispatcher_sees(model_name, role):
+    spec = load_model(model_name)
+    assert layer_ops(spec.kinds[role]) == _dispatched(model_name, role)
+
+
+def test_grouped_query_attention_adds_the_repeat():
+    gqa, mha = load_model("tiny-llama").kinds["block"], load_model("llama-2-7b").kinds["block"]
+    assert gqa.heads != gqa.kv_heads and mha.heads == mha.kv_heads
+    assert layer_ops(gqa)[0] - layer_ops(mha)[0] == GQA_EXTRA_OPS[0]
+
+
+def test_parameter_tensors_match_the_runtime_layers():
+    for name in ("tiny-llama", "tiny-gpt2"):
+        spec = load_model(name)
+        for role in ("embed", "block", "head"):
+            layer = build_layer(spec, role, device="cpu")
+            assert param_tensors(spec.kinds[role]) == len(list(layer.parameters())), (name, role)
+
+
+def test_overlap_and_host_floor_formulas():
+    assert overlapped_s(10.0, 4.0, 0.0) == 10.0  # perfect overlap
+    assert overlapped_s(10.0, 4.0, 1.0) == 14.0  # none
+    assert overlapped_s(10.0, 4.0, 0.189) == pytest.approx(10.756)
+    assert overlapped_s(2.0, 4.0, 0.5) == 4.0  # communication-bound: the pass lasts the traffic
+    assert host_bound_s(1e-3, 100, 5e-6, on_cpu=False) == 1e-3  # a GPU: the larger
+    assert host_bound_s(1e-4, 100, 5e-6, on_cpu=False) == 5e-4
+    assert host_bound_s(1e-4, 100, 5e-6, on_cpu=True) == pytest.approx(6e-4)  # a CPU: the sum
+
+
+def _calibrated(device: str, **constants) -> Profile:
+    values = dict(compute_scale=1.0, op_overhead_s=5e-6, overlap_slowdown=0.189, step_overhead_s=1e-3) | constants
+    return Profile(device=device, dtype="bf16" if device != "cpu" else "fp32",
+                   provenance=Provenance(source="calibrated", device_name=device), calibration=Calibration(**values))
+
+
+def test_a_calibration_scales_analytic_compute_and_sets_the_host_floor():
+    model, cluster = load_model("tiny-llama"), parse_short("2xcpu")
+    base = CostModel(model, cluster, seq_len=64).compute("block", "cpu", 1, 1)
+    twice = CostModel(model, cluster, seq_len=64, profiles=[_calibrated("cpu", compute_scale=2.0, op_overhead_s=3e-6)])
+    c = twice.compute("block", "cpu", 1, 1)
+    ops_fwd, _ = layer_ops(model.kinds["block"])
+    device_fwd = base.forward_s - ops_fwd * 3e-6  # the default CPU op overhead is 3 us
+    assert c.forward_s == pytest.approx(2 * device_fwd + ops_fwd * 3e-6)
+    assert twice.cost_sources() == {"cpu": "calibrated"}
+
+
+def test_fsdp_gathers_slow_compute_and_the_first_gather_is_exposed():
+    model, cluster = load_model("llama-2-7b"), parse_short("8xH100")
+    g = cluster.groups[0]
+    z3 = LayerStrategy(name="layers.0", zero=3)
+    perfect = CostModel(model, cluster, seq_len=4096, profiles=[_calibrated("H100", overlap_slowdown=0.0)])
+    slowed = CostModel(model, cluster, seq_len=4096, profiles=[_calibrated("H100", overlap_slowdown=0.5)])
+    t0, t1 = (cm.layer_time("block", g, z3, dp=8, micro_batch=1) for cm in (perfect, slowed))
+    assert t1.forward_s > t0.forward_s and t1.zero_edge_s == pytest.approx(0.5 * t0.zero_edge_s)
+    assert t0.zero_edge_s == pytest.approx(t0.zero_comm_s)
+    layers = [LayerStrategy(name="embed", zero=3)] + [dataclasses.replace(z3, name=f"layers.{i}") for i in range(32)] \
+        + [LayerStrategy(name="head", zero=3)]
+    ev = evaluate_layout(perfect, [(g, layers)], dp=8, tp=1, micro_batch=1, num_micro_batches=4)
+    assert ev.breakdown["zero_exposed"] >= 4 * max(perfect.layer_time("block", g, z3, dp=8, micro_batch=1).zero_edge_s,
+                                                   0.0)
+
+
+def test_data_parallel_sync_exposes_at_least_the_last_reduction():
+    model, cluster = load_model("llama-2-7b"), parse_short("2x8xH100")
+    g = cluster.groups[0]
+    cm = CostModel(model, cluster, seq_len=4096)
+    layers = [LayerStrategy(name="embed")] + [LayerStrategy(name=f"layers.{i}") for i in range(32)] \
+        + [LayerStrategy(name="head")]
+    ev = evaluate_layout(cm, [(g, layers)], dp=16, tp=1, micro_batch=1, num_micro_batches=1)
+    largest = max(cm.layer_time(role, g, LayerStrategy(name=role), dp=16, micro_batch=1).dp_sync_s
+                  for role in ("embed", "block", "head"))
+    assert ev.breakdown["data_parallel_exposed"] >= largest > 0
+
+
+def test_both_sides_of_a_stage_boundary_pay_for_it():
+    model, cluster = load_model("tiny-llama"), parse_short("2xcpu")
+    cm = CostModel(model, cluster, seq_len=64)
+    g = cluster.groups[0]
+    first = [LayerStrategy(name="embed")] + [LayerStrategy(name=f"layers.{i}") for i in range(3)]
+    last = [LayerStrategy(name=f"layers.{i}") for i in range(3, 6)] + [LayerStrategy(name="head")]
+    ev = evaluate_layout(cm, [(g, first), (g, last)], dp=1, tp=1, micro_batch=1, num_micro_batches=4)
+    send = ev.stages[0].p2p_s
+    assert send > 0 and ev.stages[1].p2p_s == pytest.approx(send)
