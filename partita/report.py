@@ -250,6 +250,8 @@ def timeline_figure(plan: Plan, tl: Timeline) -> "Figure":
     kinds = sorted({b.kind for b in tl.boxes}, key=list(COLOURS).index)
     handles = [Patch(color=COLOURS[k], label=KIND_NAMES.get(k, {"send": "send", "sync": "grad sync + optimizer"}.get(k)))
                for k in kinds] + [Patch(color=COLOURS["idle"], label="idle")]
+    if tl.virtual_stages > 1:
+        handles.append(Patch(color=COLOURS["F"], alpha=0.65, label="lighter: the rank's 2nd, 4th, ... virtual stage"))
     if tl.predicted_step_s is not None:
         handles.append(plt.Line2D([], [], color="black", linestyle="--", label="predicted step"))
     fig.legend(handles=handles, loc="outside lower center", ncol=len(handles), frameon=False, fontsize=8)
