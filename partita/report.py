@@ -6,9 +6,9 @@
 The timeline plays the schedule the plan runs (``partita.search.schedules.torch_actions``:
 torch's own action lists; 1F1B needs no torch) with each stage's forward and backward time from
 the cost model, scaled so that a stage's forward + backward + sends equal the time the plan's
-prediction records for it (a plan made with a measured profile keeps its own numbers). Sends
-are latencies between ranks, drawn under the action that sends; each rank ends its step with
-its gradient sync and optimizer. The dashed line is the plan's predicted step (the search's
+prediction records for it (a plan made with a measured profile keeps its own numbers). A send
+holds its sender and delays its receiver (drawn under the action that sends); each rank ends its
+step with its gradient sync, optimizer and the step's fixed overhead. The dashed line is the plan's predicted step (the search's
 closed form, which never undercuts the schedule played here).
 
 matplotlib is imported inside the functions that draw, so ``import partita`` stays light.
@@ -108,7 +108,9 @@ def timeline(actions: Sequence[Sequence["Action"]], forward_s: Sequence[float], 
     """Play the ranks' action lists as ``schedules.simulate`` does and keep every action's start
     and end: ``forward_s[s]``/``backward_s[s]`` per micro-batch of torch stage s,
     ``send_s[s]`` for a message between stages s and s + 1 (either way) when they sit on
-    different ranks. Sends come back as boxes of kind "send" on the sending rank."""
+    different ranks. Unlike ``simulate``, a send also holds its sender (both sides of a blocking
+    send wait, as ``costs.with_receives`` prices it); sends come back as boxes of kind "send"
+    on the sending rank. Without sends the two agree."""
     rank_of = {a.stage: r for r, row in enumerate(actions) for a in row}
     last = max(rank_of)
     done: dict[tuple[str, int, int], float] = {}
@@ -150,7 +152,9 @@ def timeline(actions: Sequence[Sequence["Action"]], forward_s: Sequence[float], 
                 boxes.append(Box(r, a.stage, a.kind, a.micro_batch, start, clock[r]))
                 to = a.stage + 1 if a.kind == "F" else a.stage - 1
                 if a.kind in ("F", "B", "I") and 0 <= to <= last and rank_of[to] != r:
+                    # The sender waits for its send (blocking, as the cost model prices it).
                     boxes.append(Box(r, a.stage, "send", a.micro_batch, clock[r], clock[r] + hop(a.stage, to)))
+                    clock[r] += hop(a.stage, to)
                 pos[r] += 1
                 remaining -= 1
                 progressed = True
@@ -190,17 +194,22 @@ def plan_timeline(plan: Plan, cluster: "ClusterSpec") -> Timeline:
         fwd_total = sum(p.forward_s for p in parts) or 1.0
         bwd_total = sum(p.backward_s for p in parts) or 1.0
         hops = sum(1 for c in range(v) if c * pp + i < pp * v - 1)
+        # The exposed first gather and last reduce-scatter of ZeRO (the step charges them per
+        # micro-batch) are drawn inside the forward and the backward, half each.
+        edge = cost.zero_edge_s / 2
         for c, part in enumerate(parts):
             k = c * pp + i
-            forward[k] = scale * cost.forward_s * part.forward_s / fwd_total
-            backward[k] = scale * cost.backward_s * part.backward_s / bwd_total
-            send[k] = scale * cost.p2p_s / (2 * hops) if hops else 0.0
+            forward[k] = scale * (cost.forward_s + edge) * part.forward_s / fwd_total
+            backward[k] = scale * (cost.backward_s + edge) * part.backward_s / bwd_total
+            # A boundary's two messages (activations on, their gradient back), each way one.
+            send[k] = scale * cost.send_s / (2 * hops) if hops else 0.0
     boxes = timeline(actions, forward, backward, send)
     tails = [c.exposed_dp_s + c.optimizer_s + c.tied_sync_s for c in ev.stages]
-    if plan.prediction is not None and max(tails) > 0:
-        recorded = sum(plan.prediction.breakdown.get(k, 0.0)
-                       for k in ("data_parallel_exposed", "optimizer", "tied_embedding_sync"))
-        tails = [t * recorded / max(tails) for t in tails]
+    if plan.prediction is not None:
+        recorded = plan.prediction.breakdown
+        after = sum(recorded.get(k, 0.0) for k in ("data_parallel_exposed", "optimizer", "tied_embedding_sync"))
+        tails = [t * after / max(tails) if max(tails) > 0 else 0.0 for t in tails]
+        tails = [t + recorded.get("step_overhead", 0.0) for t in tails]
     for r in range(pp):
         end = max(b.end_s for b in boxes if b.rank == r and b.kind != "send")
         boxes.append(Box(r, r, "sync", -1, end, end + tails[r]))
@@ -410,8 +419,9 @@ svg, img {{ max-width: 100%; height: auto; }}
 <h2>Summary</h2>
 <table>{"".join(f"<tr><th>{e(k)}</th><td>{e(v)}</td></tr>" for k, v in summary)}</table>
 <h2>Pipeline timeline of one step</h2>
-<p class="note">The schedule the plan runs, played with each stage's predicted times; sends are the thin bars
-under the rank that sends; the dashed line is the predicted step.</p>
+<p class="note">The schedule the plan runs, played with each stage's predicted times; a send (the thin bars under
+the rank that sends) holds the sender; each rank ends with its gradient sync and optimizer; the dashed line is the
+predicted step.</p>
 {_svg(timeline_figure(plan, tl))}
 <h2>Memory per device</h2>
 {_svg(memory_figure(plan))}

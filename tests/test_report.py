@@ -83,8 +83,13 @@ def test_timeline_plays_the_schedule():
             assert start[("F", s, mb)] >= end[("F", s - 1, mb)]
             assert start[("B", s - 1, mb)] >= end[("B", s, mb)]
     with_sends = timeline(acts, f, b, [0.25, 0.25, 0.0])
-    assert max(x.end_s for x in with_sends) == pytest.approx(simulate(acts, f, b, send_s=0.25).makespan_s)
-    assert sum(1 for x in with_sends if x.kind == "send") == 2 * 2 * 5  # two boundaries, both ways
+    sends = [x for x in with_sends if x.kind == "send"]
+    assert len(sends) == 2 * 2 * 5  # two boundaries, both ways
+    # A send holds its sender: the rank's next action starts after it.
+    for x in sends:
+        later = [y.start_s for y in with_sends if y.rank == x.rank and y.kind != "send" and y.start_s >= x.start_s]
+        assert not later or min(later) >= x.end_s - 1e-12
+    assert max(x.end_s for x in with_sends) >= simulate(acts, f, b, send_s=0.25).makespan_s
 
 
 def test_report_is_one_file_with_the_plan_the_bars_and_the_pictures(plans, tmp_path):
