@@ -8,8 +8,8 @@ torch's own action lists; 1F1B needs no torch) with each stage's forward and bac
 the cost model, scaled so that a stage's forward + backward + sends equal the time the plan's
 prediction records for it (a plan made with a measured profile keeps its own numbers). A send
 holds its sender and delays its receiver (drawn under the action that sends); each rank ends its
-step with its gradient sync, optimizer and the step's fixed overhead. The dashed line is the plan's predicted step (the search's
-closed form, which never undercuts the schedule played here).
+step with its gradient sync, optimizer and the step's fixed overhead. The dashed line is the
+plan's predicted step (the search's closed form, ``schedules.closed_form_s``).
 
 matplotlib is imported inside the functions that draw, so ``import partita`` stays light.
 """
@@ -38,7 +38,8 @@ TIMELINE_FORMATS = (".svg", ".png")
 REPORT_FORMATS = (".html", ".htm")
 COLOURS = {"F": "#4C78A8", "B": "#F58518", "I": "#F58518", "W": "#E45756", "send": "#54A24B",
            "sync": "#B279A2", "idle": "#EEEEEE"}
-KIND_NAMES = {"F": "forward", "B": "backward", "I": "backward (input)", "W": "weight gradient"}
+KIND_NAMES = {"F": "forward", "B": "backward", "I": "backward (input)", "W": "weight gradient", "send": "send",
+              "sync": "grad sync + optimizer"}
 MEMORY_COLOURS = dict(zip(StageMemory.CATEGORIES, ("#4C78A8", "#9ECAE9", "#F58518", "#FFBF79", "#54A24B",
                                                     "#E45756", "#B279A2", "#BAB0AC")))
 
@@ -54,7 +55,8 @@ def output_path(flag: str, text: str, formats: Sequence[str]) -> Path:
         if path.is_dir():
             raise PartitaError(f"{flag} {text}: is a directory; give a file name inside it")
         if not path.parent.is_dir():
-            raise PartitaError(f"{flag} {text}: no such directory {str(path.parent)!r}; create it first or write elsewhere")
+            raise PartitaError(f"{flag} {text}: no such directory {str(path.parent)!r}; "
+                               f"create it first or write elsewhere")
         if not os.access(path.parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
             raise PartitaError(f"{flag} {text}: no permission to write there; choose another path")
     except (OSError, ValueError):  # a name no file can have (too long, a NUL byte)
@@ -221,8 +223,9 @@ def plan_timeline(plan: Plan, cluster: "ClusterSpec") -> Timeline:
 def title_of(plan: Plan) -> str:
     schedule = plan.schedule + (f" ({plan.virtual_stages} virtual stages per rank)" if plan.virtual_stages > 1 else "")
     step = f", predicted step {fmt_seconds(plan.prediction.step_time_s)}" if plan.prediction else ""
+    m = plan.num_micro_batches
     return (f"{plan.model.get('name', '?')} on {plan.cluster.get('name', '?')}: dp {plan.dp} x tp {plan.tp} x pp "
-            f"{plan.pp}, {plan.num_micro_batches} micro-batch{'es' if plan.num_micro_batches > 1 else ''}, {schedule}{step}")
+            f"{plan.pp}, {m} micro-batch{'es' if m > 1 else ''}, {schedule}{step}")
 
 
 def timeline_figure(plan: Plan, tl: Timeline) -> "Figure":
@@ -236,18 +239,20 @@ def timeline_figure(plan: Plan, tl: Timeline) -> "Figure":
     room = tl.count("F") / tl.pp <= 24  # few enough boxes per row to number them
     for r in range(tl.pp):
         ax.add_patch(Rectangle((0, r - 0.4), tl.end_s * scale, 0.8, facecolor=COLOURS["idle"], edgecolor="none"))
-    for n, b in enumerate(tl.boxes):
-        x, w = b.start_s * scale, (b.end_s - b.start_s) * scale
+    for r in range(tl.pp):  # one artist per rank for its sends: there are as many as actions
+        sends = [(b.start_s * scale, (b.end_s - b.start_s) * scale)
+                 for b in tl.boxes if b.kind == "send" and b.rank == r]
+        if sends:
+            ax.broken_barh(sends, (r + 0.3, 0.1), facecolors=COLOURS["send"], gid=f"sends-r{r}")
+    for b in tl.boxes:
         if b.kind == "send":
-            if w > 0:
-                ax.add_patch(Rectangle((x, b.rank + 0.3), w, 0.1, facecolor=COLOURS["send"], edgecolor="none",
-                                       gid=f"send-{n}"))
             continue
+        x, w = b.start_s * scale, (b.end_s - b.start_s) * scale
         # Virtual stages after the first are drawn lighter, so a rank's chunks can be told apart.
         chunk = b.stage // tl.pp if b.kind != "sync" else 0
+        gid = f"sync-r{b.rank}" if b.kind == "sync" else f"{b.kind}-r{b.rank}-s{b.stage}-mb{b.micro_batch}"
         ax.add_patch(Rectangle((x, b.rank - 0.35), w, 0.65, facecolor=COLOURS[b.kind], edgecolor="white",
-                               linewidth=0.4, alpha=1.0 - 0.35 * (chunk % 2),
-                               gid=f"{b.kind}-r{b.rank}-s{b.stage}-mb{b.micro_batch}"))
+                               linewidth=0.4, alpha=1.0 - 0.35 * (chunk % 2), gid=gid))
         if room and b.kind != "sync":
             ax.text(x + w / 2, b.rank - 0.02, str(b.micro_batch), ha="center", va="center", fontsize=7, color="white")
     if tl.predicted_step_s is not None:
@@ -257,8 +262,8 @@ def timeline_figure(plan: Plan, tl: Timeline) -> "Figure":
     ax.set_yticks(range(tl.pp), [f"stage {r}" for r in range(tl.pp)])
     ax.set_xlabel(f"time in the step ({unit})")
     kinds = sorted({b.kind for b in tl.boxes}, key=list(COLOURS).index)
-    handles = [Patch(color=COLOURS[k], label=KIND_NAMES.get(k, {"send": "send", "sync": "grad sync + optimizer"}.get(k)))
-               for k in kinds] + [Patch(color=COLOURS["idle"], label="idle")]
+    handles = [Patch(color=COLOURS[k], label=KIND_NAMES[k]) for k in kinds]
+    handles.append(Patch(color=COLOURS["idle"], label="idle"))
     if tl.virtual_stages > 1:
         handles.append(Patch(color=COLOURS["F"], alpha=0.65, label="lighter: the rank's 2nd, 4th, ... virtual stage"))
     if tl.predicted_step_s is not None:
@@ -428,7 +433,8 @@ predicted step.</p>
 <table><tr><th>GiB</th>{"".join(f"<th>{c}</th>" for c in used)}<th>peak</th><th>capacity</th></tr>{memory_rows}</table>
 <h2>Stages on the cluster</h2>
 <img alt="stages placed on the cluster" src="data:image/png;base64,{_png_base64(cluster_figure(plan, cluster))}">
-<table><tr><th>stage</th><th>node group</th><th>device</th><th>ranks</th><th>layers</th><th>time per micro-batch</th></tr>
+<table><tr><th>stage</th><th>node group</th><th>device</th><th>ranks</th><th>layers</th>
+<th>time per micro-batch</th></tr>
 {stage_rows}</table>
 <table><tr><th>node group</th><th>devices</th><th>ranks</th><th>stages</th></tr>{group_rows}</table>
 </body></html>

@@ -133,7 +133,8 @@ def test_bad_picture_paths_are_one_line_and_exit_2(plans, tmp_path, capsys, flag
 
 def test_without_torch_1f1b_draws_and_interleaved_says_why(plans, tmp_path):
     def run(plan, out):
-        program = BLOCK_TORCH + f"from partita.cli import main\nsys.exit(main(['show', {str(plan)!r}, '--timeline', {str(out)!r}]))\n"
+        argv = ["show", str(plan), "--timeline", str(out)]
+        program = BLOCK_TORCH + f"from partita.cli import main\nsys.exit(main({argv!r}))\n"
         return subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
 
     r = run(plans["1f1b"], tmp_path / "a.svg")
