@@ -85,7 +85,7 @@ def test_plan_flags_pin_the_space(tmp_path):
 
 def test_check_refuses_a_hand_edited_tp_that_does_not_divide(tmp_path):
     out = tmp_path / "p.yaml"
-    assert main(["plan", "--model", "tiny-llama", "--cluster", "4xcpu", "--search", "uniform", "-o", str(out)]) == 0
+    assert main(["plan", "--model", "tiny-llama", "--cluster", "4xcpu", "--search", "uniform", "--pp", "1", "-o", str(out)]) == 0
     data = yaml.safe_load(out.read_text())
     data["dp"], data["tp"] = 1, 3
     data["global_batch"] = data["micro_batch"] * data["num_micro_batches"]
