@@ -22,7 +22,8 @@ What is fitted, in this order:
    weak pull, ``PRIOR_WEIGHT``, towards the starting values). The start is the default, except
    for the host overhead per op, which every run measures on a shrunken copy of its own block
    (``runtime.commprobe.probe_op_overhead``): the fit starts there. Observations per stage: the
-   forward (with the loss) and backward of one micro-batch and the optimizer step; per run: the
+   forward (with the loss) and backward of one micro-batch (a step's spans over its micro-batches:
+   all of an interleaved stage's virtual stages) and the optimizer step; per run: the
    step time (less the longest wait of its ranks for a core, ``step_times``); each the median
    over every step but the first (warm-up) and the stage's ranks.
 
@@ -116,9 +117,11 @@ def load_run(path: str | Path) -> Run:
         rows = [r for r in timed if r.get("stage") == s]
         if not rows:
             raise PartitaError(f"{path}: no timings of stage {s} in metrics.jsonl; record the run again")
-        fwd = [f + (r["loss_s"][i] if i < len(r.get("loss_s") or []) else 0.0)
-               for r in rows for i, f in enumerate(r["forward_s"])]
-        bwd = [b for r in rows for b in r["backward_s"]]
+        # Per micro-batch: a step's spans over its micro-batches (an interleaved stage runs several
+        # virtual stages per micro-batch, one span each; the cost model's stage time is all of them).
+        m = plan.num_micro_batches
+        fwd = [(sum(r["forward_s"]) + sum(r.get("loss_s") or [])) / m for r in rows]
+        bwd = [sum(r["backward_s"]) / m for r in rows]
         opt = [o for r in rows for o in r["optimizer_s"]]
         stages.append(StageTimes(statistics.median(fwd), statistics.median(bwd), statistics.median(opt)))
     step = statistics.median(step_times(timed))
