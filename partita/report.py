@@ -107,62 +107,16 @@ class Timeline:
 
 def timeline(actions: Sequence[Sequence["Action"]], forward_s: Sequence[float], backward_s: Sequence[float],
              send_s: Sequence[float], *, weight_share: float = 0.5) -> list[Box]:
-    """Play the ranks' action lists as ``schedules.simulate`` does and keep every action's start
-    and end: ``forward_s[s]``/``backward_s[s]`` per micro-batch of torch stage s,
-    ``send_s[s]`` for a message between stages s and s + 1 (either way) when they sit on
-    different ranks. Unlike ``simulate``, a send also holds its sender (both sides of a blocking
-    send wait, as ``costs.with_receives`` prices it); sends come back as boxes of kind "send"
-    on the sending rank. Without sends the two agree."""
-    rank_of = {a.stage: r for r, row in enumerate(actions) for a in row}
-    last = max(rank_of)
-    done: dict[tuple[str, int, int], float] = {}
-    clock = [0.0] * len(actions)
-    pos = [0] * len(actions)
-    boxes: list[Box] = []
+    """Every action's start and end as ``schedules.play`` plays it: ``forward_s[s]``/
+    ``backward_s[s]`` per micro-batch of torch stage s, ``send_s[s]`` for a message between
+    stages s and s + 1 (either way) when they sit on different ranks. A send also holds its
+    sender (both sides of a blocking send wait, as ``costs.with_receives`` prices it) and comes
+    back as a box of kind "send" on the sending rank. Without sends this is ``simulate``'s play."""
+    from partita.search.schedules import play
 
-    def hop(a: int, b: int) -> float:
-        return send_s[min(a, b)] if rank_of[a] != rank_of[b] else 0.0
-
-    def ready(a: "Action") -> float | None:
-        if a.kind == "F":
-            if a.stage == 0:
-                return 0.0
-            t = done.get(("F", a.stage - 1, a.micro_batch))
-            return None if t is None else t + hop(a.stage - 1, a.stage)
-        if a.kind == "W":
-            return done.get(("I", a.stage, a.micro_batch))
-        own = done.get(("F", a.stage, a.micro_batch))
-        if own is None or a.stage == last:
-            return own
-        t = done.get(("B", a.stage + 1, a.micro_batch), done.get(("I", a.stage + 1, a.micro_batch)))
-        return None if t is None else max(own, t + hop(a.stage, a.stage + 1))
-
-    remaining = sum(len(row) for row in actions)
-    while remaining:
-        progressed = False
-        for r, row in enumerate(actions):
-            while pos[r] < len(row):
-                a = row[pos[r]]
-                at = ready(a)
-                if at is None:
-                    break
-                share = {"F": None, "B": 1.0, "I": 1 - weight_share, "W": weight_share}[a.kind]
-                dur = forward_s[a.stage] if share is None else backward_s[a.stage] * share
-                start = max(clock[r], at)
-                clock[r] = start + dur
-                done[(a.kind, a.stage, a.micro_batch)] = clock[r]
-                boxes.append(Box(r, a.stage, a.kind, a.micro_batch, start, clock[r]))
-                to = a.stage + 1 if a.kind == "F" else a.stage - 1
-                if a.kind in ("F", "B", "I") and 0 <= to <= last and rank_of[to] != r:
-                    # The sender waits for its send (blocking, as the cost model prices it).
-                    boxes.append(Box(r, a.stage, "send", a.micro_batch, clock[r], clock[r] + hop(a.stage, to)))
-                    clock[r] += hop(a.stage, to)
-                pos[r] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            raise PartitaError("the pipeline schedule's actions wait on each other (deadlock)")
-    return boxes
+    return [Box(e.rank, e.stage, e.kind, e.micro_batch, e.start_s, e.end_s)
+            for e in play(actions, forward_s, backward_s, weight_share=weight_share,
+                          send_s=lambda a, b: send_s[min(a, b)], blocking_sends=True)]
 
 
 def plan_timeline(plan: Plan, cluster: "ClusterSpec") -> Timeline:

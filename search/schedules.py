@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Sequence
+from typing import Callable, Sequence
 
 from partita.errors import PartitaError
 
@@ -116,74 +116,97 @@ def _one_f_one_b(rank: int, pp: int, m: int) -> tuple[Action, ...]:
     return tuple(acts)
 
 
-def simulate(actions: Sequence[Sequence[Action]], forward_s: Sequence[float], backward_s: Sequence[float], *,
-             weight_share: float = 0.5, send_s: float = 0.0) -> Simulation:
+@dataclass(frozen=True)
+class Event:
+    """One action played on one rank, in seconds from the step's start."""
+
+    rank: int
+    stage: int
+    kind: str  # "F", "B", "I", "W", or "send" (a blocking send, on the sending rank)
+    micro_batch: int
+    start_s: float
+    end_s: float
+
+
+def play(actions: Sequence[Sequence[Action]], forward_s: Sequence[float], backward_s: Sequence[float], *,
+         weight_share: float = 0.5, send_s: float | Callable[[int, int], float] = 0.0,
+         blocking_sends: bool = False) -> list[Event]:
     """Play the ranks' action lists: ``forward_s[s]``/``backward_s[s]`` per micro-batch of stage
     s; a split backward spends ``weight_share`` of it in W and the rest in I. A forward waits
     for the previous stage's forward of its micro-batch, a backward (or I) for the next stage's,
-    each plus ``send_s`` when the two stages sit on different ranks."""
+    each plus the send between the two stages when they sit on different ranks (``send_s``, a
+    time or a function of the two stages). With ``blocking_sends`` a send also holds its sender
+    (both sides of a blocking send wait), and comes back as an event of kind "send"."""
     rank_of = {a.stage: r for r, row in enumerate(actions) for a in row}
     last = max(rank_of)
+    send = send_s if callable(send_s) else (lambda a, b: send_s)
+
+    def hop(a: int, b: int) -> float:
+        return send(a, b) if rank_of[a] != rank_of[b] else 0.0
+
+    def ready(a: Action) -> float | None:
+        if a.kind == "F":
+            if a.stage == 0:
+                return 0.0
+            t = done.get(("F", a.stage - 1, a.micro_batch))
+            return None if t is None else t + hop(a.stage - 1, a.stage)
+        if a.kind == "W":
+            return done.get(("I", a.stage, a.micro_batch))
+        own = done.get(("F", a.stage, a.micro_batch))
+        if own is None or a.stage == last:
+            return own
+        t = done.get(("B", a.stage + 1, a.micro_batch), done.get(("I", a.stage + 1, a.micro_batch)))
+        return None if t is None else max(own, t + hop(a.stage, a.stage + 1))
+
+    share = {"F": None, "B": 1.0, "I": 1 - weight_share, "W": weight_share}
     done: dict[tuple[str, int, int], float] = {}
     clock = [0.0] * len(actions)
-    busy = [0.0] * len(actions)
     pos = [0] * len(actions)
-    holding = [0] * len(actions)
-    most = [0] * len(actions)
+    events: list[Event] = []
     remaining = sum(len(row) for row in actions)
     while remaining:
         progressed = False
         for r, row in enumerate(actions):
             while pos[r] < len(row):
                 a = row[pos[r]]
-                ready = _ready(a, done, rank_of, last, send_s)
-                if ready is None:
+                at = ready(a)
+                if at is None:
                     break
-                if a.kind == "F":
-                    dur = forward_s[a.stage]
-                elif a.kind == "B":
-                    dur = backward_s[a.stage]
-                elif a.kind == "I":
-                    dur = backward_s[a.stage] * (1 - weight_share)
-                else:
-                    dur = backward_s[a.stage] * weight_share
-                start = max(clock[r], ready)
+                dur = forward_s[a.stage] if share[a.kind] is None else backward_s[a.stage] * share[a.kind]
+                start = max(clock[r], at)
                 clock[r] = start + dur
-                busy[r] += dur
                 done[(a.kind, a.stage, a.micro_batch)] = clock[r]
-                if a.kind == "F":
-                    holding[r] += 1
-                    most[r] = max(most[r], holding[r])
-                elif a.kind in ("B", "W"):
-                    holding[r] -= 1
+                events.append(Event(r, a.stage, a.kind, a.micro_batch, start, clock[r]))
+                to = a.stage + 1 if a.kind == "F" else a.stage - 1
+                if blocking_sends and a.kind in ("F", "B", "I") and 0 <= to <= last and rank_of[to] != r:
+                    events.append(Event(r, a.stage, "send", a.micro_batch, clock[r], clock[r] + hop(a.stage, to)))
+                    clock[r] += hop(a.stage, to)
                 pos[r] += 1
                 remaining -= 1
                 progressed = True
         if not progressed:
             raise PartitaError("the pipeline schedule's actions wait on each other (deadlock)")
-    return Simulation(makespan_s=max(clock), busy_s=tuple(busy), in_flight=tuple(most))
+    return events
 
 
-def _ready(a: Action, done: dict, rank_of: dict[int, int], last: int, send_s: float) -> float | None:
-    def after(key: tuple[str, int, int], other_stage: int) -> float | None:
-        t = done.get(key)
-        if t is None:
-            return None
-        return t + (send_s if rank_of[other_stage] != rank_of[a.stage] else 0.0)
-
-    if a.kind == "F":
-        return 0.0 if a.stage == 0 else after(("F", a.stage - 1, a.micro_batch), a.stage - 1)
-    if a.kind == "W":
-        return done.get(("I", a.stage, a.micro_batch))
-    own = done.get(("F", a.stage, a.micro_batch))
-    if own is None:
-        return None
-    if a.stage == last:
-        return own
-    nxt = after(("B", a.stage + 1, a.micro_batch), a.stage + 1)
-    if nxt is None:
-        nxt = after(("I", a.stage + 1, a.micro_batch), a.stage + 1)
-    return None if nxt is None else max(own, nxt)
+def simulate(actions: Sequence[Sequence[Action]], forward_s: Sequence[float], backward_s: Sequence[float], *,
+             weight_share: float = 0.5, send_s: float = 0.0) -> Simulation:
+    """``play`` the ranks' action lists (sends not blocking): the makespan, each rank's busy
+    time and the most (stage, micro-batch) pairs whose activations it holds at once (a forward
+    adds one, a whole backward or a weight-gradient pass frees it)."""
+    busy = [0.0] * len(actions)
+    holding = [0] * len(actions)
+    most = [0] * len(actions)
+    end = 0.0
+    for e in play(actions, forward_s, backward_s, weight_share=weight_share, send_s=send_s):
+        busy[e.rank] += e.end_s - e.start_s
+        end = max(end, e.end_s)
+        if e.kind == "F":
+            holding[e.rank] += 1
+            most[e.rank] = max(most[e.rank], holding[e.rank])
+        elif e.kind in ("B", "W"):
+            holding[e.rank] -= 1
+    return Simulation(makespan_s=end, busy_s=tuple(busy), in_flight=tuple(most))
 
 
 def closed_form_s(schedule: str, rank_times: Sequence[float], m: int, v: int) -> float:
