@@ -137,23 +137,26 @@ class PipelineRunner:
         # of plan stage i is torch's stage c * pp + i; each runs only its own layers.
         chunks = stage.chunk_layers()
         n_stages = plan.pp * len(chunks)
+        # Under an interleaved schedule each virtual stage sets the gradient policy of its own
+        # layers' FSDP units; the root unit (a tied embedding or head, if any) goes with the
+        # virtual stage that holds it.
+        root_chunk = next((c for c, ls in enumerate(chunks) if {l.name for l in ls} & {"embed", "head"}), 0)
+        self.model = model
         self.modules, self.stages = [], []
         for c, layers in enumerate(chunks):
-            names = {l.name for l in layers}
+            if len(chunks) > 1:
+                names = {l.name for l in layers}
+                own = [u for u in units if u.name in names or (u.name == "" and c == root_chunk)]
+                module = _StageModule(model, own, self.n, only=tuple(sorted(names)))
+            else:
+                module = _StageModule(model, units, self.n)
             index = c * plan.pp + stage.index
-            # Each virtual stage sets the gradient policy of its own layers' FSDP units; the root
-            # unit (a tied embedding or head, if any) goes with the virtual stage that holds it.
-            root_chunk = next((i for i, ls in enumerate(chunks) if {l.name for l in ls} & {"embed", "head"}), 0)
-            own = [u for u in units if u.name in names or (u.name == "" and c == root_chunk)]
-            module = _StageModule(model, own, self.n, only=tuple(sorted(names))) if len(chunks) > 1 \
-                else _StageModule(model, units, self.n)
             first, last = index == 0, index == n_stages - 1
             inputs = meta(b, s, dtype=torch.int64) if first else meta(b, s, spec_hidden)
             outputs = meta(b, s, vocab) if last else meta(b, s, spec_hidden)
             self.modules.append(module)
             self.stages.append(PipelineStage(module, index, n_stages, device, input_args=inputs, output_args=outputs,
                                              group=meshes.pp.get_group()))
-        self.module, self.stage = self.modules[0], self.stages[0]
         self.loss_scale = 1.0
         self.timer = timer or PhaseTimer(device)
         self._time_stage_chunks()
@@ -164,7 +167,7 @@ class PipelineRunner:
             self.schedule = ScheduleInterleaved1F1B(self.stages, n_microbatches=self.n, loss_fn=self._scaled_loss,
                                                     scale_grads=False)
         else:
-            self.schedule = Schedule1F1B(self.stage, n_microbatches=self.n, loss_fn=self._scaled_loss,
+            self.schedule = Schedule1F1B(self.stages[0], n_microbatches=self.n, loss_fn=self._scaled_loss,
                                          scale_grads=True)
 
     def _time_stage_chunks(self) -> None:
@@ -210,7 +213,7 @@ class PipelineRunner:
                 raise RuntimeError(f"pipeline stage ran {module.forwards} forwards for {self.n} micro-batches")
         if len(self.stages) > 1:
             with torch.no_grad():
-                for p in self.module.model.parameters():
+                for p in self.model.parameters():
                     if p.grad is not None:
                         p.grad.div_(self.n)
         return torch.stack([l.detach() for l in losses]).sum() / loss_scale if self.is_last else None

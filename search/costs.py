@@ -130,7 +130,6 @@ class LayerMemory:
     gradients: int  # at their peak: accumulated unsharded, or the sharded result
     optimizer: int
     activations: int  # one micro-batch, as kept for backward
-    recompute_peak: int  # extra bytes while this layer is recomputed in backward (part of ``transient``)
     transient: int  # extra bytes at the layer's own peak moment (``peak_phase``), beyond the activations
     transient_gathered: int  # the part of ``transient`` that is gathered parameters
     params: int  # parameters on this device (for the optimizer step)
@@ -352,11 +351,13 @@ class CostModel:
         backward: exposed. Priced on the last stage's link to another stage (on a mixed cluster
         the first stage's group may be slower; not modelled). The copy's own data-parallel
         reduction at ZeRO 0-1 is exposed as well (it waits for the last micro-batch); at ZeRO 2-3
-        its per-micro-batch gathers and reductions ride on the head's matrix product."""
+        its per-micro-batch gathers and reductions ride on the head's matrix product. The copy's
+        optimizer update is counted here too (on this stage only)."""
         shard = dp if zero >= 1 and dp > 1 else 1
         grad = self.tied_params(tp) * REDUCE_BYTES // shard
         link = self.pp_link(group, group, dp * tp)
         t = self.collective_s("all_reduce", grad, 2, link, group.device)
+        t += self.optimizer_s(group, self.tied_params(tp) // shard)
         if dp > 1 and zero == 0:
             t += self.collective_s("all_reduce", self.tied_params(tp) * REDUCE_BYTES, dp, self.dp_link(group, dp, tp),
                                    group.device)
@@ -449,7 +450,7 @@ class CostModel:
         up = round_up_to_grain  # every byte count in whole allocation grains (partita.units)
         return LayerMemory(weights=up(weights), gathered_weights=up(gathered), gradients=up(gradients),
                            optimizer=up(optimizer), activations=up(kept),
-                           recompute_peak=up(recompute_extra), transient=up(transient_gathered) + up(transient - transient_gathered),
+                           transient=up(transient_gathered) + up(transient - transient_gathered),
                            transient_gathered=up(transient_gathered), params=local_params, peak_phase=phase)
 
     def _block_backward_transient(self, tp: int, micro_batch: int) -> int:
@@ -614,7 +615,7 @@ def _stage_cost(cm: CostModel, group: NodeGroup, runs: Runs, *, dp: int, tp: int
                 num_micro_batches: int, next_group: NodeGroup | None) -> StageCost:
     fwd = bwd = compute = tp_comm = zero_comm = dp_sync = 0.0
     zero_edge = dp_edge = window = optimizer_s = 0.0
-    weights = gathered_weights = grads = opt = acts = params = 0
+    weights = gathered_weights = grads = opt = acts = 0
     # The running micro-batch at the stage's peak: the activations of the layers up to the peak
     # layer and that layer's transient (the other micro-batches in flight hold all of theirs).
     peak: tuple[int, int, LayerMemory, str] | None = None  # (acts so far + transient, acts so far, memory, name)
@@ -622,17 +623,12 @@ def _stage_cost(cm: CostModel, group: NodeGroup, runs: Runs, *, dp: int, tp: int
     tied_copy = cm.model.tie_embeddings and "head" in roles and "embed" not in roles
     tied_sync = 0.0
     for choice, n, name in runs:
-        copy = tied_copy and choice[0] == "head"
+        holds_copy = tied_copy and choice[0] == "head"
         t = cm.layer_time_of(choice, group, dp=dp, micro_batch=micro_batch)
         m = cm.layer_memory_of(choice, group.device, dp=dp, micro_batch=micro_batch,
-                               num_micro_batches=num_micro_batches, tied_copy=copy)
-        if copy:
-            # The copy's optimizer update is counted with its sync (per step, on this stage only).
-            plain = cm.layer_memory_of(choice, group.device, dp=dp, micro_batch=micro_batch,
-                                       num_micro_batches=num_micro_batches)
-            tied_sync = (cm.tied_sync_s(group, dp=dp, tp=choice[1], zero=choice[3])
-                         + cm.optimizer_s(group, m.params - plain.params))
-            params -= n * (m.params - plain.params)
+                               num_micro_batches=num_micro_batches, tied_copy=holds_copy)
+        if holds_copy:  # its state is in m; its gradient sum and update in the tied sync
+            tied_sync = cm.tied_sync_s(group, dp=dp, tp=choice[1], zero=choice[3])
         fwd += n * t.forward_s
         bwd += n * t.backward_s
         compute += n * t.compute_s
@@ -647,7 +643,6 @@ def _stage_cost(cm: CostModel, group: NodeGroup, runs: Runs, *, dp: int, tp: int
         grads += n * m.gradients
         opt += n * m.optimizer
         acts += n * m.activations  # the run's last layer sees the most activations before it
-        params += n * m.params
         if peak is None or acts + m.transient > peak[0]:
             peak = (acts + m.transient, acts, m, name)
     # This stage's side of the boundary to the next (the next stage pays its own side of it:

@@ -159,8 +159,7 @@ def layer_table(cm: CostModel, role: str, shape: Shape, groups: Sequence[NodeGro
                 mc = cm.layer_memory(role, g.device, s, dp=shape.dp, micro_batch=shape.micro_batch,
                                      num_micro_batches=shape.num_micro_batches, tied_copy=True)
                 cols["copy_gath"].append(to_grains(mc.transient))
-                cols["tied"].append(to_us(cm.tied_sync_s(g, dp=shape.dp, tp=s.tensor_parallel, zero=s.zero)
-                                          + cm.optimizer_s(g, mc.params - m.params)))
+                cols["tied"].append(to_us(cm.tied_sync_s(g, dp=shape.dp, tp=s.tensor_parallel, zero=s.zero)))
         for k in rows:
             rows[k].append(cols[k])
     keep = list(range(len(strategies))) if cm.model.tie_embeddings and role != "block" else undominated([[rows[k][g][j] for k in ("time", "opt", "static", "act", "gath", "edge", "sync") for g in range(len(groups))]
