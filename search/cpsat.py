@@ -51,7 +51,8 @@ from ortools.sat.python import cp_model
 import ortools
 from partita.cluster import NodeGroup
 from partita.plan import LayerStrategy, Plan, SolverReport
-from partita.search.costs import CostModel, activation_message_bytes, boundary_s, choice_of, stage_cost_counts
+from partita.search.costs import (CostModel, activation_message_bytes, boundary_s, canonical_order, choice_of,
+                                  stage_cost_counts)
 from partita.search.evaluate import Evaluation, evaluate_layout
 from partita.search.uniform import (Layout, SearchSpace, UniformResult, batch_splits, divisors, hosts,
                                     infeasible_error, layer_tp, max_stages, sp_choices, tp_allowed)
@@ -91,6 +92,7 @@ class LayerTable:
     # Time terms a stage takes as the largest over its layers, or sums (costs.StageCost):
     edge_us: tuple[tuple[int, ...], ...] = ()  # exposed ZeRO traffic if it is the stage's edge layer
     window_us: tuple[tuple[int, ...], ...] = ()  # backward the data-parallel sync can hide behind
+    order: tuple[tuple[int, ...], ...] = ()  # [g]: the strategies in a stage's canonical order
 
 
 @dataclass(frozen=True)
@@ -167,10 +169,17 @@ def layer_table(cm: CostModel, role: str, shape: Shape, groups: Sequence[NodeGro
                         for j in range(len(strategies))])
     strategies = [strategies[j] for j in keep]
     tup = lambda k: tuple(tuple(r[j] for j in keep) for r in rows[k])  # noqa: E731
+    # The order the evaluator prices a stage's layers in and the plan writes them in
+    # (``costs.canonical_order``), per group, as indices into ``strategies``.
+    choices = [choice_of(cm.model, dataclasses.replace(s, name="layers.0" if role == "block" else role))
+               for s in strategies]
+    order = tuple(tuple(choices.index(c) for c in canonical_order(
+        cm, g.device, choices, dp=shape.dp, micro_batch=shape.micro_batch,
+        num_micro_batches=shape.num_micro_batches)) for g in groups)
     return LayerTable(strategies=tuple(strategies), time_us=tup("time"), backward_us=tup("bwd"), sync_us=tup("sync"),
                       optimizer_us=tup("opt"), static_bytes=tup("static"), act_bytes=tup("act"),
                       transient_bytes=tup("gath"), copy_transient_bytes=tup("copy_gath") if copy else (),
-                      tied_us=tup("tied") if copy else (), edge_us=tup("edge"), window_us=tup("win"))
+                      tied_us=tup("tied") if copy else (), edge_us=tup("edge"), window_us=tup("win"), order=order)
 
 
 def undominated(vectors: list[list[int]]) -> list[int]:
@@ -674,7 +683,7 @@ class PlanModel:
                         self.m.add(base + p.embed.act_bytes[g][k] + p.embed.transient_bytes[g][k] <= cap
                                    ).only_enforce_if(self.e[r][g][k])
                 prefix = embed_acts
-                for k in block_order(p.block, g):
+                for k in p.block.order[g]:
                     prefix = prefix + p.block.act_bytes[g][k] * self.c[r][g][k]
                     if p.block.transient_bytes[g][k]:
                         self.m.add(base + prefix + p.block.transient_bytes[g][k] <= cap
@@ -808,7 +817,7 @@ class PlanModel:
             if s == 0:
                 k = next(k for g2 in range(G) for k in range(len(p.embed.strategies)) if solver.value(self.e[r][g2][k]))
                 layers.append(dataclasses.replace(p.embed.strategies[k], name="embed"))
-            for k in block_order(p.block, g):
+            for k in p.block.order[g]:
                 strat = p.block.strategies[k]
                 for _ in range(solver.value(self.c[r][g][k])):
                     layers.append(dataclasses.replace(strat, name=f"layers.{next_block}"))
@@ -821,14 +830,6 @@ class PlanModel:
         sh = p.shape
         return Layout(stage_groups=tuple(stage_groups), stage_layers=tuple(stage_layers), dp=sh.dp, tp=sh.tp,
                       micro_batch=sh.micro_batch, num_micro_batches=sh.num_micro_batches)
-
-
-def block_order(block: LayerTable, g: int) -> list[int]:
-    """The block choices in a stage's canonical order on group g (``costs.canonical_order``):
-    by decreasing transient, ties by the choice itself."""
-    return sorted(range(len(block.strategies)), key=lambda k: (
-        -block.transient_bytes[g][k], (block.strategies[k].tensor_parallel, block.strategies[k].sequence_parallel,
-                                       block.strategies[k].zero, block.strategies[k].recompute)))
 
 
 def _same(a: LayerStrategy, b: LayerStrategy) -> bool:
