@@ -93,6 +93,20 @@ class LayerTable:
     edge_us: tuple[tuple[int, ...], ...] = ()  # exposed ZeRO traffic if it is the stage's edge layer
     window_us: tuple[tuple[int, ...], ...] = ()  # backward the data-parallel sync can hide behind
     order: tuple[tuple[int, ...], ...] = ()  # [g]: the strategies in a stage's canonical order
+    # [g][k]: the choices a subproblem allows (``edge_levels``); empty: every one.
+    allowed: tuple[tuple[bool, ...], ...] = ()
+
+    def allows(self, g: int, k: int) -> bool:
+        return not self.allowed or self.allowed[g][k]
+
+    def on(self, g: int) -> list[int]:
+        """The choices allowed on group g."""
+        return [k for k in range(len(self.strategies)) if self.allows(g, k)]
+
+    def least(self, field: str) -> int:
+        """The least of a field over every allowed (group, choice); a huge number if none is."""
+        table = getattr(self, field)
+        return min((table[g][k] for g in range(len(table)) for k in self.on(g)), default=NEVER)
 
 
 @dataclass(frozen=True)
@@ -119,6 +133,14 @@ class Problem:
     extra_alone: tuple[tuple[int, ...], ...] = ()
     output_bytes: int = 0  # a stage's output (micro_batch x seq x hidden), kept per micro-batch in flight
     step_overhead_us: int = 0  # the fixed per-step overhead (CostModel.step_overhead_s)
+    # A subproblem of the shape (``edge_levels``): only the choices whose exposed ZeRO edge is
+    # at most the ceiling, and the edge term Z at least the floor; None: the whole shape.
+    edge_ceiling_us: int | None = None
+    edge_floor_us: int = 0
+
+    @property
+    def key(self) -> tuple[Shape, int | None]:
+        return self.shape, self.edge_ceiling_us
 
 
 def strategies_for(cm: CostModel, role: str, shape: Shape, space: SearchSpace) -> list[LayerStrategy]:
@@ -243,6 +265,42 @@ def build_problem(cm: CostModel, shape: Shape, space: SearchSpace) -> Problem | 
                    step_overhead_us=to_us(cm.step_overhead_s))
 
 
+EDGE_LEVEL_RATIO = 1.25  # edge values within this ratio of the level's least share a subproblem
+
+
+def edge_levels(p: Problem) -> list[Problem]:
+    """The shape split by its largest exposed ZeRO edge (Z, paid m times a step). The distinct
+    edge values, grouped into levels [lo, hi] (values within ``EDGE_LEVEL_RATIO`` of each other:
+    on a mixed cluster one choice's edge differs a little from group to group), give one
+    subproblem each, allowing only the choices whose edge is at most hi and holding Z >= lo.
+    Every plan of the shape is in the subproblem of its own largest edge, priced exactly, and in
+    those above it priced at least as high, so the least over the subproblems is the shape's
+    optimum. What the split buys is bounds: a relaxation free to pick any choice must still pay
+    the edge of the lean (ZeRO-3) ones m times, so they stop making every shape look cheap."""
+    tables = (p.block, p.embed, p.head)
+    values = sorted({v for t in tables for row in t.edge_us for v in row})
+    levels: list[list[int]] = []
+    for v in values:
+        if levels and v <= EDGE_LEVEL_RATIO * levels[-1][0]:
+            levels[-1][1] = v
+        else:
+            levels.append([v, v])
+    if len(levels) <= 1:
+        return [p]
+    out = []
+    m = p.shape.num_micro_batches
+    for lo, hi in levels:
+        block, embed, head = (dataclasses.replace(t, allowed=tuple(tuple(v <= hi for v in row) for row in t.edge_us))
+                              for t in tables)
+        if min(t.least("time_us") for t in (block, embed, head)) >= NEVER:
+            continue  # some layer has no choice this low
+        work = p.n_blocks * block.least("time_us") + embed.least("time_us") + head.least("time_us")
+        lb = int(math.floor(work * (m - 1 + p.slots) / p.slots)) + m * lo
+        out.append(dataclasses.replace(p, block=block, embed=embed, head=head, edge_floor_us=lo, edge_ceiling_us=hi,
+                                       lower_bound_us=lb))
+    return out
+
+
 def _stage_extra_bytes(cm: CostModel, shape: Shape, groups: Sequence[NodeGroup], g: int, block: LayerTable,
                        embed: LayerTable, head: LayerTable, *, first: bool, last: bool, head_k: int) -> int:
     """A stage's peak under the evaluator, less the reserve and its layers' own terms (static
@@ -277,8 +335,7 @@ def _lower_bound_us(cm: CostModel, shape: Shape, block: LayerTable, embed: Layer
                     slots: int) -> int:
     """A proven bound for the shape: the least total work W (each layer at its cheapest group and
     strategy), and (m - 1) * max T + sum T >= W * (m - 1 + pp) / pp >= W * (m - 1 + K) / K."""
-    least = lambda t: min(min(row) for row in t.time_us)  # noqa: E731
-    work = cm.model.n_layers * least(block) + least(embed) + least(head)
+    work = cm.model.n_layers * block.least("time_us") + embed.least("time_us") + head.least("time_us")
     m = shape.num_micro_batches
     return int(math.floor(work * (m - 1 + slots) / slots))
 
@@ -335,80 +392,158 @@ class StageFit:
         self.p = p
         self.m = p.shape.num_micro_batches
         N, G = p.n_blocks, len(p.groups)
-        n = np.arange(1, N + 1, dtype=float)
-        self.least_embed = min(min(r) for r in p.embed.time_us)
-        self.least_head = min(min(r) for r in p.head.time_us)
+        self.least_embed = p.embed.least("time_us")
+        self.least_head = p.head.least("time_us")
         self.least_p2p = min(min(r) for r in p.p2p_us)
-        self.work = N * min(min(r) for r in p.block.time_us) + self.least_embed + self.least_head
-        head_room = min(min(r) for r in p.head.static_bytes)
-        # [group, slot, blocks]: least stage time of its blocks, for a slot that may hold the
-        # first stage, and (tighter) for one that does not: a stage after the first also keeps an
-        # activation receive buffer per micro-batch.
-        self.curves = self._curves(n, head_room, first=True)
-        self.curves_not_first = self._curves(n, head_room, first=False)
+        self.work = N * p.block.least("time_us") + self.least_embed + self.least_head
+        # The objective's terms no stage choice changes: a subproblem's edge m x Z, the step overhead.
+        self.fixed = self.m * p.edge_floor_us + p.step_overhead_us
+        # [group, slot, blocks]: least stage time of its blocks, for a slot holding the first
+        # stage (slot 0: the only one), for one that does not, and for either. First the cheap
+        # fractional envelope (``_envelope``), then, for shapes it does not prune, the whole-block
+        # curves (``tighten``).
+        self.curves = self._envelope(first=True)
+        self.curves_not_first = self._envelope(first=False)
+        self.curves_any = np.minimum(self.curves, self.curves_not_first)
+        self.tight = False
 
-    def _curves(self, n: np.ndarray, head_room: int, *, first: bool) -> np.ndarray:
-        p = self.p
+    def tighten(self) -> None:
+        """Replace the envelope by the whole-block curves (``integer_curve``); bounds are recomputed."""
+        if self.tight:
+            return
+        p, G = self.p, len(self.p.groups)
+        self.curves = np.array([[self.integer_curve(r, g, first=True) for r in range(p.slots)] for g in range(G)])
+        self.curves_not_first = np.array([[self.integer_curve(r, g, first=False) for r in range(p.slots)]
+                                          for g in range(G)])
+        self.curves_any = np.minimum(self.curves, self.curves_not_first)
+        self.tight = True
+        self.__dict__.pop("_tau", None)
+        self.__dict__.pop("_tau_at", None)
+
+    def _envelope(self, *, first: bool) -> np.ndarray:
+        """Least time of n blocks in each (group, slot) when blocks may mix choices fractionally:
+        n x the (memory, time) envelope of the allowed choices at the slot's room / n (the LP
+        relaxation of the stage; transients left out). ``first``: a slot that may hold the first
+        stage; otherwise (tighter) one that keeps an activation receive buffer per micro-batch."""
+        p, N = self.p, self.p.n_blocks
+        n = np.arange(1, N + 1, dtype=float)
+        head_room = p.head.least("static_bytes")
         recv = 0 if first else self.m * p.output_bytes
-        by_key: dict[tuple[int, int], np.ndarray] = {}
         rows = []
         for g in range(len(p.groups)):
             row = []
+            allowed = p.block.on(g)
             for r in range(p.slots):
                 k = min(r + 1, self.m)
-                key = (k if r > 0 else -k, g)  # slot 0 also holds the head
-                if key not in by_key:
-                    mem = np.array([p.block.static_bytes[g][j] + k * p.block.act_bytes[g][j]
-                                    for j in range(len(p.block.strategies))], float)
-                    xs, ys = _hull(mem, np.array(p.block.time_us[g], float))
-                    room = p.capacity_bytes[g] - (head_room if r == 0 else 0) - _slot_floor(p, r, k) - recv
-                    per_block = room / n
-                    avg = np.interp(per_block, xs, ys)  # beyond the last point: the fastest choice
-                    avg[per_block < xs[0]] = np.inf  # not even the leanest choice fits
-                    by_key[key] = np.concatenate([[0.0], n * avg])
-                row.append(by_key[key])
+                if not allowed:
+                    row.append(np.concatenate([[0.0], np.full(N, np.inf)]))
+                    continue
+                mem = np.array([p.block.static_bytes[g][j] + k * p.block.act_bytes[g][j] for j in allowed], float)
+                xs, ys = _hull(mem, np.array([p.block.time_us[g][j] for j in allowed], float))
+                room = p.capacity_bytes[g] - (head_room if r == 0 else 0) - _slot_floor(p, r, k) - recv
+                per_block = room / n
+                avg = np.interp(per_block, xs, ys)  # beyond the last point: the fastest choice
+                avg[per_block < xs[0]] = np.inf  # not even the leanest choice fits
+                row.append(np.concatenate([[0.0], n * avg]))
             rows.append(np.stack(row))
         return np.stack(rows)
 
-    def integer_curve(self, r: int, g: int, grain_steps: int = 1024) -> np.ndarray:
+    def integer_curve(self, r: int, g: int, grain_steps: int = 4096, *, first: bool | None = None) -> np.ndarray:
         """Least time of n = 0..N whole blocks in slot r on group g within its memory (blocks
-        may mix choices), by dynamic programming over a memory grid. Memory of each choice is
-        rounded *down* to the grid, so the curve stays a lower bound; transients are left out."""
-        key = ("int", r, g)
+        may mix choices), by dynamic programming over a memory grid; inf where n blocks cannot
+        fit. A lower bound on the slot's block time, as tight as two of the memory rows (M) allow:
+
+        - at the last layer in the canonical order (the used choice of least transient, j):
+          static + k x activations of every block + j's transient;
+        - at the first (the used choice of largest transient, h): static + (k - 1) x every
+          block's activations + h's own activations (at least one block's) + h's transient;
+
+        each beside the least the slot holds whatever its layers (its place's schedule extra,
+        outputs in flight, a last stage's head). ``first`` says whether the slot holds the
+        first stage (for slot 0: the only one), None either. Each row is a knapsack over the choices a
+        prefix of the canonical order allows, solved for every prefix in one pass; the curve is
+        the larger of the two rows' least times. Memory is rounded down to the grid and room
+        up, so the curve stays a lower bound."""
         cache = self.__dict__.setdefault("_int", {})
-        if key in cache:
-            return cache[key]
+        if ("int", r, g, first) in cache:
+            return cache["int", r, g, first]
         p, N = self.p, self.p.n_blocks
         k = min(r + 1, self.m)
-        room = p.capacity_bytes[g] - (min(min(row) for row in p.head.static_bytes) if r == 0 else 0) - _slot_floor(p, r, k)
-        out = np.full(N + 1, np.inf)
-        out[0] = 0.0
-        if room > 0:
-            grain = max(1.0, room / grain_steps)
-            cells = int(room // grain)
-            mems = [int((p.block.static_bytes[g][j] + k * p.block.act_bytes[g][j]) // grain) for j in range(len(p.block.strategies))]
-            times = [float(t) for t in p.block.time_us[g]]
-            best = np.zeros(cells + 1)  # least time of j blocks using at most c cells
-            for n in range(1, N + 1):
-                nxt = np.full(cells + 1, np.inf)
-                for mem, t in zip(mems, times):
-                    if mem <= cells:
-                        cand = np.full(cells + 1, np.inf)
-                        cand[mem:] = best[:cells + 1 - mem] + t
-                        np.minimum(nxt, cand, out=nxt)
-                best = nxt
-                out[n] = best[cells]
-                if not np.isfinite(out[n]):
-                    break
-        cache[key] = out
-        return out
+        b = p.block
+        order = [j for j in (b.order[g] if b.order else range(len(b.strategies))) if b.allows(g, j)]
+        places = (True, False)
+        rooms = [p.capacity_bytes[g] - self._slot_least_bytes(r, g, k, place) for place in places]
+        if not order:
+            curves = [np.concatenate([[0.0], np.full(N, np.inf)]) for _ in places]
+        else:
+            times = [float(t) for t in b.time_us[g]]
+            tr = b.transient_bytes[g]
+            full = [b.static_bytes[g][j] + k * b.act_bytes[g][j] for j in range(len(times))]
+            lean = [b.static_bytes[g][j] + (k - 1) * b.act_bytes[g][j] for j in range(len(times))]
+            head = 0
+            if r == 0 and p.head.transient_bytes:  # the head's own moment, after every block
+                head = min((p.head.act_bytes[g][h] + p.head.transient_bytes[g][h] for h in p.head.on(g)), default=NEVER)
+            # Per place: the last layer's row (and the head's: the prefix of every choice), then the first's.
+            last = self._knapsack(order, full, times, [[room - max(tr[j], head) for j in order] for room in rooms],
+                                  grain_steps)
+            lead = self._knapsack(order[::-1], lean, times,
+                                  [[room - b.act_bytes[g][j] - tr[j] for j in order[::-1]] for room in rooms], grain_steps)
+            curves = [np.maximum(a, c) for a, c in zip(last, lead)]
+        for place, curve in zip(places, curves):
+            curve[0] = 0.0
+            cache["int", r, g, place] = curve
+        cache["int", r, g, None] = np.minimum(*curves)
+        return cache["int", r, g, first]
+
+    def _slot_least_bytes(self, r: int, g: int, k: int, first: bool | None = None) -> int:
+        """Memory slot r on group g holds besides its blocks' static state and activations at
+        any moment, at its place in the pipeline (``first``: the first stage, or for slot 0 the
+        only one; None: either) whatever its head's choice: the schedule's extra, the outputs in
+        flight, the head's state and activations (slot 0)."""
+        p = self.p
+        pick = lambda a, b: {True: a, False: b, None: min(a, b)}[first]  # noqa: E731
+        if r == 0:
+            h = p.head
+            least = min((h.static_bytes[g][j] + (k - 1) * h.act_bytes[g][j]
+                         + (pick(p.extra_alone[g][j], p.extra_last[g][j]) if p.extra_last else 0)
+                         for j in h.on(g)), default=NEVER)
+        else:
+            least = k * p.output_bytes + (pick(p.extra_first[g], p.extra_middle[g]) if p.extra_first else 0)
+        return max(least, _slot_floor(p, r, k) + (p.head.least("static_bytes") if r == 0 else 0))
+
+    def _knapsack(self, order: list[int], weight: list[int], times: list[float], rooms: list[list[int]],
+                  grain_steps: int) -> list[np.ndarray]:
+        """Least time of n = 0..N blocks whose choices come from a prefix of ``order``, within
+        that prefix's room (``rooms[i]`` once ``order[i]`` is allowed), the least over prefixes:
+        an unbounded knapsack with a count dimension, one pass over the choices, read for each
+        list of rooms given."""
+        N = self.p.n_blocks
+        outs = [np.full(N + 1, np.inf) for _ in rooms]
+        top = max(max(rs) for rs in rooms)
+        if top <= 0:
+            return outs
+        grain = max(1.0, top / grain_steps)
+        cells = int(top // grain)
+        ws = {j: int(weight[j] // grain) for j in order}  # rounded down: never heavier than the block
+        most = min(N, cells // max(1, min(ws.values())))  # no more blocks than the lightest choice fits
+        best = np.full((most + 1, cells + 1), np.inf)  # least time of n blocks within c cells
+        best[0, :] = 0.0
+        for i, j in enumerate(order):
+            w = ws[j]
+            if w <= cells:
+                for n in range(1, most + 1):  # n ascending: the same choice may repeat
+                    np.minimum(best[n, w:], best[n - 1, :cells + 1 - w] + times[j], out=best[n, w:])
+            for out, rs in zip(outs, rooms):
+                if rs[i] >= 0:
+                    np.minimum(out[:most + 1], best[:, min(cells, int(rs[i] // grain))], out=out[:most + 1])
+        return outs
 
     def holds(self, pp: int, tau: float, *, empty_slots: bool = False) -> bool:
         """Can pp stages hold every block with none slower than tau? With ``empty_slots``,
         slots may stay unused (and the embedding's stage is not known): a relaxation of every
         depth up to pp at once."""
         p = self.p
-        stage = self.curves[:, :pp].copy()
+        stage = (self.curves_any if empty_slots else self.curves)[:, :pp].copy()
         if not empty_slots:  # the first stage is slot pp - 1; every other one receives activations
             stage[:, :pp - 1] = self.curves_not_first[:, :pp - 1]
         stage[:, 1:] += self.least_p2p  # a used slot r >= 1 sends to slot r - 1 ...
@@ -425,12 +560,12 @@ class StageFit:
         return min(any_group, per_group) >= p.n_blocks
 
     def _floor(self, pp: int) -> float:
-        return self.work + 2 * (pp - 1) * self.least_p2p  # each boundary is paid on both sides
+        return self.work + self.fixed + 2 * (pp - 1) * self.least_p2p  # each boundary is paid on both sides
 
     def prunes(self, incumbent_us: int) -> bool:
         """True if no plan of this shape can beat the incumbent."""
         if self.m == 1:
-            return self.work >= incumbent_us
+            return self.work + self.fixed >= incumbent_us
         return not any(self.holds(pp, (incumbent_us - self._floor(pp)) / (self.m - 1))
                        for pp in range(1, self.p.slots + 1) if incumbent_us >= self._floor(pp))
 
@@ -471,7 +606,7 @@ class StageFit:
         tau = self.least_slowest_stage_us()
         if not math.isfinite(tau):
             return NEVER  # no depth holds the model
-        return int(math.floor((self.m - 1) * tau + self.work))
+        return int(math.floor((self.m - 1) * tau + self.work + self.fixed))
 
 
 # ---- the model ----------------------------------------------------------------------------
@@ -489,9 +624,14 @@ class PlanModel:
         m = self.m
         self.y = [[m.new_bool_var(f"y[{r},{g}]") for g in range(G)] for r in range(K)]  # slot r on group g
         self.used = [m.new_bool_var(f"used[{r}]") for r in range(K)]
-        self.c = [[[m.new_int_var(0, p.n_blocks, f"c[{r},{g},{k}]") for k in range(nb)] for g in range(G)] for r in range(K)]
+        # A subproblem's choices that are not allowed are fixed to zero.
+        self.c = [[[m.new_int_var(0, p.n_blocks if p.block.allows(g, k) else 0, f"c[{r},{g},{k}]") for k in range(nb)]
+                   for g in range(G)] for r in range(K)]
         self.e = [[[m.new_bool_var(f"e[{r},{g},{k}]") for k in range(ne)] for g in range(G)] for r in range(K)]
         self.h = [[m.new_bool_var(f"h[{g},{k}]") for k in range(nh)] for g in range(G)]
+        for g in range(G):
+            m.add_bool_and([self.e[r][g][k].Not() for r in range(K) for k in range(ne) if not p.embed.allows(g, k)])
+            m.add_bool_and([self.h[g][k].Not() for k in range(nh) if not p.head.allows(g, k)])
         self.u = [[m.new_bool_var(f"u[{r},{k}]") for k in range(nb)] for r in range(K)]  # strategy k used in slot r
         # The longest a stage can take: every layer at its slowest choice, plus a send.
         most = lambda t: max(max(row) for row in t.time_us)  # noqa: E731
@@ -499,7 +639,9 @@ class PlanModel:
         self.T = [m.new_int_var(0, horizon, f"T[{r}]") for r in range(K)]
         self.T_max = m.new_int_var(0, horizon, "T_max")
         self.E = m.new_int_var(0, horizon, "exposed_dp")
-        self.Z = m.new_int_var(0, horizon, "zero_edge")  # the largest stage edge, per micro-batch
+        # The largest stage edge, per micro-batch, within a subproblem's level (``edge_levels``).
+        top = horizon if p.edge_ceiling_us is None else p.edge_ceiling_us
+        self.Z = m.new_int_var(p.edge_floor_us, top, "zero_edge") if top > p.edge_floor_us else top
         self.O = m.new_int_var(0, horizon, "optimizer")
         self.upper_bound_us = upper_bound_us
 
@@ -545,10 +687,23 @@ class PlanModel:
                 self.m.add(n_on_g == sum(self.c[r][g][k] for k in range(nb)))
                 self.m.add(n_on_g <= most * self.y[r][g])
                 if whole:
-                    # CP propagation: the slot's time is at least the curve at its block count.
-                    least = self.m.new_int_var(0, int(f[most]), f"least[{r},{g}]")
-                    self.m.add_element(n_on_g, [int(math.floor(v)) for v in f[:most + 1]], least)
-                    self.m.add(self.T[r] >= least)
+                    # CP propagation: the slot's time is at least the curve at its block count,
+                    # the curve of its place: the first stage (slot 0: the only one) or another.
+                    nxt = self.used[r + 1] if r + 1 < p.slots else None
+                    for first in (True, False):
+                        if nxt is None and not first:
+                            continue
+                        curve = self.fit.integer_curve(r, g, first=first)[:most + 1]
+                        top = max(int(v) for v in curve if np.isfinite(v))
+                        least = self.m.new_int_var(0, top, f"least[{r},{g},{first}]")
+                        self.m.add_element(n_on_g, [int(math.floor(v)) if np.isfinite(v) else top for v in curve], least)
+                        cond = self.y[r][g] if nxt is None else ([self.y[r][g], nxt.Not()] if first else [self.y[r][g], nxt])
+                        self.m.add(self.T[r] >= least).only_enforce_if(cond)
+                        if not all(np.isfinite(curve)):  # counts this place cannot hold
+                            bad = [n for n, v in enumerate(curve) if not np.isfinite(v)]
+                            self.m.add_linear_expression_in_domain(
+                                n_on_g, cp_model.Domain.from_values([n for n in range(most + 1) if n not in bad])
+                            ).only_enforce_if(cond)
                 # LP: the lower convex hull of the curve, as linear cuts through (0, 0).
                 for slope, intercept in _hull_cuts(f[:most + 1]):
                     self.m.add(self.T[r] >= int(math.floor(slope)) * n_on_g + int(math.floor(intercept)) * self.y[r][g])
@@ -734,7 +889,8 @@ class PlanModel:
                       + self._head_sum(r, p.head.window_us))
             self.m.add(self.E >= sync - window)
             self._at_least_each_layer(self.E, r, "sync_us")  # the last reduction hides behind nothing
-            self._at_least_each_layer(self.Z, r, "edge_us")
+            if not isinstance(self.Z, int):
+                self._at_least_each_layer(self.Z, r, "edge_us")
             opt = (self._block_sum(r, p.block.optimizer_us) + self._embed_sum(r, p.embed.optimizer_us)
                    + self._head_sum(r, p.head.optimizer_us))
             self.m.add(self.O >= opt)
@@ -762,7 +918,7 @@ class PlanModel:
             # first stage exactly when it is used and the next is not).
             # On several groups one cut for every depth at once is cheaper to compute.
             p = self.p
-            if len(p.groups) == 1:
+            if True:
                 for r in range(p.slots):
                     first = self.used[r] - (self.used[r + 1] if r + 1 < p.slots else 0)
                     tau = self.fit.least_slowest_stage_at_us(r + 1)
@@ -889,8 +1045,7 @@ def solve_shape(p: Problem, *, upper_bound_us: int | None, hint: Layout | None, 
 def memory_infeasible(p: Problem) -> bool:
     """Quick proof that a shape cannot fit: even the least static memory of every layer,
     spread over every slot of the largest group, exceeds what those slots hold."""
-    least = lambda t: min(min(row) for row in t.static_bytes)  # noqa: E731
-    need = p.n_blocks * least(p.block) + least(p.embed) + least(p.head)
+    need = p.n_blocks * p.block.least("static_bytes") + p.embed.least("static_bytes") + p.head.least("static_bytes")
     room = sum(n * cap for n, cap in zip(p.stages_per_group, p.capacity_bytes))
     return need > room
 
@@ -926,8 +1081,9 @@ def solve_plan(cm: CostModel, req, uniform: UniformResult, *, deadline: float, w
         p = build_problem(cm, shape, req.space)
         if p is not None:
             problems.append(p)
-    problems.sort(key=lambda p: p.lower_bound_us)
-    fits: dict[Shape, StageFit] = {}
+    candidates = len(problems)
+    problems = sorted((q for p in problems for q in edge_levels(p)), key=lambda p: p.lower_bound_us)
+    fits: dict[tuple, StageFit] = {}
 
     def still_open(p: Problem) -> bool:
         """Record shapes proven unable to fit or to beat the incumbent; keep the rest."""
@@ -937,50 +1093,54 @@ def solve_plan(cm: CostModel, req, uniform: UniformResult, *, deadline: float, w
         if memory_infeasible(p):
             results.append(ShapeResult(p.shape, "infeasible", NEVER))
             return False
-        if p.shape not in fits and time.perf_counter() > deadline:
+        if p.key not in fits and time.perf_counter() > deadline:
             results.append(ShapeResult(p.shape, "unknown", p.lower_bound_us))
             return False
-        fit = fits.get(p.shape) or fits.setdefault(p.shape, StageFit(p))
+        fit = fits.get(p.key) or fits.setdefault(p.key, StageFit(p))
         if fit.bound_us() >= NEVER:  # no pipeline depth holds the blocks: a proof
             results.append(ShapeResult(p.shape, "infeasible", NEVER))
             return False
         if best is not None and fit.prunes(best.us):
             results.append(ShapeResult(p.shape, "pruned", best.us))
             return False
+        if not fit.tight:  # the envelope did not prune it: try the whole-block curves
+            fit.tighten()
+            return still_open(p)
         return True
 
     queue = [p for p in problems if still_open(p)]
     # Most promising first: a better incumbent early lets the stage-fit test prune the rest.
-    bounds = {p.shape: max(p.lower_bound_us, fits[p.shape].bound_us()) for p in queue}
-    queue.sort(key=lambda p: bounds[p.shape])
-    earlier: dict[Shape, ShapeResult] = {}  # first attempts that ran out of work, to retry once
+    bounds = {p.key: max(p.lower_bound_us, fits[p.key].bound_us()) for p in queue}
+    queue.sort(key=lambda p: bounds[p.key])
+    earlier: dict[tuple, ShapeResult] = {}  # first attempts that ran out of work, to retry once
     work_used = 0.0
     while queue:
         p = queue.pop(0)
         wall_left, work_left = deadline - time.perf_counter(), work_limit - work_used
         if wall_left <= 0 or work_left <= 0:
-            results.append(earlier.get(p.shape) or ShapeResult(p.shape, "unknown", bounds[p.shape]))
+            results.append(earlier.get(p.key) or ShapeResult(p.shape, "unknown", bounds[p.key]))
             continue
         hint = best.layout if best is not None and _shape_of(best.layout) == p.shape else None
-        if hint is None and p.shape in earlier:
-            hint = earlier[p.shape].layout
+        if hint is None and p.key in earlier:
+            hint = earlier[p.key].layout
         # Share the work left among the shapes still open, giving the most promising more;
         # a shape that runs out is retried once at the end with whatever work is left.
-        work = work_left if p.shape in earlier else min(work_left, max(MIN_WORK, work_left / min(len(queue) + 1, 4)))
+        work = work_left if p.key in earlier else min(work_left, max(MIN_WORK, work_left / min(len(queue) + 1, 4)))
         r = solve_shape(p, upper_bound_us=best.us - 1 if best is not None else None, hint=hint,
-                        time_limit_s=wall_left, workers=req.workers, seed=req.seed, fit=fits[p.shape],
+                        time_limit_s=wall_left, workers=req.workers, seed=req.seed, fit=fits[p.key],
                         work_limit=work)
         work_used += r.work
         if r.status in ("feasible", "unknown"):
-            r.bound_us = max(r.bound_us, bounds[p.shape])
-            if p.shape not in earlier:
-                earlier[p.shape] = r
+            r.bound_us = max(r.bound_us, bounds[p.key])
+            if p.key not in earlier:
+                earlier[p.key] = r
                 queue.append(p)
             else:
                 results.append(r)
         else:
             results.append(r)
-        log.info("shape %s: %s, bound %d us, %.2f s, work %.2f", p.shape, r.status, r.bound_us, r.wall_s, r.work)
+        log.info("shape %s, edge <= %s us: %s, bound %d us, %.2f s, work %.2f", p.shape, p.edge_ceiling_us, r.status,
+                 r.bound_us, r.wall_s, r.work)
         if r.layout is not None:
             ev = evaluate_layout(cm, list(zip(r.layout.stage_groups, r.layout.stage_layers)), dp=r.layout.dp,
                                  tp=r.layout.tp, micro_batch=r.layout.micro_batch,
@@ -993,7 +1153,7 @@ def solve_plan(cm: CostModel, req, uniform: UniformResult, *, deadline: float, w
             raise infeasible_error(cm, uniform, req.global_batch, req.space)
         raise timeout_error(cm, req)
     return layout_to_plan(cm, best.layout, global_batch=req.global_batch,
-                          solver=_report(req, best, results, uniform_us, len(problems),
+                          solver=_report(req, best, results, uniform_us, candidates,
                                          time.perf_counter() - start + uniform.wall_s))
 
 
