@@ -166,7 +166,8 @@ def print_alternatives(plans: "list[tuple[Path, Plan, TrainingCost | None]]", to
                                                      "cost") else "left")
     for i, (path, p, cost) in enumerate(plans):
         s = plan_summary(p)
-        row = [str(i + 1), f"{p.dp} x {p.tp} x {p.pp}", f"{p.micro_batch} x {p.num_micro_batches}",
+        counts = list(p.batch_shares) if uneven_shares(p) else p.num_micro_batches  # per replica
+        row = [str(i + 1), f"{p.dp} x {p.tp} x {p.pp}", f"{p.micro_batch} x {counts}",
                ",".join(dict.fromkeys(s["groups"])), ",".join(map(str, s["blocks_per_stage"])),
                fmt_seconds(s["step_time_s"]), f"{s['tokens_per_s']:,.0f}", f"{100 * s['mfu']:.1f}%",
                f"{100 * s['peak_fraction']:.0f}%"]
@@ -626,11 +627,23 @@ def _runs(layers: Sequence[LayerStrategy]) -> list[str]:
     return out
 
 
+def uneven_shares(p: Plan) -> bool:
+    return len(set(p.batch_shares)) > 1
+
+
+def batch_text(p: Plan) -> str:
+    """How the global batch is split: dp x micro-batch x micro-batches, or the replicas' shares."""
+    if uneven_shares(p):
+        return (f"micro-batch {p.micro_batch} x {sum(p.batch_shares)} micro-batches in replica shares "
+                f"{list(p.batch_shares)}")
+    return f"{p.dp} x micro-batch {p.micro_batch} x {p.num_micro_batches} micro-batches"
+
+
 def print_plan(p: Plan, notes: Sequence[str] = ()) -> None:
     name = p.model.get("name", "?")
     console.print(f"[bold]{name}[/bold] on [bold]{p.cluster.get('name', '?')}[/bold]: "
                   f"{p.world_size} ranks = dp {p.dp} x tp {p.tp} x pp {p.pp}; seq {p.seq_len}, global batch "
-                  f"{p.global_batch} = {p.dp} x micro-batch {p.micro_batch} x {p.num_micro_batches} micro-batches; "
+                  f"{p.global_batch} = {batch_text(p)}; "
                   f"{p.dtype}, {p.schedule}" + (f" with {p.virtual_stages} virtual stages per rank"
                                                  if p.virtual_stages > 1 else ""))
     for note in notes:

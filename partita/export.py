@@ -197,6 +197,10 @@ def export_plan(plan: Plan, target: str, *, profiles: Sequence = ()) -> Export:
     from partita.search.planner import attach_prediction
 
     mod = target_module(target)
+    if len(set(plan.batch_shares)) > 1:
+        raise PartitaError(f"--to {target}: the plan gives its data-parallel replicas uneven batch shares "
+                           f"{list(plan.batch_shares)}; {target} runs one micro-batch count on every replica, so "
+                           f"export a plan with equal shares")
     model = ModelSpec.from_dict(plan.model, where="plan: model")
     cluster = plan_cluster(plan)
     cm = CostModel(model, cluster, seq_len=plan.seq_len, dtype=plan.dtype, profiles=profiles)

@@ -17,6 +17,14 @@ Per-layer choices (``LayerStrategy``):
   * ``zero``: 0 = replicated weights, gradients all-reduced once per step; 1 = optimizer state
     sharded over dp; 2 = gradients too; 3 = parameters too (FSDP), gathered per micro-batch;
   * ``recompute``: the layer's activations are recomputed in backward (full checkpointing).
+
+Batch shares. By default every data-parallel replica (one whole pipeline) runs
+``num_micro_batches`` micro-batches. ``batch_shares`` gives each replica its own count instead,
+in dp-index order (``[3, 1]``: replica 0 runs three micro-batches, replica 1 one); replica ``d``
+trains on the next ``batch_shares[d] * micro_batch`` rows of the global batch, so
+``global_batch = micro_batch * sum(batch_shares)``, and ``num_micro_batches`` is the largest
+share (the slowest replica's count, which sets the step). The loss is weighted by each
+replica's share, so the averaged gradient is the full batch's mean gradient.
 """
 
 from __future__ import annotations
@@ -224,9 +232,10 @@ class Plan:
     cost_sources: Mapping[str, str]  # device type -> "measured" | "analytic" | "mixed"
     dtype: str  # bf16 on GPUs, fp32 on CPU
     seq_len: int
-    global_batch: int  # sequences per optimizer step = dp * micro_batch * num_micro_batches
+    global_batch: int  # sequences per optimizer step = dp * micro_batch * num_micro_batches (or the shares' sum)
     micro_batch: int
-    num_micro_batches: int
+    num_micro_batches: int  # per replica; with batch_shares, the largest share
+    batch_shares: tuple[int, ...] = ()  # micro-batches per dp replica; empty: num_micro_batches each
     dp: int
     tp: int
     pp: int
@@ -256,6 +265,17 @@ class Plan:
         stages = tuple(dataclasses.replace(s, ranks=tuple(new[r] for r in s.ranks)) for s in self.stages)
         return dataclasses.replace(self, stages=stages)
 
+    def replica_micro_batches(self) -> tuple[int, ...]:
+        """How many micro-batches each data-parallel replica runs, in dp-index order."""
+        return self.batch_shares or (self.num_micro_batches,) * self.dp
+
+    def replica_rows(self, dp_index: int) -> slice:
+        """The rows of the global batch that replica ``dp_index`` trains on: its share, after
+        the shares of the replicas before it."""
+        shares = self.replica_micro_batches()
+        start = sum(shares[:dp_index]) * self.micro_batch
+        return slice(start, start + shares[dp_index] * self.micro_batch)
+
     def layer_strategies(self) -> list[LayerStrategy]:
         """Every layer, in the model's order (under an interleaved schedule, virtual stage by
         virtual stage: chunk 0 of every stage, then chunk 1, ...)."""
@@ -281,6 +301,10 @@ class Plan:
                 v = [s.to_dict() for s in v]
             elif f.name in ("prediction", "solver"):
                 v = v.to_dict() if v is not None else None
+            elif f.name == "batch_shares":
+                if not v:
+                    continue  # equal shares: plans without the field read and write as before
+                v = list(v)
             elif isinstance(v, Mapping):
                 v = dict(v)
             d[f.name] = v
@@ -304,6 +328,7 @@ class Plan:
             kwargs[key] = dict(specio.require_mapping(data[key], f"{where}: {key}"))
         kwargs["dtype"] = specio.get_str(data, "dtype", where, choices=("bf16", "fp16", "fp32"))
         kwargs["schedule"] = specio.get_str(data, "schedule", where, default="1f1b", choices=SCHEDULES)
+        kwargs["batch_shares"] = _batch_shares(data.get("batch_shares"), where)
         if data.get("prediction") is not None:
             kwargs["prediction"] = Prediction.from_dict(data["prediction"], f"{where}: prediction")
         if data.get("solver") is not None:
@@ -319,3 +344,13 @@ class Plan:
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
         return cls.from_dict(specio.load_yaml(path), where=str(path))
+
+
+def _batch_shares(value: Any, where: str) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not value or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1
+                                                           for n in value):
+        raise PartitaError(f"{where}: batch_shares must be a non-empty list of micro-batch counts >= 1, one per "
+                           f"data-parallel replica; got {value!r}")
+    return tuple(value)

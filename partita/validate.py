@@ -16,6 +16,7 @@ from partita.plan import ZERO_LEVELS, Plan
 def validate_plan(plan: Plan, model: ModelSpec, cluster: ClusterSpec) -> None:
     _check_inputs(plan, model, cluster)
     _check_degrees(plan)
+    _check_batch_shares(plan)
     _check_ranks(plan, cluster)
     _check_layers(plan, model)
     _check_dtype(plan, cluster)
@@ -24,9 +25,11 @@ def validate_plan(plan: Plan, model: ModelSpec, cluster: ClusterSpec) -> None:
 
 def _check_runtime_limits(plan: Plan, model: ModelSpec) -> None:
     """What the runtime does not run (the search never offers these either)."""
-    if plan.pp > 1 and plan.num_micro_batches < plan.pp:
-        raise PartitaError(f"the 1F1B schedule needs at least as many micro-batches as stages: num_micro_batches "
-                           f"{plan.num_micro_batches} < pp {plan.pp}; use a smaller micro-batch or fewer stages")
+    fewest = min(plan.replica_micro_batches())
+    if plan.pp > 1 and fewest < plan.pp:
+        what = f"batch share {fewest}" if plan.batch_shares else f"num_micro_batches {fewest}"
+        raise PartitaError(f"the 1F1B schedule needs at least as many micro-batches as stages: {what} < pp "
+                           f"{plan.pp}; use a smaller micro-batch or fewer stages")
     if any(l.sequence_parallel for l in plan.layer_strategies()) and plan.seq_len % plan.tp:
         raise PartitaError(f"sequence parallelism splits the sequence {plan.tp} ways; seq_len {plan.seq_len} is not "
                            f"divisible by tp {plan.tp}")
@@ -55,7 +58,7 @@ def _check_inputs(plan: Plan, model: ModelSpec, cluster: ClusterSpec) -> None:
 def _check_degrees(plan: Plan) -> None:
     if plan.pp != len(plan.stages):
         raise PartitaError(f"pp is {plan.pp} but the plan lists {len(plan.stages)} stages")
-    if plan.global_batch != plan.dp * plan.micro_batch * plan.num_micro_batches:
+    if not plan.batch_shares and plan.global_batch != plan.dp * plan.micro_batch * plan.num_micro_batches:
         raise PartitaError(f"global_batch {plan.global_batch} != dp {plan.dp} x micro_batch {plan.micro_batch} x "
                            f"num_micro_batches {plan.num_micro_batches}; make them agree, or re-plan")
     for i, s in enumerate(plan.stages):
@@ -64,6 +67,35 @@ def _check_degrees(plan: Plan) -> None:
         if len(s.ranks) != plan.dp * plan.tp:
             raise PartitaError(f"stage {i} has {len(s.ranks)} ranks; every stage needs dp x tp = "
                                f"{plan.dp} x {plan.tp} = {plan.dp * plan.tp}")
+
+
+def _check_batch_shares(plan: Plan) -> None:
+    """Replicas running different numbers of micro-batches meet only at the step's end: every
+    collective over dp must happen once per step, which holds at ZeRO 0/1 (gradients reduced at
+    the last micro-batch, a ZeRO-1 shard gathered at the first and kept) but not at ZeRO 2/3
+    (a reduce-scatter, and at 3 a gather, every micro-batch: the replicas would wait on each
+    other's missing micro-batches)."""
+    shares = plan.batch_shares
+    if not shares:
+        return
+    if len(shares) != plan.dp:
+        raise PartitaError(f"batch_shares {list(shares)} lists {len(shares)} replicas, but dp is {plan.dp}; give one "
+                           f"micro-batch count per data-parallel replica")
+    if plan.global_batch != plan.micro_batch * sum(shares):
+        whole, rest = divmod(plan.global_batch, plan.micro_batch)
+        fix = (f"make the shares add up to {whole} micro-batches" if not rest else
+               "global_batch must be a multiple of micro_batch")
+        raise PartitaError(f"global_batch {plan.global_batch} != micro_batch {plan.micro_batch} x the batch_shares' "
+                           f"sum {sum(shares)} ({' + '.join(map(str, shares))}); {fix}, or re-plan")
+    if plan.num_micro_batches != max(shares):
+        raise PartitaError(f"num_micro_batches {plan.num_micro_batches} must be the largest of batch_shares "
+                           f"{list(shares)} ({max(shares)}): the slowest replica's count")
+    sharded = [l.name for l in plan.layer_strategies() if l.zero >= 2]
+    if len(set(shares)) > 1 and sharded:
+        raise PartitaError(f"uneven batch_shares {list(shares)} need zero 0 or 1 in every layer (ZeRO 2/3 reduce every "
+                           f"micro-batch over dp, and replicas run different counts); {len(sharded)} layers have "
+                           f"zero >= 2 ({', '.join(sharded[:3])}{', ...' if len(sharded) > 3 else ''}): use zero 1, "
+                           f"or equal shares")
 
 
 def _check_ranks(plan: Plan, cluster: ClusterSpec) -> None:
@@ -104,9 +136,11 @@ def _check_layers(plan: Plan, model: ModelSpec) -> None:
     if plan.schedule != "1f1b" and (len(counts) != 1 or v < 2):
         raise PartitaError(f"schedule {plan.schedule} needs every stage split into the same number (>= 2) of "
                            f"chunks; the plan has {[list(s.chunks) for s in plan.stages]}")
-    why = check(plan.schedule, plan.pp, v, plan.num_micro_batches)
-    if why:
-        raise PartitaError(f"{why}; choose another schedule or number of micro-batches")
+    for m in sorted(set(plan.replica_micro_batches())):
+        why = check(plan.schedule, plan.pp, v, m)
+        if why:
+            where = f" (batch share {m})" if plan.batch_shares else ""
+            raise PartitaError(f"{why}{where}; choose another schedule or number of micro-batches")
     names = [l.name for l in plan.layer_strategies()]
     expected = model.layer_names()
     if names != expected:

@@ -26,12 +26,14 @@ class TokenSource:
         if kind != "synthetic":
             self.text = _read_bytes(Path(kind), vocab=vocab, seq_len=seq_len)
 
-    def batch(self, step: int, dp: int = 1, dp_index: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, step: int, dp: int = 1, dp_index: int = 0, *,
+              rows: slice | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows of step ``step``'s global batch that data-parallel replica ``dp_index`` of ``dp``
-        trains on (replica d takes the d-th contiguous block). Only those rows are built."""
+        trains on (replica d takes the d-th contiguous block), or the ``rows`` given (a replica's
+        uneven share, ``Plan.replica_rows``). Only those rows are built."""
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
         n, s = self.global_batch, self.seq_len
-        mine = slice(dp_index * (n // dp), (dp_index + 1) * (n // dp))
+        mine = rows if rows is not None else slice(dp_index * (n // dp), (dp_index + 1) * (n // dp))
         if self.text is None:
             # Learnable synthetic text: each row counts from a random start by a random stride
             # (mod vocab), so the loss falls as the model learns to continue it.

@@ -8,7 +8,8 @@ returned are unscaled; nothing here waits for the device):
 * ``PipelineRunner`` (pp > 1): ``torch.distributed.pipelining``'s 1F1B schedule over this
   rank's ``PipelineStage``; the first stage feeds tokens, the last computes the loss.
 
-Both leave gradients as the mean over the rank's micro-batches, and both set each FSDP2 unit's
+Both leave gradients as the mean over the rank's micro-batches (with uneven batch shares, the
+sum over them in units of the global batch: ``share_weight``), and both set each FSDP2 unit's
 gradient policy per micro-batch (``set_gradient_sync``): the pipeline runner does it from a
 hook on the stage output, which fires when that micro-batch's backward reaches the stage.
 Neither keeps a micro-batch's logits beyond its own loss and backward (the pipeline schedule
@@ -67,13 +68,29 @@ def loss_function(plan: Plan, meshes: Meshes) -> LossFunction:
     return LossFunction(meshes.tp if split else None)
 
 
+def share_weight(plan: Plan) -> float:
+    """The factor on every micro-batch's loss when the runners divide gradients by the plan's
+    ``num_micro_batches`` M (the largest share, so the same on every replica) rather than by a
+    replica's own count: dp * M / N, N the micro-batches of all replicas. Replica d then holds
+    (dp / N) sum_m g_dm, and FSDP2's average over the dp replicas gives (1/N) sum g, the full
+    batch's mean gradient; a replica's weight grows with its share. Exactly 1.0 with equal
+    shares (dp * M = N). The divisor must be common to all replicas because the pipeline
+    schedules divide after the last micro-batch's backward, i.e. after the reduction."""
+    return plan.dp * plan.num_micro_batches / sum(plan.replica_micro_batches())
+
+
 class MicroBatchRunner:
     def receive_buffers(self) -> list[torch.Tensor]:
         return []
 
     def __init__(self, model: nn.Module, units: list[ShardedLayer], num_micro_batches: int,
-                 loss: LossFunction | None = None, timer: PhaseTimer | None = None) -> None:
+                 loss: LossFunction | None = None, timer: PhaseTimer | None = None,
+                 loss_factor: float | None = None) -> None:
+        """``loss_factor``: what each micro-batch's loss is multiplied by before its backward;
+        by default 1 / num_micro_batches (the mean), with uneven shares
+        ``share_weight(plan) / plan.num_micro_batches``."""
         self.model, self.units, self.n = model, units, num_micro_batches
+        self.loss_factor = loss_factor if loss_factor is not None else 1 / num_micro_batches
         self.loss = loss or LossFunction()
         self.timer = timer or PhaseTimer(torch.device("cpu"))
 
@@ -88,7 +105,7 @@ class MicroBatchRunner:
                 with span("loss"):
                     loss = self.loss(logits, y)
                 with span("backward"):
-                    (loss * (loss_scale / self.n)).backward()
+                    (loss * (loss_scale * self.loss_factor)).backward()
                 total += loss.detach()
         return total
 
@@ -122,7 +139,11 @@ class PipelineRunner:
                  timer: PhaseTimer | None = None) -> None:
         stage = meshes.place.stage
         self.is_first, self.is_last = stage.index == 0, stage.index == plan.pp - 1
-        self.n = plan.num_micro_batches
+        # This replica's own pipeline runs its own number of micro-batches (its batch share); the
+        # gradients are divided by the plan's count, the same on every replica (``share_weight``).
+        self.n = plan.replica_micro_batches()[meshes.place.dp_index]
+        self.mean_over = plan.num_micro_batches
+        self.weight = share_weight(plan)
         self.loss = loss
         spec_hidden = int(plan.model["hidden"])
         vocab = int(plan.model["vocab"]) // (loss.vocab_mesh.size() if loss.vocab_mesh is not None else 1)
@@ -160,15 +181,15 @@ class PipelineRunner:
         self.loss_scale = 1.0
         self.timer = timer or PhaseTimer(device)
         self._time_stage_chunks()
+        # The runner divides the gradients once after the step, not torch: torch would divide by
+        # this replica's own count, and under an interleaved schedule once per virtual stage
+        # (each one's module wraps the whole model).
         if plan.schedule == "interleaved-1f1b":
-            # Every virtual stage's module wraps the whole model, so torch's own scaling (each
-            # stage divides its module's gradients by the micro-batches) would apply v times:
-            # the runner scales once instead.
             self.schedule = ScheduleInterleaved1F1B(self.stages, n_microbatches=self.n, loss_fn=self._scaled_loss,
                                                     scale_grads=False)
         else:
             self.schedule = Schedule1F1B(self.stages[0], n_microbatches=self.n, loss_fn=self._scaled_loss,
-                                         scale_grads=True)
+                                         scale_grads=False)
 
     def _time_stage_chunks(self) -> None:
         """Time each micro-batch's forward and backward as the schedule runs them on this stage
@@ -185,7 +206,7 @@ class PipelineRunner:
 
     def _scaled_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         with self.timer.span("loss"):
-            return self.loss(logits, targets) * self.loss_scale
+            return self.loss(logits, targets) * (self.loss_scale * self.weight)
 
     def receive_buffers(self) -> list[torch.Tensor]:
         """The schedule's receive buffers (one per micro-batch for activations on every stage but
@@ -198,6 +219,12 @@ class PipelineRunner:
     def run(self, inputs: torch.Tensor, targets: torch.Tensor, loss_scale: float = 1.0) -> torch.Tensor | None:
         for module in self.modules:
             module.forwards = 0
+            # Until a unit's own first backward sets its policy: FSDP2 ends every backward by
+            # finishing all units, also another virtual stage's that have not run backward yet,
+            # and with the last step's (or the default) policy it would reshard them, to be
+            # gathered again by their next forward: once more per step, and under uneven batch
+            # shares on some replicas only (a deadlock).
+            set_gradient_sync(module.units, last_micro_batch=False)
         self.loss_scale = loss_scale
         losses: list[torch.Tensor] = []
         # return_outputs=False: the last stage keeps no micro-batch's logits after its backward.
@@ -211,9 +238,8 @@ class PipelineRunner:
         for module in self.modules:
             if module.units and module.forwards != self.n:
                 raise RuntimeError(f"pipeline stage ran {module.forwards} forwards for {self.n} micro-batches")
-        if len(self.stages) > 1:
-            with torch.no_grad():
-                for p in self.model.parameters():
-                    if p.grad is not None:
-                        p.grad.div_(self.n)
-        return torch.stack([l.detach() for l in losses]).sum() / loss_scale if self.is_last else None
+        with torch.no_grad():
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.div_(self.mean_over)
+        return torch.stack([l.detach() for l in losses]).sum() / (loss_scale * self.weight) if self.is_last else None

@@ -39,7 +39,7 @@ from partita.runtime.metrics import MetricsWriter, RunSummary, peak_flops, peak_
 from partita.runtime.models import build_model
 from partita.runtime.parallelize import parallelize_stage
 from partita.runtime.phases import PhaseTimer
-from partita.runtime.schedule import MicroBatchRunner, PipelineRunner, loss_function
+from partita.runtime.schedule import MicroBatchRunner, PipelineRunner, loss_function, share_weight
 from partita.runtime.tied import TiedWeights
 
 log = logging.getLogger(__name__)
@@ -211,7 +211,9 @@ class Trainer:
             self.runner = PipelineRunner(self.model, units, plan, self.meshes, device=device,
                                          activation_dtype=compute_dtype, loss=loss, timer=self.timer)
         else:
-            self.runner = MicroBatchRunner(self.model, units, plan.num_micro_batches, loss, timer=self.timer)
+            own = plan.replica_micro_batches()[self.meshes.place.dp_index]  # this replica's batch share
+            self.runner = MicroBatchRunner(self.model, units, own, loss, timer=self.timer,
+                                           loss_factor=share_weight(plan) / plan.num_micro_batches)
         self.start_step = 0
         if cfg.resume and cfg.checkpoint_dir:
             if resume_from is None:
@@ -243,7 +245,7 @@ class Trainer:
             torch.cuda.reset_peak_memory_stats(device)
 
         for step in range(self.start_step, cfg.steps):
-            inputs, targets = data.batch(step, plan.dp, place.dp_index)
+            inputs, targets = data.batch(step, rows=plan.replica_rows(place.dp_index))
             inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
             lr = lr_at(step, cfg)
             for group in self.optimizer.param_groups:
@@ -321,7 +323,7 @@ def _global_loss(loss_sum: torch.Tensor | None, plan: Plan, device: torch.device
     if loss_sum is not None:
         value += loss_sum.to(torch.float64)
     dist.all_reduce(value)
-    return float(value) / (plan.dp * plan.num_micro_batches)
+    return float(value) / sum(plan.replica_micro_batches())
 
 
 def _gather_summary(step_times: list[float], losses: list[float], plan: Plan, place, device: torch.device,
