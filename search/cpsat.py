@@ -55,7 +55,7 @@ from partita.search.costs import (CostModel, activation_message_bytes, boundary_
                                   stage_cost_counts)
 from partita.search.evaluate import Evaluation, evaluate_layout
 from partita.search.uniform import (Layout, SearchSpace, UniformResult, batch_splits, divisors, hosts,
-                                    infeasible_error, layer_tp, max_stages, sp_choices, tp_allowed)
+                                    infeasible_error, layer_tp, max_stages, sp_choices, stage_sizes, tp_allowed)
 from partita.units import capacity_grains, to_grains, to_us
 
 log = logging.getLogger(__name__)
@@ -70,7 +70,8 @@ class Shape:
     tp: int
     dp: int
     micro_batch: int
-    num_micro_batches: int
+    num_micro_batches: int  # the largest replica's share when they differ
+    uneven: bool = False  # replicas take batch shares that differ by one (``uniform.batch_shares``)
 
 
 @dataclass(frozen=True)
@@ -147,7 +148,7 @@ def strategies_for(cm: CostModel, role: str, shape: Shape, space: SearchSpace) -
     """Every choice the runtime executes for this layer kind in this shape."""
     out = []
     tps = sorted({1, layer_tp(cm.model, role, shape.tp)})
-    zeros = space.zero_levels if shape.dp > 1 else (0,)
+    zeros = (0,) if shape.dp == 1 else tuple(z for z in space.zero_levels if z <= 1 or not shape.uneven)
     recomputes = space.recompute if role == "block" else (False,)
     for t in tps:
         for sp in sp_choices(cm, t, space):
@@ -223,7 +224,7 @@ def undominated(vectors: list[list[int]]) -> list[int]:
 def shapes(cm: CostModel, global_batch: int, space: SearchSpace) -> list[Shape]:
     """Every (stage size, tp, micro-batch) some node group can host."""
     model = cm.model
-    sizes = sorted({s for g in cm.cluster.groups for s in divisors(g.size)})
+    sizes = sorted({s for g in cm.cluster.groups for s in stage_sizes(g)})
     out = []
     for stage_size in sizes:
         for tp in divisors(stage_size):
@@ -232,7 +233,8 @@ def shapes(cm: CostModel, global_batch: int, space: SearchSpace) -> list[Shape]:
             if not any(hosts(g, stage_size, tp) for g in cm.cluster.groups):
                 continue
             dp = stage_size // tp
-            out += [Shape(stage_size, tp, dp, mb, m) for mb, m in batch_splits(global_batch, dp, space)]
+            out += [Shape(stage_size, tp, dp, mb, m, uneven=dp * mb * m != global_batch)
+                    for mb, m in batch_splits(global_batch, dp, space)]
     return out
 
 
@@ -1120,7 +1122,7 @@ def solve_plan(cm: CostModel, req, uniform: UniformResult, *, deadline: float, w
         if wall_left <= 0 or work_left <= 0:
             results.append(earlier.get(p.key) or ShapeResult(p.shape, "unknown", bounds[p.key]))
             continue
-        hint = best.layout if best is not None and _shape_of(best.layout) == p.shape else None
+        hint = best.layout if best is not None and _shape_of(best.layout, req.global_batch) == p.shape else None
         if hint is None and p.key in earlier:
             hint = earlier[p.key].layout
         # Share the work left among the shapes still open, giving the most promising more;
@@ -1179,5 +1181,6 @@ def _report(req, best: Incumbent, results: list[ShapeResult], uniform_us: int, c
                         ortools_version=ortools.__version__, uniform_objective_us=uniform_us, candidates=candidates)
 
 
-def _shape_of(layout: Layout) -> Shape:
-    return Shape(layout.dp * layout.tp, layout.tp, layout.dp, layout.micro_batch, layout.num_micro_batches)
+def _shape_of(layout: Layout, global_batch: int) -> Shape:
+    return Shape(layout.dp * layout.tp, layout.tp, layout.dp, layout.micro_batch, layout.num_micro_batches,
+                 uneven=layout.dp * layout.micro_batch * layout.num_micro_batches != global_batch)

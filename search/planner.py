@@ -15,7 +15,7 @@ from partita.plan import Plan, SolverReport, Stage
 from partita.profile import Profile
 from partita.search.costs import CostModel
 from partita.search.evaluate import evaluate_plan, prediction
-from partita.search.uniform import Layout, SearchSpace, UniformResult, infeasible_error, uniform_search
+from partita.search.uniform import Layout, SearchSpace, UniformResult, batch_shares, infeasible_error, uniform_search
 from partita.units import to_us
 
 log = logging.getLogger(__name__)
@@ -99,7 +99,8 @@ def layout_to_plan(cm: CostModel, layout: Layout, *, global_batch: int, solver: 
                 cluster_fingerprint=cm.cluster.fingerprint, profile_fingerprint=cm.profile_fingerprint,
                 cost_sources={}, dtype=cm.dtype, seq_len=cm.seq_len, global_batch=global_batch,
                 micro_batch=layout.micro_batch, num_micro_batches=layout.num_micro_batches, dp=layout.dp,
-                tp=layout.tp, pp=layout.pp, stages=tuple(stages), prediction=None, solver=solver)
+                tp=layout.tp, pp=layout.pp, stages=tuple(stages), prediction=None, solver=solver,
+                batch_shares=batch_shares(global_batch, layout.dp, layout.micro_batch, layout.num_micro_batches))
     return attach_prediction(plan, cm)
 
 

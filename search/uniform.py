@@ -138,6 +138,24 @@ def hosts(group: NodeGroup, stage_size: int, tp: int) -> bool:
     return aligned and gpn % tp == 0 and group.size >= stage_size
 
 
+EVERY_WIDTH_NODES = 32  # groups up to this many nodes offer stages of every number of nodes
+
+
+def stage_sizes(group: NodeGroup) -> list[int]:
+    """The stage widths a group can host: a part of a node (a divisor of its GPUs) or whole
+    nodes. Widths need not divide the group (the rest stays idle), so on groups of up to
+    ``EVERY_WIDTH_NODES`` nodes every plan of a smaller cluster is a plan of a larger one. A
+    larger group offers the widths that divide it and, for each number of stages up to that
+    bound, the widest that many stages can take (every width of a 256-node group would multiply
+    the shapes by 8 for plans that leave nodes idle)."""
+    gpn, nodes = group.gpus_per_node, group.nodes
+    if nodes <= EVERY_WIDTH_NODES:
+        counts = set(range(1, nodes + 1))
+    else:
+        counts = set(divisors(nodes)) | {nodes // j for j in range(1, EVERY_WIDTH_NODES + 1)}
+    return sorted(set(divisors(gpn)) | {k * gpn for k in counts})
+
+
 def grid(cm: CostModel, global_batch: int, space: SearchSpace) -> Iterator[tuple[tuple[NodeGroup, ...], int, int, int, int]]:
     """(stage groups, tp, dp, micro_batch, num_micro_batches) for every shape the grid allows:
     every stage of every group used, or, where the runtime cannot run that many stages, as
@@ -176,12 +194,42 @@ def tp_allowed(model: ModelSpec, tp: int, space: SearchSpace) -> bool:
 
 
 def batch_splits(global_batch: int, dp: int, space: SearchSpace) -> list[tuple[int, int]]:
-    """(micro-batch size, micro-batch count) pairs that make up the global batch on dp replicas."""
-    if global_batch % dp:
-        return []
-    per_replica = global_batch // dp
-    mbs = space.micro_batches or tuple(d for d in divisors(per_replica) if d <= MAX_MICRO_BATCH)
-    return [(mb, per_replica // mb) for mb in mbs if per_replica % mb == 0]
+    """(micro-batch size, micro-batch count) pairs that make up the global batch on dp replicas.
+    Where no micro-batch size splits the batch evenly over dp replicas, the replicas take shares
+    that differ by one (``batch_shares``) and the count is the largest share: any number of
+    replicas works with any global batch. (Uneven splits are offered only then: where even ones
+    exist they are nearly always as fast, and the search stays the size it was.)"""
+    if global_batch % dp == 0:
+        per_replica = global_batch // dp
+        mbs = space.micro_batches or tuple(d for d in divisors(per_replica) if d <= MAX_MICRO_BATCH)
+        even = [(mb, per_replica // mb) for mb in mbs if per_replica % mb == 0]
+        if even:
+            return even
+    mbs = space.micro_batches or tuple(d for d in divisors(global_batch) if d <= MAX_MICRO_BATCH)
+    return [(mb, -(-(global_batch // mb) // dp)) for mb in mbs
+            if global_batch % mb == 0 and (global_batch // mb) % dp and global_batch // mb >= dp]
+
+
+def batch_shares(global_batch: int, dp: int, micro_batch: int, num_micro_batches: int) -> tuple[int, ...]:
+    """Each replica's micro-batch count when they differ (``Plan.batch_shares``): the global
+    batch's micro-batches dealt as evenly as they go, the larger shares first; () when every
+    replica runs ``num_micro_batches``."""
+    total = global_batch // micro_batch
+    if total == dp * num_micro_batches:
+        return ()
+    base, extra = divmod(total, dp)
+    return tuple(base + 1 if d < extra else base for d in range(dp))
+
+
+def zero_levels(space: SearchSpace, global_batch: int, dp: int, micro_batch: int, num_micro_batches: int) -> tuple[int, ...]:
+    """The ZeRO levels a shape may use: none without data parallelism; at most 1 when replicas
+    run different micro-batch counts (ZeRO 2 and 3 gather or reduce every micro-batch, which
+    replicas must do together)."""
+    if dp == 1:
+        return (0,)
+    if batch_shares(global_batch, dp, micro_batch, num_micro_batches):
+        return tuple(z for z in space.zero_levels if z <= 1)
+    return space.zero_levels
 
 
 def uniform_search(cm: CostModel, *, global_batch: int, space: SearchSpace = SearchSpace(),
@@ -198,7 +246,7 @@ def uniform_search(cm: CostModel, *, global_batch: int, space: SearchSpace = Sea
             result.complete = False
             break
         blocks = split_blocks(model.n_layers, len(stage_groups))
-        for zero in (space.zero_levels if dp > 1 else (0,)):
+        for zero in zero_levels(space, global_batch, dp, mb, m):
             for recompute in space.recompute:
                 for sp in sp_choices(cm, tp, space):
                     choice = {role: choice_of(model, strategy(model, role, tp=tp, sp=sp, zero=zero, recompute=recompute))
