@@ -390,9 +390,12 @@ class StageFit:
     the plain work bound does not.
     """
 
-    def __init__(self, p: Problem) -> None:
+    def __init__(self, p: Problem, shared: dict | None = None) -> None:
         self.p = p
         self.m = p.shape.num_micro_batches
+        # Whole-block curves by slot, group and the choices allowed there: one shape's
+        # subproblems (``edge_levels``) share them where their choices agree.
+        self._int = {} if shared is None else shared
         N, G = p.n_blocks, len(p.groups)
         self.least_embed = p.embed.least("time_us")
         self.least_head = p.head.least("time_us")
@@ -466,13 +469,13 @@ class StageFit:
         prefix of the canonical order allows, solved for every prefix in one pass; the curve is
         the larger of the two rows' least times. Memory is rounded down to the grid and room
         up, so the curve stays a lower bound."""
-        cache = self.__dict__.setdefault("_int", {})
-        if ("int", r, g, first) in cache:
-            return cache["int", r, g, first]
         p, N = self.p, self.p.n_blocks
-        k = min(r + 1, self.m)
         b = p.block
         order = [j for j in (b.order[g] if b.order else range(len(b.strategies))) if b.allows(g, j)]
+        cache, at = self._int, (r, g, tuple(order), tuple(p.head.on(g)))
+        if (*at, first) in cache:
+            return cache[(*at, first)]
+        k = min(r + 1, self.m)
         places = (True, False)
         rooms = [p.capacity_bytes[g] - self._slot_least_bytes(r, g, k, place) for place in places]
         if not order:
@@ -493,9 +496,9 @@ class StageFit:
             curves = [np.maximum(a, c) for a, c in zip(last, lead)]
         for place, curve in zip(places, curves):
             curve[0] = 0.0
-            cache["int", r, g, place] = curve
-        cache["int", r, g, None] = np.minimum(*curves)
-        return cache["int", r, g, first]
+            cache[(*at, place)] = curve
+        cache[(*at, None)] = np.minimum(*curves)
+        return cache[(*at, first)]
 
     def _slot_least_bytes(self, r: int, g: int, k: int, first: bool | None = None) -> int:
         """Memory slot r on group g holds besides its blocks' static state and activations at
@@ -1086,6 +1089,7 @@ def solve_plan(cm: CostModel, req, uniform: UniformResult, *, deadline: float, w
     candidates = len(problems)
     problems = sorted((q for p in problems for q in edge_levels(p)), key=lambda p: p.lower_bound_us)
     fits: dict[tuple, StageFit] = {}
+    curves: dict[Shape, dict] = {}  # whole-block curves, shared by a shape's subproblems
 
     def still_open(p: Problem) -> bool:
         """Record shapes proven unable to fit or to beat the incumbent; keep the rest."""
@@ -1098,16 +1102,13 @@ def solve_plan(cm: CostModel, req, uniform: UniformResult, *, deadline: float, w
         if p.key not in fits and time.perf_counter() > deadline:
             results.append(ShapeResult(p.shape, "unknown", p.lower_bound_us))
             return False
-        fit = fits.get(p.key) or fits.setdefault(p.key, StageFit(p))
+        fit = fits.get(p.key) or fits.setdefault(p.key, StageFit(p, curves.setdefault(p.shape, {})))
         if fit.bound_us() >= NEVER:  # no pipeline depth holds the blocks: a proof
             results.append(ShapeResult(p.shape, "infeasible", NEVER))
             return False
         if best is not None and fit.prunes(best.us):
             results.append(ShapeResult(p.shape, "pruned", best.us))
             return False
-        if not fit.tight:  # the envelope did not prune it: try the whole-block curves
-            fit.tighten()
-            return still_open(p)
         return True
 
     queue = [p for p in problems if still_open(p)]
@@ -1118,6 +1119,12 @@ def solve_plan(cm: CostModel, req, uniform: UniformResult, *, deadline: float, w
     work_used = 0.0
     while queue:
         p = queue.pop(0)
+        if deadline - time.perf_counter() > 0 and work_used < work_limit and not fits[p.key].tight:
+            # The cheap envelope did not prune it: the whole-block curves may.
+            fits[p.key].tighten()
+            if not still_open(p):
+                continue
+            bounds[p.key] = max(bounds[p.key], fits[p.key].bound_us())
         wall_left, work_left = deadline - time.perf_counter(), work_limit - work_used
         if wall_left <= 0 or work_left <= 0:
             results.append(earlier.get(p.key) or ShapeResult(p.shape, "unknown", bounds[p.key]))
