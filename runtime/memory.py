@@ -23,7 +23,7 @@ from typing import Any, Callable, TypeVar
 import torch
 from torch import nn
 from torch.nn.modules.module import register_module_forward_pre_hook
-from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType, _FSDPState
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.fsdp import FSDPModule
 
@@ -49,7 +49,36 @@ _CATEGORY_OF = {
 class _FSDPStepTracker(FSDPMemTracker):
     """``FSDPMemTracker`` that also labels the fp32 gradients FSDP2 accumulates unsharded across
     micro-batches under mixed precision (``unsharded_accumulated_grad``, made in backward,
-    which the tracker would otherwise count as a backward temporary)."""
+    which the tracker would otherwise count as a backward temporary), and the all-gather of an
+    explicit backward prefetch (``set_modules_to_backward_prefetch``, run after the layer's own
+    pre-backward, where the tracker would label it a temporary too)."""
+
+    def _register_module_and_optimizer_hooks(self) -> None:
+        super()._register_module_and_optimizer_hooks()
+        self._prefetching_groups = []
+        for module in self._root_mod.modules():
+            group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
+            if group is not None:
+                group.unshard = self._labelled_unshard(group.unshard)
+                self._prefetching_groups.append(group)
+
+    def _deregister_module_and_optimizer_hooks(self) -> None:
+        for group in self._prefetching_groups:
+            del group.unshard  # the class's method again
+        self._prefetching_groups = []
+        super()._deregister_module_and_optimizer_hooks()
+
+    def _labelled_unshard(self, unshard: Callable[..., Any]) -> Callable[..., Any]:
+        def labelled(*args: Any, **kwargs: Any) -> Any:
+            state = self._fsdp_state
+            if state == _FSDPState.BW:  # not the layer's own unshard: a prefetch for the next layer
+                self._fsdp_state = _FSDPState.PRE_BW
+            try:
+                return unshard(*args, **kwargs)
+            finally:
+                self._fsdp_state = state
+
+        return labelled
 
     def _fsdp_param_group_post_backward(self, fsdp_mod: FSDPModule, orig: Callable[..., Any]) -> Callable[..., None]:
         inner = super()._fsdp_param_group_post_backward(fsdp_mod, orig)

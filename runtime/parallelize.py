@@ -7,7 +7,8 @@
   3. activation checkpointing per layer (``checkpoint_wrapper`` around the block, so the
      recomputation replays the block's tensor-parallel layout conversions too; module names
      gain ``._checkpoint_wrapped_module``, which ``torch.distributed.checkpoint`` strips);
-  4. FSDP2 per layer at the layer's ZeRO level (``fully_shard``), then the stage root.
+  4. FSDP2 per layer at the layer's ZeRO level (``fully_shard``), then the stage root; each
+     layer's backward prefetches the layer before it (``set_backward_prefetch``).
 
 Layouts between layers. Inside a tensor-parallel stage the hidden states between two layers
 are either replicated over the tensor group ("full") or split along the sequence ("seq", when
@@ -188,8 +189,29 @@ def apply_fsdp(model: Transformer, stage: Stage, meshes: Meshes, mp_policy: Mixe
     root_zero = next((s.zero for s in stage.layers if s.name in ("embed", "head")), 3) if tied else 3
     root_mesh = meshes.dp_replicate if root_zero == 0 else meshes.dp
     fully_shard(model, mesh=root_mesh, reshard_after_forward=root_zero == 3, mp_policy=mp_policy)
+    set_backward_prefetch(model, stage, units)
     units.append(ShardedLayer(name="", module=model, zero=root_zero))
     return units
+
+
+def set_backward_prefetch(root: FSDPModule, stage: Stage, units: list[ShardedLayer]) -> None:
+    """Each layer's backward prefetches the layer before it in its (virtual) stage, which a
+    ZeRO-3 layer has to gather again (the others keep theirs: a no-op). A chunk's first layer
+    names the stage root, which FSDP2 keeps gathered from forward to backward: nothing to do.
+
+    FSDP2's own choice replays the order of the forwards since the last backward; a pipeline
+    schedule interleaves micro-batches there, so the stage's first layer would gather the last
+    one of another micro-batch for nothing (an all-gather no plan prices), and the backwards
+    after the last forward would prefetch nothing at all."""
+    by_name = {u.name: u.module for u in units}
+    for chunk in stage.chunk_layers():
+        previous = root
+        for strategy in chunk:
+            module = by_name.get(strategy.name)
+            if module is None:
+                continue  # a tied embedding or head: its weight is in the root
+            module.set_modules_to_backward_prefetch([previous])
+            previous = module
 
 
 def set_gradient_sync(units: list[ShardedLayer], *, last_micro_batch: bool) -> None:

@@ -31,7 +31,8 @@ from partita.devices import DeviceType
 from partita.errors import PartitaError
 from partita.model import LayerKind
 from partita.profile import LayerCost, Profile, Provenance
-from partita.search.roofline import attention_time_s, element_bytes, matmul_time_s, memory_time_s
+from partita.search.roofline import (attention_time_s, batched_matmul_time_s, element_bytes, matmul_time_s,
+                                     memory_time_s)
 
 INDEX_BYTES = 8  # token ids, targets and position ids are int64
 STAT_BYTES = 4  # norm statistics and attention's logsumexp are fp32 whatever the dtype
@@ -139,23 +140,60 @@ def backward_only_kernels(kind: LayerKind, sh: Shard) -> list[tuple[str, float]]
     return [(f"{name} bias grad", m * n * e) for name, m, n, _ in forward_matmuls(kind, sh) if name in biased]
 
 
+# ---- attention --------------------------------------------------------------------------------
+# How a block computes softmax(q k^T) v: a fused kernel ("sdpa", the runtime's; "flash2",
+# FlashAttention-2: ``roofline.ATTENTION_KERNELS``), or "unfused" as Megatron-LM did before fused
+# attention (its SC'21 runs; Megatron-DeepSpeed's BLOOM): ``unfused_attention_time_s``.
+ATTENTION = ("sdpa", "flash2", "unfused")
+
+
+def unfused_attention_time_s(dev: DeviceType, sh: Shard, dtype: str) -> tuple[float, float]:
+    """(forward, backward) seconds of Megatron-LM's unfused attention (``ParallelAttention``,
+    megatron/model/transformer.py, 2021): the scores of all b x heads as one batched product
+    (``baddbmm``, the full s x s square: the causal mask is applied after), a fused
+    scale-mask-softmax kernel that reads and writes the square, dropout on the probabilities
+    (Megatron's default ``--attention-dropout 0.1``: reads the square, writes it and a byte of
+    mask a score), and the batched product with v. The backward runs the two products' gradients
+    (four batched products), dropout's backward (the gradient and the mask in, the gradient
+    out) and softmax's (its output and the gradient in, the gradient out). Each score is
+    written and read several times in HBM: at micro-batch 16 and 2048 tokens a 24-head layer
+    moves ~20 GB per pass this way, which fused kernels never do."""
+    batch, s, d, e = sh.batch * sh.heads, sh.seq, sh.head_dim, sh.elem
+    square = batch * s * s  # score elements
+    scores = batched_matmul_time_s(dev, batch, s, s, d, dtype)  # q k^T, and d(p) = d(ctx) v^T
+    by_v = batched_matmul_time_s(dev, batch, s, d, s, dtype)  # p v, and dV, dQ, dK: [s, d] from [s, s] x [s, d]
+    dropout = memory_time_s(dev, square * (2 * e + 1))
+    forward = scores + memory_time_s(dev, 2 * square * e) + dropout + by_v
+    backward = scores + 3 * by_v + dropout + memory_time_s(dev, 3 * square * e)
+    return forward, backward
+
+
+def attention_s(dev: DeviceType, sh: Shard, dtype: str, attention: str) -> tuple[float, float]:
+    """(forward, backward) seconds of one block's attention core by the ``attention`` implementation."""
+    if attention not in ATTENTION:
+        raise PartitaError(f"unknown attention implementation {attention!r}; valid: {', '.join(ATTENTION)}")
+    if attention == "unfused":
+        return unfused_attention_time_s(dev, sh, dtype)
+    return attention_time_s(dev, sh.batch, sh.heads, sh.seq, sh.head_dim, causal=True, dtype=dtype, kernel=attention)
+
+
 # ---- time -----------------------------------------------------------------------------------
-def forward_time_s(kind: LayerKind, dev: DeviceType, sh: Shard, dtype: str) -> float:
+def forward_time_s(kind: LayerKind, dev: DeviceType, sh: Shard, dtype: str, attention: str = "sdpa") -> float:
     total = sum(matmul_time_s(dev, m, n, k, dtype) for _, m, n, k in forward_matmuls(kind, sh))
     total += sum(memory_time_s(dev, nbytes) for _, nbytes in forward_elementwise(kind, sh))
     if kind.role == "block":
-        total += attention_time_s(dev, sh.batch, sh.heads, sh.seq, sh.head_dim, causal=True, dtype=dtype)[0]
+        total += attention_s(dev, sh, dtype, attention)[0]
     return total
 
 
-def backward_time_s(kind: LayerKind, dev: DeviceType, sh: Shard, dtype: str) -> float:
+def backward_time_s(kind: LayerKind, dev: DeviceType, sh: Shard, dtype: str, attention: str = "sdpa") -> float:
     # dX[m,k] = dY[m,n] @ W^T[n,k] and dW[k,n] = X^T[k,m] @ dY[m,n].
     total = sum(matmul_time_s(dev, m, k, n, dtype) + matmul_time_s(dev, k, n, m, dtype)
                 for _, m, n, k in forward_matmuls(kind, sh))
     total += sum(memory_time_s(dev, 2 * nbytes) for _, nbytes in forward_elementwise(kind, sh))
     total += sum(memory_time_s(dev, nbytes) for _, nbytes in backward_only_kernels(kind, sh))
     if kind.role == "block":
-        total += attention_time_s(dev, sh.batch, sh.heads, sh.seq, sh.head_dim, causal=True, dtype=dtype)[1]
+        total += attention_s(dev, sh, dtype, attention)[1]
     return total
 
 
@@ -265,14 +303,15 @@ def param_bytes(kind: LayerKind, *, tp: int, dtype: str) -> int:
 
 # ---- public ---------------------------------------------------------------------------------
 def layer_cost(kind: LayerKind, dev: DeviceType, *, tp: int, micro_batch: int, seq_len: int,
-               dtype: str) -> LayerCost:
+               dtype: str, attention: str = "sdpa") -> LayerCost:
     """Time and memory of one layer on one rank of a ``tp``-wide tensor-parallel group, for one
     micro-batch, without tensor-parallel communication. ``activation_bytes`` is the plain
-    variant (no sequence parallelism, no recomputation); see ``activation_bytes`` for the others."""
+    variant (no sequence parallelism, no recomputation); see ``activation_bytes`` for the others.
+    ``attention``: how a block's attention runs (``ATTENTION``; the runtime's is "sdpa")."""
     sh = Shard.of(kind, tp=tp, micro_batch=micro_batch, seq_len=seq_len, dtype=dtype)
-    fwd = forward_time_s(kind, dev, sh, dtype)
+    fwd = forward_time_s(kind, dev, sh, dtype, attention)
     return LayerCost(kind=kind, tp=tp, micro_batch=micro_batch, seq_len=seq_len, forward_s=fwd,
-                     backward_s=backward_time_s(kind, dev, sh, dtype), recompute_s=fwd,
+                     backward_s=backward_time_s(kind, dev, sh, dtype, attention), recompute_s=fwd,
                      activation_bytes=activation_bytes(kind, tp=tp, micro_batch=micro_batch, seq_len=seq_len,
                                                        dtype=dtype, on_cpu=dev.is_cpu),
                      param_bytes=param_bytes(kind, tp=tp, dtype=dtype))

@@ -39,18 +39,23 @@ Conventions (all per device of a stage, per micro-batch unless said otherwise):
   adds its own transient (a ZeRO-2/3 gather in forward; in backward the re-gathered
   parameters, the recomputed activations, the working set, the loss's backward). The stage's
   peak is the largest such moment, taken over its layers in order (``_stage_cost``); the
-  search writes layers in the order that makes it least (``canonical_order``).
+  search writes layers in the order that makes it least (``canonical_order``). The search
+  counts each layer's terms alone (what CP-SAT sums); a plan's prediction (``stage_cost``) also
+  takes away what the layer's neighbours make absent (``_neighbour_peak``), never more.
 * A fixed reserve per device for the CUDA context, communication buffers and allocator
   fragmentation: ``RESERVE_GPU_BYTES`` (3 GiB) on GPUs, ``RESERVE_CPU_BYTES`` on CPU ranks.
 * Pipeline: 1F1B step time = (m - 1) * max_s T_s + sum_s T_s, with T_s one micro-batch's
   forward + backward at stage s including its TP/ZeRO collectives and its side of each stage
   boundary (sender and receiver both pay; under TP each rank sends its 1/tp shard, priced
   only), then the exposed ZeRO edge, data-parallel sync, optimizer and a fixed per-step overhead.
+* Software: the runtime's attention kernel and overlapped gradient reductions unless the cost
+  model is told otherwise (``timing.Software``: published runs of other frameworks).
 * Host overhead: an analytic layer pass takes max(device time, ops x per-op overhead) on a GPU
   and their sum on a CPU rank (``timing.host_bound_s``); a profile's calibration scales the
   device time and sets the overhead (``time_constants``).
 * Collectives are ring algorithms priced on the links the ranks use, at the bus bandwidth NCCL
-  achieves there (``timing.LINK_EFFICIENCY``), or a profile's measured fit. Stages are aligned to
+  achieves there (``timing.LINK_EFFICIENCY``), or a profile's measured fit; a data-parallel group
+  across nodes uses the NICs of all its ranks in a node (``dp_link``). Stages are aligned to
   nodes (a stage's size divides the node size or is a multiple of it), so a group of ranks
   inside one stage sits in one node exactly when it is no wider than a node; sends between
   stages are intra-node only on a single-node group, else priced on the network; between node
@@ -64,7 +69,7 @@ import dataclasses
 from collections import Counter
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Mapping, NamedTuple, Sequence
 
 from partita.cluster import ClusterSpec, NodeGroup
 from partita.devices import get_device
@@ -72,8 +77,8 @@ from partita.errors import PartitaError
 from partita.model import LayerKind, ModelSpec
 from partita.plan import LayerStrategy
 from partita.profile import LayerCost, Profile, bus_bytes, layer_cost_at
-from partita.search.timing import (LINK_EFFICIENCY, OPTIMIZER_OPS_PER_TENSOR, TimeConstants, default_constants,
-                                   host_bound_s, layer_ops, overlapped_s, param_tensors)
+from partita.search.timing import (LINK_EFFICIENCY, OPTIMIZER_OPS_PER_TENSOR, Software, TimeConstants,
+                                   default_constants, host_bound_s, layer_ops, overlapped_s, param_tensors)
 from partita.units import GiB, MiB, round_up_to_grain
 
 RESERVE_GPU_BYTES = 3 * GiB
@@ -134,6 +139,16 @@ class LayerMemory:
     transient_gathered: int  # the part of ``transient`` that is gathered parameters
     params: int  # parameters on this device (for the optimizer step)
     peak_phase: str = "backward"  # "forward" (a ZeRO-2/3 gather) or "backward" (recompute, working set, loss)
+    # The parts a stage whose neighbours are known (``_neighbour_peak``) puts together itself:
+    copy: int = 0  # the layer's parameters in the compute dtype: one gather (or prefetch) of it
+    forward_extra: int = 0  # its forward gather's bytes (all gathered parameters)
+    backward_own: int = 0  # what its backward computes with: the recomputed activations and the working set
+    # FSDP2's reduce-scatter input for its gradient, kept until the next layer makes its own: a
+    # buffer beside the sharded gradient when it reduces every micro-batch (ZeRO 2-3, or m = 1);
+    # ZeRO 0-1 reduce once, out of the unsharded gradient they accumulated (nothing beside it).
+    reduce_buffer: int = 0
+    regathers: bool = False  # ZeRO-3: gathered again for its backward (and prefetched by the layer after it)
+    releases_copy: bool = False  # its kept copy is freed after every backward (ZeRO-2; ZeRO 0-1 when m = 1)
 
     @property
     def static_bytes(self) -> int:
@@ -151,10 +166,11 @@ class CostModel:
     """Prices layers, stages and steps for one model, cluster, sequence length and dtype."""
 
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, *, seq_len: int, dtype: str | None = None,
-                 profiles: Iterable[Profile] = ()) -> None:
+                 profiles: Iterable[Profile] = (), software: Software | None = None) -> None:
         self.model = model
         self.cluster = cluster
         self.seq_len = seq_len
+        self.software = software or Software()  # Partita's runtime unless told otherwise (timing.Software)
         self.dtype = dtype or default_dtype(cluster)
         if self.dtype not in DTYPE_BYTES:
             raise PartitaError(f"unknown dtype {self.dtype!r}; valid: {', '.join(DTYPE_BYTES)}")
@@ -188,7 +204,8 @@ class CostModel:
                 self._used_sources[device].add("measured")
                 return measured
         dev = get_device(device)
-        c = layer_cost(kind, dev, tp=tp, micro_batch=micro_batch, seq_len=self.seq_len, dtype=self.dtype)
+        c = layer_cost(kind, dev, tp=tp, micro_batch=micro_batch, seq_len=self.seq_len, dtype=self.dtype,
+                       attention=self.software.attention)
         k = self.time_constants(device)
         self._used_sources[device].add("calibrated" if self._calibrated(device) else "analytic")
         # The roofline's device time, scaled by a calibration, and the host's eager ops: a pass
@@ -251,8 +268,19 @@ class CostModel:
         return self._link(group, tp)
 
     def dp_link(self, group: NodeGroup, dp: int, tp: int) -> Link:
-        # dp peers are tp ranks apart; the group spans dp * tp consecutive ranks.
-        return self._link(group, dp * tp)
+        """dp peers are tp ranks apart; the group spans dp * tp consecutive ranks. Across nodes
+        NCCL runs a ring (channel) through each NIC its ranks sit by, so a group with k = gpus per
+        node / tp ranks in every node moves data between nodes over k NICs at once (the other tp
+        ranks' groups use the other NICs): its bus bandwidth is k x the per-GPU network rate, up
+        to what NVLink carries inside the node (NVIDIA/nccl-tests#119: 8 A100 a node with 4 HDR
+        NICs reach 96 GB/s all-reduce bus bandwidth, "24GB/s ... per 200G NIC"; nccl-tests#319:
+        8 x 400G NICs "aggregated to achieve up to ~396GB/s with the RING protocol")."""
+        link = self._link(group, dp * tp)
+        if link.kind != "network":
+            return link
+        per_node = max(1, group.gpus_per_node // tp)
+        intra = group.intra_node_gbps * LINK_EFFICIENCY.get(group.intra_link, 1.0) / LINK_EFFICIENCY["network"]
+        return Link("network", min(per_node * group.network_gbps, max(intra, group.network_gbps)), link.latency_s)
 
     def pp_link(self, a: NodeGroup, b: NodeGroup, stage_size: int) -> Link:
         """Between consecutive stages: inside a node only when the group is that one node
@@ -336,10 +364,11 @@ class CostModel:
         tensors = param_tensors(self.model.kinds[role], tied_head=role == "head" and self.model.tie_embeddings)
         host_ops = OPTIMIZER_OPS_PER_TENSOR["cpu" if group.device_type.is_cpu else "gpu"] * tensors
         optimizer = k.compute_scale * self.optimizer_s(group, params // shard) + host_ops * k.op_overhead_s
+        # Software that starts the gradient reductions only after the whole backward hides none.
+        window = max(0.0, 1.0 - slowdown) * backward if self.software.grad_sync == "overlapped" else 0.0
         return LayerTime(forward_s=forward, backward_s=backward, compute_s=fwd_compute + bwd_compute,
                          tp_comm_s=tp_fwd + tp_bwd, zero_comm_s=zero_fwd + zero_bwd, dp_sync_s=dp_sync,
-                         zero_edge_s=edge, overlap_window_s=max(0.0, 1.0 - slowdown) * backward,
-                         optimizer_s=optimizer)
+                         zero_edge_s=edge, overlap_window_s=window, optimizer_s=optimizer)
 
     def tied_params(self, tp: int) -> int:
         """The weight a tied embedding and head share, per tp shard (vocab-parallel)."""
@@ -432,6 +461,8 @@ class CostModel:
         #   before reducing it, and the larger of the recomputed activations (freed as the
         #   backward consumes them) and the backward's working set (a block's MLP gradients; the
         #   loss's backward on the logits for the head, whose gradient comes after it).
+        # These per-layer terms are what the search sums; a plan's prediction also looks at the
+        # layer's neighbours (``_neighbour_peak``, which keeps the parts apart).
         gather_spike = {2: params * e, 3: 2 * params * e}.get(z, 0)
         resident = 2 * params * e if z == 3 else 0
         recompute_extra = full - kept if recompute else 0
@@ -447,11 +478,16 @@ class CostModel:
             phase, transient, transient_gathered = "forward", gather_spike, gather_spike
         else:
             phase, transient, transient_gathered = "backward", backward_extra, resident
+        every_micro_batch = z >= 2 or num_micro_batches == 1  # reduces (and, kept, reshards) in each backward
         up = round_up_to_grain  # every byte count in whole allocation grains (partita.units)
         return LayerMemory(weights=up(weights), gathered_weights=up(gathered), gradients=up(gradients),
                            optimizer=up(optimizer), activations=up(kept),
                            transient=up(transient_gathered) + up(transient - transient_gathered),
-                           transient_gathered=up(transient_gathered), params=local_params, peak_phase=phase)
+                           transient_gathered=up(transient_gathered), params=local_params, peak_phase=phase,
+                           copy=up(params * e) if fsdp else 0, forward_extra=up(gather_spike),
+                           backward_own=up(recompute_extra + working),
+                           reduce_buffer=up(params * REDUCE_BYTES) if fsdp and every_micro_batch else 0,
+                           regathers=fsdp and z == 3, releases_copy=bool(gathered) and every_micro_batch)
 
     def _block_backward_transient(self, tp: int, micro_batch: int) -> int:
         """A block's backward working set: the gradients of the MLP's three ffn/tp-wide
@@ -499,6 +535,7 @@ class StageCost:
     peak_phase: str = "backward"  # ... in its "forward" or its "backward"
     tied_sync_s: float = 0.0  # per step: a tied head's copy summed with the embedding's (runtime/tied.py)
     peak_gathered: int = 0  # the part of gathered_weights that is the peak layer's own gathers
+    peak_released: int = 0  # kept copies of later layers freed by the peak (taken off gathered_weights)
     # time (search/timing.py, docs/search.md): per micro-batch, the exposed first gather / last
     # reduce-scatter (the largest of the stage's layers' ZeRO traffic, charged once per
     # micro-batch in step_time_s); per step, the largest layer's data-parallel reduction (it ends
@@ -550,16 +587,12 @@ def choice_of(model: ModelSpec, s: LayerStrategy) -> LayerChoice:
 
 def stage_cost(cm: CostModel, group: NodeGroup, layers: Sequence[LayerStrategy], *, stage: int, pp: int, dp: int,
                tp: int, micro_batch: int, num_micro_batches: int, next_group: NodeGroup | None) -> StageCost:
-    """Cost of one pipeline stage holding these layers, in this order."""
-    runs: list[tuple[LayerChoice, int, str]] = []
-    for s in layers:
-        c = choice_of(cm.model, s)
-        if runs and runs[-1][0] == c:
-            runs[-1] = (c, runs[-1][1] + 1, s.name)
-        else:
-            runs.append((c, 1, s.name))
-    return _stage_cost_runs(cm, group, tuple(runs), stage=stage, pp=pp, dp=dp, tp=tp, micro_batch=micro_batch,
-                            num_micro_batches=num_micro_batches, next_group=next_group)
+    """Cost of one pipeline stage holding these layers, in this order: a plan's prediction. Its
+    memory peak also looks at each layer's neighbours (``_neighbour_peak``) and is never more
+    than the per-layer terms the search counts (``stage_cost_counts``)."""
+    runs = tuple((choice_of(cm.model, s), 1, s.name) for s in layers)
+    return _stage_cost_runs(cm, group, runs, stage=stage, pp=pp, dp=dp, tp=tp, micro_batch=micro_batch,
+                            num_micro_batches=num_micro_batches, next_group=next_group, neighbours=True)
 
 
 def canonical_order(cm: CostModel, device: str, choices: Iterable[LayerChoice], *, dp: int, micro_batch: int,
@@ -593,17 +626,19 @@ def stage_cost_counts(cm: CostModel, group: NodeGroup, counts: Mapping[LayerChoi
 
 
 def _stage_cost_runs(cm: CostModel, group: NodeGroup, runs: Runs, *, stage: int, pp: int, dp: int, tp: int,
-                     micro_batch: int, num_micro_batches: int, next_group: NodeGroup | None) -> StageCost:
+                     micro_batch: int, num_micro_batches: int, next_group: NodeGroup | None,
+                     neighbours: bool = False) -> StageCost:
     """Identical blocks cost the same, so each distinct run is priced once; stages alike but
     for their position share everything but the micro-batches in flight."""
-    key = (group.name, runs, dp, tp, micro_batch, num_micro_batches, next_group.name if next_group else None)
+    key = (group.name, runs, dp, tp, micro_batch, num_micro_batches, next_group.name if next_group else None,
+           neighbours)
     k = in_flight(stage, pp, num_micro_batches)
     placed = cm.stage_cache.get(key + (k,))
     if placed is None:
         base = cm.stage_cache.get(key)
         if base is None:
             base = _stage_cost(cm, group, runs, dp=dp, tp=tp, micro_batch=micro_batch,
-                               num_micro_batches=num_micro_batches, next_group=next_group)
+                               num_micro_batches=num_micro_batches, next_group=next_group, neighbours=neighbours)
             cm.stage_cache[key] = base
         placed = copy.copy(base)  # dataclasses.replace re-runs __init__: this is the search's hot path
         object.__setattr__(placed, "in_flight", k)
@@ -612,7 +647,7 @@ def _stage_cost_runs(cm: CostModel, group: NodeGroup, runs: Runs, *, stage: int,
 
 
 def _stage_cost(cm: CostModel, group: NodeGroup, runs: Runs, *, dp: int, tp: int, micro_batch: int,
-                num_micro_batches: int, next_group: NodeGroup | None) -> StageCost:
+                num_micro_batches: int, next_group: NodeGroup | None, neighbours: bool = False) -> StageCost:
     fwd = bwd = compute = tp_comm = zero_comm = dp_sync = 0.0
     zero_edge = dp_edge = window = optimizer_s = 0.0
     weights = gathered_weights = grads = opt = acts = 0
@@ -622,6 +657,7 @@ def _stage_cost(cm: CostModel, group: NodeGroup, runs: Runs, *, dp: int, tp: int
     roles = {r[0][0] for r in runs}
     tied_copy = cm.model.tie_embeddings and "head" in roles and "embed" not in roles
     tied_sync = 0.0
+    memories: list[tuple[LayerMemory, int, str]] = []
     for choice, n, name in runs:
         holds_copy = tied_copy and choice[0] == "head"
         t = cm.layer_time_of(choice, group, dp=dp, micro_batch=micro_batch)
@@ -643,6 +679,8 @@ def _stage_cost(cm: CostModel, group: NodeGroup, runs: Runs, *, dp: int, tp: int
         grads += n * m.gradients
         opt += n * m.optimizer
         acts += n * m.activations  # the run's last layer sees the most activations before it
+        if neighbours:
+            memories.append((m, n, name))
         if peak is None or acts + m.transient > peak[0]:
             peak = (acts + m.transient, acts, m, name)
     # This stage's side of the boundary to the next (the next stage pays its own side of it:
@@ -653,19 +691,84 @@ def _stage_cost(cm: CostModel, group: NodeGroup, runs: Runs, *, dp: int, tp: int
     # weights, the rest of its transient (recompute, working set, loss) as transient.
     assert peak is not None
     _, current, top, peak_layer = peak
-    gathered_weights += top.transient_gathered
+    moment = Moment(current, top.transient_gathered, top.transient - top.transient_gathered, 0, peak_layer,
+                    top.peak_phase)
+    if neighbours:  # a plan's prediction: what the neighbours take away, never more than the search counts
+        aware = _neighbour_peak(memories)
+        if aware.bytes <= moment.bytes:
+            moment = aware
+    gathered_weights += moment.gathered - moment.released
     buffers, output, retained = pipeline_memory(cm, {r[0]: r[1] for r in runs}, micro_batch=micro_batch,
                                                 num_micro_batches=num_micro_batches, is_last=next_group is None)
     reserve = cm.reserve_bytes(group)
     return StageCost(time_s=fwd + bwd + p2p, forward_s=fwd, backward_s=bwd, compute_s=compute, tp_comm_s=tp_comm,
                      zero_comm_s=zero_comm, p2p_s=p2p, dp_sync_s=dp_sync, optimizer_s=optimizer_s,
                      weights=weights, gathered_weights=gathered_weights, gradients=grads, optimizer=opt,
-                     activations_per_mb=acts, current_activations=current, output_per_mb=output,
-                     retained_output=retained, in_flight=1, transient=top.transient - top.transient_gathered,
+                     activations_per_mb=acts, current_activations=moment.activations, output_per_mb=output,
+                     retained_output=retained, in_flight=1, transient=moment.other,
                      pipeline_buffers=buffers, reserve=reserve, capacity=group.memory_bytes,
-                     peak_layer=peak_layer, peak_phase=top.peak_phase, tied_sync_s=tied_sync,
-                     peak_gathered=top.transient_gathered, zero_edge_s=zero_edge, dp_edge_s=dp_edge,
-                     overlap_window_s=window, send_s=send)
+                     peak_layer=moment.layer, peak_phase=moment.phase, tied_sync_s=tied_sync,
+                     peak_gathered=moment.gathered, peak_released=moment.released, zero_edge_s=zero_edge,
+                     dp_edge_s=dp_edge, overlap_window_s=window, send_s=send)
+
+
+class Moment(NamedTuple):
+    """The running micro-batch at a stage's peak: its activations so far, the peak layer's
+    gathered parameters and its other extra bytes, and the kept copies of later layers already
+    freed then (counted in the stage's gathered weights, so taken off them)."""
+
+    activations: int
+    gathered: int
+    other: int
+    released: int
+    layer: str
+    phase: str
+
+    @property
+    def bytes(self) -> int:
+        return self.activations + self.gathered + self.other - self.released
+
+
+def _neighbour_peak(layers: Sequence[tuple[LayerMemory, int, str]]) -> Moment:
+    """The running micro-batch's peak in a stage whose layers are known in order, as FSDP2 runs
+    them (each layer's backward prefetches the layer before it in its stage,
+    ``runtime.parallelize.set_backward_prefetch``). What the per-layer terms cannot see:
+
+    * a layer's backward holds the prefetched copy of the layer before it only when that one is
+      ZeRO-3 (the others keep theirs; the stage's first layer prefetches nothing), and a ZeRO-3
+      layer copies its gather out (2 copies of its own) before its backward computes anything;
+    * the reduce-scatter buffer FSDP2 keeps during a layer's backward is the layer after's (until
+      this one makes its own), and only a layer that reduces every micro-batch has one;
+    * the layers after it have done their backward: those that reshard after every backward
+      (ZeRO-2; any FSDP2 layer when there is one micro-batch) have freed their copies;
+    * a layer's forward gather and its backward both compete.
+
+    Layers given as (memory, count, name) runs of one choice; each layer is a moment of its own."""
+    flat = [(m, name) for m, n, name in layers for _ in range(n)]
+    released_after = [0] * len(flat)
+    freed = 0
+    for i in range(len(flat) - 1, -1, -1):
+        released_after[i] = freed
+        if flat[i][0].releases_copy:
+            freed += flat[i][0].gathered_weights
+    best: Moment | None = None
+    acts = 0
+    for i, (m, name) in enumerate(flat):
+        acts += m.activations
+        before = flat[i - 1][0] if i else None
+        prefetch = before.copy if before is not None and before.regathers else 0
+        reducing = flat[i + 1][0].reduce_buffer if i + 1 < len(flat) else 0
+        own = m.copy if m.regathers else 0
+        moments = [Moment(acts, own + prefetch, reducing + m.backward_own, released_after[i], name, "backward")]
+        if m.regathers:
+            moments.append(Moment(acts, 2 * own, reducing, released_after[i], name, "backward"))
+        if m.forward_extra:
+            moments.append(Moment(acts, m.forward_extra, 0, 0, name, "forward"))
+        for moment in moments:
+            if best is None or moment.bytes > best.bytes:
+                best = moment
+    assert best is not None
+    return best
 
 
 def boundary_s(cm: CostModel, group: NodeGroup, other: NodeGroup, *, dp: int, tp: int, micro_batch: int) -> float:
@@ -676,7 +779,11 @@ def boundary_s(cm: CostModel, group: NodeGroup, other: NodeGroup, *, dp: int, tp
     backward on the other). Priced only: the runtime still sends the whole activation."""
     act_msg = activation_message_bytes(cm, micro_batch)
     link = cm.pp_link(group, other, dp * tp)
-    shard = cm.collective_s("p2p", act_msg / tp, 2, link, group.device)
+    # A transfer goes at the slower side's pace: each device's measured fit, and between node
+    # groups the link that joins them (a fit measured inside one group knows nothing of it).
+    shard = max(cm.collective_s("p2p", act_msg / tp, 2, link, d) for d in {group.device, other.device})
+    if group.name != other.name:
+        shard = max(shard, cm.collective_s("p2p", act_msg / tp, 2, link))
     gather = cm.collective_s("all_gather", act_msg, tp, cm.tp_link(group, tp), group.device)
     return 2 * shard + gather
 
@@ -713,13 +820,15 @@ def interleaved_stage_cost(cm: CostModel, group: NodeGroup,
 
     parts = [part(layers, nxt) for layers, nxt in zip(chunks, next_groups)]
     add = lambda field: sum(getattr(p, field) for p in parts)  # noqa: E731
-    running = max(parts, key=lambda p: p.current_activations + p.transient + p.peak_gathered)
-    kept_copies = sum(p.gathered_weights - p.peak_gathered for p in parts)
+    running = max(parts, key=lambda p: p.current_activations + p.transient + p.peak_gathered - p.peak_released)
+    # Every virtual stage's kept copies, less those the running one has freed by its peak.
+    kept_copies = sum(p.gathered_weights - p.peak_gathered + p.peak_released for p in parts) - running.peak_released
     return dataclasses.replace(
         parts[0], time_s=add("time_s"), forward_s=add("forward_s"), backward_s=add("backward_s"),
         compute_s=add("compute_s"), tp_comm_s=add("tp_comm_s"), zero_comm_s=add("zero_comm_s"), p2p_s=add("p2p_s"),
         dp_sync_s=add("dp_sync_s"), optimizer_s=add("optimizer_s"), weights=add("weights"),
         gathered_weights=kept_copies + running.peak_gathered, peak_gathered=running.peak_gathered,
+        peak_released=running.peak_released,
         gradients=add("gradients"), optimizer=add("optimizer"),
         activations_per_mb=max(p.activations_per_mb for p in parts), current_activations=running.current_activations,
         output_per_mb=activation_message_bytes(cm, micro_batch), retained_output=add("retained_output"),

@@ -30,7 +30,7 @@ Usage::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Union
 
 import numpy as np
@@ -101,6 +101,22 @@ CPU_FLOOR_S = 2e-06
 # Flash attention's backward runs five block products to the forward's two.
 ATTENTION_BWD_FLOPS_RATIO = 2.5
 
+# The fused attention kernels. "sdpa" is what the curves above were fitted on: torch's
+# scaled_dot_product_attention on an H200 (torch 2.11), a Hopper-native kernel (600 TFLOP/s
+# forward at long sequences). "flash2" is FlashAttention-2, the kernel SDPA dispatched on H100
+# in 2024-2025 (torchtitan#1042: "it dispatches SDPBackend.FLASH_ATTENTION" on H100, and cuDNN's
+# Hopper kernel was ~10 % faster end to end on Llama 3 8B at seq 8192). It is written for Ampere's
+# tensor-core instructions: on A100 it reaches 50-73 % of peak (Dao 2023, arXiv:2307.08691), what
+# the curves give there; on Hopper "only 35 % utilization" (Shah et al. 2024, FlashAttention-3,
+# arXiv:2407.08608, abstract), so on Hopper its efficiency is capped at that.
+ATTENTION_KERNELS = ("sdpa", "flash2")
+FLASH2_HOPPER_EFFICIENCY = 0.35
+HOPPER_PREFIXES = ("H100", "H200", "GH200")  # catalog names (and variants of them) of Hopper parts
+
+
+def is_hopper(dev: DeviceType) -> bool:
+    return dev.name.upper().startswith(HOPPER_PREFIXES)
+
 
 # ---- primitives ----------------------------------------------------------------------------
 def _peaks(dev: DeviceType, dtype: str) -> tuple[float, float]:
@@ -147,13 +163,28 @@ def attention_flops_bytes(batch: int, heads: int, seq: int, head_dim: int, *, ca
 
 
 def attention_time_s(dev: DeviceType, batch: int, heads: int, seq: int, head_dim: int, *,
-                     causal: bool = True, dtype: str = "bf16") -> tuple[float, float]:
-    """(forward, backward) seconds of fused (flash / SDPA) attention over ``heads`` query heads."""
+                     causal: bool = True, dtype: str = "bf16", kernel: str = "sdpa") -> tuple[float, float]:
+    """(forward, backward) seconds of fused (flash / SDPA) attention over ``heads`` query heads;
+    ``kernel`` one of ``ATTENTION_KERNELS``."""
     _check_positive(batch=batch, heads=heads, seq=seq, head_dim=head_dim)
+    if kernel not in ATTENTION_KERNELS:
+        raise PartitaError(f"unknown fused attention kernel {kernel!r}; valid: {', '.join(ATTENTION_KERNELS)}")
     flops, nbytes = attention_flops_bytes(batch, heads, seq, head_dim, causal=causal, dtype=dtype)
-    forward = _time_s(ATTENTION_FWD_CURVE, dev, flops, nbytes, dtype)
-    backward = _time_s(ATTENTION_BWD_CURVE, dev, ATTENTION_BWD_FLOPS_RATIO * flops, 2.0 * nbytes, dtype)
+    fwd_curve, bwd_curve = ATTENTION_FWD_CURVE, ATTENTION_BWD_CURVE
+    if kernel == "flash2" and is_hopper(dev):
+        fwd_curve = replace(fwd_curve, efficiency=min(fwd_curve.efficiency, FLASH2_HOPPER_EFFICIENCY))
+        bwd_curve = replace(bwd_curve, efficiency=min(bwd_curve.efficiency, FLASH2_HOPPER_EFFICIENCY))
+    forward = _time_s(fwd_curve, dev, flops, nbytes, dtype)
+    backward = _time_s(bwd_curve, dev, ATTENTION_BWD_FLOPS_RATIO * flops, 2.0 * nbytes, dtype)
     return forward, backward
+
+
+def batched_matmul_time_s(dev: DeviceType, batch: int, m: int, n: int, k: int, dtype: str = "bf16") -> float:
+    """Seconds for ``batch`` independent products C[m,n] = A[m,k] @ B[k,n] in one kernel
+    (``torch.bmm`` / ``baddbmm``): the GEMM curve on the batch's FLOPs and bytes, one floor."""
+    _check_positive(batch=batch, m=m, n=n, k=k)
+    flops, nbytes = matmul_flops_bytes(m, n, k, dtype)
+    return _time_s(GEMM_CURVE, dev, batch * flops, batch * nbytes, dtype)
 
 
 def memory_time_s(dev: DeviceType, nbytes: float) -> float:

@@ -1,6 +1,7 @@
 """The time side's constants and small formulas: achieved collective bandwidth, the host's
-per-op overhead, the overlap slowdown, the fixed per-step overhead. ``search/costs.py`` prices
-with them; ``partita calibrate`` (``search/calibrate.py``) replaces them with fitted values.
+per-op overhead, the overlap slowdown, the fixed per-step overhead, and what the training
+software does (``Software``). ``search/costs.py`` prices with them; ``partita calibrate``
+(``search/calibrate.py``) replaces the constants with fitted values.
 
 Where each default comes from is stated beside it (and in docs/search.md): cited, measured on
 this project's CPU development machine, or assumed.
@@ -10,18 +11,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from partita.errors import PartitaError
 from partita.model import LayerKind
 
 # ---- achieved bus bandwidth --------------------------------------------------------------
 # NCCL reaches a fraction of the link's line rate (protocol overhead): on NVLink "~20 %", an
 # effective 370 of H100's 450 GB/s per direction as bus bandwidth (S. Jeaugey, NVIDIA, in
-# NVIDIA/nccl-tests#212, 2024; without NVLink SHARP). The same fraction is assumed for the other
-# GPU links and for the network (unverified: no cited nccl-tests figure for them here). The
-# message-size dependence comes from the per-step latency (``LINK_LATENCY_S`` in costs.py):
+# NVIDIA/nccl-tests#212, 2024; without NVLink SHARP); A100's NVLink 3 gives ~235 of 300 GB/s
+# (0.78, nccl-tests#189), within 5 % of it. The same fraction is assumed for the other GPU links.
+# InfiniBand NICs come closer to their line rate: "24GB/s is the peak performance per 200G NIC
+# (12 GB/s for 100G NICs)" (S. Jeaugey, nccl-tests#119, 2022) and "46-48GB/s per NIC" at 400 Gb/s
+# (NVIDIA's AddyLaddy in nccl-tests#290, 2025): 0.96. The message-size dependence comes from the
+# per-step latency (``LINK_LATENCY_S`` in costs.py):
 # achieved busbw(S) = S / (steps x latency + S / (efficiency x line rate)).
 # gloo between CPU ranks is not NCCL; its figures come from a calibration or `partita profile
 # --comm` (efficiency 1: the catalog's nominal loopback rate stands as is).
-LINK_EFFICIENCY = {"nvlink": 370 / 450, "xgmi": 370 / 450, "pcie": 370 / 450, "network": 370 / 450,
+LINK_EFFICIENCY = {"nvlink": 370 / 450, "xgmi": 370 / 450, "pcie": 370 / 450, "network": 24 / 25,
                    "loopback": 1.0}
 
 # ---- overlap -----------------------------------------------------------------------------
@@ -97,6 +102,34 @@ def host_bound_s(device_s: float, ops: int, op_overhead_s: float, on_cpu: bool) 
     does the work), the larger on a GPU (the host runs ahead of the device)."""
     host = ops * op_overhead_s
     return device_s + host if on_cpu else max(device_s, host)
+
+
+# ---- what the training software does ----------------------------------------------------------
+# Where the software that trains differs from Partita's runtime in how it runs the same layers.
+# The planner prices its own runtime (the defaults); the published-runs benchmark states, per
+# run, what the run's framework did (benchmarks/published_runs.yaml, `software`).
+GRAD_SYNCS = ("overlapped", "after_backward")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Software:
+    """How the training software runs a layer's attention and its gradient synchronisation."""
+
+    # "sdpa" (the runtime's fused kernel, as measured), "flash2" (FlashAttention-2) or "unfused"
+    # (Megatron-LM's batched products around a softmax kernel): search/analytic.py, ATTENTION.
+    attention: str = "sdpa"
+    # "overlapped": data-parallel gradient reductions start as the last micro-batch's backward
+    # frees each layer's gradients (torch DDP's buckets, FSDP2); "after_backward": they start when
+    # the whole backward has ended (Megatron-LM's "local" DDP, DeepSpeed's pipeline engine).
+    grad_sync: str = "overlapped"
+
+    def __post_init__(self) -> None:
+        from partita.search.analytic import ATTENTION  # analytic prices them; imported late, as costs.py does
+
+        if self.attention not in ATTENTION:
+            raise PartitaError(f"unknown attention {self.attention!r}; valid: {', '.join(ATTENTION)}")
+        if self.grad_sync not in GRAD_SYNCS:
+            raise PartitaError(f"unknown grad_sync {self.grad_sync!r}; valid: {', '.join(GRAD_SYNCS)}")
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from partita.devices import get_device
 from partita.errors import PartitaError
 from partita.model import ModelSpec, load_model
 from partita.profile import Profile
-from partita.search.analytic import activation_bytes, analytic_profile, layer_cost, param_bytes
+from partita.search.analytic import Shard, activation_bytes, analytic_profile, attention_s, layer_cost, param_bytes
 
 H100 = get_device("H100")
 TINY_LLAMA = load_model("tiny-llama")  # hidden 64, heads 4, kv_heads 2 (head_dim 16), ffn 128, vocab 256
@@ -163,6 +163,31 @@ def test_block_time_is_close_to_its_flops_at_the_gemm_efficiency():
 
 
 # ---- parameters -------------------------------------------------------------------------------
+def test_unfused_attention_moves_the_score_square_through_memory():
+    """Megatron-LM's 2021 attention (batched products around a softmax kernel, dropout on the
+    probabilities) writes and reads every score in HBM: at micro-batch 16 and 2048 tokens its
+    share of a narrow GPT's block is several times the fused kernel's, and it grows with s^2."""
+    a100 = get_device("A100-80GB")
+    kind = ModelSpec(name="gpt-1.7b", family="gpt2", hidden=2304, n_layers=24, heads=24, kv_heads=24, ffn=9216,
+                     vocab=51200, seq_len=2048).kinds["block"]
+    sh = Shard.of(kind, tp=1, micro_batch=16, seq_len=2048, dtype="fp16")
+    fused = attention_s(a100, sh, "fp16", "sdpa")
+    unfused = attention_s(a100, sh, "fp16", "unfused")
+    assert unfused[0] > 3 * fused[0] and unfused[1] > 2 * fused[1]
+    # The forward moves ~13 bytes a score (2 x 2 through the products' output and input, 4 through
+    # softmax, 5 through dropout): at least that over HBM.
+    scores = 16 * 24 * 2048**2
+    assert unfused[0] > 13 * scores / (a100.hbm_gbps * 1e9)
+    plain = layer_cost(kind, a100, tp=1, micro_batch=16, seq_len=2048, dtype="fp16")
+    megatron = layer_cost(kind, a100, tp=1, micro_batch=16, seq_len=2048, dtype="fp16", attention="unfused")
+    assert megatron.forward_s - plain.forward_s == pytest.approx(unfused[0] - fused[0])
+    assert megatron.activation_bytes == plain.activation_bytes  # time only: the runtime's memory is priced
+    long = Shard.of(kind, tp=1, micro_batch=16, seq_len=1024, dtype="fp16")
+    assert attention_s(a100, long, "fp16", "unfused")[0] < 0.3 * unfused[0]
+    with pytest.raises(PartitaError, match="unfused"):
+        attention_s(a100, sh, "fp16", "xformers")
+
+
 def test_param_bytes_add_up_to_the_model():
     layers = LLAMA_7B.layer_names()
     total = sum(param_bytes(LLAMA_7B.kind_of(n), tp=1, dtype="bf16") for n in layers)

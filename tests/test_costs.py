@@ -102,6 +102,41 @@ def test_links_follow_where_ranks_sit():
     assert link.kind == "network" and link.gbps == min(g.network_gbps for g in mixed.groups)
 
 
+def test_a_data_parallel_group_across_nodes_uses_the_nics_of_its_ranks():
+    """NCCL runs a ring through every NIC its ranks sit by (nccl-tests#119, #319): a group with k
+    ranks in each node moves data between nodes at k x one GPU's network rate, at most what
+    NVLink carries; the other tp ranks' groups use the other NICs."""
+    cluster = parse_short("4x8xA100-80GB")  # 25 GB/s per GPU between nodes, 300 GB/s NVLink
+    cm = CostModel(load_model("llama-2-7b"), cluster, seq_len=4096)
+    g = cluster.groups[0]
+    assert cm.dp_link(g, 32, 1).gbps == pytest.approx(8 * 25)  # all eight NICs of each node
+    assert cm.dp_link(g, 16, 2).gbps == pytest.approx(4 * 25)
+    assert cm.dp_link(g, 4, 8).gbps == pytest.approx(25)  # one rank, one NIC a node
+    assert cm.dp_link(g, 4, 2).kind == "nvlink"  # inside a node: untouched
+    fast_nics = parse_short("4x8xH100")
+    h100 = CostModel(load_model("llama-2-7b"), fast_nics, seq_len=4096)
+    capped = h100.dp_link(fast_nics.groups[0], 32, 1)  # 8 x 50 GB/s NICs, NVLink's 370 GB/s achieved
+    assert capped.gbps * 24 / 25 == pytest.approx(450 * 370 / 450)
+
+
+def test_gradients_synced_after_the_backward_hide_behind_nothing():
+    """Megatron-LM's 'local' DDP and DeepSpeed's pipeline engine start the gradient all-reduce
+    when the whole backward has ended: all of it is exposed."""
+    from partita.search.timing import Software
+
+    model, cluster = load_model("llama-2-7b"), parse_short("2x8xH100")
+    g = cluster.groups[0]
+    layers = [LayerStrategy(name="embed")] + [LayerStrategy(name=f"layers.{i}") for i in range(32)] \
+        + [LayerStrategy(name="head")]
+    kw = dict(dp=16, tp=1, micro_batch=1, num_micro_batches=2)
+    overlapped = evaluate_layout(CostModel(model, cluster, seq_len=4096), [(g, layers)], **kw)
+    after = evaluate_layout(CostModel(model, cluster, seq_len=4096, software=Software(grad_sync="after_backward")),
+                            [(g, layers)], **kw)
+    assert after.breakdown["data_parallel_exposed"] == pytest.approx(after.stages[0].dp_sync_s)
+    assert after.breakdown["data_parallel_exposed"] > overlapped.breakdown["data_parallel_exposed"]
+    assert after.breakdown["compute"] == pytest.approx(overlapped.breakdown["compute"])
+
+
 def test_recompute_trades_time_for_memory_and_in_flight_scales_activations():
     model = load_model("llama-2-7b")
     cluster = parse_short("8xH100")
@@ -127,3 +162,26 @@ def test_recompute_trades_time_for_memory_and_in_flight_scales_activations():
     assert ev.stages[1].activations == 1 * per_mb[1] + 1 * 4096 * model.vocab * 2
     # the schedule's receive buffers: one per micro-batch, gradients on stage 0, activations on stage 1
     assert ev.stages[0].pipeline_buffers == ev.stages[1].pipeline_buffers == 4 * act_msg
+
+
+def test_a_send_between_groups_goes_at_the_slower_side_and_the_link_between_them():
+    """Issue 12: with a measured p2p fit on the H100 side only, a send to an A100 group over a
+    0.001 GB/s link between the groups was priced by the fit (2 ms for 100 MB)."""
+    from partita.cluster import ClusterSpec, make_group
+    from partita.devices import get_device
+    from partita.model import load_model
+    from partita.profile import CommCost, Profile, Provenance
+    from partita.search.costs import CostModel, activation_message_bytes, boundary_s
+
+    h100 = make_group(name="h", device=get_device("H100"), nodes=1, gpus_per_node=8)
+    a100 = make_group(name="a", device=get_device("A100-80GB"), nodes=1, gpus_per_node=8)
+    cluster = ClusterSpec(name="slow-link", groups=(h100, a100), inter_group_gbps=0.001)
+    fast = Profile(device="H100", dtype="bf16", provenance=Provenance(source="measured", device_name="t"),
+                   comm=(CommCost(op="p2p", link="network", ranks=2, latency_s=1e-5, bandwidth_gbps=50.0),))
+    model = load_model("llama-2-7b")
+    cm = CostModel(model, cluster, seq_len=4096, profiles=[fast])
+    nbytes = activation_message_bytes(cm, 1)
+    for a, b in ((h100, a100), (a100, h100)):
+        assert boundary_s(cm, a, b, dp=1, tp=1, micro_batch=1) >= 2 * nbytes / (0.001e9)
+    inside = boundary_s(cm, h100, h100, dp=8, tp=1, micro_batch=1)  # one group: its own fit stands
+    assert inside < 1.0

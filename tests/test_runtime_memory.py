@@ -9,7 +9,9 @@ backward, ``StageMemory.peak_at``); at that moment the tracker's bytes are withi
 plan's, category by category. (Compared at the tracker's own peak instead, the categories would
 depend on which of two moments a few KiB apart wins: a ZeRO gather in one layer's forward or
 another's backward working set.) A category that is small next to the total may differ by up to
-5 % of the rank's total instead.
+5 % of the rank's total instead. The prediction looks at each layer's neighbours as FSDP2 does
+(whose gather is prefetched, whose reduce-scatter buffer is still held, which copies are freed
+already): the mixed plans and PP+FSDP's lone ZeRO-3 block on the last stage depend on it.
 """
 
 import pytest
@@ -26,16 +28,6 @@ from runtime_helpers import interleaved, make_plan, run_ranks  # noqa: E402
 from test_runtime_parallel import PLANS, SMALL  # noqa: E402
 
 CFG = TrainConfig(steps=2, warmup_steps=1, lr=1e-3, memory_report=True)
-# Measured and modelled conservatively (more than the runtime holds, by more than 10 %): at a
-# layer's backward FSDP2 has already freed the compute copies of the layers after it, and it
-# prefetches the layer before it only when that one is ZeRO-3 too, while the cost model keeps
-# every copy to the end of the backward and always counts the prefetch (exact for stages of one
-# choice, the ones the search writes; both depend on the neighbours, which the CP-SAT model does
-# not see). Issue 8's closing note has the numbers.
-KNOWN_GAPS = {
-    "pp-fsdp": "a lone ZeRO-3 block on the last stage: one gathered copy, not two, and the head's copy freed: -17 %",
-    "mixed": "the ZeRO-3 layers.4 after a ZeRO-1 one: no prefetch, later copies freed: gathered weights -35 %",
-}
 MEMORY_PLANS = PLANS | {"bf16-zero1": make_plan(SMALL, dp=2, layer=dict(zero=1), dtype="bf16"),
                         "bf16-pp-tp": make_plan(SMALL, pp=2, tp=2, boundaries=[2], num_micro_batches=3,
                                                 layer=dict(tensor_parallel=2, sequence_parallel=True), dtype="bf16"),
@@ -64,8 +56,7 @@ def predicted(plan: Plan) -> dict[int, tuple[str, dict[str, int]]]:
     return out
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(reason=KNOWN_GAPS[n], strict=True))
-                                  if n in KNOWN_GAPS else n for n in MEMORY_PLANS])
+@pytest.mark.parametrize("name", list(MEMORY_PLANS))
 def test_each_ranks_tracked_memory_is_the_plans_prediction(name):
     plan = MEMORY_PLANS[name]
     prediction = predicted(plan)

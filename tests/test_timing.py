@@ -122,6 +122,18 @@ def test_data_parallel_sync_exposes_at_least_the_last_reduction():
     assert ev.breakdown["data_parallel_exposed"] >= largest > 0
 
 
+def test_software_defaults_to_the_runtime_and_refuses_what_it_does_not_know():
+    from partita.errors import PartitaError
+    from partita.search.timing import Software
+
+    cm = CostModel(load_model("tiny-llama"), parse_short("8xH100"), seq_len=64)
+    assert cm.software == Software(attention="sdpa", grad_sync="overlapped")
+    with pytest.raises(PartitaError, match="valid: sdpa, flash2, unfused"):
+        Software(attention="xformers")
+    with pytest.raises(PartitaError, match="valid: overlapped, after_backward"):
+        Software(grad_sync="never")
+
+
 def test_both_sides_of_a_stage_boundary_pay_for_it():
     model, cluster = load_model("tiny-llama"), parse_short("2xcpu")
     cm = CostModel(model, cluster, seq_len=64)
