@@ -152,6 +152,12 @@ def build_parser(with_torch_commands: bool = False) -> argparse.ArgumentParser:
     plan.add_argument("-o", "--output", default="plan.yaml", help="where to write the plan (default plan.yaml)")
     plan.add_argument("--top", type=_positive_int, default=1, metavar="K",
                       help="also list the best plans of K-1 other shapes (written as plan-2.yaml, ...)")
+    plan.add_argument("--objective", choices=("time", "cost"), default="time",
+                      help="time: the fastest plan (default); cost: the fewest dollars per token, at each device "
+                           "type's price per GPU-hour (catalog, or price_per_gpu_hour in a cluster YAML)")
+    plan.add_argument("--release-idle", action="store_true",
+                      help="with --objective cost: devices the plan leaves idle cost nothing (they can be released); "
+                           "without it the whole cluster is paid for and the cheapest plan is the fastest")
     _add_tokens(plan)
     _add_json(plan)
 

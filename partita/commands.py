@@ -50,6 +50,7 @@ def warn(message: str) -> None:
 def plan(args: argparse.Namespace) -> int:
     from partita.search.costs import CostModel
     from partita.search.planner import PlanRequest, make_plan
+    from partita.search.uniform import device_price
 
     # Every input is checked before the search, so bad input fails in a second, not after it.
     output = writable_output(args.output)
@@ -72,9 +73,22 @@ def plan(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     as_json = getattr(args, "json", False)
     alternatives: list[Plan] = []
+    objective = getattr(args, "objective", "time")
+    release = getattr(args, "release_idle", False)
+    if release and objective != "cost":
+        raise PartitaError("--release-idle only changes --objective cost; add --objective cost or drop it")
+    frontier = []
     try:
         with _Quiet() if as_json else console.status("searching", spinner="dots") as status:
-            result, _ = make_plan(req, progress=lambda what: status.update(what))
+            if objective == "cost" and release:
+                from partita.search.planner import make_cost_plan
+
+                result, frontier = make_cost_plan(req, progress=lambda what: status.update(what))
+            else:
+                if objective == "cost":
+                    for g in cluster.groups:  # the cost is still reported: every group needs a price
+                        device_price(g)
+                result, _ = make_plan(req, progress=lambda what: status.update(what))
             if top > 1:
                 status.update(f"the best plans of {top - 1} other shapes")
                 alternatives = _alternatives(req, result, top - 1)
@@ -107,6 +121,8 @@ def plan(args: argparse.Namespace) -> int:
     over = cpu_oversubscription(result, cluster)
     if over:
         notes.append(f"[bold]warning:[/bold] {over}")
+    if objective == "cost":
+        notes.append(cost_objective_note(result, cluster, frontier, release))
     cost = training_cost(result, cluster, tokens) if tokens else None
     alt_costs = [training_cost(alt, cluster, tokens) for alt in alternatives] if tokens else [None] * len(alternatives)
     if as_json:
@@ -124,6 +140,28 @@ def plan(args: argparse.Namespace) -> int:
         print_alternatives([(output, result, cost), *zip(alt_paths, alternatives, alt_costs)], top)
     console.print(f"\nwrote {output}  (planned in {wall:.2f} s)")
     return 0
+
+
+def cost_objective_note(plan: Plan, cluster, frontier: list, release: bool) -> str:
+    """What --objective cost chose, in dollars per million tokens, beside the fastest plan."""
+    from partita.search.planner import plan_price, usd_per_million_tokens
+    from partita.search.uniform import device_price
+
+    if not release:
+        whole = sum(g.size * device_price(g) for g in cluster.groups)
+        return (f"objective cost: the whole cluster is paid for (${whole / 1e6:,.2f}/h), so the cheapest plan per "
+                f"token is the fastest: ${usd_per_million_tokens(plan, whole):,.4f} per million tokens "
+                f"(--release-idle if idle devices can be released)")
+    price = plan_price(plan, cluster)
+    fastest = frontier[0]
+    proven = "proven" if all(p.exact for p in frontier) else "not proven (a search on the way stopped early)"
+    line = (f"objective cost (idle devices released): ${usd_per_million_tokens(plan, price):,.4f} per million tokens "
+            f"on {len(plan.ranks)} devices (${price / 1e6:,.2f}/h), {proven}; ")
+    if fastest.plan is plan:
+        return line + f"it is also the fastest plan ({len(frontier)} price bounds searched)"
+    return line + (f"the fastest plan costs ${fastest.usd_per_mtok:,.4f} per million tokens on "
+                   f"{len(fastest.plan.ranks)} devices at {fastest.plan.prediction.step_time_s:.3f} s/step "
+                   f"({len(frontier)} price bounds searched)")
 
 
 class _Quiet:

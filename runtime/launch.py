@@ -7,7 +7,8 @@ under ``torchrun``.
 
 On one node the ranks are started here (``torchrun --standalone``) and the table of measured
 against predicted step time and memory is printed at the end (and kept as ``summary.json``
-beside ``metrics.jsonl``). A plan for several nodes is not
+beside ``metrics.jsonl``, with a picture of it per stage, ``measured_vs_predicted.png``). A plan
+for several nodes is not
 started: the exact ``torchrun`` command for every node is printed instead (static rendezvous,
 so node ranks, hence global ranks, are the plan's), each running the same entry point,
 ``python -m partita.runtime.worker``.
@@ -38,6 +39,7 @@ from partita.cluster import ClusterSpec, load_cluster, recorded_cluster, same_ha
 from partita.errors import PartitaError
 from partita.model import ModelSpec, load_model
 from partita.plan import Plan
+from partita.report import RUN_CHART
 from partita.runtime import checkpoint
 from partita.runtime.data import check_data
 from partita.runtime.train import TrainConfig, check_config, checkpoint_record
@@ -85,6 +87,8 @@ def launch_command(args: argparse.Namespace) -> int:
     summary_path = Path(metrics).parent / "summary.json"
     summary_path.parent.mkdir(parents=True, exist_ok=True)
     summary_path.unlink(missing_ok=True)
+    chart_path = summary_path.parent / RUN_CHART
+    chart_path.unlink(missing_ok=True)  # a picture of an earlier run must not pass for this one's
     cmd = [sys.executable, "-m", "partita.runtime.launch", "--standalone", "--nnodes=1",
            f"--nproc-per-node={plan.world_size}", "-m", WORKER,
            *worker_arguments(args, metrics), "--summary", str(summary_path)]
@@ -99,7 +103,8 @@ def launch_command(args: argparse.Namespace) -> int:
     if summary_path.is_file():
         from partita.runtime.metrics import RunSummary
 
-        summary = RunSummary.from_dict(json.loads(summary_path.read_text()))
+        recorded = json.loads(summary_path.read_text())
+        summary = RunSummary.from_dict(recorded)
         print(f"run {summary.run_id}: {summary.steps} steps, final loss {summary.losses[-1]:.4f}")
         print(summary.table())
         if args.memory_report:
@@ -107,12 +112,31 @@ def launch_command(args: argparse.Namespace) -> int:
 
             print("memory at the peak of one step, by category (torch's memory trackers):")
             print(memory_table(summary))
+        if draw_run_chart(plan, recorded, metrics, chart_path):
+            print(f"measured against predicted, per stage: {chart_path}")
         analytic = sorted(d for d, src in plan.cost_sources.items() if src != "measured")
         predicted = summary.predicted_step_time_s
         if analytic and predicted and abs(summary.measured_step_time_s / predicted - 1) > 0.5:
             print(f"the prediction used datasheet (analytic) costs for {', '.join(analytic)}; measure this machine "
                   f"with `partita profile` and plan with --profile for a closer one")
     return 0
+
+
+def draw_run_chart(plan: Plan, summary: dict, metrics: str, path: Path) -> bool:
+    """Draw the run's measured-against-predicted picture (``partita.report.run_figure``) from its
+    summary and metrics records. The run has trained by now: a picture that cannot be drawn is a
+    one-line warning, and False."""
+    try:
+        from partita.report import write_run_chart
+        from partita.runtime.metrics import read_metrics
+
+        write_run_chart(plan, plan_cluster(plan), summary, read_metrics(metrics, summary.get("run_id")), path)
+    except Exception as e:  # noqa: BLE001 -- whatever drawing raises, the run stands
+        reason = (str(e).strip().splitlines() or [""])[0]
+        print(f"partita: warning: no chart of the run ({type(e).__name__}{': ' + reason if reason else ''}); "
+              f"{path.with_name('summary.json')} holds its numbers", file=sys.stderr)
+        return False
+    return True
 
 
 def run_until_done(cmd: list[str], env: dict[str, str]) -> int:

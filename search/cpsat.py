@@ -55,7 +55,8 @@ from partita.search.costs import (CostModel, activation_message_bytes, boundary_
                                   stage_cost_counts)
 from partita.search.evaluate import Evaluation, evaluate_layout
 from partita.search.uniform import (Layout, SearchSpace, UniformResult, batch_splits, divisors, hosts,
-                                    infeasible_error, layer_tp, max_stages, sp_choices, stage_sizes, tp_allowed)
+                                    device_price, infeasible_error, layer_tp, max_stages, sp_choices, stage_sizes,
+                                    tp_allowed)
 from partita.units import capacity_grains, to_grains, to_us
 
 log = logging.getLogger(__name__)
@@ -138,6 +139,10 @@ class Problem:
     # at most the ceiling, and the edge term Z at least the floor; None: the whole shape.
     edge_ceiling_us: int | None = None
     edge_floor_us: int = 0
+    # The cost objective's bound on the devices used (``SearchSpace.price_cap``), micro-dollars
+    # per hour, and what a stage on each group costs; None: no bound.
+    price_cap: int | None = None
+    stage_price: tuple[int, ...] = ()
 
     @property
     def key(self) -> tuple[Shape, int | None]:
@@ -264,7 +269,9 @@ def build_problem(cm: CostModel, shape: Shape, space: SearchSpace) -> Problem | 
                    extra_last=tuple(tuple(extra(g, False, True, k) for k in heads) for g in range(len(groups))),
                    extra_alone=tuple(tuple(extra(g, True, True, k) for k in heads) for g in range(len(groups))),
                    output_bytes=to_grains(activation_message_bytes(cm, shape.micro_batch)),
-                   step_overhead_us=to_us(cm.step_overhead_s))
+                   step_overhead_us=to_us(cm.step_overhead_s), price_cap=space.price_cap,
+                   stage_price=tuple(shape.stage_size * device_price(g) for g in groups)
+                   if space.price_cap is not None else ())
 
 
 EDGE_LEVEL_RATIO = 1.25  # edge values within this ratio of the level's least share a subproblem
@@ -401,8 +408,12 @@ class StageFit:
         self.least_head = p.head.least("time_us")
         self.least_p2p = min(min(r) for r in p.p2p_us)
         self.work = N * p.block.least("time_us") + self.least_embed + self.least_head
-        # The objective's terms no stage choice changes: a subproblem's edge m x Z, the step overhead.
-        self.fixed = self.m * p.edge_floor_us + p.step_overhead_us
+        # The objective's terms no slowest stage or work bound holds: a subproblem's edge m x Z,
+        # the step overhead, and the least exposed sync and optimizer step any block brings (the
+        # exposed sync is at least every layer's own reduction, the optimizer step at least one
+        # block's).
+        self.fixed = (self.m * p.edge_floor_us + p.step_overhead_us + p.block.least("sync_us")
+                      + p.block.least("optimizer_us"))
         # [group, slot, blocks]: least stage time of its blocks, for a slot holding the first
         # stage (slot 0: the only one), for one that does not, and for either. First the cheap
         # fractional envelope (``_envelope``), then, for shapes it does not prune, the whole-block
@@ -728,6 +739,9 @@ class PlanModel:
     def add_group_capacity(self) -> None:
         for g, cap in enumerate(self.p.stages_per_group):
             self.m.add(sum(self.y[r][g] for r in range(self.p.slots)) <= cap)
+        if self.p.price_cap is not None:  # the cost objective's bound on the devices used
+            self.m.add(sum(price * self.y[r][g] for r in range(self.p.slots)
+                           for g, price in enumerate(self.p.stage_price)) <= self.p.price_cap)
 
     # (B) every block is in exactly one stage; counts only on the slot's group; each used stage
     # holds at least one block; u marks strategies present in a slot.
@@ -1087,7 +1101,9 @@ def solve_plan(cm: CostModel, req, uniform: UniformResult, *, deadline: float, w
         if p is not None:
             problems.append(p)
     candidates = len(problems)
-    problems = sorted((q for p in problems for q in edge_levels(p)), key=lambda p: p.lower_bound_us)
+    # Shapes first, whole; a shape is split by ZeRO edge (``edge_levels``) when it comes up to
+    # be solved, so only shapes that survive the cheap bounds pay for their subproblems.
+    problems.sort(key=lambda p: p.lower_bound_us)
     fits: dict[tuple, StageFit] = {}
     curves: dict[Shape, dict] = {}  # whole-block curves, shared by a shape's subproblems
 
@@ -1119,6 +1135,15 @@ def solve_plan(cm: CostModel, req, uniform: UniformResult, *, deadline: float, w
     work_used = 0.0
     while queue:
         p = queue.pop(0)
+        if p.edge_ceiling_us is None and deadline - time.perf_counter() > 0:
+            levels = edge_levels(p)
+            if len(levels) > 1:
+                for q in levels:
+                    if still_open(q):
+                        bounds[q.key] = max(q.lower_bound_us, fits[q.key].bound_us())
+                        queue.append(q)
+                queue.sort(key=lambda q: bounds[q.key])
+                continue
         if deadline - time.perf_counter() > 0 and work_used < work_limit and not fits[p.key].tight:
             # The cheap envelope did not prune it: the whole-block curves may.
             fits[p.key].tighten()

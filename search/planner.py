@@ -9,13 +9,14 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from partita.cluster import ClusterSpec
-from partita.errors import PartitaError
+from partita.errors import InfeasibleError, PartitaError
 from partita.model import ModelSpec
 from partita.plan import Plan, SolverReport, Stage
 from partita.profile import Profile
 from partita.search.costs import CostModel
 from partita.search.evaluate import evaluate_plan, prediction
-from partita.search.uniform import Layout, SearchSpace, UniformResult, batch_shares, infeasible_error, uniform_search
+from partita.search.uniform import (Layout, SearchSpace, UniformResult, batch_shares, device_price, infeasible_error,
+                                    uniform_search)
 from partita.units import to_us
 
 log = logging.getLogger(__name__)
@@ -184,6 +185,74 @@ def make_plan(req: PlanRequest, progress: Callable[[str], None] | None = None) -
         plan = _consider_interleaved(cm, req, plan, uni, deadline)
     validate_plan(plan, req.model, req.cluster)
     return plan, uni
+
+
+@dataclass(frozen=True)
+class FrontierPoint:
+    """A plan on the time/price frontier: the fastest plan whose devices cost at most what the
+    previous point's cost, less one micro-dollar an hour."""
+
+    plan: Plan
+    price_uph: int  # its devices, micro-dollars per hour
+    usd_per_mtok: float  # dollars per million tokens
+    exact: bool  # its search proved it the fastest within its price bound
+
+
+def usd_per_million_tokens(plan: Plan, price_uph: int) -> float:
+    return plan.prediction.step_time_s * price_uph / 1e6 / 3600 / (plan.global_batch * plan.seq_len) * 1e6
+
+
+def plan_price(plan: Plan, cluster) -> int:
+    """What the devices a plan runs on cost per hour, micro-dollars (idle devices released)."""
+    return sum(len(s.ranks) * device_price(cluster.group(s.group)) for s in plan.stages)
+
+
+def make_cost_plan(req: PlanRequest, progress: Callable[[str], None] | None = None
+                   ) -> tuple[Plan, list[FrontierPoint]]:
+    """The plan of least dollars per token when idle devices can be released (the cost
+    objective), and the time/price frontier it was chosen from.
+
+    Cost per token is step time x the price of the devices used (the tokens per step are
+    fixed). The first search is the time objective's (the fastest plan); each next one asks for
+    the fastest plan whose devices cost strictly less than the last one's. A plan skipped in
+    between costs at least as much per hour as the last point and is no faster, so the cheapest
+    point is the cost optimum, proven when every search on the way proved its point. It stops
+    when no plan is cheaper, or when even the cheapest device at the last point's step time
+    cannot beat the best cost."""
+    for g in req.cluster.groups:
+        device_price(g)  # every group needs a price: one clear line otherwise
+    least = min(device_price(g) for g in req.cluster.groups)
+    deadline = time.perf_counter() + (req.time_limit_s if req.time_limit_s is not None else SAFETY_WALL_S)
+    frontier: list[FrontierPoint] = []
+    cap = None
+    while True:
+        left = deadline - time.perf_counter()
+        if frontier and left <= 0:
+            break
+        sub = dataclasses.replace(req, time_limit_s=max(left, 0.01) if req.time_limit_s is not None else None,
+                                  space=dataclasses.replace(req.space, price_cap=cap))
+        if progress:
+            progress(f"cost frontier: point {len(frontier) + 1}" + (f" (devices under ${cap / 1e6:,.2f}/h)" if cap else ""))
+        try:
+            plan, _ = make_plan(sub)
+        except InfeasibleError:
+            if not frontier:
+                raise
+            break  # nothing cheaper fits
+        except PartitaError:
+            if not frontier:
+                raise
+            break  # out of time: what is found stands, unproven
+        price = plan_price(plan, req.cluster)
+        exact = plan.solver is not None and plan.solver.status in ("optimal", "exhaustive")
+        frontier.append(FrontierPoint(plan=plan, price_uph=price, usd_per_mtok=usd_per_million_tokens(plan, price),
+                                      exact=exact))
+        best = min(p.usd_per_mtok for p in frontier)
+        if usd_per_million_tokens(plan, least) >= best or price <= least:
+            break  # no cheaper device set can be fast enough to beat the best
+        cap = price - 1
+    chosen = min(frontier, key=lambda p: p.usd_per_mtok)
+    return chosen.plan, frontier
 
 
 def _out_of_time_plan(cm: CostModel, req: PlanRequest, uni: UniformResult) -> Plan:

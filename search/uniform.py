@@ -36,6 +36,22 @@ class SearchSpace:
     micro_batches: tuple[int, ...] | None = None  # None: every divisor up to MAX_MICRO_BATCH
     tensor_parallel: tuple[int, ...] | None = None  # None: every degree that fits a node
     pipeline: tuple[int, ...] | None = None  # None: any
+    # The most the devices a plan runs on may cost, in micro-dollars per hour (``device_price``);
+    # None: no bound. The cost objective (``planner.make_plan``) walks the time/price frontier with it.
+    price_cap: int | None = None
+
+
+def device_price(group: NodeGroup) -> int:
+    """One device of the group per hour, in integer micro-dollars (prices sum exactly)."""
+    if group.price is None:
+        raise PartitaError(f"node group {group.name!r} ({group.device}) has no price per GPU-hour: set "
+                           f"price_per_gpu_hour for it in a cluster YAML to plan for cost")
+    return int(round(group.price * 1e6))
+
+
+def layout_price(stage_groups: Sequence[NodeGroup], stage_size: int) -> int:
+    """What the devices of a plan's stages cost per hour, micro-dollars."""
+    return sum(stage_size * device_price(g) for g in stage_groups)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -245,6 +261,8 @@ def uniform_search(cm: CostModel, *, global_batch: int, space: SearchSpace = Sea
         if deadline is not None and time.perf_counter() > deadline:
             result.complete = False
             break
+        if space.price_cap is not None and layout_price(stage_groups, dp * tp) > space.price_cap:
+            continue
         blocks = split_blocks(model.n_layers, len(stage_groups))
         for zero in zero_levels(space, global_batch, dp, mb, m):
             for recompute in space.recompute:

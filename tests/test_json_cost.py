@@ -151,3 +151,43 @@ def test_export_pricing_json_and_top_k_need_no_torch(tmp_path):
                        timeout=300)
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "p.yaml.args").is_file()
+
+
+def test_cost_objective_picks_the_cheapest_plan_per_token_which_is_not_the_fastest():
+    """--objective cost with idle devices released: on 4 H100s beside 4 A100s at their catalog
+    prices, gpt2 runs fastest on the H100s and cheapest per token on fewer, cheaper devices. The
+    frontier starts at the fastest plan, each next point is the fastest plan of strictly lower
+    price, and the chosen plan is the frontier's cheapest; no plan of the A100 group alone (a
+    sub-cluster the frontier must cover) is cheaper."""
+    from partita.model import load_model
+    from partita.search.planner import PlanRequest, make_cost_plan, make_plan, plan_price, usd_per_million_tokens
+
+    model = load_model("gpt2")
+    from partita.cluster import parse_short
+
+    cluster = parse_short("1x4xH100+1x4xA100-80GB")
+    req = PlanRequest(model=model, cluster=cluster, seq_len=model.seq_len, global_batch=32)
+    plan, frontier = make_cost_plan(req)
+    fastest, _ = make_plan(req)
+    assert frontier[0].plan.prediction.step_time_s == fastest.prediction.step_time_s
+    prices = [p.price_uph for p in frontier]
+    assert prices == sorted(prices, reverse=True) and len(set(prices)) == len(prices)
+    times = [p.plan.prediction.step_time_s for p in frontier]
+    assert times == sorted(times)  # a lower price never buys a faster plan
+    chosen = usd_per_million_tokens(plan, plan_price(plan, cluster))
+    assert chosen == min(p.usd_per_mtok for p in frontier) and all(p.exact for p in frontier)
+    assert chosen < usd_per_million_tokens(fastest, plan_price(fastest, cluster))
+    assert plan_price(plan, cluster) < plan_price(fastest, cluster)
+    a100 = parse_short("1x4xA100-80GB")
+    alone, _ = make_plan(PlanRequest(model=model, cluster=a100, seq_len=model.seq_len, global_batch=32))
+    assert chosen <= usd_per_million_tokens(alone, plan_price(alone, a100)) + 1e-12
+
+
+def test_cost_objective_needs_a_price_for_every_group(tmp_path, capsys):
+    spec = tmp_path / "c.yaml"
+    spec.write_text("name: c\ngroups:\n  - {name: a, device: A100-40GB, nodes: 1, gpus_per_node: 2}\n")
+    for argv, phrase in ((["--cluster", str(spec), "--objective", "cost", "--release-idle"], "price_per_gpu_hour"),
+                         (["--cluster", "4xcpu", "--release-idle"], "--objective cost")):
+        assert main(["plan", "--model", "tiny-llama", *argv, "-o", str(tmp_path / "p.yaml")]) == 2
+        captured = capsys.readouterr()
+        assert len(captured.err.strip().splitlines()) == 1 and phrase in captured.err, captured.err

@@ -143,3 +143,106 @@ def test_without_torch_1f1b_draws_and_interleaved_says_why(plans, tmp_path):
     r = run(plans["interleaved"], tmp_path / "b.svg")
     assert r.returncode == 2 and "torch is not installed" in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "b.svg").exists()
+
+
+# ---- a run's measured-against-predicted chart (`partita launch` draws it from the run files) ----
+
+
+def figure_svg(fig) -> str:
+    """The figure's SVG: text stays text and every bar keeps its id (``partita.report._pyplot``)."""
+    import io
+
+    buf = io.StringIO()
+    fig.savefig(buf, format="svg")
+    return buf.getvalue()
+
+
+def _record(stage, rank, step, step_s, *, phases=True):
+    r = {"run_id": "r", "stage": stage, "rank": rank, "step": step, "step_time_s": step_s}
+    if phases:  # two micro-batches; CPU ranks also record the time they waited for a core
+        r.update(forward_s=[0.01, 0.01], loss_s=[0.002] if stage == PP - 1 else [], backward_s=[0.02, 0.02],
+                 optimizer_s=[0.005], run_delay_s=0.03)
+    return r
+
+
+def _summary(plan, *, memory=False):
+    pred = plan.prediction
+    out = {"run_id": "r", "steps": 3, "measured_step_time_s": 0.2, "memory_kind": "peak RSS",
+           "measured_stage_peak_bytes": [300 << 20] * PP,
+           "predicted_stage_peak_bytes": [m.peak_bytes for m in pred.memory] if pred else None}
+    if memory:
+        held = {"weights": 1 << 18, "gradients": 1 << 18, "optimizer": 1 << 19, "activations": 3 << 20}
+        out["memory"] = [{"rank": r, "stage": r // 2, "bytes": held} for r in range(2 * PP)]
+        out["predicted_memory"] = [m.category_bytes() for m in pred.memory]
+    return out
+
+
+def test_measured_parts_are_the_median_step_split_by_the_phases_the_ranks_timed():
+    from partita.report import measured_step_parts
+
+    # Step 1 warms up and is left out; each step is averaged over the stage's two ranks first.
+    records = [_record(0, r, s, t) for r in (0, 1) for s, t in ((1, 9.0), (2, 0.2), (3, 0.3))]
+    records += [_record(0, 1, 4, 0.5), _record(0, 0, 4, 0.3)]
+    (stage,) = measured_step_parts(records, 1, cpu=True)
+    assert stage.step_s == pytest.approx(0.3)  # the median of 0.2, 0.3, 0.4
+    assert stage.parts["forward"] == pytest.approx(0.02) and stage.parts["backward"] == pytest.approx(0.04)
+    assert stage.parts["optimizer"] == pytest.approx(0.005) and stage.parts["waiting for a core"] == pytest.approx(0.03)
+    assert sum(stage.parts.values()) == pytest.approx(0.3)  # the rest: what no phase timed
+    (gpu,) = measured_step_parts(records, 1, cpu=False)
+    assert "waiting for a core" not in gpu.parts  # device time: the host's waits are not its to subtract
+    # A stage no rank recorded is None; a run that timed no phases leaves its step unsplit.
+    unsplit = [_record(0, 0, s, 0.1, phases=False) for s in (1, 2)]
+    assert measured_step_parts(unsplit, 2, cpu=True) == [measured_step_parts(unsplit, 1, cpu=True)[0], None]
+    assert measured_step_parts(unsplit, 1, cpu=True)[0].parts == {}
+
+
+def test_run_chart_holds_every_stage_measured_beside_predicted(plans):
+    from partita.report import predicted_step_parts, run_figure
+
+    plan = Plan.load(plans["1f1b"])
+    cluster = ClusterSpec.from_dict(plan.cluster)
+    predicted = predicted_step_parts(plan, cluster)
+    for parts in predicted:  # the timeline's boxes and the idle rest add up to the predicted step
+        assert sum(parts.parts.values()) == pytest.approx(plan.prediction.step_time_s, rel=0.02)
+        assert parts.parts["forward"] > 0 and parts.parts["backward"] > 0 and parts.parts["optimizer"] > 0
+    records = [_record(s, r, step, 0.2) for s in range(PP) for r in (2 * s, 2 * s + 1) for step in (1, 2)]
+    svg = figure_svg(run_figure(plan, cluster, _summary(plan, memory=True), records))
+    for s in range(PP):
+        assert f"stage {s}" in svg and f"cpu, ranks {2 * s}-{2 * s + 1}" in svg
+        for part in ("forward", "backward", "optimizer", "waiting for a core", "rest"):
+            assert f'id="time-measured-{part}-s{s}"' in svg
+        for part in ("forward", "backward", "sends", "gradient sync", "optimizer"):
+            assert f'id="time-predicted-{part}-s{s}"' in svg
+        assert f'id="peak-measured-s{s}"' in svg and f'id="peak-predicted-s{s}"' in svg
+        for c in ("weights", "activations"):
+            assert f'id="category-measured-{c}-s{s}"' in svg and f'id="category-predicted-{c}-s{s}"' in svg
+        assert f'id="category-predicted-reserve-s{s}"' not in svg  # no tensor, so not on either side
+    assert svg.count(">measured<") == svg.count(">predicted<") == 3 * PP  # a pair of bars per stage and panel
+    for label in ("forward (with the loss)", "pipeline sends", "idle (pipeline bubble)", "waiting for a core",
+                  "measured together", "peak RSS", "predicted peak", "capacity 4.0 GiB", "gathered weights",
+                  "reserve (predicted 256.0 MiB) is no tensor", "step time (ms)", "MiB per device", "run r, 3 steps"):
+        assert label in svg, label
+    assert "not measured" not in svg and "no prediction" not in svg
+
+
+def test_run_chart_says_what_was_not_measured_or_predicted(plans):
+    from partita.report import run_figure
+
+    plan = Plan.load(plans["1f1b"])
+    cluster = ClusterSpec.from_dict(plan.cluster)
+    # Stage 1 recorded nothing; stage 0 recorded no phases; no memory report.
+    records = [_record(0, r, step, 0.2, phases=False) for r in (0, 1) for step in (1, 2)]
+    fig = run_figure(plan, cluster, _summary(plan), records)
+    assert len(fig.axes) == 2  # no breakdown panel
+    svg = figure_svg(fig)
+    assert 'id="time-measured-unsplit-s0"' in svg and "step (its parts not recorded)" in svg
+    assert 'id="time-measured-absent-s1"' in svg and 'id="time-measured-forward-s0"' not in svg
+    assert "by category: not measured (run with --memory-report)" in svg
+    # A plan without a prediction: its bars are said to be missing, not drawn as zero.
+    bare = dataclasses.replace(plan, prediction=None)
+    summary = dict(_summary(plan), predicted_stage_peak_bytes=None)
+    svg = figure_svg(run_figure(bare, cluster, summary, records))
+    for s in range(PP):
+        assert f'id="time-predicted-absent-s{s}"' in svg and f'id="peak-predicted-absent-s{s}"' in svg
+        assert f'id="capacity-s{s}"' in svg  # the cluster still knows the device's memory
+    assert svg.count("no prediction in the plan") == 2 * PP

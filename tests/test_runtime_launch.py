@@ -19,6 +19,7 @@ mp = pytest.importorskip("torch.multiprocessing")
 from partita.errors import PartitaError  # noqa: E402
 from partita.runtime.data import TokenSource  # noqa: E402
 from partita.runtime import checkpoint  # noqa: E402
+from partita.report import RUN_CHART  # noqa: E402
 from partita.runtime.launch import add_launch_arguments, check_launch, launch_command  # noqa: E402
 from partita.runtime.metrics import RunSummary, read_metrics  # noqa: E402
 from partita.runtime.train import TrainConfig, lr_at  # noqa: E402
@@ -191,6 +192,66 @@ def test_launch_runs_ranks_under_torchrun(tmp_path, capfd):
     assert launch_command(parse(path, "--steps", 1, "--metrics", metrics, "--run-id", "again")) == 0
     assert [(r["run_id"], r["step"]) for r in read_metrics(metrics, "again")] == [("again", 1)] * 4
     assert len(read_metrics(metrics)) == 12
+
+
+def test_launch_draws_the_run_measured_against_predicted_per_stage(tmp_path, capfd, monkeypatch):
+    """The laptop loop, `partita plan` then `partita launch --memory-report`: the run directory
+    gets the chart and the printed summary names it. The figure is read as it was drawn: every
+    stage with its measured and predicted bars, the step's parts, peak memory, the categories."""
+    import io
+
+    import partita.report as report
+    from partita.cli import main
+    from partita.plan import Plan
+
+    drawn = []
+    draw = report.run_figure
+    monkeypatch.setattr(report, "run_figure", lambda *a, **k: drawn.append(draw(*a, **k)) or drawn[-1])
+    plan = tmp_path / "plan.yaml"
+    assert main(["plan", "--model", "tiny-llama", "--cluster", "4xcpu", "--pp", "2", "-o", str(plan)]) == 0
+    pp = Plan.load(plan).pp
+    capfd.readouterr()
+    run = tmp_path / "run"
+    assert main(["launch", str(plan), "--steps", "2", "--memory-report", "--metrics", str(run / "metrics.jsonl")]) == 0
+    out, err = capfd.readouterr()
+    chart = run / RUN_CHART
+    assert chart.read_bytes().startswith(b"\x89PNG")
+    assert f"measured against predicted, per stage: {chart}" in out and "warning" not in err
+    (fig,) = drawn
+    assert len(fig.axes) == 3  # step time, peak memory, memory by category
+    buf = io.StringIO()
+    fig.savefig(buf, format="svg")
+    svg = buf.getvalue()
+    for s in range(pp):
+        assert f"stage {s}" in svg
+        for part in ("forward", "backward", "optimizer"):
+            assert f'id="time-measured-{part}-s{s}"' in svg and f'id="time-predicted-{part}-s{s}"' in svg
+        assert f'id="peak-measured-s{s}"' in svg and f'id="peak-predicted-s{s}"' in svg
+        for c in ("weights", "optimizer", "activations"):
+            assert f'id="category-measured-{c}-s{s}"' in svg and f'id="category-predicted-{c}-s{s}"' in svg
+    assert svg.count(">measured<") == svg.count(">predicted<") == 3 * pp
+    summary = json.loads((run / "summary.json").read_text())
+    for label in (summary["run_id"], "forward (with the loss)", "waiting for a core", "idle (pipeline bubble)",
+                  "peak RSS", "capacity", "gathered weights", "step time"):
+        assert label in svg, label
+    assert "not measured" not in svg and "no prediction" not in svg
+
+
+def test_a_chart_that_cannot_be_drawn_is_one_warning(tmp_path, capsys, monkeypatch):
+    """The run has trained by then: drawing that fails says so in one line and the launch goes on."""
+    import partita.report as report
+    from partita.runtime.launch import draw_run_chart
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no backend\nand more")
+
+    monkeypatch.setattr(report, "write_run_chart", broken)
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("")
+    assert not draw_run_chart(make_plan(dp=2), {"run_id": "x"}, str(metrics), tmp_path / RUN_CHART)
+    err = capsys.readouterr().err
+    assert err.startswith("partita: warning: no chart of the run (RuntimeError: no backend)")
+    assert len(err.splitlines()) == 1 and str(tmp_path / "summary.json") in err
 
 
 def _metrics_lines(path: Path) -> int:
