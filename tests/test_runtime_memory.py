@@ -65,10 +65,16 @@ def test_each_ranks_tracked_memory_is_the_plans_prediction(name):
         peak = sum(measured["memory"].values())
         assert moment in measured["moments"], f"rank {rank}: no layer {moment!r} in {sorted(measured['moments'])}"
         want, got = dict(want), dict(measured["moments"][moment])
-        if any(l.recompute for l in plan.stage_of_rank(rank).layers):
+        layers = plan.stage_of_rank(rank).layers
+        if any(l.recompute for l in layers) or any(l.zero >= 2 for l in layers):
             # MemTracker labels a recomputed layer's activations as activations, FSDPMemTracker
             # (checkpointing sits inside the FSDP unit) as temporaries; the plan counts them as
-            # transient. Compared together.
+            # transient. Compared together. With ZeRO 2/3 layers, which instant of a layer's
+            # backward is its peak (saved activations still held, or already freed while the
+            # gradient and reduce-scatter temporaries are held) depends on when gloo's thread
+            # finishes the asynchronous reduce-scatter: under load, fsdp-zero3 moved about
+            # 120 KB from activations to temporaries at the same moment in 1 run of 7, the sum
+            # within 8 %. The sum is what the timing does not change.
             for d in (want, got):
                 d["activations"] += d.pop("transient")
         assert set(got) == set(want), f"rank {rank}: categories {sorted(got)} vs {sorted(want)}"
