@@ -1,23 +1,31 @@
-"""The calibration loop on CPU ranks: run one plan, calibrate, predict two other plans, run them.
+"""The calibration loop on CPU ranks: run two plans, calibrate, predict two other plans, run them.
 
-    python benchmarks/calibrate_cpu.py [--steps 15] [--repeats 3] [--out runs/calibrate_cpu] [--extra]
+    python benchmarks/calibrate_cpu.py [--steps 15] [--rounds 3] [--out runs/calibrate_cpu] [--extra]
 
-1. ``partita plan`` (analytic costs) and ``partita launch`` one plan on ``2xcpu``: tiny-llama in
-   two pipeline stages, eight micro-batches of one sequence; its time is mostly the host's
-   per-op overhead.
-2. ``partita calibrate`` that run into ``cpu-calibrated.yaml``.
-3. ``partita plan --profile cpu-calibrated.yaml`` two other plans of a 16x wider model whose
-   matrix products dominate (calib-llama, benchmarks/data/calib-llama.yaml; micro-batches of 2
-   and of 1), and launch them.
-4. Print, for every plan, the step time the analytic and the calibrated cost models predict for
-   it against the measured one (the median of every step but the first).
+1. ``partita plan`` (analytic costs) two calibration plans on ``2xcpu``, each in two pipeline
+   stages: tiny-llama with eight micro-batches of one sequence, whose time is mostly the host's
+   per-op overhead, and calib-llama (benchmarks/data/calib-llama.yaml, 16x wider) with two
+   micro-batches of four, whose time is mostly its matrix products. One run cannot tell the two
+   apart (both grow with the work of a layer); the two runs together fit the per-op overhead
+   and the compute scale.
+2. Round 1: ``partita launch`` both, ``partita calibrate`` them, ``partita plan --profile``
+   the two predicted plans (calib-llama with micro-batches of 2 and of 1; the planner picks
+   their schedule) and launch them.
+3. Rounds 2..R: launch all four plans again, in turn.
+4. ``partita calibrate`` each calibration plan's quietest run (below) into
+   ``cpu-calibrated.yaml``, and print, for every plan, the step time the analytic model, the
+   first round's profile and the final profile predict against the measured one, and the step
+   the final profile's schedule makes of the run's own measured stage times
+   (``search.calibrate.step_from_phases``: the schedule's terms apart from the compute's).
 
-Other work on a shared machine slows whole runs (on the 2-core development machine, by up to
-1.7x while another session's tests ran). So every plan is launched ``--repeats`` times, the
-plans after calibration in turn, and each plan's quietest run counts: the calibration is fitted
-on plan A's quietest run, and the other plans are measured by theirs. ``--extra`` adds
-data-parallel plans (FSDP2 over gloo), which the calibration is not expected to predict
-(docs/calibration.md says why), to show how far off they are.
+Other work on a shared machine slows whole runs: on the 2-core development machine, by up to
+1.7x while another session's tests ran, and not only by keeping the ranks off the cores (that
+part ``partita calibrate`` takes off, ``runtime/phases.py``): a rank on a core also computes up
+to a quarter slower while other processes share the caches. So every plan is launched once a
+round, the four in turn, and each plan's quietest run (the least median step) counts: the
+calibration plans' and the predicted plans' quietest runs come from the same stretch of time.
+The predicted plans are never calibrated on. ``--extra`` adds data-parallel plans (FSDP2 over
+gloo), which the calibration is not expected to predict (docs/calibration.md says why).
 """
 
 from __future__ import annotations
@@ -35,15 +43,18 @@ from partita.model import ModelSpec
 from partita.plan import Plan
 from partita.profile import Profile
 from partita.search.costs import CostModel
-from partita.search.calibrate import load_run
+from partita.search.calibrate import load_run, step_from_phases
 from partita.search.evaluate import evaluate_plan
 
 HERE = Path(__file__).parent
 CALIB_MODEL = str(HERE / "data" / "calib-llama.yaml")
 CLUSTER = "2xcpu"
-# (name, model, plan flags); the first is the one calibrated on.
-PLANS = [
+# (name, model, plan flags). Calibrated on: host-bound, then compute-bound.
+CALIBRATION = [
     ("tiny-pp2-mb1", "tiny-llama", ["--pp", "2", "--micro-batch", "1", "--global-batch", "8"]),
+    ("calib-pp2-mb4", CALIB_MODEL, ["--pp", "2", "--micro-batch", "4"]),
+]
+PREDICTED = [
     ("calib-pp2-mb2", CALIB_MODEL, ["--pp", "2", "--micro-batch", "2"]),
     ("calib-pp2-mb1", CALIB_MODEL, ["--pp", "2", "--micro-batch", "1"]),
 ]
@@ -79,49 +90,73 @@ def raw(run_dir: Path) -> float:
     return json.loads((run_dir / "summary.json").read_text())["measured_step_time_s"]
 
 
+def shape(plan: Plan) -> str:
+    """What the planner chose: degrees, micro-batching, schedule and the layers of each stage."""
+    stages = " / ".join("+".join(str(len(c)) for c in s.chunk_layers()) for s in plan.stages)
+    v = f" v{plan.virtual_stages}" if plan.virtual_stages > 1 else ""
+    return (f"dp{plan.dp} tp{plan.tp} pp{plan.pp} mb{plan.micro_batch}x{plan.num_micro_batches} "
+            f"{plan.schedule}{v} layers {stages}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=15)
-    ap.add_argument("--repeats", type=int, default=3, help="launches of every plan; the quietest counts")
+    ap.add_argument("--rounds", type=int, default=3, help="launches of every plan, in turn; the quietest counts")
     ap.add_argument("--out", default="runs/calibrate_cpu")
     ap.add_argument("--extra", action="store_true", help="also run data-parallel plans (not expected to fit)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    profile_path = out / "cpu-calibrated.yaml"
-    plans = PLANS + (EXTRA if args.extra else [])
-    quietest: dict[str, Path] = {}
+    first_profile, final_profile = out / "cpu-calibrated-round1.yaml", out / "cpu-calibrated.yaml"
+    predicted_plans = PREDICTED + (EXTRA if args.extra else [])
+    names = [name for name, _, _ in CALIBRATION + predicted_plans]
 
-    def launch_all(names: list[str]) -> None:
-        for rep in range(args.repeats):
-            for name in names:
-                run_dir = out / f"{name}-{rep}"
-                run(["launch", str(out / f"{name}.yaml"), "--steps", str(args.steps),
-                     "--metrics", str(run_dir / "metrics.jsonl")])
+    def launch(name: str, rnd: int) -> None:
+        run(["launch", str(out / f"{name}.yaml"), "--steps", str(args.steps),
+             "--metrics", str(out / f"{name}-{rnd}" / "metrics.jsonl")])
+
+    def runs_of(name: str) -> list[Path]:
+        return [out / f"{name}-{rnd}" for rnd in range(args.rounds)]
+
+    for name, model, flags in CALIBRATION:
+        run(["plan", "--model", model, *COMMON, *flags, "-o", str(out / f"{name}.yaml")])
+        launch(name, 0)
+    run(["calibrate", *(str(out / f"{name}-0") for name, _, _ in CALIBRATION), "-o", str(first_profile)])
+    for name, model, flags in predicted_plans:
+        run(["plan", "--model", model, *COMMON, *flags, "--profile", str(first_profile),
+             "-o", str(out / f"{name}.yaml")])
+        launch(name, 0)
+    for rnd in range(1, args.rounds):
         for name in names:
-            quietest[name] = min((out / f"{name}-{rep}" for rep in range(args.repeats)), key=measured)
+            launch(name, rnd)
+    quietest = {name: min(runs_of(name), key=measured) for name in names}
+    run(["calibrate", *(str(quietest[name]) for name, _, _ in CALIBRATION), "-o", str(final_profile)], quiet=False)
 
-    first, model, flags = plans[0]
-    run(["plan", "--model", model, *COMMON, *flags, "-o", str(out / f"{first}.yaml")])
-    launch_all([first])
-    run(["calibrate", str(quietest[first]), "-o", str(profile_path)], quiet=False)
-    for name, model, flags in plans[1:]:
-        run(["plan", "--model", model, *COMMON, *flags, "--profile", str(profile_path), "-o", str(out / f"{name}.yaml")])
-    launch_all([name for name, _, _ in plans[1:]])
-    rows = [(name, out / f"{name}.yaml", quietest[name]) for name, _, _ in plans]
-    profile = Profile.load(profile_path)
-    print("\n| plan | role | shape | analytic | calibrated | measured (quietest run) | its raw median | other runs "
-          "| error (calibrated) |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for i, (name, plan_path, run_dir) in enumerate(rows):
+    profiles = Profile.load(first_profile), Profile.load(final_profile)
+    print("\n| plan | role | shape | analytic | calibrated (round 1) | calibrated (final) | measured (quietest run) "
+          "| its raw median | other runs | error (round 1) | error (final) | schedule from measured stages |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for name in names:
+        plan_path = out / f"{name}.yaml"
         plan = Plan.load(plan_path)
-        shape = f"dp{plan.dp} tp{plan.tp} pp{plan.pp} mb{plan.micro_batch}x{plan.num_micro_batches}"
-        analytic, calibrated, real = predicted(plan_path, None), predicted(plan_path, profile), measured(run_dir)
-        role = "calibrated on" if i == 0 else "predicted" if i < len(PLANS) else "extra"
-        others = sorted(measured(d) for d in out.glob(f"{name}-*") if d != run_dir)
-        print(f"| {name} | {role} | {shape} | {analytic * 1e3:.1f} ms | {calibrated * 1e3:.1f} ms | {real * 1e3:.1f} ms "
-              f"| {raw(run_dir) * 1e3:.1f} ms | {', '.join(f'{o * 1e3:.0f}' for o in others)} ms "
-              f"| {(calibrated / real - 1) * 100:+.1f} % |")
+        real = measured(quietest[name])
+        analytic, early, final = (predicted(plan_path, p) for p in (None, *profiles))
+        from_phases = step_from_phases(load_run(quietest[name]), profiles[1])
+        role = ("calibrated on" if name in {n for n, _, _ in CALIBRATION}
+                else "predicted" if name in {n for n, _, _ in PREDICTED} else "extra")
+        others = sorted(measured(d) for d in runs_of(name) if d != quietest[name])
+        others_ms = ", ".join(f"{o * 1e3:.0f}" for o in others)
+        print(f"| {name} | {role} | {shape(plan)} | {analytic * 1e3:.1f} ms | {early * 1e3:.1f} ms "
+              f"| {final * 1e3:.1f} ms | {real * 1e3:.1f} ms | {raw(quietest[name]) * 1e3:.1f} ms | {others_ms} ms "
+              f"| {(early / real - 1) * 100:+.1f} % | {(final / real - 1) * 100:+.1f} % "
+              f"| {from_phases * 1e3:.1f} ms ({(from_phases / real - 1) * 100:+.1f} %) |")
+    # The predicted plans were planned with the first round's profile; say whether the final one
+    # would plan them alike.
+    for name, model, flags in predicted_plans:
+        again = out / f"{name}-final.yaml"
+        run(["plan", "--model", model, *COMMON, *flags, "--profile", str(final_profile), "-o", str(again)])
+        a, b = shape(Plan.load(out / f"{name}.yaml")), shape(Plan.load(again))
+        print(f"- {name}: the final profile plans {'the same' if a == b else 'differently: ' + b}")
 
 
 if __name__ == "__main__":

@@ -1,12 +1,17 @@
 """Price published, measured training runs with Partita's cost model and print predicted
 against measured throughput, with the source of every number.
 
-    python benchmarks/published_runs.py [--runs benchmarks/published_runs.yaml] [--json rows.json]
+    python benchmarks/published_runs.py [--runs benchmarks/published_runs.yaml] [--json rows.json] [--free]
 
 Each run in the YAML (its header documents the fields) is built as Partita's layout at the
 published configuration -- model, cluster, tensor/pipeline/data-parallel degrees, ZeRO level,
 micro-batch, global batch, sequence length, recomputation -- and priced with the analytic cost
-model (no measured profile) through ``partita.search.evaluate.evaluate_layout``.
+model (no measured profile) through ``partita.search.evaluate.evaluate_layout``. Where the run's
+framework ran the same layers differently from Partita's runtime (its attention kernel, when it
+reduces gradients), the run says so under ``software`` and the cost model prices that
+(``partita.search.timing.Software``); a machine the device catalog lacks is declared under
+``devices`` (a catalog entry with the source's own figures), added to the catalog only while its
+runs are read and priced.
 
 Both sides are compared in one metric, tokens per second per GPU:
 
@@ -21,6 +26,13 @@ The MFU columns put both through one formula: Partita's model FLOPs per token
 catalog's dense peak of the device for the run's dtype. Error is (predicted - measured) /
 measured. Runs marked ``closest`` are priced at the nearest configuration Partita can express
 (their differences are printed); ``not_expressible`` runs are listed, not priced.
+
+``--free`` adds the free search: ``partita plan`` (``search.planner.make_plan``, CP-SAT, its
+default work limit) for each priced run's model, cluster, sequence length, dtype and global
+batch, on Partita's runtime; its predicted gain over the published configuration as the run's
+framework ran it (the row's prediction), and over the same published layout on Partita's runtime
+(the layout's gain alone, without the software's); and, where the free plan is more than
+``GAIN_TO_EXPLAIN`` faster, the two plans' step times term by term (``FreeRow.terms``).
 """
 
 from __future__ import annotations
@@ -30,20 +42,23 @@ import dataclasses
 import json
 import statistics
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 from rich.console import Console
 from rich.table import Table
 
 from partita import specio
 from partita.cluster import ClusterSpec, parse_short
-from partita.devices import get_device
+from partita.devices import CATALOG, DeviceType, get_device
 from partita.errors import PartitaError
 from partita.model import BUILTIN, ModelSpec
+from partita.plan import Plan
 from partita.search.costs import CostModel
-from partita.search.evaluate import Evaluation, evaluate_layout
+from partita.search.evaluate import Evaluation, evaluate_layout, evaluate_plan
+from partita.search.timing import Software
 from partita.search.uniform import split_blocks, stage_layer_names, strategy
 
 DEFAULT_RUNS = Path(__file__).with_name("published_runs.yaml")
@@ -52,6 +67,9 @@ METRICS = ("tokens_per_s_per_gpu", "tflops_per_gpu", "step_time_s")
 FLOPS_FORMULAS = ("megatron_recompute",)
 OVERRIDES = ("memory_gib", "intra_node_gbps", "network_gbps")
 SOURCE_KEYS = ("title", "where", "url")
+SOFTWARE_KEYS = ("attention", "grad_sync")
+DEVICE_FIGURES = ("memory_gib", "bf16_tflops", "fp16_tflops", "fp32_tflops", "hbm_gbps", "intra_node_gbps",
+                  "network_gbps")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,6 +99,8 @@ class PublishedRun:
     recompute: bool
     measured: Measured
     pricing: str
+    devices: tuple[DeviceType, ...] = ()  # the runs file's own device types (``devices``), for its cluster
+    software: Software = Software()  # what the run's framework does where Partita's runtime differs
     blocks_per_stage: tuple[int, ...] | None = None
     differences: tuple[str, ...] = ()
     why: str = ""
@@ -131,10 +151,15 @@ class Row:
 def load_runs(path: str | Path = DEFAULT_RUNS) -> list[PublishedRun]:
     data = specio.require_mapping(specio.load_yaml(path), str(path))
     specio.check_version(data, 1, str(path))
+    extra = [k for k in data if k not in ("schema_version", "devices", "runs")]
+    if extra:
+        raise PartitaError(f"{path}: unknown key {extra[0]!r}; valid keys: schema_version, devices, runs")
+    devices = _devices(data.get("devices"), str(path))
     runs = data.get("runs")
     if not isinstance(runs, list) or not runs:
         raise PartitaError(f"{path}: 'runs' must be a non-empty list")
-    out = [run_from_dict(r, f"{path}: runs[{i}]") for i, r in enumerate(runs)]
+    with catalog_with(devices):
+        out = [run_from_dict(r, f"{path}: runs[{i}]", devices) for i, r in enumerate(runs)]
     ids = [r.id for r in out]
     dupes = sorted({i for i in ids if ids.count(i) > 1})
     if dupes:
@@ -142,9 +167,47 @@ def load_runs(path: str | Path = DEFAULT_RUNS) -> list[PublishedRun]:
     return out
 
 
-def run_from_dict(data: Any, where: str) -> PublishedRun:
+@contextmanager
+def catalog_with(devices: Sequence[DeviceType]) -> Iterator[None]:
+    """The device catalog with the runs file's own device types in it, for as long as a run is
+    read or priced (cluster short forms and the cost model look devices up by name)."""
+    added = [d for d in devices if d.name not in CATALOG]
+    CATALOG.update({d.name: d for d in added})
+    try:
+        yield
+    finally:
+        for d in added:
+            CATALOG.pop(d.name, None)
+
+
+def _devices(data: Any, where: str) -> tuple[DeviceType, ...]:
+    """Device types a published machine has that the catalog lacks: a catalog entry (``like``)
+    with the figures the source gives instead, and the source of those figures."""
+    if data is None:
+        return ()
+    if not isinstance(data, list):
+        raise PartitaError(f"{where}: 'devices' must be a list of device types")
+    out = []
+    for i, d in enumerate(data):
+        w = f"{where}: devices[{i}]"
+        d = specio.require_mapping(d, w)
+        valid = ("name", "like", "source") + DEVICE_FIGURES
+        bad = [k for k in d if k not in valid]
+        if bad:
+            raise PartitaError(f"{w}: unknown key {bad[0]!r}; valid keys: {', '.join(valid)}")
+        name, like, source = (specio.get_str(d, k, w) for k in ("name", "like", "source"))
+        if name in CATALOG:
+            raise PartitaError(f"{w}: {name!r} is a catalog device; give the variant its own name")
+        changes: dict[str, Any] = {k: specio.get_float(d, k, w) for k in DEVICE_FIGURES if k in d and k != "memory_gib"}
+        if "memory_gib" in d:
+            changes["memory_bytes"] = int(specio.get_float(d, "memory_gib", w) * 2**30)
+        out.append(dataclasses.replace(get_device(like), name=name, source=source, **changes))
+    return tuple(out)
+
+
+def run_from_dict(data: Any, where: str, devices: Sequence[DeviceType] = ()) -> PublishedRun:
     data = specio.require_mapping(data, where)
-    fields = [f.name for f in dataclasses.fields(PublishedRun)] + ["cluster_overrides"]
+    fields = [f.name for f in dataclasses.fields(PublishedRun) if f.name != "devices"] + ["cluster_overrides"]
     unknown = [k for k in data if k not in fields]
     if unknown:
         raise PartitaError(f"{where}: unknown key {unknown[0]!r}; valid keys: {', '.join(fields)}")
@@ -164,11 +227,11 @@ def run_from_dict(data: Any, where: str) -> PublishedRun:
         raise PartitaError(f"{where}: zero must be 0, 1, 2 or 3, got {zero}")
     pricing = specio.get_str(data, "pricing", where, choices=PRICINGS)
     run = PublishedRun(
-        id=run_id, source=source, model=model, cluster=cluster, zero=zero, pricing=pricing,
+        id=run_id, source=source, model=model, cluster=cluster, zero=zero, pricing=pricing, devices=tuple(devices),
         dtype=specio.get_str(data, "dtype", where, choices=("bf16", "fp16")),
         sequence_parallel=specio.get_bool(data, "sequence_parallel", where),
         recompute=specio.get_bool(data, "recompute", where),
-        measured=_measured(data["measured"], where),
+        measured=_measured(data["measured"], where), software=_software(data.get("software") or {}, where),
         blocks_per_stage=tuple(data["blocks_per_stage"]) if data.get("blocks_per_stage") else None,
         differences=tuple(_strings(data, "differences", where)), assumed=tuple(_strings(data, "assumed", where)),
         why=_optional_str(data, "why", where), notes=_optional_str(data, "notes", where),
@@ -214,6 +277,17 @@ def _cluster(text: Any, overrides: Any, where: str) -> ClusterSpec:
         if key in overrides:
             changes[key] = specio.get_float(overrides, key, where)
     return dataclasses.replace(cluster, groups=(dataclasses.replace(group, **changes),))
+
+
+def _software(data: Any, where: str) -> Software:
+    data = specio.require_mapping(data, f"{where}: software")
+    extra = [k for k in data if k not in SOFTWARE_KEYS]
+    if extra:
+        raise PartitaError(f"{where}: software: unknown key {extra[0]!r}; valid keys: {', '.join(SOFTWARE_KEYS)}")
+    try:
+        return Software(**{k: specio.get_str(data, k, where) for k in SOFTWARE_KEYS if k in data})
+    except PartitaError as e:
+        raise PartitaError(f"{where}: software: {e}") from None
 
 
 def _measured(data: Any, where: str) -> Measured:
@@ -285,7 +359,8 @@ def measured_tokens_per_s_per_gpu(run: PublishedRun) -> float:
 
 
 def mfu(run: PublishedRun, tokens_per_s_per_gpu: float) -> float:
-    peak = get_device(run.cluster.groups[0].device).peak_tflops(run.dtype) * 1e12
+    with catalog_with(run.devices):
+        peak = get_device(run.cluster.groups[0].device).peak_tflops(run.dtype) * 1e12
     return tokens_per_s_per_gpu * run.model.train_flops_per_token(run.seq_len) / peak
 
 
@@ -300,7 +375,12 @@ def as_published(m: Measured) -> str:
 # ---- pricing ----------------------------------------------------------------------------------
 def evaluate_run(run: PublishedRun) -> Evaluation:
     """The published layout, priced by the analytic cost model."""
-    cm = CostModel(run.model, run.cluster, seq_len=run.seq_len, dtype=run.dtype)
+    with catalog_with(run.devices):
+        return _evaluate(run)
+
+
+def _evaluate(run: PublishedRun) -> Evaluation:
+    cm = CostModel(run.model, run.cluster, seq_len=run.seq_len, dtype=run.dtype, software=run.software)
     group = run.cluster.groups[0]
     blocks = list(run.blocks_per_stage or split_blocks(run.model.n_layers, run.pp))
     stages = [(group, [strategy(run.model, name, tp=run.tp, sp=run.sequence_parallel, zero=run.zero,
@@ -311,6 +391,11 @@ def evaluate_run(run: PublishedRun) -> Evaluation:
 
 
 def price(run: PublishedRun) -> Row:
+    with catalog_with(run.devices):
+        return _price(run)
+
+
+def _price(run: PublishedRun) -> Row:
     measured = measured_tokens_per_s_per_gpu(run)
     base = dict(id=run.id, source=f"{run.source['title']} -- {run.source['where']}", url=run.source["url"],
                 config=run.config, pricing=run.pricing, zero=run.zero, measured_as_published=as_published(run.measured),
@@ -383,22 +468,159 @@ def render(rows: Sequence[Row], console: Console) -> None:
             console.print(f"{s.label}: no rows")
 
 
+# ---- the free search ------------------------------------------------------------------------------
+# A free plan more than this much faster than a published configuration is explained term by term.
+GAIN_TO_EXPLAIN = 1.2
+# The step's terms, in the order of ``costs.step_time_s``'s breakdown, with the recomputed
+# forward taken out of compute (``_terms``).
+TERMS = ("compute", "recompute", "tensor_parallel_comm", "zero_exposed", "pipeline_send", "pipeline_bubble",
+         "data_parallel_exposed", "tied_embedding_sync", "optimizer", "step_overhead")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FreeRow:
+    """Partita's own plan for a run's model, cluster, sequence length and global batch, against
+    the run's published layout (seconds per step)."""
+
+    id: str
+    plan: str  # the free plan's layout, in the words of ``PublishedRun.config``
+    status: str  # the search's status and gap
+    step_time_s: float
+    published_step_time_s: float  # the published layout as the run's framework ran it (the row's prediction)
+    runtime_step_time_s: float  # the published layout on Partita's runtime (the free plan's software)
+    terms: dict[str, float]  # the free plan's step by term (``TERMS``)
+    published_terms: dict[str, float]  # the published layout's on Partita's runtime
+    peak_fraction: float  # the free plan's largest predicted peak over its device's memory
+    published_peak_fraction: float  # the published layout's, on Partita's runtime
+
+    @property
+    def gain(self) -> float:
+        """Over the published configuration as it ran."""
+        return self.published_step_time_s / self.step_time_s
+
+    @property
+    def layout_gain(self) -> float:
+        """Over the published layout on the same software as the free plan."""
+        return self.runtime_step_time_s / self.step_time_s
+
+
+def free_search(run: PublishedRun, margin: float = 0.0, work_limit: float | None = None) -> FreeRow:
+    """``margin``: the fraction of each device's memory the free plan keeps free (``partita plan
+    --memory-margin``); the gains of plans that fill the memory rest on the memory prediction."""
+    with catalog_with(run.devices):
+        return _free_search(run, margin, work_limit)
+
+
+def _free_search(run: PublishedRun, margin: float, work_limit: float | None) -> FreeRow:
+    from partita.search.planner import PlanRequest, make_plan
+
+    groups = tuple(dataclasses.replace(g, memory_bytes=int(g.memory_bytes * (1 - margin))) for g in run.cluster.groups)
+    plan, _ = make_plan(PlanRequest(model=run.model, cluster=dataclasses.replace(run.cluster, groups=groups),
+                                    seq_len=run.seq_len, global_batch=run.global_batch, dtype=run.dtype,
+                                    work_limit=work_limit))
+    cm = CostModel(run.model, run.cluster, seq_len=run.seq_len, dtype=run.dtype)  # the whole device's memory
+    free = evaluate_plan(plan, cm)
+    no_recompute = dataclasses.replace(plan, stages=tuple(
+        dataclasses.replace(st, layers=tuple(dataclasses.replace(l, recompute=False) for l in st.layers))
+        for st in plan.stages))
+    on_runtime = dataclasses.replace(run, software=Software())
+    published = _evaluate(on_runtime)
+    solver = plan.solver
+    status = f"{solver.status}, gap {100 * solver.gap:.1f} %" if solver is not None else "-"
+    return FreeRow(id=run.id, plan=plan_config(plan), status=status, step_time_s=free.step_time_s,
+                   published_step_time_s=_evaluate(run).step_time_s, runtime_step_time_s=published.step_time_s,
+                   terms=_terms(free, evaluate_plan(no_recompute, cm)),
+                   published_terms=_terms(published, _evaluate(dataclasses.replace(on_runtime, recompute=False))),
+                   peak_fraction=free.peak_over_capacity, published_peak_fraction=published.peak_over_capacity)
+
+
+def _terms(ev: Evaluation, without_recompute: Evaluation) -> dict[str, float]:
+    """The step's breakdown with the recomputed forward (and its TP collectives) out of compute
+    and tensor-parallel communication: what the same layout spends there without recomputation
+    (its memory aside). The terms add up to the step."""
+    out = {t: ev.breakdown.get(t, 0.0) for t in TERMS if t != "recompute"}
+    recompute_compute = ev.breakdown["compute"] - without_recompute.breakdown["compute"]
+    recompute_tp = ev.breakdown["tensor_parallel_comm"] - without_recompute.breakdown["tensor_parallel_comm"]
+    out["compute"] -= recompute_compute
+    out["tensor_parallel_comm"] -= recompute_tp
+    out["recompute"] = recompute_compute + recompute_tp
+    return {t: out[t] for t in TERMS}
+
+
+def plan_config(plan: Plan) -> str:
+    """A plan's layout in short: degrees, the ZeRO levels and recomputation of its blocks, SP,
+    micro-batching, schedule."""
+    blocks = [l for st in plan.stages for l in st.layers if l.name.startswith("layers.")]
+    zeros = sorted({l.zero for l in blocks})
+    parts = [f"tp{plan.tp} pp{plan.pp} dp{plan.dp}", "/".join(f"ZeRO-{z}" if z else "DDP" for z in zeros)]
+    if any(l.sequence_parallel for l in blocks):
+        parts.append("SP")
+    parts.append(f"mb{plan.micro_batch}x{plan.num_micro_batches}")
+    recomputed = sum(l.recompute for l in blocks)
+    parts.append("recompute" if recomputed == len(blocks) else
+                 f"recompute {recomputed}/{len(blocks)} blocks" if recomputed else "no recompute")
+    if plan.schedule != "1f1b":
+        parts.append(f"{plan.schedule} v{plan.virtual_stages}")
+    if plan.pp > 1:
+        parts.append("blocks " + "+".join(str(sum(l.name.startswith("layers.") for l in st.layers))
+                                          for st in plan.stages))
+    return ", ".join(parts)
+
+
+def render_free(rows: Sequence[FreeRow], console: Console) -> None:
+    """The free plans against the published layouts, then the terms of each gain to explain."""
+    table = Table(title="Free search on each run's cluster (Partita's runtime): predicted step time", show_lines=True)
+    for name, kw in (("run", {}), ("published layout", {"justify": "right"}),
+                     ("same layout, Partita's runtime", {"justify": "right"}), ("free plan", {"max_width": 48}),
+                     ("free step", {"justify": "right"}), ("gain", {"justify": "right"}),
+                     ("layout gain", {"justify": "right"}), ("peak memory, published -> free", {"justify": "right"})):
+        table.add_column(name, **kw)
+    for r in rows:
+        table.add_row(r.id, f"{r.published_step_time_s:.2f} s", f"{r.runtime_step_time_s:.2f} s",
+                      f"{r.plan}\n({r.status})", f"{r.step_time_s:.2f} s", f"{r.gain:.2f}x", f"{r.layout_gain:.2f}x",
+                      f"{100 * r.published_peak_fraction:.0f} % -> {100 * r.peak_fraction:.0f} %")
+    console.print(table)
+    for r in rows:
+        if max(r.gain, r.layout_gain) <= GAIN_TO_EXPLAIN:
+            continue
+        console.print(f"\n{r.id}: gain {r.gain:.2f}x, layout gain {r.layout_gain:.2f}x; seconds per step on "
+                      f"Partita's runtime, published layout -> free plan")
+        for t in TERMS:
+            a, b = r.published_terms[t], r.terms[t]
+            if a or b:
+                console.print(f"  {t:22s} {a:9.3f} -> {b:9.3f}  ({b - a:+.3f})")
+        console.print(f"  {'step':22s} {r.runtime_step_time_s:9.3f} -> {r.step_time_s:9.3f}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", default=str(DEFAULT_RUNS), help="the runs file (default: %(default)s)")
     ap.add_argument("--json", metavar="PATH", help="also write the rows and the summary as JSON")
+    ap.add_argument("--free", action="store_true",
+                    help="also plan each priced run's model and cluster freely (CP-SAT: a minute) and compare")
+    ap.add_argument("--free-margin", type=float, default=0.0, metavar="FRACTION",
+                    help="with --free: the fraction of device memory the free plans keep free (default 0)")
     args = ap.parse_args(argv)
     try:
-        rows = [price(run) for run in load_runs(args.runs)]
+        runs = load_runs(args.runs)
+        rows = [price(run) for run in runs]
+        free = ([free_search(run, args.free_margin) for run in runs if run.pricing != "not_expressible"]
+                if args.free else [])
     except PartitaError as e:
         print(f"published_runs: {e}", file=sys.stderr)
         return 2
     if args.json:
         payload = {"rows": [dataclasses.asdict(r) for r in rows],
                    "summary": [dataclasses.asdict(s) for s in summaries(rows)]}
+        if args.free:
+            payload["free"] = [dataclasses.asdict(r) | {"gain": r.gain, "layout_gain": r.layout_gain} for r in free]
         Path(args.json).write_text(json.dumps(payload, indent=2, allow_nan=False) + "\n")
-    render(rows, Console(highlight=False, width=None if sys.stdout.isatty() else 200))
+    console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
+    render(rows, console)
+    if free:
+        console.print()
+        render_free(free, console)
     return 0
 
 
