@@ -110,19 +110,10 @@ def _with(run_index: int, **changes) -> dict:
     ({"model": "not-a-model"}, "not built in"),
     ({"cluster_overrides": {"hbm_gbps": 2400}}, "unknown key 'hbm_gbps'"),
     ({"blocks_per_stage": [1, 2]}, "blocks_per_stage"),
-])
-def test_bad_entries_are_refused_with_what_to_change(tmp_path, changes, message):
-    path = tmp_path / "runs.yaml"
-    path.write_text(yaml.safe_dump(_with(2, **changes)))
-    with pytest.raises(PartitaError, match=message):
-        pr.load_runs(path)
-
-
-@pytest.mark.parametrize("changes, message", [
     ({"software": {"attention": "xformers"}}, "software: unknown attention"),
     ({"software": {"overlap": True}}, "software: unknown key 'overlap'"),
 ])
-def test_bad_software_is_refused(tmp_path, changes, message):
+def test_bad_entries_are_refused_with_what_to_change(tmp_path, changes, message):
     path = tmp_path / "runs.yaml"
     path.write_text(yaml.safe_dump(_with(2, **changes)))
     with pytest.raises(PartitaError, match=message):
