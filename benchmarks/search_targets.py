@@ -25,6 +25,8 @@ INSTANCES = [
     ("gpt3-175b", "128x8xH100", "<= 10 s, gap <= 1 %"),
     ("llama-2-70b", "4x8xH100+8x8xA100-80GB+4x8xA100-40GB", "<= 10 s, gap <= 1 %"),
     ("llama-3-405b", "256x8xH100", "report"),
+    # Issue 12's space: 1000 sequences over 80 replicas split unevenly, stages of any number of nodes.
+    ("gpt2-medium", "20x4xA100-40GB", "report (uneven shares)", 1000),
 ]
 
 
@@ -37,9 +39,10 @@ def main() -> None:
               "| CP-SAT wall (cpu) | gain | plan | MFU |")
     print(header)
     print("|" + "---|" * 12)
-    for model_name, cluster_text, target in INSTANCES:
+    for model_name, cluster_text, target, *batch in INSTANCES:
         model, cluster = load_model(model_name), parse_short(cluster_text)
-        base = dict(model=model, cluster=cluster, seq_len=model.seq_len, global_batch=model.default_global_batch,
+        base = dict(model=model, cluster=cluster, seq_len=model.seq_len,
+                    global_batch=batch[0] if batch else model.default_global_batch,
                     time_limit_s=args.time_limit, workers=args.workers)
         try:
             t0, c0 = time.perf_counter(), time.process_time()
@@ -55,7 +58,9 @@ def main() -> None:
         print(f"| {model_name} | {cluster_text} | {target} | {uni_plan.prediction.step_time_s:.3f} s | {t1 - t0:.2f} s ({c1 - c0:.2f} s) "
               f"| {plan.prediction.step_time_s:.3f} s | {r.status} | {100 * r.gap:.2f} % | {t2 - t1:.2f} s ({c2 - c1:.2f} s) "
               f"| {uni_plan.prediction.step_time_s / plan.prediction.step_time_s:.3f}x "
-              f"| dp{plan.dp} tp{plan.tp} pp{plan.pp} mb{plan.micro_batch}x{plan.num_micro_batches}; blocks {stages} "
+              f"| dp{plan.dp} tp{plan.tp} pp{plan.pp} mb{plan.micro_batch}x{plan.num_micro_batches}"
+              f"{' shares ' + '/'.join(map(str, sorted(set(plan.batch_shares), reverse=True))) if plan.batch_shares else ''}"
+              f"; blocks {stages} "
               f"| MFU {100 * plan.prediction.mfu:.1f} % |", flush=True)
 
 
