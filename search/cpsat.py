@@ -391,8 +391,9 @@ class StageFit:
 
     With pp stages, stage r (from the end) keeps k = min(r + 1, m) micro-batches in flight, so
     on group g its n blocks may use at most room_g / n memory each on average; the least time
-    for them is then n x the (memory, time) envelope of the block's choices at that average
-    (the LP relaxation of the stage). Stages are counted per group up to the group's share.
+    for them is at first n x the (memory, time) envelope of the block's choices at that average
+    (the LP relaxation of the stage), and after ``tighten`` the whole-block curves
+    (``integer_curve``). Stages are counted per group up to the group's share.
     This yields proofs (``prunes``) and bounds (``bound_us``) that account for memory, which
     the plain work bound does not.
     """
@@ -478,8 +479,9 @@ class StageFit:
         outputs in flight, a last stage's head). ``first`` says whether the slot holds the
         first stage (for slot 0: the only one), None either. Each row is a knapsack over the choices a
         prefix of the canonical order allows, solved for every prefix in one pass; the curve is
-        the larger of the two rows' least times. Memory is rounded down to the grid and room
-        up, so the curve stays a lower bound."""
+        the larger of the two rows' least times. Memory and room are rounded down to whole grid
+        cells (the sum of rounded-down weights is at most the rounded-down sum), so the curve
+        stays a lower bound."""
         p, N = self.p, self.p.n_blocks
         b = p.block
         order = [j for j in (b.order[g] if b.order else range(len(b.strategies))) if b.allows(g, j)]
@@ -692,11 +694,12 @@ class PlanModel:
             return
         p = self.p
         nb = len(p.block.strategies)
-        # Whole-block curves (a DP) are tighter; on several groups the LP curves are cheaper.
+        self.fit.tighten()
+        # The element constraints pay on one group; on several the hull cuts alone are cheaper.
         whole = len(p.groups) == 1
         for r in range(p.slots):
             for g in range(len(p.groups)):
-                f = self.fit.integer_curve(r, g) if whole else self.fit.curves[g, r]
+                f = self.fit.curves_any[g, r]  # whatever the slot's place: valid for every one
                 finite = np.nonzero(np.isfinite(f))[0]
                 most = int(finite[-1])  # the most blocks that fit
                 n_on_g = self.m.new_int_var(0, most, f"n[{r},{g}]")
@@ -935,20 +938,14 @@ class PlanModel:
             # Redundant, proven by the stage-fit relaxation; they give the LP its bound at once:
             # the slowest stage of a pipeline pp deep is at least tau*(pp) (slot pp - 1 is the
             # first stage exactly when it is used and the next is not).
-            # On several groups one cut for every depth at once is cheaper to compute.
             p = self.p
-            if True:
-                for r in range(p.slots):
-                    first = self.used[r] - (self.used[r + 1] if r + 1 < p.slots else 0)
-                    tau = self.fit.least_slowest_stage_at_us(r + 1)
-                    if math.isfinite(tau):
-                        self.m.add(self.T_max >= int(math.floor(tau)) * first)
-                    else:
-                        self.m.add(first == 0)  # this depth cannot hold the model
-            else:
-                tau = self.fit.least_slowest_stage_us()
+            for r in range(p.slots):
+                first = self.used[r] - (self.used[r + 1] if r + 1 < p.slots else 0)
+                tau = self.fit.least_slowest_stage_at_us(r + 1)
                 if math.isfinite(tau):
-                    self.m.add(self.T_max >= int(math.floor(tau)))
+                    self.m.add(self.T_max >= int(math.floor(tau)) * first)
+                else:
+                    self.m.add(first == 0)  # this depth cannot hold the model
             self.m.add(self.objective >= self.fit.bound_us())
         self.m.minimize(self.objective)
 

@@ -239,7 +239,7 @@ def make_cost_plan(req: PlanRequest, progress: Callable[[str], None] | None = No
             if not frontier:
                 raise
             break  # nothing cheaper fits
-        except PartitaError:
+        except SearchTimeout:
             if not frontier:
                 raise
             break  # out of time: what is found stands, unproven
