@@ -77,6 +77,16 @@ def test_each_ranks_tracked_memory_is_the_plans_prediction(name):
             # within 8 %. The sum is what the timing does not change.
             for d in (want, got):
                 d["activations"] += d.pop("transient")
+        if _copies_out_alone(plan.stage_of_rank(rank), moment):
+            # A ZeRO-3 layer's backward has two instants a few KiB apart: its gather copied out
+            # (the gather's buffer and the parameters both alive: two copies, little else) and
+            # its working set (one copy, the recomputed activations). Which the tracker sees as
+            # the larger depends on whether gloo's thread has finished the reduce-scatter of the
+            # layer after it: CI saw pp-fsdp's layers.3 at 2 copies once (total within 5 % of
+            # the prediction). Where the layer before it prefetches the same copy (also ZeRO-3),
+            # both instants hold two copies and the gathered weights are still compared apart.
+            for d in (want, got):
+                d["activations"] += d.pop("gathered_weights")
         assert set(got) == set(want), f"rank {rank}: categories {sorted(got)} vs {sorted(want)}"
         total_want = sum(want.values())
         where = f"{name}, rank {rank} (stage {measured['stage']}, at {moment}), measured {got}, predicted {want}"
@@ -85,6 +95,17 @@ def test_each_ranks_tracked_memory_is_the_plans_prediction(name):
             slack = max(0.10 * want[category], 0.05 * total_want)
             assert abs(got[category] - want[category]) <= slack, (
                 f"{where}: {category} {got[category]} B, predicted {want[category]} B")
+
+
+def _copies_out_alone(stage, moment: str) -> bool:
+    """Whether the moment is the backward of a ZeRO-3 layer whose backward prefetches nothing
+    (first in its chunk, or after a layer that keeps its copy)."""
+    name, _, phase = moment.partition(" ")
+    for chunk in stage.chunk_layers():
+        for i, layer in enumerate(chunk):
+            if layer.name == name:
+                return phase == "backward" and layer.zero == 3 and (i == 0 or chunk[i - 1].zero != 3)
+    return False
 
 
 def test_a_tied_heads_copy_is_priced():
