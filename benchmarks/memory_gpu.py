@@ -36,7 +36,7 @@ def one_rank_plan(model: str, device: str, gpu: str, seq_len: int, micro_batch: 
     spec = load_model(model)
     cluster = parse_short("1xcpu" if device == "cpu" else f"1x{gpu}")
     dtype = "fp32" if device == "cpu" else "bf16"
-    layers = tuple(LayerStrategy(name=n, recompute=recompute and spec.role_of(n) == "block")
+    layers = tuple(LayerStrategy(name=n, recompute="full" if recompute and spec.role_of(n) == "block" else "none")
                    for n in spec.layer_names())
     stage = Stage(index=0, group=cluster.groups[0].name, device=cluster.groups[0].device, ranks=(0,), layers=layers)
     plan = Plan(model=spec.to_dict(), model_fingerprint=spec.fingerprint, cluster=cluster.to_dict(),

@@ -384,7 +384,7 @@ def _evaluate(run: PublishedRun) -> Evaluation:
     group = run.cluster.groups[0]
     blocks = list(run.blocks_per_stage or split_blocks(run.model.n_layers, run.pp))
     stages = [(group, [strategy(run.model, name, tp=run.tp, sp=run.sequence_parallel, zero=run.zero,
-                                recompute=run.recompute) for name in names])
+                                recompute="full" if run.recompute else "none") for name in names])
               for names in stage_layer_names(run.model, blocks)]
     return evaluate_layout(cm, stages, dp=run.dp, tp=run.tp, micro_batch=run.micro_batch,
                            num_micro_batches=run.num_micro_batches)
@@ -521,7 +521,7 @@ def _free_search(run: PublishedRun, margin: float, work_limit: float | None) -> 
     cm = CostModel(run.model, run.cluster, seq_len=run.seq_len, dtype=run.dtype)  # the whole device's memory
     free = evaluate_plan(plan, cm)
     no_recompute = dataclasses.replace(plan, stages=tuple(
-        dataclasses.replace(st, layers=tuple(dataclasses.replace(l, recompute=False) for l in st.layers))
+        dataclasses.replace(st, layers=tuple(dataclasses.replace(l, recompute="none") for l in st.layers))
         for st in plan.stages))
     on_runtime = dataclasses.replace(run, software=Software())
     published = _evaluate(on_runtime)
@@ -556,9 +556,13 @@ def plan_config(plan: Plan) -> str:
     if any(l.sequence_parallel for l in blocks):
         parts.append("SP")
     parts.append(f"mb{plan.micro_batch}x{plan.num_micro_batches}")
-    recomputed = sum(l.recompute for l in blocks)
-    parts.append("recompute" if recomputed == len(blocks) else
-                 f"recompute {recomputed}/{len(blocks)} blocks" if recomputed else "no recompute")
+    for mode in ("full", "selective"):
+        recomputed = sum(l.recompute == mode for l in blocks)
+        if recomputed:
+            label = "recompute" if mode == "full" else "selective recompute"
+            parts.append(label if recomputed == len(blocks) else f"{label} {recomputed}/{len(blocks)} blocks")
+    if all(l.recompute == "none" for l in blocks):
+        parts.append("no recompute")
     if plan.schedule != "1f1b":
         parts.append(f"{plan.schedule} v{plan.virtual_stages}")
     if plan.pp > 1:

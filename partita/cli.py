@@ -47,6 +47,16 @@ def _int_list(text: str) -> tuple[int, ...]:
     return values
 
 
+def _recompute_modes(text: str) -> tuple[str, ...]:
+    """``none,selective``: the recompute modes a block may take (``partita.plan.RECOMPUTE``)."""
+    from partita.plan import RECOMPUTE
+
+    values = {v.strip() for v in text.split(",") if v.strip()}
+    if not values or not values <= set(RECOMPUTE):
+        raise argparse.ArgumentTypeError(f"expected some of {','.join(RECOMPUTE)} separated by commas, got {text!r}")
+    return tuple(m for m in RECOMPUTE if m in values)
+
+
 def _positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -55,6 +65,17 @@ def _positive_float(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
     return value
+
+
+def _percent(text: str) -> float:
+    """A percentage (``1`` or ``1%``) as a fraction in [0, 1)."""
+    try:
+        value = float(text.rstrip("%"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a percentage such as 1 or 0.5, got {text!r}") from None
+    if not 0 <= value < 100:
+        raise argparse.ArgumentTypeError(f"must be at least 0 and below 100 (%), got {text}")
+    return value / 100
 
 
 def _memory_margin(text: str) -> tuple[str, float]:
@@ -137,6 +158,9 @@ def build_parser(with_torch_commands: bool = False) -> argparse.ArgumentParser:
                            "marked feasible with its gap (default: none; the search stops after a fixed amount "
                            "of solver work, so the same input gives the same plan); with --search uniform it "
                            "bounds the grid")
+    plan.add_argument("--gap", type=_percent, default=0.0, metavar="PCT",
+                      help="stop once the plan is proven within PCT %% of the optimum (e.g. 1); it is then marked "
+                           "feasible with its gap (default 0: prove it optimal)")
     plan.add_argument("--workers", type=_positive_int, default=None, help="CP-SAT workers (default 1: deterministic)")
     plan.add_argument("--seed", type=int, default=None, help="CP-SAT random seed (default 0)")
     plan.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None,
@@ -147,7 +171,10 @@ def build_parser(with_torch_commands: bool = False) -> argparse.ArgumentParser:
     plan.add_argument("--pp", type=_int_list, help="allowed pipeline degrees, e.g. 1,2,4 (default: any)")
     plan.add_argument("--micro-batch", type=_int_list, help="allowed micro-batch sizes, e.g. 1,2 (default: any)")
     plan.add_argument("--zero", type=_int_list, help="allowed ZeRO levels, e.g. 1,3 (default: 0,1,2,3)")
-    plan.add_argument("--no-recompute", action="store_true", help="never recompute activations")
+    plan.add_argument("--recompute", type=_recompute_modes, metavar="MODES",
+                      help="recompute modes a block may take, e.g. none,selective (default: none,selective,full; "
+                           "selective keeps the matrix products' outputs and recomputes the rest)")
+    plan.add_argument("--no-recompute", action="store_true", help="never recompute activations (--recompute none)")
     plan.add_argument("--no-sequence-parallel", action="store_true", help="never use sequence parallelism")
     plan.add_argument("-o", "--output", default="plan.yaml", help="where to write the plan (default plan.yaml)")
     plan.add_argument("--top", type=_positive_int, default=1, metavar="K",

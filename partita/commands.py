@@ -22,7 +22,7 @@ from partita.cluster import ClusterSpec, load_cluster, same_hardware
 from partita.devices import CATALOG, PRICE_SOURCE
 from partita.errors import InfeasibleError, PartitaError
 from partita.model import BUILTIN, ModelSpec, load_model
-from partita.plan import LayerStrategy, Plan
+from partita.plan import RECOMPUTE, LayerStrategy, Plan
 from partita.pricing import TrainingCost, cost_lines, parse_tokens, training_cost
 from partita.profile import Profile
 from partita.units import GiB, fmt_bytes, fmt_seconds
@@ -69,7 +69,8 @@ def plan(args: argparse.Namespace) -> int:
     margins = memory_margins(args.memory_margin, cluster)
     req = PlanRequest(model=model, cluster=with_margins(cluster, margins), seq_len=seq_len,
                       global_batch=global_batch, profiles=profiles, dtype=dtype, search=args.search,
-                      time_limit_s=args.time_limit, workers=args.workers or 1, seed=args.seed or 0, space=space)
+                      time_limit_s=args.time_limit, gap=getattr(args, "gap", 0.0), workers=args.workers or 1,
+                      seed=args.seed or 0, space=space)
     start = time.perf_counter()
     as_json = getattr(args, "json", False)
     alternatives: list[Plan] = []
@@ -205,7 +206,8 @@ def print_alternatives(plans: "list[tuple[Path, Plan, TrainingCost | None]]", to
     for i, (path, p, cost) in enumerate(plans):
         s = plan_summary(p)
         counts = list(p.batch_shares) if uneven_shares(p) else p.num_micro_batches  # per replica
-        row = [str(i + 1), f"{p.dp} x {p.tp} x {p.pp}", f"{p.micro_batch} x {counts}",
+        sizes = "/".join(map(str, sorted(set(p.micro_batch_sizes), reverse=True))) if uneven_sizes(p) else p.micro_batch
+        row = [str(i + 1), f"{p.dp} x {p.tp} x {p.pp}", f"{sizes} x {counts}",
                ",".join(dict.fromkeys(s["groups"])), ",".join(map(str, s["blocks_per_stage"])),
                fmt_seconds(s["step_time_s"]), f"{s['tokens_per_s']:,.0f}", f"{100 * s['mfu']:.1f}%",
                f"{100 * s['peak_fraction']:.0f}%"]
@@ -295,8 +297,11 @@ def _space(args: argparse.Namespace, model: ModelSpec, cluster: ClusterSpec, glo
         raise PartitaError(f"--micro-batch {_csv(args.micro_batch)}: larger than the global batch {global_batch}")
     if any(z > 3 for z in args.zero or ()):
         raise PartitaError(f"--zero {_csv(args.zero)}: ZeRO levels are 0, 1, 2 and 3")
+    recompute = getattr(args, "recompute", None)
+    if args.no_recompute and recompute not in (None, ("none",)):
+        raise PartitaError(f"--no-recompute and --recompute {','.join(recompute)} disagree; give one of them")
     return SearchSpace(zero_levels=args.zero or (0, 1, 2, 3),
-                       recompute=(False,) if args.no_recompute else (False, True),
+                       recompute=("none",) if args.no_recompute else recompute or RECOMPUTE,
                        sequence_parallel=(False,) if args.no_sequence_parallel else (False, True),
                        micro_batches=args.micro_batch, tensor_parallel=args.tp, pipeline=args.pp)
 
@@ -643,8 +648,8 @@ def _strategy_text(s: LayerStrategy) -> str:
     if s.sequence_parallel:
         parts.append("sp")
     parts.append(f"zero{s.zero}")
-    if s.recompute:
-        parts.append("recompute")
+    if s.recompute != "none":
+        parts.append(f"{s.recompute} recompute")
     return " ".join(parts)
 
 
@@ -669,12 +674,32 @@ def uneven_shares(p: Plan) -> bool:
     return len(set(p.batch_shares)) > 1
 
 
+def uneven_sizes(p: Plan) -> bool:
+    return len(set(p.micro_batch_sizes)) > 1
+
+
 def batch_text(p: Plan) -> str:
     """How the global batch is split: dp x micro-batch x micro-batches, or the replicas' shares."""
+    if uneven_sizes(p):
+        count = f"{p.num_micro_batches} micro-batch{'es' if p.num_micro_batches > 1 else ''} per replica"
+        sizes = p.micro_batch_sizes
+        if len(sizes) <= 8:
+            return f"{count}, of sizes {list(sizes)}"
+        runs = {b: sizes.count(b) for b in sorted(set(sizes), reverse=True)}
+        return f"{count}, of size " + " and ".join(f"{b} on {n} replicas" for b, n in runs.items())
     if uneven_shares(p):
         return (f"micro-batch {p.micro_batch} x {sum(p.batch_shares)} micro-batches in replica shares "
                 f"{list(p.batch_shares)}")
     return f"{p.dp} x micro-batch {p.micro_batch} x {p.num_micro_batches} micro-batches"
+
+
+def bubble_text(p: Plan) -> str:
+    """The pipeline bubble's share of the predicted step, for the summary line of a pipelined
+    plan ("; bubble 6.2% of the step"); empty without a pipeline or a prediction."""
+    if p.pp == 1 or p.prediction is None or not p.prediction.step_time_s:
+        return ""
+    bubble = p.prediction.breakdown.get("pipeline_bubble", 0.0)
+    return f"; bubble {100 * bubble / p.prediction.step_time_s:.1f}% of the step"
 
 
 def print_plan(p: Plan, notes: Sequence[str] = ()) -> None:
@@ -683,7 +708,7 @@ def print_plan(p: Plan, notes: Sequence[str] = ()) -> None:
                   f"{p.world_size} ranks = dp {p.dp} x tp {p.tp} x pp {p.pp}; seq {p.seq_len}, global batch "
                   f"{p.global_batch} = {batch_text(p)}; "
                   f"{p.dtype}, {p.schedule}" + (f" with {p.virtual_stages} virtual stages per rank"
-                                                 if p.virtual_stages > 1 else ""))
+                                                 if p.virtual_stages > 1 else "") + bubble_text(p))
     for note in notes:
         console.print(note)
     t = Table(show_lines=True)
@@ -699,7 +724,7 @@ def print_plan(p: Plan, notes: Sequence[str] = ()) -> None:
             mem = f"{fmt_bytes(m.peak_bytes)} / {fmt_bytes(m.capacity_bytes)} ({pct:.0f}%)"
         ranks = f"{s.ranks[0]}-{s.ranks[-1]}" if len(s.ranks) > 1 else str(s.ranks[0])
         # Under an interleaved schedule, one paragraph per virtual stage.
-        choices = "\n".join(f"virtual stage {c * p.pp + s.index}:\n  " + "\n  ".join(_runs(chunk)) if s.chunks
+        choices = "\n".join(f"virtual stage {p.virtual_stage_index(s.index, c)}:\n  " + "\n  ".join(_runs(chunk)) if s.chunks
                             else "\n".join(_runs(chunk)) for c, chunk in enumerate(s.chunk_layers()))
         t.add_row(str(s.index), f"{len(s.ranks)}x {s.device} ({s.group})", ranks, f"{blocks} blocks",
                   choices,

@@ -77,10 +77,10 @@ def with_layers(plan: Plan, choose: Callable[[int, int, LayerStrategy], LayerStr
 
 
 def uniform(plan: Plan, model: ModelSpec, *, sequence_parallel: bool, zero: int,
-            recompute: Callable[[int, int], bool], per_chunk: bool = False) -> Plan:
+            recompute: Callable[[int, int], str], per_chunk: bool = False) -> Plan:
     """Every layer alike, as the targets set them: tensor parallel wherever the layer's shapes
     divide the stage's tp (``search.uniform.layer_tp``), one sequence-parallel setting and ZeRO
-    level for all, recomputation where ``recompute(stage, block)`` says (blocks only; the block
+    level for all, the recompute mode ``recompute(stage, block)`` says (blocks only; the block
     counted per virtual stage with ``per_chunk``)."""
     from partita.search.uniform import layer_tp
 
@@ -88,7 +88,7 @@ def uniform(plan: Plan, model: ModelSpec, *, sequence_parallel: bool, zero: int,
         role = "embed" if layer.name == "embed" else "head" if layer.name == "head" else "block"
         tp = layer_tp(model, role, plan.tp)
         return LayerStrategy(name=layer.name, tensor_parallel=tp, sequence_parallel=sequence_parallel and tp > 1,
-                             zero=zero, recompute=block >= 0 and recompute(stage, block))
+                             zero=zero, recompute=recompute(stage, block) if block >= 0 else "none")
 
     return with_layers(plan, choose, per_chunk=per_chunk)
 
@@ -125,9 +125,9 @@ def same_layers(a: Plan, b: Plan) -> bool:
                                                                                   for s in b.stages]
 
 
-def recompute_counts(plan: Plan) -> list[int]:
-    """Recomputed blocks of each virtual stage, in pipeline order."""
-    return [sum(1 for l in chunk if is_block(l) and l.recompute) for chunk in plan.virtual_stage_layers()]
+def recompute_counts(plan: Plan, mode: str = "full") -> list[int]:
+    """Blocks of each virtual stage recomputed in ``mode``, in pipeline order."""
+    return [sum(1 for l in chunk if is_block(l) and l.recompute == mode) for chunk in plan.virtual_stage_layers()]
 
 
 # ---- choosing and pricing -----------------------------------------------------------------
@@ -201,6 +201,11 @@ def export_plan(plan: Plan, target: str, *, profiles: Sequence = ()) -> Export:
         raise PartitaError(f"--to {target}: the plan gives its data-parallel replicas uneven batch shares "
                            f"{list(plan.batch_shares)}; {target} runs one micro-batch count on every replica, so "
                            f"export a plan with equal shares")
+    if len(set(plan.micro_batch_sizes)) > 1:
+        raise PartitaError(f"--to {target}: the plan gives its data-parallel replicas different micro-batch sizes "
+                           f"({sorted(set(plan.micro_batch_sizes), reverse=True)}); {target} runs one micro-batch size "
+                           f"on every replica, so export a plan with equal shares (e.g. re-plan with a global batch "
+                           f"that dp {plan.dp} divides)")
     model = ModelSpec.from_dict(plan.model, where="plan: model")
     cluster = plan_cluster(plan)
     cm = CostModel(model, cluster, seq_len=plan.seq_len, dtype=plan.dtype, profiles=profiles)

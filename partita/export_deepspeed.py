@@ -22,7 +22,9 @@ What maps how:
     its pipeline engine has no interleaved schedule, so an interleaved plan exports as 1F1B.
   * Recomputation is set by the model code (``deepspeed.checkpointing.checkpoint`` or the
     pipeline's checkpoint interval) for every block or none; ``activation_checkpointing`` holds
-    DeepSpeed's options for it.
+    DeepSpeed's options for it. DeepSpeed has no selective recomputation (its checkpointing
+    recomputes a whole function): a plan with selectively recomputed blocks exports as the
+    faster of none and full that fits, and the change is listed.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ def variants(plan: Plan, model: ModelSpec) -> Iterator[Plan]:
     even = split_blocks(model.n_layers, plan.pp)
     base = plan if blocks_per_stage(plan) == even and plan.virtual_stages == 1 else resplit(plan, even)
     for zero in zeros:
-        for recompute in (False, True):
+        for recompute in ("none", "full"):
             yield uniform(base, model, sequence_parallel=False, zero=zero, recompute=lambda s, b, r=recompute: r)
 
 
@@ -59,11 +61,16 @@ def config(plan: Plan, model: ModelSpec) -> dict:
         cfg["tensor_parallel"] = {"autotp_size": plan.tp}
     if plan.pp > 1:
         cfg["pipeline"] = {"stages": plan.pp, "partition": "uniform",
-                           "activation_checkpoint_interval": 1 if any(l.recompute for l in layers) else 0}
-    if any(l.recompute for l in layers):
+                           "activation_checkpoint_interval": 1 if recomputes(layers) else 0}
+    if recomputes(layers):
         cfg["activation_checkpointing"] = {"partition_activations": False, "contiguous_memory_optimization": False,
                                            "cpu_checkpointing": False}
     return cfg
+
+
+def recomputes(layers) -> bool:
+    """Whether the (exported, all-or-nothing) plan recomputes its blocks."""
+    return any(l.recompute == "full" for l in layers)
 
 
 def render(plan: Plan, model: ModelSpec) -> str:
@@ -73,7 +80,7 @@ def render(plan: Plan, model: ModelSpec) -> str:
 def notes(plan: Plan, model: ModelSpec, cluster: ClusterSpec) -> list[str]:
     out = [f"DeepSpeed derives train_batch_size = {plan.micro_batch} x {plan.num_micro_batches} x data-parallel ranks "
            f"({plan.dp} here: {plan.global_batch})"]
-    if any(l.recompute for l in plan.layer_strategies()):
+    if recomputes(plan.layer_strategies()):
         out.append("recompute every block in the model code (deepspeed.checkpointing.checkpoint around each block, or "
                    "PipelineModule(activation_checkpoint_interval=1))")
     if plan.pp > 1:

@@ -9,7 +9,8 @@ field (``megatron/training/argument_utils.py``, ``ArgumentGroupFactory._format_a
     ``--bf16``/``--fp16``: ``ModelParallelConfig`` (``megatron/core/model_parallel_config.py``);
   * ``--num-layers``, ``--hidden-size``, ``--ffn-hidden-size``, ``--num-attention-heads``,
     ``--num-query-groups``, ``--normalization``, ``--recompute-granularity``, ``--recompute-method``,
-    ``--recompute-num-layers``, ``--disable-bias-linear`` (the name ``add_bias_linear`` declares):
+    ``--recompute-num-layers``, ``--recompute-modules`` (a list, ``nargs="+"``),
+    ``--disable-bias-linear`` (the name ``add_bias_linear`` declares):
     ``TransformerConfig`` (``megatron/core/transformer/transformer_config.py``);
   * ``--micro-batch-size``, ``--global-batch-size``: ``TrainingConfig``; ``--vocab-size``:
     ``TokenizerConfig`` (``megatron/training/config/training_config.py``);
@@ -25,9 +26,16 @@ What maps how:
     ``validate_args`` the ``--ckpt-format fsdp_dtensor`` checkpoints, ``CheckpointConfig``). Megatron-FSDP
     is exported without pipeline parallelism only (pp = 1): its v2 refuses pp > 1
     (``megatron/core/distributed/fsdp/mcore_fsdp_adapter.py``), and v1 is not trusted with it here.
-  * Recomputation is ``--recompute-granularity full``: ``--recompute-method uniform
+  * Full recomputation is ``--recompute-granularity full``: ``--recompute-method uniform
     --recompute-num-layers 1`` recomputes every block; ``block`` with N recomputes the first N
-    blocks of every pipeline stage. Embedding and head are never recomputed.
+    blocks of every pipeline stage. Embedding and head are never recomputed. Selective
+    recomputation is ``--recompute-granularity selective``, which Megatron applies to every
+    block (``TransformerConfig.recompute_granularity``: "'selective' always uses all layers"),
+    with ``--recompute-modules core_attn layernorm``: the attention core and the two norms,
+    the closest of its modules to Partita's selective (which also recomputes the MLP's
+    activation function and keeps only the matrix products' outputs; Megatron has no module for
+    a dense MLP's activation, and its "mlp" recomputes the products too). The export is priced
+    as Partita's own selective recomputation.
   * An uneven split is ``--pipeline-model-parallel-layout`` (``E`` embedding, ``t`` a block, ``L``
     the loss with the output layer, stages split by ``|``; parsed by
     ``megatron/core/transformer/pipeline_parallel_layer_layout.py``); an even one needs no flag.
@@ -40,20 +48,28 @@ What maps how:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Iterator
 
 from partita.cluster import ClusterSpec
-from partita.export import blocks_per_stage, is_block, recompute_counts, uniform, virtual_stages
+from partita.export import blocks_per_stage, is_block, recompute_counts, resplit, uniform, virtual_stages
 from partita.model import ModelSpec
 from partita.plan import Plan
 
 FILE = "megatron.args"
 FSDP_STRATEGY = {2: "optim_grads", 3: "optim_grads_params"}
+SELECTIVE_MODULES = ("core_attn", "layernorm")  # TransformerConfig.recompute_modules closest to Partita's selective
 
 
 def variants(plan: Plan, model: ModelSpec) -> Iterator[Plan]:
     """Every plan of this shape Megatron runs: one SP setting, one ZeRO level, the first N blocks
-    of each stage recomputed. The plan's own settings first."""
+    of each stage recomputed, or every block selectively."""
+    # Megatron has no zero-bubble schedule: interleaved zero-bubble becomes interleaved 1F1B on
+    # the same virtual stages, ZB-V (a V over the ranks) plain 1F1B with the same blocks per stage.
+    if plan.schedule == "interleaved-zb":
+        plan = dataclasses.replace(plan, schedule="interleaved-1f1b", prediction=None)
+    elif plan.schedule == "zbv":
+        plan = resplit(plan, blocks_per_stage(plan))
     most = max(n for _, n, _ in virtual_stages(plan))
     sps = (False, True) if plan.tp > 1 else (False,)
     zeros = (0, 1, 2, 3) if plan.pp == 1 else (0, 1)
@@ -61,8 +77,9 @@ def variants(plan: Plan, model: ModelSpec) -> Iterator[Plan]:
     for sp in sps:
         for zero in zeros:
             for n in range(most + 1):
-                yield uniform(plan, model, sequence_parallel=sp, zero=zero, recompute=lambda s, b, n=n: b < n,
-                              per_chunk=per_chunk)
+                yield uniform(plan, model, sequence_parallel=sp, zero=zero,
+                              recompute=lambda s, b, n=n: "full" if b < n else "none", per_chunk=per_chunk)
+            yield uniform(plan, model, sequence_parallel=sp, zero=zero, recompute=lambda s, b: "selective")
 
 
 def render(plan: Plan, model: ModelSpec) -> str:
@@ -70,13 +87,12 @@ def render(plan: Plan, model: ModelSpec) -> str:
     lines = [f"# Megatron-LM arguments for {model.name}: dp {plan.dp} x tp {plan.tp} x pp {plan.pp} = {plan.world_size} "
              f"ranks", "# (from `partita export`; pass to pretrain_gpt.py with your data and tokenizer flags)"]
     i = 0
-    while i < len(args):
-        if i + 1 < len(args) and not args[i + 1].startswith("--"):
-            lines.append(f"{args[i]} {_quote(args[i + 1])}")
-            i += 2
-        else:
-            lines.append(args[i])
-            i += 1
+    while i < len(args):  # a flag and its values on one line
+        j = i + 1
+        while j < len(args) and not args[j].startswith("--"):
+            j += 1
+        lines.append(" ".join([args[i], *map(_quote, args[i + 1:j])]))
+        i = j
     return "\n".join(lines) + "\n"
 
 
@@ -112,9 +128,11 @@ def arguments(plan: Plan, model: ModelSpec) -> list[str]:
         args += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", FSDP_STRATEGY[zero],
                  "--ckpt-format", "fsdp_dtensor"]
     counts = recompute_counts(plan)
-    if any(counts):
+    if blocks and all(l.recompute == "selective" for l in blocks):
+        args += ["--recompute-granularity", "selective", "--recompute-modules", *SELECTIVE_MODULES]
+    elif any(counts):
         args += ["--recompute-granularity", "full"]
-        if all(l.recompute for l in blocks):
+        if all(l.recompute == "full" for l in blocks):
             args += ["--recompute-method", "uniform", "--recompute-num-layers", "1"]
         else:
             args += ["--recompute-method", "block", "--recompute-num-layers", str(max(counts))]
@@ -140,4 +158,8 @@ def notes(plan: Plan, model: ModelSpec, cluster: ClusterSpec) -> list[str]:
            "tokenizer, optimizer and schedule flags are yours to add"]
     if model.family == "gpt2":
         out.append("gpt2 family: Megatron's defaults (learned positions, LayerNorm, GeLU, biases) match it")
+    if any(l.recompute == "selective" for l in plan.layer_strategies()):
+        out.append("selective recomputation is priced as Partita's (matrix products' outputs kept, all else "
+                   "recomputed); Megatron's core_attn and layernorm modules also keep the MLP's activation input and "
+                   "output, so the run holds more activation memory than this prediction")
     return out

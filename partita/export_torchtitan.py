@@ -19,8 +19,13 @@ What maps how:
     ``fsdp_reshard_after_forward = "never"`` (FSDP2 keeping parameters gathered from forward to
     backward), 3 the same with ``"always"``. torchtitan has no ZeRO-1.
   * ``[activation_checkpoint]``: ``mode = "none"`` or ``"full"`` (every block), or ``"selective"``
-    with ``selective_ac_option = "k"``: every k-th block of each stage (counted from 1 in
-    ``torchtitan/distributed/activation_checkpoint.py``, ``_apply_layer_sac``).
+    with ``selective_ac_option = "k"``: every k-th block of each stage fully recomputed (counted
+    from 1 in ``torchtitan/distributed/activation_checkpoint.py``, ``_apply_layer_sac``), or
+    with ``selective_ac_option = "op"``: every block selectively (``_apply_op_sac``, the policy
+    Partita's selective recomputation is closest to: torchtitan keeps the outputs of its
+    ``_op_sac_save_list`` in ``torchtitan/models/llama3/infra/parallelize.py``, every second
+    ``mm`` and the attention kernel's and the sequence-parallel reduce-scatter's outputs among
+    them, where Partita keeps every product's; the export is priced as Partita's).
   * ``[training]``: ``local_batch_size`` = micro-batch x micro-batches (per data-parallel rank),
     ``global_batch_size``, ``seq_len``, ``mixed_precision_param`` (bfloat16 or float32; torchtitan
     trains no fp16).
@@ -39,31 +44,39 @@ from partita.plan import Plan
 FILE = "torchtitan.toml"
 RESHARD = {2: "never", 3: "always"}
 MAX_SELECTIVE = 8  # every k-th block, k = 2..8
+OP = -1  # ``recompute_rule``'s k for selective_ac_option "op"
 # Partita's built-in models that torchtitan 0.2.2 ships as a llama3 flavor (torchtitan/models/llama3/__init__.py).
 FLAVORS = {"llama-3-8b": "8B", "llama-3-70b": "70B", "llama-3-405b": "405B"}
 
 
 def recompute_rule(k: int):
-    """Which blocks torchtitan recomputes: none (0), all (1), or every k-th of a stage (k >= 2)."""
-    return lambda stage, block: k == 1 or (k >= 2 and (block + 1) % k == 0)
+    """Each block's recompute mode in torchtitan's layer rule: none (k = 0), all full (1), or
+    every k-th block of a stage full (k >= 2); "op" (k = -1): all selective."""
+    def mode(stage: int, block: int) -> str:
+        if k < 0:
+            return "selective"
+        return "full" if k == 1 or (k >= 2 and (block + 1) % k == 0) else "none"
+
+    return mode
 
 
 def variants(plan: Plan, model: ModelSpec) -> Iterator[Plan]:
-    """The plans of this shape torchtitan runs: SP with TP, ZeRO 0/2/3, none/full/every k-th recomputed."""
+    """The plans of this shape torchtitan runs: SP with TP, ZeRO 0/2/3, none/full/every k-th
+    recomputed, or every block selectively."""
     zeros = (0, 2, 3) if plan.dp > 1 else (0,)
     most = max(blocks_per_stage(plan))
     for zero in zeros:
-        for k in range(0, min(MAX_SELECTIVE, most) + 1):
+        for k in [*range(0, min(MAX_SELECTIVE, most) + 1), OP]:
             yield uniform(plan, model, sequence_parallel=True, zero=zero, recompute=recompute_rule(k))
 
 
-def ac_setting(plan: Plan) -> tuple[str, int]:
-    """(mode, k) of the plan (one of ``variants``)."""
-    for k in range(0, MAX_SELECTIVE + 1):
+def ac_setting(plan: Plan) -> tuple[str, str]:
+    """(mode, selective_ac_option) of the plan (one of ``variants``)."""
+    for k in [*range(0, MAX_SELECTIVE + 1), OP]:
         rule = recompute_rule(k)
         if all(l.recompute == rule(s.index, b) for s in plan.stages
                for b, l in enumerate(x for x in s.layers if is_block(x))):
-            return ("none", 0) if k == 0 else ("full", 1) if k == 1 else ("selective", k)
+            return ("none", "") if k == 0 else ("full", "") if k == 1 else ("selective", "op" if k == OP else str(k))
     raise ValueError("the plan's recomputation is not one torchtitan expresses")
 
 
@@ -77,19 +90,25 @@ def config(plan: Plan, model: ModelSpec) -> dict:
         par |= {"data_parallel_replicate_degree": 1, "data_parallel_shard_degree": plan.dp,
                 "fsdp_reshard_after_forward": RESHARD[zero]}
     if plan.pp > 1:
-        par |= {"pipeline_parallel_schedule": "Interleaved1F1B" if plan.virtual_stages > 1 else "1F1B",
+        par |= {"pipeline_parallel_schedule": SCHEDULES[plan.schedule],
                 "pipeline_parallel_microbatch_size": plan.micro_batch,
                 "module_fqns_per_model_part": module_names(plan)}
-    mode, k = ac_setting(plan)
+    mode, option = ac_setting(plan)
     ac: dict = {"mode": mode}
     if mode == "selective":
-        ac["selective_ac_option"] = str(k)
+        ac["selective_ac_option"] = option
     training = {"local_batch_size": plan.micro_batch * plan.num_micro_batches, "global_batch_size": plan.global_batch,
                 "seq_len": plan.seq_len, "mixed_precision_param": "float32" if plan.dtype == "fp32" else "bfloat16"}
     out: dict = {}
     if model.name in FLAVORS:
         out["model"] = {"name": "llama3", "flavor": FLAVORS[model.name]}
     return out | {"parallelism": par, "activation_checkpoint": ac, "training": training}
+
+
+# Partita's schedules by torchtitan's names for them (its pipeline_parallel_schedule, which it
+# looks up in torch.distributed.pipelining's schedule classes without their "Schedule" prefix).
+SCHEDULES = {"1f1b": "1F1B", "interleaved-1f1b": "Interleaved1F1B", "interleaved-zb": "InterleavedZeroBubble",
+             "zbv": "ZBVZeroBubble"}
 
 
 def module_names(plan: Plan) -> list[list[str]]:
@@ -137,4 +156,8 @@ def notes(plan: Plan, model: ModelSpec, cluster: ClusterSpec) -> list[str]:
     if plan.dtype == "fp16":
         out.append("torchtitan trains in bfloat16 or float32, not fp16: the TOML says bfloat16, which this plan's "
                    "devices may lack")
+    if any(l.recompute == "selective" for l in plan.layer_strategies()):
+        out.append("selective recomputation is priced as Partita's (every matrix product's output kept, all else "
+                   "recomputed); torchtitan's op policy keeps every second product's and the attention kernel's "
+                   "outputs instead, so its activation memory and recompute time differ from this prediction")
     return out

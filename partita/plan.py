@@ -16,7 +16,12 @@ Per-layer choices (``LayerStrategy``):
     along the sequence, trading all-reduces for all-gather + reduce-scatter;
   * ``zero``: 0 = replicated weights, gradients all-reduced once per step; 1 = optimizer state
     sharded over dp; 2 = gradients too; 3 = parameters too (FSDP), gathered per micro-batch;
-  * ``recompute``: the layer's activations are recomputed in backward (full checkpointing).
+  * ``recompute``: what of a decoder block's activations is recomputed in backward instead of
+    kept: ``"none"``; ``"selective"``, everything but the outputs of its matrix products (the
+    norms, rotary, attention core, activation functions, residual adds and the tensor-parallel
+    collectives are recomputed from them; ``runtime.parallelize.selective_context``);
+    ``"full"``, everything (only the block's input is kept). Plan files of schema 1 written before selective recomputation say
+    ``true`` (full) or ``false`` (none), and still read so.
 
 Batch shares. By default every data-parallel replica (one whole pipeline) runs
 ``num_micro_batches`` micro-batches. ``batch_shares`` gives each replica its own count instead,
@@ -25,6 +30,15 @@ trains on the next ``batch_shares[d] * micro_batch`` rows of the global batch, s
 ``global_batch = micro_batch * sum(batch_shares)``, and ``num_micro_batches`` is the largest
 share (the slowest replica's count, which sets the step). The loss is weighted by each
 replica's share, so the averaged gradient is the full batch's mean gradient.
+
+``micro_batch_sizes`` gives each replica its own micro-batch size instead (every replica runs
+``num_micro_batches`` of them; ``micro_batch`` is the largest size): replica ``d`` trains on the
+next ``num_micro_batches * micro_batch_sizes[d]`` rows, so ``global_batch = num_micro_batches *
+sum(micro_batch_sizes)``. Replicas run the same micro-batch count, so every collective over dp
+happens as often on each (any ZeRO level works), and 1024 sequences split over 80 replicas as
+one micro-batch of 13 or 12 each. In general replica ``d`` trains on ``batch_shares[d] *
+micro_batch_sizes[d]`` rows (either list may be empty: the plan's count or size on every
+replica).
 """
 
 from __future__ import annotations
@@ -39,7 +53,8 @@ from partita.errors import PartitaError
 
 SCHEMA_VERSION = 1
 ZERO_LEVELS = (0, 1, 2, 3)
-SCHEDULES = ("1f1b", "interleaved-1f1b")
+RECOMPUTE = ("none", "selective", "full")  # ``LayerStrategy.recompute``, least recomputed first
+SCHEDULES = ("1f1b", "interleaved-1f1b", "interleaved-zb", "zbv")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,7 +63,13 @@ class LayerStrategy:
     tensor_parallel: int = 1
     sequence_parallel: bool = False
     zero: int = 0
-    recompute: bool = False
+    recompute: str = "none"  # one of RECOMPUTE
+
+    def __post_init__(self) -> None:
+        # A mode, never a bool: the truth of a string would read "none" as recomputing.
+        if not isinstance(self.recompute, str) or self.recompute not in RECOMPUTE:
+            raise PartitaError(f"layer {self.name}: recompute must be one of {', '.join(RECOMPUTE)}, "
+                               f"got {self.recompute!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -61,7 +82,18 @@ class LayerStrategy:
                    tensor_parallel=specio.get_int(data, "tensor_parallel", where, default=1),
                    sequence_parallel=specio.get_bool(data, "sequence_parallel", where, default=False),
                    zero=specio.get_int(data, "zero", where, minimum=0, default=0),
-                   recompute=specio.get_bool(data, "recompute", where, default=False))
+                   recompute=_recompute(data.get("recompute", "none"), where))
+
+
+def _recompute(value: Any, where: str) -> str:
+    """A layer's recompute mode; ``true`` and ``false`` (plans written before selective
+    recomputation) are full and none."""
+    if isinstance(value, bool):
+        return "full" if value else "none"
+    if not isinstance(value, str) or value not in RECOMPUTE:
+        raise PartitaError(f"{where}: recompute must be one of {', '.join(RECOMPUTE)} (or, in older plans, true "
+                           f"for full and false for none), got {value!r}")
+    return value
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -236,6 +268,7 @@ class Plan:
     micro_batch: int
     num_micro_batches: int  # per replica; with batch_shares, the largest share
     batch_shares: tuple[int, ...] = ()  # micro-batches per dp replica; empty: num_micro_batches each
+    micro_batch_sizes: tuple[int, ...] = ()  # micro-batch size per dp replica; empty: micro_batch each
     dp: int
     tp: int
     pp: int
@@ -269,16 +302,24 @@ class Plan:
         """How many micro-batches each data-parallel replica runs, in dp-index order."""
         return self.batch_shares or (self.num_micro_batches,) * self.dp
 
+    def replica_micro_batch_sizes(self) -> tuple[int, ...]:
+        """Each data-parallel replica's micro-batch size, in dp-index order."""
+        return self.micro_batch_sizes or (self.micro_batch,) * self.dp
+
+    def replica_batch_rows(self) -> tuple[int, ...]:
+        """How many rows (sequences) of the global batch each replica trains on."""
+        return tuple(n * b for n, b in zip(self.replica_micro_batches(), self.replica_micro_batch_sizes()))
+
     def replica_rows(self, dp_index: int) -> slice:
         """The rows of the global batch that replica ``dp_index`` trains on: its share, after
         the shares of the replicas before it."""
-        shares = self.replica_micro_batches()
-        start = sum(shares[:dp_index]) * self.micro_batch
-        return slice(start, start + shares[dp_index] * self.micro_batch)
+        rows = self.replica_batch_rows()
+        start = sum(rows[:dp_index])
+        return slice(start, start + rows[dp_index])
 
     def layer_strategies(self) -> list[LayerStrategy]:
-        """Every layer, in the model's order (under an interleaved schedule, virtual stage by
-        virtual stage: chunk 0 of every stage, then chunk 1, ...)."""
+        """Every layer, in the model's order (with virtual stages, virtual stage by virtual
+        stage in pipeline order: ``virtual_stage_index``)."""
         return [l for chunk in self.virtual_stage_layers() for l in chunk]
 
     @property
@@ -286,12 +327,20 @@ class Plan:
         """Stages per rank: 1, or v under an interleaved schedule."""
         return max(1, len(self.stages[0].chunks)) if self.stages else 1
 
+    def virtual_stage_index(self, stage: int, chunk: int) -> int:
+        """Torch's stage number of chunk ``chunk`` of plan stage ``stage``: c * pp + i under
+        1F1B and the interleaved schedules (a loop), and under zbv (two chunks, a V) i for
+        chunk 0 and 2 pp - 1 - i for chunk 1, so the last stage's ranks hold the middle two
+        and the first stage's the pipeline's two ends."""
+        if self.schedule == "zbv" and chunk == 1:
+            return 2 * self.pp - 1 - stage
+        return chunk * self.pp + stage
+
     def virtual_stage_layers(self) -> list[tuple[LayerStrategy, ...]]:
-        """The layers of every virtual stage in pipeline order: stage i of chunk c is virtual
-        stage c * pp + i (torch's numbering for interleaved schedules)."""
-        per_stage = [s.chunk_layers() for s in self.stages]
-        v = max(len(c) for c in per_stage)
-        return [chunks[c] for c in range(v) for chunks in per_stage if c < len(chunks)]
+        """The layers of every virtual stage in pipeline order (``virtual_stage_index``)."""
+        placed = {self.virtual_stage_index(s.index, c): chunk
+                  for s in self.stages for c, chunk in enumerate(s.chunk_layers())}
+        return [placed[k] for k in sorted(placed)]
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {}
@@ -301,7 +350,7 @@ class Plan:
                 v = [s.to_dict() for s in v]
             elif f.name in ("prediction", "solver"):
                 v = v.to_dict() if v is not None else None
-            elif f.name == "batch_shares":
+            elif f.name in ("batch_shares", "micro_batch_sizes"):
                 if not v:
                     continue  # equal shares: plans without the field read and write as before
                 v = list(v)
@@ -329,6 +378,8 @@ class Plan:
         kwargs["dtype"] = specio.get_str(data, "dtype", where, choices=("bf16", "fp16", "fp32"))
         kwargs["schedule"] = specio.get_str(data, "schedule", where, default="1f1b", choices=SCHEDULES)
         kwargs["batch_shares"] = _batch_shares(data.get("batch_shares"), where)
+        kwargs["micro_batch_sizes"] = _batch_shares(data.get("micro_batch_sizes"), where, "micro_batch_sizes",
+                                                    "micro-batch sizes")
         if data.get("prediction") is not None:
             kwargs["prediction"] = Prediction.from_dict(data["prediction"], f"{where}: prediction")
         if data.get("solver") is not None:
@@ -346,11 +397,11 @@ class Plan:
         return cls.from_dict(specio.load_yaml(path), where=str(path))
 
 
-def _batch_shares(value: Any, where: str) -> tuple[int, ...]:
+def _batch_shares(value: Any, where: str, key: str = "batch_shares", what: str = "micro-batch counts") -> tuple[int, ...]:
     if value is None:
         return ()
     if not isinstance(value, list) or not value or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1
                                                            for n in value):
-        raise PartitaError(f"{where}: batch_shares must be a non-empty list of micro-batch counts >= 1, one per "
+        raise PartitaError(f"{where}: {key} must be a non-empty list of {what} >= 1, one per "
                            f"data-parallel replica; got {value!r}")
     return tuple(value)

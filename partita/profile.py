@@ -82,17 +82,25 @@ class LayerCost:
     recompute_s: float  # the extra forward a checkpointed layer runs in backward
     activation_bytes: int  # kept from forward for backward, one micro-batch, one rank
     param_bytes: int  # this rank's shard of the layer's parameters, in the profile's dtype
+    # What a block's selective recomputation adds to its backward (the runtime's policy,
+    # ``runtime.parallelize.selective_context``); None: not measured (profiles from before it,
+    # other roles, or lost in timing noise), the cost model then takes the analytic share of
+    # ``recompute_s``. Absent from the file when None, so older profiles keep their fingerprint.
+    selective_recompute_s: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["kind"] = self.kind.to_dict()
+        if self.selective_recompute_s is None:
+            del d["selective_recompute_s"]
         return d
 
     @classmethod
     def from_dict(cls, data: Any, where: str) -> "LayerCost":
         data = specio.require_mapping(data, where)
-        names = [f.name for f in dataclasses.fields(cls)]
+        names = [f.name for f in dataclasses.fields(cls) if f.name != "selective_recompute_s"]
         specio.check_keys(data, cls, where, required=names)
+        selective = data.get("selective_recompute_s")
         kind = LayerKind.from_dict(specio.require_mapping(data["kind"], f"{where}: kind"), f"{where}: kind")
         return cls(kind=kind, tp=specio.get_int(data, "tp", where), micro_batch=specio.get_int(data, "micro_batch", where),
                    seq_len=specio.get_int(data, "seq_len", where),
@@ -100,7 +108,9 @@ class LayerCost:
                    backward_s=specio.get_float(data, "backward_s", where),
                    recompute_s=specio.get_float(data, "recompute_s", where, strict_min=False),
                    activation_bytes=specio.get_int(data, "activation_bytes", where, minimum=0),
-                   param_bytes=specio.get_int(data, "param_bytes", where, minimum=0))
+                   param_bytes=specio.get_int(data, "param_bytes", where, minimum=0),
+                   selective_recompute_s=None if selective is None else
+                   specio.get_float(data, "selective_recompute_s", where))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -251,6 +261,9 @@ def layer_cost_at(profile: Profile, kind: LayerKind, tp: int, micro_batch: int, 
             return p
     values = {name: _value_at(points, name, micro_batch) for name in _SCALED}
     values["activation_bytes"] = int(round(values["activation_bytes"]))
+    # measured at every point or not at all (a profile's points come from one profiler run)
+    values["selective_recompute_s"] = (_value_at(points, "selective_recompute_s", micro_batch)
+                                       if all(p.selective_recompute_s is not None for p in points) else None)
     return dataclasses.replace(points[0], micro_batch=micro_batch, **values)
 
 

@@ -149,16 +149,17 @@ def plan_timeline(plan: Plan, cluster: "ClusterSpec") -> Timeline:
                                 num_micro_batches=plan.num_micro_batches, next_group=group) for layers in chunks]
         fwd_total = sum(p.forward_s for p in parts) or 1.0
         bwd_total = sum(p.backward_s for p in parts) or 1.0
-        hops = sum(1 for c in range(v) if c * pp + i < pp * v - 1)
+        own = [plan.virtual_stage_index(i, c) for c in range(v)]  # torch's stage numbers of the chunks
+        hops = sum(1 for k in own if k < pp * v - 1 and k + 1 not in own)  # outputs sent to another rank
         # The exposed first gather and last reduce-scatter of ZeRO (the step charges them per
         # micro-batch) are drawn inside the forward and the backward, half each.
         edge = cost.zero_edge_s / 2
         for c, part in enumerate(parts):
-            k = c * pp + i
+            k = own[c]
             forward[k] = scale * (cost.forward_s + edge) * part.forward_s / fwd_total
             backward[k] = scale * (cost.backward_s + edge) * part.backward_s / bwd_total
             # A boundary's two messages (activations on, their gradient back), each way one.
-            send[k] = scale * cost.send_s / (2 * hops) if hops else 0.0
+            send[k] = scale * cost.send_s / (2 * hops) if hops and k + 1 not in own else 0.0
     boxes = timeline(actions, forward, backward, send)
     tails = [sum(parts.values()) for parts in _tail_parts(plan, ev)]
     for r in range(pp):

@@ -30,6 +30,11 @@ def _check_runtime_limits(plan: Plan, model: ModelSpec) -> None:
         what = f"batch share {fewest}" if plan.batch_shares else f"num_micro_batches {fewest}"
         raise PartitaError(f"the 1F1B schedule needs at least as many micro-batches as stages: {what} < pp "
                            f"{plan.pp}; use a smaller micro-batch or fewer stages")
+    from partita.search.schedules import check_layers
+
+    why = check_layers(plan.schedule, ((l.name, l.zero, l.recompute) for l in plan.layer_strategies()))
+    if why:
+        raise PartitaError(why)
     if any(l.sequence_parallel for l in plan.layer_strategies()) and plan.seq_len % plan.tp:
         raise PartitaError(f"sequence parallelism splits the sequence {plan.tp} ways; seq_len {plan.seq_len} is not "
                            f"divisible by tp {plan.tp}")
@@ -58,7 +63,8 @@ def _check_inputs(plan: Plan, model: ModelSpec, cluster: ClusterSpec) -> None:
 def _check_degrees(plan: Plan) -> None:
     if plan.pp != len(plan.stages):
         raise PartitaError(f"pp is {plan.pp} but the plan lists {len(plan.stages)} stages")
-    if not plan.batch_shares and plan.global_batch != plan.dp * plan.micro_batch * plan.num_micro_batches:
+    if not (plan.batch_shares or plan.micro_batch_sizes) and (
+            plan.global_batch != plan.dp * plan.micro_batch * plan.num_micro_batches):
         raise PartitaError(f"global_batch {plan.global_batch} != dp {plan.dp} x micro_batch {plan.micro_batch} x "
                            f"num_micro_batches {plan.num_micro_batches}; make them agree, or re-plan")
     for i, s in enumerate(plan.stages):
@@ -69,19 +75,40 @@ def _check_degrees(plan: Plan) -> None:
                                f"{plan.dp} x {plan.tp} = {plan.dp * plan.tp}")
 
 
+def _check_micro_batch_sizes(plan: Plan) -> None:
+    """Replicas of different micro-batch sizes (``Plan.micro_batch_sizes``): one size per
+    replica, the largest is ``micro_batch``, and the replicas' rows make up the global batch."""
+    sizes = plan.micro_batch_sizes
+    if not sizes:
+        return
+    if len(sizes) != plan.dp:
+        raise PartitaError(f"micro_batch_sizes {list(sizes)} lists {len(sizes)} replicas, but dp is {plan.dp}; give "
+                           f"one micro-batch size per data-parallel replica")
+    if plan.micro_batch != max(sizes):
+        raise PartitaError(f"micro_batch {plan.micro_batch} must be the largest of micro_batch_sizes {list(sizes)} "
+                           f"({max(sizes)}): the slowest replica's size, which the memory plan is for")
+    rows = plan.replica_batch_rows()
+    if plan.global_batch != sum(rows):
+        raise PartitaError(f"global_batch {plan.global_batch} != the rows the replicas train on ({sum(rows)}: micro-batch "
+                           f"counts x micro_batch_sizes {list(sizes)}); make them agree, or re-plan")
+
+
 def _check_batch_shares(plan: Plan) -> None:
     """Replicas running different numbers of micro-batches meet only at the step's end: every
     collective over dp must happen once per step, which holds at ZeRO 0/1 (gradients reduced at
     the last micro-batch, a ZeRO-1 shard gathered at the first and kept) but not at ZeRO 2/3
     (a reduce-scatter, and at 3 a gather, every micro-batch: the replicas would wait on each
     other's missing micro-batches)."""
+    _check_micro_batch_sizes(plan)
     shares = plan.batch_shares
     if not shares:
         return
     if len(shares) != plan.dp:
         raise PartitaError(f"batch_shares {list(shares)} lists {len(shares)} replicas, but dp is {plan.dp}; give one "
                            f"micro-batch count per data-parallel replica")
-    if plan.global_batch != plan.micro_batch * sum(shares):
+    if plan.micro_batch_sizes:
+        pass  # the rows are checked with the sizes
+    elif plan.global_batch != plan.micro_batch * sum(shares):
         whole, rest = divmod(plan.global_batch, plan.micro_batch)
         fix = (f"make the shares add up to {whole} micro-batches" if not rest else
                "global_batch must be a multiple of micro_batch")
@@ -163,8 +190,8 @@ def _check_layers(plan: Plan, model: ModelSpec) -> None:
                 raise PartitaError(f"{where}: zero {l.zero} is not one of {ZERO_LEVELS}")
             if l.zero > 0 and plan.dp == 1:
                 raise PartitaError(f"{where}: zero {l.zero} shards over data parallelism, but dp is 1; use zero 0")
-            if l.recompute and model.role_of(l.name) != "block":
-                raise PartitaError(f"{where}: recompute applies to decoder blocks only")
+            if l.recompute != "none" and model.role_of(l.name) != "block":
+                raise PartitaError(f"{where}: recompute {l.recompute} applies to decoder blocks only; set it to none")
 
 
 def _check_dtype(plan: Plan, cluster: ClusterSpec) -> None:

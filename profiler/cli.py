@@ -247,18 +247,19 @@ def _report(profile: Profile, measurements: list, samples: list, elapsed: float,
     if measurements:
         table = Table(title=f"{profile.device} ({profile.provenance.device_name}), {profile.dtype}")
         on_gpu = any(m.allocator_bytes is not None for m in measurements)
-        cols = ["layer", "tp", "micro-batch", "forward", "backward", "recompute", "activations", "params"]
+        cols = ["layer", "tp", "micro-batch", "forward", "backward", "recompute", "selective", "activations", "params"]
         if on_gpu:
-            cols.insert(7, "saved tensors")  # the allocator's count next to autograd's
+            cols.insert(8, "saved tensors")  # the allocator's count next to autograd's
         for col in cols:
             table.add_column(col, justify="left" if col == "layer" else "right")
         for m in measurements:
             c = m.cost
             row = [m.role, str(c.tp), str(c.micro_batch), fmt_seconds(c.forward_s), fmt_seconds(c.backward_s),
-                   fmt_seconds(c.recompute_s) + ("*" if m.recompute_fallback else ""), fmt_bytes(c.activation_bytes),
-                   fmt_bytes(c.param_bytes)]
+                   fmt_seconds(c.recompute_s) + ("*" if m.recompute_fallback else ""),
+                   "-" if c.selective_recompute_s is None else fmt_seconds(c.selective_recompute_s),
+                   fmt_bytes(c.activation_bytes), fmt_bytes(c.param_bytes)]
             if on_gpu:
-                row.insert(7, fmt_bytes(m.saved_bytes))
+                row.insert(8, fmt_bytes(m.saved_bytes))
             table.add_row(*row)
         console.print(table)
         if any(m.recompute_fallback for m in measurements):

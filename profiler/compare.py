@@ -36,7 +36,7 @@ def compare(points: Iterable[LayerCost], device: str, dtype: str) -> list[Compar
     for p in points:
         a = layer_cost(p.kind, dev, tp=p.tp, micro_batch=p.micro_batch, seq_len=p.seq_len, dtype=dtype)
         kw = dict(tp=p.tp, micro_batch=p.micro_batch, seq_len=p.seq_len, dtype=dtype,
-                  sequence_parallel=False, recompute=False)
+                  sequence_parallel=False, recompute="none")
         try:  # the CPU runs composite norms that keep more (see search.analytic)
             act = activation_bytes(p.kind, on_cpu=dev.is_cpu, **kw)
         except TypeError:

@@ -16,7 +16,10 @@ Per (kind, width, micro-batch), after ``warmup`` untimed iterations, ``repeats``
 * recompute: the same backward through ``torch.utils.checkpoint`` (non-reentrant, as the
   runtime's ``checkpoint_wrapper``), whose extra
   cost over the plain backward is the recomputed forward; per iteration the plain backward is
-  subtracted, and the median of the differences kept.
+  subtracted, and the median of the differences kept;
+* selective recompute (blocks): the same again with the runtime's selective policy
+  (``partita.runtime.parallelize.selective_context``: the products' outputs kept); lost in
+  noise, it is left unmeasured and the planner takes the analytic share of the recompute.
 
 Each reported time is the median over the repeats. Activation memory comes from one more
 forward: autograd's saved tensors, storages de-duplicated and parameters excluded
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable, Iterator
 
 import torch
@@ -40,6 +44,7 @@ from partita.model import ROLES, ModelSpec
 from partita.profile import LayerCost
 from partita.profiler.memory import SavedTensors, param_bytes, tensor_storage_bytes
 from partita.profiler.timing import Clock, median
+from partita.runtime.parallelize import selective_context
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +146,7 @@ def measure_point(spec: ModelSpec, layer: torch.nn.Module, shard: Shard, micro_b
     x = make_input(spec, shard, micro_batch, opts)
     target = torch.randint(0, spec.vocab // shard.tp, x.shape[:2], device=opts.device) if shard.role == "head" else None
     grad = None
-    forward, backward, recompute = [], [], []
+    forward, backward, recompute, selective = [], [], [], []
     for i in range(opts.warmup + opts.repeats):
         box: list[torch.Tensor] = []
         f_s = clock.time(lambda: box.append(_forward(layer, x, target)))
@@ -155,11 +160,21 @@ def measure_point(spec: ModelSpec, layer: torch.nn.Module, shard: Shard, micro_b
         c_s = clock.time(lambda: ckpt_out.backward(grad))
         del ckpt_out
         x.grad = None
+        if shard.role == "block":
+            sel_out = _forward(layer, x, target, checkpointed=True, selective=True)
+            selective.append(clock.time(lambda: sel_out.backward(grad)) - b_s)
+            del sel_out
+            x.grad = None
         if i >= opts.warmup:
             forward.append(f_s)
             backward.append(b_s)
             recompute.append(c_s - b_s)
     forward_s, backward_s, recompute_s = median(forward), median(backward), median(recompute)
+    selective_s = median(selective[opts.warmup:]) if selective else None
+    if selective_s is not None and selective_s <= 0:
+        log.info("%s tp=%d mb=%d: selective recompute lost in noise (%.1f us); left to the analytic share",
+                 shard.role, shard.tp, micro_batch, selective_s * 1e6)
+        selective_s = None
     fallback = recompute_s <= 0
     if fallback:
         # Noise larger than the recomputed forward (tiny layers on a busy CPU): the recomputed
@@ -171,17 +186,22 @@ def measure_point(spec: ModelSpec, layer: torch.nn.Module, shard: Shard, micro_b
     cost = LayerCost(kind=spec.kinds[shard.role], tp=shard.tp, micro_batch=micro_batch, seq_len=opts.seq_len,
                      forward_s=forward_s, backward_s=backward_s, recompute_s=recompute_s,
                      activation_bytes=allocated if allocated is not None else saved,
-                     param_bytes=param_bytes(layer))
+                     param_bytes=param_bytes(layer), selective_recompute_s=selective_s)
     return Measurement(cost=cost, role=shard.role, saved_bytes=saved, allocator_bytes=allocated,
                        recompute_fallback=fallback)
 
 
 def _forward(layer: torch.nn.Module, x: torch.Tensor, target: torch.Tensor | None, *,
-             checkpointed: bool = False) -> torch.Tensor:
+             checkpointed: bool = False, selective: bool = False) -> torch.Tensor:
     """The layer's training forward; for the head, through the loss (fp32, as the runtime)."""
-    # As the runtime: non-reentrant checkpointing without RNG state (there is no dropout), and
-    # the loss of runtime.schedule.lm_loss.
-    out = checkpoint(layer, x, use_reentrant=False, preserve_rng_state=False) if checkpointed else layer(x)
+    # As the runtime: non-reentrant checkpointing without RNG state (there is no dropout), the
+    # selective policy of runtime.parallelize, and the loss of runtime.schedule.lm_loss.
+    if selective:
+        products = sum(isinstance(m, torch.nn.Linear) for m in layer.modules())
+        out = checkpoint(layer, x, use_reentrant=False, preserve_rng_state=False,
+                         context_fn=partial(selective_context, products))
+    else:
+        out = checkpoint(layer, x, use_reentrant=False, preserve_rng_state=False) if checkpointed else layer(x)
     if target is not None:
         out = F.cross_entropy(out.flatten(0, 1).float(), target.flatten())
     return out

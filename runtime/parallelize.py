@@ -6,7 +6,8 @@
   2. tensor / sequence parallelism per layer (``parallelize_module``, a dict of styles);
   3. activation checkpointing per layer (``checkpoint_wrapper`` around the block, so the
      recomputation replays the block's tensor-parallel layout conversions too; module names
-     gain ``._checkpoint_wrapped_module``, which ``torch.distributed.checkpoint`` strips);
+     gain ``._checkpoint_wrapped_module``, which ``torch.distributed.checkpoint`` strips):
+     full, or selective (the matrix products' outputs kept, ``selective_context``);
   4. FSDP2 per layer at the layer's ZeRO level (``fully_shard``), then the stage root; each
      layer's backward prefetches the layer before it (``set_backward_prefetch``).
 
@@ -20,6 +21,7 @@ full hidden states, so pipeline stages exchange plain tensors.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
@@ -28,6 +30,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
                                                RowwiseParallel, SequenceParallel, parallelize_module)
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from partita.plan import LayerStrategy, Plan, Stage
 from partita.runtime.mesh import Meshes
@@ -154,15 +157,53 @@ def apply_tensor_parallel(model: Transformer, stage: Stage, meshes: Meshes) -> N
 # ---- 3. activation checkpointing ------------------------------------------------------------
 
 
+# What a selectively recomputed block keeps from its forward: the outputs of its matrix products
+# (``nn.Linear`` dispatches ``mm``, or ``addmm`` with a bias; DTensor's local shards included),
+# but the last one's (w2, the MLP's down projection). Its other ops are recomputed in backward
+# from them and from the block's input: norms, rotary, the attention core (SDPA), activation
+# functions, residual adds, and the tensor-parallel collectives (the sequence-parallel
+# all-gathers of the norm outputs among them). The last product's output feeds only the final
+# residual add, and the recomputation stops before it runs (torch's early stop: w2's inputs are
+# the last tensors the backward needs), so keeping it would hold t*h elements for nothing. The
+# cost model prices exactly this (``search/analytic.activation_bytes``,
+# ``selective_recompute_time_s``).
+SELECTIVE_SAVED_OPS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+
+
+def selective_context(products: int):
+    """The pair of contexts (forward, recomputation) of one selectively checkpointed call of a
+    block with ``products`` matrix products: keep the outputs of all but the last, in the order
+    the forward runs them, and recompute every other op. Fresh counters per call: the policy
+    must decide alike for an op in the forward and in its recomputation."""
+    counts = {False: 0, True: 0}  # products seen, by ctx.is_recompute
+
+    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        if op not in SELECTIVE_SAVED_OPS:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        index = counts[ctx.is_recompute]
+        counts[ctx.is_recompute] += 1
+        return CheckpointPolicy.MUST_SAVE if index < products - 1 else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
 def apply_recompute(model: Transformer, stage: Stage) -> None:
-    """Full recomputation of the layers the plan marks: their activations are dropped after
-    forward and recomputed in backward. (The composable ``checkpoint`` would keep module names
-    but recomputes from inputs already converted by a tensor-parallel input hook.)"""
+    """Recomputation of the layers the plan marks: "full" drops a block's activations after
+    forward and recomputes its forward in backward; "selective" keeps its matrix products'
+    outputs (``selective_context``) and recomputes the rest (torch's selective activation
+    checkpointing). (The composable ``checkpoint`` would keep module names but recomputes from
+    inputs already converted by a tensor-parallel input hook.)"""
     for strategy in stage.layers:
-        if strategy.recompute:
-            parent, _, child = strategy.name.rpartition(".")
-            owner = model.get_submodule(parent) if parent else model
-            setattr(owner, child, checkpoint_wrapper(getattr(owner, child), preserve_rng_state=False))
+        if strategy.recompute == "none":
+            continue
+        parent, _, child = strategy.name.rpartition(".")
+        owner = model.get_submodule(parent) if parent else model
+        layer = getattr(owner, child)
+        kwargs = {}
+        if strategy.recompute == "selective":
+            products = sum(isinstance(m, nn.Linear) for m in layer.modules())
+            kwargs["context_fn"] = partial(selective_context, products)
+        setattr(owner, child, checkpoint_wrapper(layer, preserve_rng_state=False, **kwargs))
 
 
 # ---- 4. FSDP2 per layer ----------------------------------------------------------------------

@@ -5,13 +5,16 @@ Two runners, one interface (``run(inputs, targets, loss_scale) -> summed micro-b
 returned are unscaled; nothing here waits for the device):
 
 * ``MicroBatchRunner`` (pp = 1): gradient accumulation over the micro-batches.
-* ``PipelineRunner`` (pp > 1): ``torch.distributed.pipelining``'s 1F1B schedule over this
-  rank's ``PipelineStage``; the first stage feeds tokens, the last computes the loss.
+* ``PipelineRunner`` (pp > 1): the plan's schedule from ``torch.distributed.pipelining``
+  (1F1B, interleaved 1F1B, interleaved zero-bubble or ZB-V) over this rank's
+  ``PipelineStage``s; the stage holding the embedding feeds tokens, the one holding the head
+  computes the loss.
 
 Both leave gradients as the mean over the rank's micro-batches (with uneven batch shares, the
 sum over them in units of the global batch: ``share_weight``), and both set each FSDP2 unit's
 gradient policy per micro-batch (``set_gradient_sync``): the pipeline runner does it from a
-hook on the stage output, which fires when that micro-batch's backward reaches the stage.
+hook on the stage output, which fires when that micro-batch's backward reaches the stage
+(under a zero-bubble schedule once for the whole step: ``reduce_after_split_backward``).
 Neither keeps a micro-batch's logits beyond its own loss and backward (the pipeline schedule
 runs with ``return_outputs=False``), and a vocab-parallel head's logits are never gathered
 (``LossFunction``).
@@ -25,7 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B,
+                                          ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -68,15 +73,17 @@ def loss_function(plan: Plan, meshes: Meshes) -> LossFunction:
     return LossFunction(meshes.tp if split else None)
 
 
-def share_weight(plan: Plan) -> float:
-    """The factor on every micro-batch's loss when the runners divide gradients by the plan's
-    ``num_micro_batches`` M (the largest share, so the same on every replica) rather than by a
-    replica's own count: dp * M / N, N the micro-batches of all replicas. Replica d then holds
-    (dp / N) sum_m g_dm, and FSDP2's average over the dp replicas gives (1/N) sum g, the full
-    batch's mean gradient; a replica's weight grows with its share. Exactly 1.0 with equal
-    shares (dp * M = N). The divisor must be common to all replicas because the pipeline
-    schedules divide after the last micro-batch's backward, i.e. after the reduction."""
-    return plan.dp * plan.num_micro_batches / sum(plan.replica_micro_batches())
+def share_weight(plan: Plan, dp_index: int) -> float:
+    """The factor on every micro-batch's loss of replica ``dp_index`` when the runners divide
+    gradients by the plan's ``num_micro_batches`` M (the largest share, so the same on every
+    replica) rather than by a replica's own count: dp * M * b_d / G, b_d the replica's
+    micro-batch size and G the global batch's rows. Each micro-batch's loss is the mean over its
+    b_d rows, so replica d then holds (dp / G) sum_m b_d g_dm, and FSDP2's average over the dp
+    replicas gives the full batch's mean gradient; a replica's weight grows with its share (more
+    micro-batches, or larger ones). Exactly 1.0 with equal shares (dp * M * b = G). The divisor
+    must be common to all replicas because the pipeline schedules divide after the last
+    micro-batch's backward, i.e. after the reduction."""
+    return plan.dp * plan.num_micro_batches * plan.replica_micro_batch_sizes()[dp_index] / plan.global_batch
 
 
 class MicroBatchRunner:
@@ -88,7 +95,7 @@ class MicroBatchRunner:
                  loss_factor: float | None = None) -> None:
         """``loss_factor``: what each micro-batch's loss is multiplied by before its backward;
         by default 1 / num_micro_batches (the mean), with uneven shares
-        ``share_weight(plan) / plan.num_micro_batches``."""
+        ``share_weight(plan, dp_index) / plan.num_micro_batches``."""
         self.model, self.units, self.n = model, units, num_micro_batches
         self.loss_factor = loss_factor if loss_factor is not None else 1 / num_micro_batches
         self.loss = loss or LossFunction()
@@ -110,22 +117,50 @@ class MicroBatchRunner:
         return total
 
 
+# The schedules that run several stages per rank, by the plan's name (search/schedules.py).
+MULTI_STAGE = {
+    "interleaved-1f1b": ScheduleInterleaved1F1B,
+    "interleaved-zb": ScheduleInterleavedZeroBubble,
+    "zbv": ScheduleZBVZeroBubble,
+}
+# The schedules that split a stage's backward into its input gradient (I) and its weight
+# gradient (W), run later to fill the pipeline's bubble.
+ZERO_BUBBLE = ("interleaved-zb", "zbv")
+
+
 class _StageModule(nn.Module):
     """The stage's model as the schedule sees it. Not an FSDP module itself, so the schedule
     runs plain autograd and the plan's per-layer ZeRO policy (set here) stays in force."""
 
     def __init__(self, model: nn.Module, units: list[ShardedLayer], num_micro_batches: int,
-                 only: tuple[str, ...] | None = None) -> None:
+                 only: tuple[str, ...] | None = None, split_backward: bool = False) -> None:
         super().__init__()
         self.model, self.units, self.n, self.only = model, units, num_micro_batches, only
+        self.split_backward = split_backward
         self.forwards = 0
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.split_backward:
+            # The input-gradient pass is ``autograd.grad`` to the received tensor, a leaf, and
+            # torch's module tracker (``--memory-report``) puts a backward hook on every
+            # module's inputs, which ``autograd.grad`` refuses on a leaf. This glue module takes
+            # no hooks (FSDP2's are on the model's layers), so it is called plainly, and the
+            # model gets the received tensor behind a view: no module sees the leaf.
+            return self.forward(x.view_as(x) if x.is_leaf and x.requires_grad else x)
+        return super().__call__(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.model(x, only=self.only) if self.only is not None else self.model(x)
+        if self.split_backward and out._is_view():
+            # A zero-bubble schedule's input-gradient pass detaches the stage output in place,
+            # which torch refuses for a view (a tensor-parallel stage hands on ``to_local()``'s
+            # view of its gathered hidden states): one copy of the output, the view then freed.
+            out = out.clone()
         if self.units and out.requires_grad:
             index = self.forwards
             self.forwards += 1
-            out.register_hook(lambda grad: self._before_backward(index, grad))
+            if not self.split_backward:  # split: one policy for the whole step (``PipelineRunner.run``)
+                out.register_hook(lambda grad: self._before_backward(index, grad))
         return out
 
     def _before_backward(self, index: int, grad: torch.Tensor) -> torch.Tensor:
@@ -133,21 +168,34 @@ class _StageModule(nn.Module):
         return grad
 
 
+def reduce_after_split_backward(units: list[ShardedLayer]) -> None:
+    """The step's gradient reduction under a zero-bubble schedule. Its weight gradients (W)
+    run outside the backward passes FSDP2 hooks into, some after the last of them, so the
+    runner keeps every unit's policy at "not the last micro-batch" for the whole step (no
+    reduction, no reshard: ZeRO 0/1 layers keep their gathered weights and accumulate full
+    gradients, as at 1F1B's earlier micro-batches; the validator refuses ZeRO 2/3) and reduces
+    once after it, as torch's pipelining does for an FSDP stage (``perform_reduce_grad``): with
+    the last micro-batch's policy set, FSDP2's end-of-backward callback on the root runs every
+    unit's post-backward (the reduction, then the reshard) and waits for them."""
+    set_gradient_sync(units, last_micro_batch=True)
+    root = next(u.module for u in units if u.name == "")
+    fully_shard.state(root)._root_post_backward_final_callback()
+
+
 class PipelineRunner:
     def __init__(self, model: nn.Module, units: list[ShardedLayer], plan: Plan, meshes: Meshes, *,
                  device: torch.device, activation_dtype: torch.dtype, loss: LossFunction,
                  timer: PhaseTimer | None = None) -> None:
         stage = meshes.place.stage
-        self.is_first, self.is_last = stage.index == 0, stage.index == plan.pp - 1
         # This replica's own pipeline runs its own number of micro-batches (its batch share); the
         # gradients are divided by the plan's count, the same on every replica (``share_weight``).
         self.n = plan.replica_micro_batches()[meshes.place.dp_index]
         self.mean_over = plan.num_micro_batches
-        self.weight = share_weight(plan)
+        self.weight = share_weight(plan, meshes.place.dp_index)
         self.loss = loss
         spec_hidden = int(plan.model["hidden"])
         vocab = int(plan.model["vocab"]) // (loss.vocab_mesh.size() if loss.vocab_mesh is not None else 1)
-        b, s = plan.micro_batch, plan.seq_len
+        b, s = plan.replica_micro_batch_sizes()[meshes.place.dp_index], plan.seq_len  # this replica's size
         # Static shapes: the schedule needs no shape-inference pass (which would run the stage
         # once more on empty tensors).
         def meta(*shape: int, dtype: torch.dtype = activation_dtype) -> torch.Tensor:
@@ -155,23 +203,29 @@ class PipelineRunner:
             return torch.empty(*shape, device="meta", dtype=dtype, requires_grad=dtype.is_floating_point)
 
         # One pipeline stage per virtual stage this rank runs (one under 1F1B): virtual stage c
-        # of plan stage i is torch's stage c * pp + i; each runs only its own layers.
+        # of plan stage i is torch's stage ``plan.virtual_stage_index(i, c)`` (c * pp + i, or the
+        # V of zbv); each runs only its own layers. Under zbv the first stage's ranks hold both
+        # ends of the pipeline: they feed the tokens and compute the loss.
         chunks = stage.chunk_layers()
         n_stages = plan.pp * len(chunks)
+        indices = [plan.virtual_stage_index(stage.index, c) for c in range(len(chunks))]
+        self.is_first, self.is_last = 0 in indices, n_stages - 1 in indices
         # Under an interleaved schedule each virtual stage sets the gradient policy of its own
         # layers' FSDP units; the root unit (a tied embedding or head, if any) goes with the
         # virtual stage that holds it.
         root_chunk = next((c for c, ls in enumerate(chunks) if {l.name for l in ls} & {"embed", "head"}), 0)
+        split = self.split_backward = plan.schedule in ZERO_BUBBLE
+        self.units = units
         self.model = model
         self.modules, self.stages = [], []
         for c, layers in enumerate(chunks):
             if len(chunks) > 1:
                 names = {l.name for l in layers}
                 own = [u for u in units if u.name in names or (u.name == "" and c == root_chunk)]
-                module = _StageModule(model, own, self.n, only=tuple(sorted(names)))
+                module = _StageModule(model, own, self.n, only=tuple(sorted(names)), split_backward=split)
             else:
                 module = _StageModule(model, units, self.n)
-            index = c * plan.pp + stage.index
+            index = indices[c]
             first, last = index == 0, index == n_stages - 1
             inputs = meta(b, s, dtype=torch.int64) if first else meta(b, s, spec_hidden)
             outputs = meta(b, s, vocab) if last else meta(b, s, spec_hidden)
@@ -184,9 +238,9 @@ class PipelineRunner:
         # The runner divides the gradients once after the step, not torch: torch would divide by
         # this replica's own count, and under an interleaved schedule once per virtual stage
         # (each one's module wraps the whole model).
-        if plan.schedule == "interleaved-1f1b":
-            self.schedule = ScheduleInterleaved1F1B(self.stages, n_microbatches=self.n, loss_fn=self._scaled_loss,
-                                                    scale_grads=False)
+        if plan.schedule in MULTI_STAGE:
+            self.schedule = MULTI_STAGE[plan.schedule](self.stages, n_microbatches=self.n, loss_fn=self._scaled_loss,
+                                                       scale_grads=False)
         else:
             self.schedule = Schedule1F1B(self.stages[0], n_microbatches=self.n, loss_fn=self._scaled_loss,
                                          scale_grads=False)
@@ -195,7 +249,10 @@ class PipelineRunner:
         """Time each micro-batch's forward and backward as the schedule runs them on this stage
         (its receives are waited for before, its sends are started after)."""
         for stage in self.stages:
-            for method, phase in (("forward_one_chunk", "forward"), ("backward_one_chunk", "backward")):
+            # Zero-bubble schedules split a backward in two: the input gradient (I, in
+            # backward_one_chunk) and the weight gradient (W, later); both are backward.
+            for method, phase in (("forward_one_chunk", "forward"), ("backward_one_chunk", "backward"),
+                                  ("backward_weight_one_chunk", "backward")):
                 inner = getattr(stage, method)
 
                 def timed(*args, _inner=inner, _phase=phase, **kwargs):
@@ -229,15 +286,14 @@ class PipelineRunner:
         losses: list[torch.Tensor] = []
         # return_outputs=False: the last stage keeps no micro-batch's logits after its backward.
         with self.loss.context():
-            if self.is_first:
-                self.schedule.step(inputs, return_outputs=False)
-            elif self.is_last:
-                self.schedule.step(target=targets, losses=losses, return_outputs=False)
-            else:
-                self.schedule.step(return_outputs=False)
+            args = (inputs,) if self.is_first else ()
+            last = dict(target=targets, losses=losses) if self.is_last else {}
+            self.schedule.step(*args, **last, return_outputs=False)
         for module in self.modules:
             if module.units and module.forwards != self.n:
                 raise RuntimeError(f"pipeline stage ran {module.forwards} forwards for {self.n} micro-batches")
+        if self.split_backward and self.units:
+            reduce_after_split_backward(self.units)
         with torch.no_grad():
             for p in self.model.parameters():
                 if p.grad is not None:

@@ -26,18 +26,21 @@ class TiedWeights:
         self.param: torch.nn.Parameter | None = None
         self.group: dist.ProcessGroup | None = None
         self.is_copy = False  # the last stage's copy: not counted in the gradient norm
-        if not (model.spec.tie_embeddings and plan.pp > 1):
+        # The stages holding the embedding and the head: the first and the last, but under zbv
+        # (a V) the first holds both, and the weight is tied within the rank as without stages.
+        first = next(s for s in plan.stages if "embed" in s.layer_names)
+        last = next(s for s in plan.stages if "head" in s.layer_names)
+        if not model.spec.tie_embeddings or first.index == last.index:
             return
-        first, last = plan.stages[0], plan.stages[-1]
         # Every rank creates every pair's group, in the same order (torch.distributed requires it).
         for position in range(len(first.ranks)):
             pair = [first.ranks[position], last.ranks[position]]
             group = dist.new_group(pair)
             if place.rank in pair:
                 self.group = group
-        if place.stage.index == 0:
+        if place.stage.index == first.index:
             self.param = model.embed.tok.weight
-        elif place.stage.index == plan.pp - 1:
+        elif place.stage.index == last.index:
             self.param = model.head.output.weight
             self.is_copy = True
 

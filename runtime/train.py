@@ -213,7 +213,7 @@ class Trainer:
         else:
             own = plan.replica_micro_batches()[self.meshes.place.dp_index]  # this replica's batch share
             self.runner = MicroBatchRunner(self.model, units, own, loss, timer=self.timer,
-                                           loss_factor=share_weight(plan) / plan.num_micro_batches)
+                                           loss_factor=share_weight(plan, self.meshes.place.dp_index) / plan.num_micro_batches)
         self.start_step = 0
         if cfg.resume and cfg.checkpoint_dir:
             if resume_from is None:
@@ -233,7 +233,8 @@ class Trainer:
         flops_per_step = self.spec.train_flops_per_token(plan.seq_len) * tokens_per_step
         peak = peak_flops(plan)
         pp_group = self.meshes.pp.get_group() if plan.pp > 1 else None
-        reports_loss = place.stage.index == plan.pp - 1 and place.tp_index == 0
+        # The stage holding the head computes the loss: the last one, or under zbv the first.
+        reports_loss = "head" in place.stage.layer_names and place.tp_index == 0
         self.step_times: list[float] = []  # this session's steps, for callers that time the runtime
         # The memory report tracks the session's second step (the optimizer's state exists by
         # then), or its only one.
@@ -262,7 +263,7 @@ class Trainer:
                 self.measured_moments = memory.moments
             else:
                 loss_sum, grad_norm = one_step()
-            loss = _global_loss(loss_sum if reports_loss else None, plan, device)
+            loss = _global_loss(loss_sum if reports_loss else None, plan, place.dp_index, device)
             elapsed = clock.now() - t0
             phases = self.timer.take()  # this step's forward/backward per micro-batch, and its optimizer
             phases["run_delay_s"] = self.timer.delay.seconds() - delay0  # waiting for a core (CPU ranks)
@@ -316,14 +317,15 @@ def train(plan: Plan, cfg: TrainConfig, *, device: torch.device | None = None) -
     return Trainer(plan, cfg, device=device).fit()
 
 
-def _global_loss(loss_sum: torch.Tensor | None, plan: Plan, device: torch.device) -> float:
+def _global_loss(loss_sum: torch.Tensor | None, plan: Plan, dp_index: int, device: torch.device) -> float:
     """Mean loss over the global batch, known to every rank: the last stage's tensor-rank-0
-    ranks contribute their micro-batch losses, everyone else zero."""
+    ranks contribute their micro-batch losses (each the mean over its rows, so weighted by the
+    replica's micro-batch size), everyone else zero."""
     value = torch.zeros(1, dtype=torch.float64, device=device)
     if loss_sum is not None:
-        value += loss_sum.to(torch.float64)
+        value += loss_sum.to(torch.float64) * plan.replica_micro_batch_sizes()[dp_index]
     dist.all_reduce(value)
-    return float(value) / sum(plan.replica_micro_batches())
+    return float(value) / plan.global_batch
 
 
 def _gather_summary(step_times: list[float], losses: list[float], plan: Plan, place, device: torch.device,

@@ -14,7 +14,9 @@ attention, and the memory-bound elementwise kernels (norms, rotary, activations,
 each priced by the bytes it reads and writes. The backward runs two products per forward product
 (dX = dY @ W^T and dW = X^T @ dY), the attention backward, and elementwise kernels that move
 twice the forward's bytes, plus the reductions only the backward has (bias gradients, the
-embedding's gradient table). Recomputing a checkpointed layer repeats its forward.
+embedding's gradient table). Recomputing a checkpointed layer repeats its forward; a
+selectively recomputed block repeats all of it but its matrix products, whose outputs it kept
+(``selective_recompute_time_s``).
 
 Tensor parallelism over ``tp`` ranks splits q, k, v, w1, w3 by columns and wo, w2 by rows, so a
 rank holds heads/tp query heads, kv_heads/tp kv heads and ffn/tp of the MLP; embed and head hold
@@ -30,6 +32,7 @@ from typing import Iterable
 from partita.devices import DeviceType
 from partita.errors import PartitaError
 from partita.model import LayerKind
+from partita.plan import RECOMPUTE
 from partita.profile import LayerCost, Profile, Provenance
 from partita.search.roofline import (attention_time_s, batched_matmul_time_s, element_bytes, matmul_time_s,
                                      memory_time_s)
@@ -186,6 +189,18 @@ def forward_time_s(kind: LayerKind, dev: DeviceType, sh: Shard, dtype: str, atte
     return total
 
 
+def selective_recompute_time_s(kind: LayerKind, dev: DeviceType, sh: Shard, dtype: str,
+                               attention: str = "sdpa") -> float:
+    """What a selectively recomputed block runs again in backward: its forward without the
+    matrix products (the runtime keeps their outputs, ``runtime.parallelize.selective_context``)
+    and without what follows the last product (the final residual add: the recomputation stops
+    once the last product's inputs are back): the other memory-bound kernels and the attention
+    core."""
+    elementwise = forward_elementwise(kind, sh)[:-1]  # the block's last kernel is the final residual add
+    return (sum(memory_time_s(dev, nbytes) for _, nbytes in elementwise)
+            + attention_s(dev, sh, dtype, attention)[0])
+
+
 def backward_time_s(kind: LayerKind, dev: DeviceType, sh: Shard, dtype: str, attention: str = "sdpa") -> float:
     # dX[m,k] = dY[m,n] @ W^T[n,k] and dW[k,n] = X^T[k,m] @ dY[m,n].
     total = sum(matmul_time_s(dev, m, k, n, dtype) + matmul_time_s(dev, k, n, m, dtype)
@@ -199,7 +214,7 @@ def backward_time_s(kind: LayerKind, dev: DeviceType, sh: Shard, dtype: str, att
 
 # ---- memory ---------------------------------------------------------------------------------
 def activation_bytes(kind: LayerKind, *, tp: int, micro_batch: int, seq_len: int, dtype: str,
-                     sequence_parallel: bool = False, recompute: bool = False,
+                     sequence_parallel: bool = False, recompute: str = "none",
                      on_cpu: bool = False) -> int:
     """Bytes autograd keeps from one micro-batch's forward for the backward, on one rank.
 
@@ -242,19 +257,42 @@ def activation_bytes(kind: LayerKind, *, tp: int, micro_batch: int, seq_len: int
       * ``sequence_parallel``: the residual stream and the norms run on t/tp tokens, so R
         divides by tp. The linears' input is the all-gathered norm output, which DTensor's
         autograd keeps whole: n does not divide (unlike Megatron-LM, PyTorch does not re-gather it in the backward).
-      * ``recompute`` (full activation checkpointing of the layer): only the layer's input is
-        kept: n for a block or the head (n/tp with sequence parallelism), the token ids for embed.
+      * ``recompute="full"`` (full activation checkpointing of the layer): only the layer's
+        input is kept: n for a block or the head (n/tp with sequence parallelism), the token ids
+        for embed.
+      * ``recompute="selective"`` (a block only): its input and the output of every matrix
+        product but the last (``forward_matmuls``: C[m, n] keeps m*n*e), which the runtime's
+        selective checkpointing saves (``runtime.parallelize.selective_context``); the rest is
+        recomputed from them in backward::
+
+            selective, llama = n/sp + t*(H + 2*KV)*d*e + t*h*e + 2*t*f*e
+            selective, gpt2  = n/sp + t*(H + 2*KV)*d*e + t*h*e +   t*f*e
+
+        (q, k, v; wo; w1, w3 or w1; KV = kv_heads/tp; w2's output feeds only the final residual
+        add, which the recomputation never reaches). wo keeps its hidden-wide [t, h] partial sum
+        from before the tensor-parallel reduction: it divides by neither tp nor sp. Korthikanti
+        et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", sec. 4)
+        count 34*s*b*h + 5*a*s^2*b bytes a layer (fp16, every term /t with tensor and sequence
+        parallelism) and recompute only the attention core, whose 5*a*s^2*b (softmax, its
+        dropout mask and output) dominates; a fused attention kernel keeps no s^2 term, so the
+        runtime recomputes the cheap elementwise work (norms, rotary, activation functions) too.
 
     Not counted: CUDA SDPA's two int64 RNG scalars, the memory-efficient kernel's padding of
     logsumexp to a multiple of 32 rows, and tensors that live only during the forward.
     """
+    if recompute not in RECOMPUTE:
+        raise PartitaError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {recompute!r}")
     sh = Shard.of(kind, tp=tp, micro_batch=micro_batch, seq_len=seq_len, dtype=dtype)
     t, e, h = sh.tokens, sh.elem, sh.hidden
     sp = tp if sequence_parallel else 1
     if kind.role == "embed":
         return t * INDEX_BYTES + (seq_len * INDEX_BYTES if kind.learned_positions else 0)
-    if recompute:
+    if recompute == "full":
         return t * h * e // sp
+    if recompute == "selective":
+        if kind.role != "block":
+            raise PartitaError(f"selective recomputation applies to decoder blocks, not the {kind.role}")
+        return t * h * e // sp + e * sum(m * n for _, m, n, _ in forward_matmuls(kind, sh)[:-1])
     norm_output = t * h * e  # saved by the linears that follow the norm
     if kind.role == "head":
         loss = t * sh.vocab * 4 + t * INDEX_BYTES + 4

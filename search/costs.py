@@ -8,12 +8,15 @@ Conventions (all per device of a stage, per micro-batch unless said otherwise):
 
 * Compute: forward, backward and recompute time of a layer's 1/tp shard come from a measured
   profile of that device type when it has the point (interpolated in micro-batch), else from
-  the analytic roofline (``partita.search.analytic``). ``cost_sources`` records which.
+  the analytic roofline (``partita.search.analytic``). ``cost_sources`` records which. Full
+  recomputation repeats the forward; selective recomputation its share that is not matrix
+  products (``recompute_s``).
 * Tensor parallelism (Megatron): a block does 2 all-reduces of the activation ``b*s*h`` in
   forward and 2 in backward; with sequence parallelism they become all-gather +
   reduce-scatter pairs of the same volume. The embedding (vocab-parallel) reduces once in
-  forward, the head once in backward. Recomputation repeats the forward collectives. TP
-  collectives are on the critical path (not overlapped).
+  forward, the head once in backward. Full recomputation repeats the forward collectives;
+  selective recomputation (everything but the matrix products) repeats them all but the last
+  product's reduction, where it stops. TP collectives are on the critical path (not overlapped).
 * ZeRO over the dp group, on the layer's parameter shard: parameters are gathered in the
   compute dtype, gradients reduced in fp32 (FSDP2's ``reduce_dtype``). Level 0: all-reduce of
   gradients once per step; 1: reduce-scatter of gradients + all-gather of parameters once per
@@ -34,8 +37,9 @@ Conventions (all per device of a stage, per micro-batch unless said otherwise):
   a pipeline a stage also holds the schedule's receive buffers and kept outputs
   (``pipeline_memory``).
 * Activations and transients: k = ``min(pp - stage, micro_batches)`` micro-batches are in
-  flight at a 1F1B stage's peak (a recomputed layer keeps only its input). k - 1 of them hold
-  all their activations; the running one holds those of the layers up to some layer j, which
+  flight at a 1F1B stage's peak (a fully recomputed layer keeps only its input, a selective
+  one its input and its matrix products' outputs). k - 1 of them hold all their activations;
+  the running one holds those of the layers up to some layer j, which
   adds its own transient (a ZeRO-2/3 gather in forward; in backward the re-gathered
   parameters, the recomputed activations, the working set, the loss's backward). The stage's
   peak is the largest such moment, taken over its layers in order (``_stage_cost``); the
@@ -185,6 +189,7 @@ class CostModel:
             self.profiles[p.device] = p
         self._used_sources: dict[str, set[str]] = {d: set() for d in cluster.device_types}
         self._compute = lru_cache(maxsize=None)(self._compute_uncached)
+        self._selective_recompute = lru_cache(maxsize=None)(self._selective_recompute_uncached)
         self._layer_time = lru_cache(maxsize=None)(self._layer_time_uncached)
         self._layer_memory = lru_cache(maxsize=None)(self._layer_memory_uncached)
         self.stage_cache: dict = {}  # stage costs by (group, layer choices, degrees), see stage_cost_counts
@@ -214,6 +219,38 @@ class CostModel:
         fwd = host_bound_s(k.compute_scale * c.forward_s, ops_fwd, k.op_overhead_s, dev.is_cpu)
         bwd = host_bound_s(k.compute_scale * c.backward_s, ops_bwd, k.op_overhead_s, dev.is_cpu)
         return dataclasses.replace(c, forward_s=fwd, backward_s=bwd, recompute_s=fwd)
+
+    def recompute_s(self, role: str, device: str, tp: int, micro_batch: int, mode: str) -> float:
+        """What recomputing the layer adds to one micro-batch's backward, by recompute mode:
+        nothing, its forward ("full"), or its forward less the matrix products ("selective",
+        ``_selective_recompute_uncached``)."""
+        if mode == "none":
+            return 0.0
+        if mode == "full":
+            return self.compute(role, device, tp, micro_batch).recompute_s
+        return self._selective_recompute(role, device, tp, micro_batch)
+
+    def _selective_recompute_uncached(self, role: str, device: str, tp: int, micro_batch: int) -> float:
+        """A selectively recomputed block runs its forward again without the matrix products
+        (``analytic.selective_recompute_time_s``), but every op of it passes through torch's
+        selective-checkpoint dispatch again, a kept product's too: the host's ops are the
+        forward's. From a measured profile: the profiler's measurement, or where it has none
+        (older profiles) its full recompute time times the analytic share."""
+        from partita.search.analytic import Shard, forward_time_s, selective_recompute_time_s
+
+        kind, dev = self.model.kinds[role], get_device(device)
+        sh = Shard.of(kind, tp=tp, micro_batch=micro_batch, seq_len=self.seq_len, dtype=self.dtype)
+        selective = selective_recompute_time_s(kind, dev, sh, self.dtype, self.software.attention)
+        profile = self.profiles.get(device)
+        if profile is not None and profile.dtype == self.dtype:
+            measured = layer_cost_at(profile, kind, tp, micro_batch, self.seq_len)
+            if measured is not None and measured.selective_recompute_s is not None:
+                return measured.selective_recompute_s
+            if measured is not None:
+                forward = forward_time_s(kind, dev, sh, self.dtype, self.software.attention)
+                return measured.recompute_s * selective / forward
+        k = self.time_constants(device)
+        return host_bound_s(k.compute_scale * selective, layer_ops(kind)[0], k.op_overhead_s, dev.is_cpu)
 
     def _calibrated(self, device: str) -> bool:
         profile = self.profiles.get(device)
@@ -309,12 +346,12 @@ class CostModel:
         return self._layer_time(role, group.name, s.tensor_parallel, s.sequence_parallel, s.zero, s.recompute, dp,
                                 micro_batch)
 
-    def layer_time_of(self, choice: tuple[str, int, bool, int, bool], group: NodeGroup, *, dp: int,
+    def layer_time_of(self, choice: tuple[str, int, bool, int, str], group: NodeGroup, *, dp: int,
                       micro_batch: int) -> LayerTime:
         role, tp, sp, zero, recompute = choice
         return self._layer_time(role, group.name, tp, sp, zero, recompute, dp, micro_batch)
 
-    def _layer_time_uncached(self, role: str, group_name: str, tp: int, sp: bool, zero: int, recompute: bool,
+    def _layer_time_uncached(self, role: str, group_name: str, tp: int, sp: bool, zero: int, recompute: str,
                              dp: int, micro_batch: int) -> LayerTime:
         group = self.cluster.group(group_name)
         device = group.device
@@ -330,10 +367,15 @@ class CostModel:
         tp_fwd, tp_bwd = n_fwd * one, n_bwd * one
         if role == "head":  # the vocab-parallel loss: all-reduces of each token's max, sum and target logit
             tp_fwd += 3 * self.collective_s("all_reduce", micro_batch * self.seq_len * 4, tp, link, device)
-        if recompute:
+        if recompute == "full":
             tp_bwd += tp_fwd
+        elif recompute == "selective":
+            # All but the last product's reduction (the recomputation stops before w2): with SP
+            # both all-gathers and wo's reduce-scatter, without it wo's all-reduce.
+            reduction = self.collective_s("reduce_scatter" if sp else "all_reduce", act_bytes, tp, link, device)
+            tp_bwd += tp_fwd - reduction
         fwd_compute = c.forward_s
-        bwd_compute = c.backward_s + (c.recompute_s if recompute else 0.0)
+        bwd_compute = c.backward_s + self.recompute_s(role, device, tp, micro_batch, recompute)
 
         # Parameters are gathered in the compute dtype; gradients are reduced in fp32
         # (FSDP2's reduce_dtype, the standard mixed-precision recipe).
@@ -411,7 +453,7 @@ class CostModel:
         return self._layer_memory(role, device, s.tensor_parallel, s.sequence_parallel, s.zero, s.recompute, dp,
                                   micro_batch, num_micro_batches, tied_copy)
 
-    def layer_memory_of(self, choice: tuple[str, int, bool, int, bool], device: str, *, dp: int,
+    def layer_memory_of(self, choice: tuple[str, int, bool, int, str], device: str, *, dp: int,
                         micro_batch: int, num_micro_batches: int, tied_copy: bool = False) -> LayerMemory:
         """``tied_copy``: a tied head on another stage than the embedding, holding its own copy
         of the shared weight (runtime/tied.py)."""
@@ -419,7 +461,7 @@ class CostModel:
         return self._layer_memory(role, device, tp, sp, zero, recompute, dp, micro_batch, num_micro_batches,
                                   tied_copy)
 
-    def _layer_memory_uncached(self, role: str, device: str, tp: int, sp: bool, zero: int, recompute: bool,
+    def _layer_memory_uncached(self, role: str, device: str, tp: int, sp: bool, zero: int, recompute: str,
                                dp: int, micro_batch: int, num_micro_batches: int,
                                tied_copy: bool = False) -> LayerMemory:
         from partita.search.analytic import activation_bytes
@@ -442,13 +484,13 @@ class CostModel:
         kind: LayerKind = self.model.kinds[role]
         kw = dict(tp=tp, micro_batch=micro_batch, seq_len=self.seq_len, dtype=self.dtype, sequence_parallel=sp,
                   on_cpu=get_device(device).is_cpu)
-        full = activation_bytes(kind, recompute=False, **kw)
-        kept = activation_bytes(kind, recompute=True, **kw) if recompute else full
+        full = activation_bytes(kind, recompute="none", **kw)
+        kept = activation_bytes(kind, recompute=recompute, **kw)
         c = self.compute(role, device, tp, micro_batch)
         if device in self.profiles and c.activation_bytes:
             # A measured count (no SP, no recompute) replaces the analytic one; the variants
             # keep the analytic ratio to it.
-            analytic_plain = activation_bytes(kind, recompute=False, **(kw | {"sequence_parallel": False}))
+            analytic_plain = activation_bytes(kind, recompute="none", **(kw | {"sequence_parallel": False}))
             scale = c.activation_bytes / analytic_plain if analytic_plain else 1.0
             full, kept = int(full * scale), int(kept * scale)
         # A layer's own extra memory peaks at one of two moments (measured per layer and phase with
@@ -459,13 +501,15 @@ class CostModel:
         # - its backward: the parameters gathered again at ZeRO-3 (with FSDP2's prefetch of the
         #   layer before it: 2 copies), the unsharded gradient FSDP2 produces in the reduce dtype
         #   before reducing it, and the larger of the recomputed activations (freed as the
-        #   backward consumes them) and the backward's working set (a block's MLP gradients; the
-        #   loss's backward on the logits for the head, whose gradient comes after it).
+        #   backward consumes them; a selective recomputation brings the layer back to what it
+        #   holds without recomputing, its kept products among it) and the backward's working
+        #   set (a block's MLP gradients; the loss's backward on the logits for the head, whose
+        #   gradient comes after it).
         # These per-layer terms are what the search sums; a plan's prediction also looks at the
         # layer's neighbours (``_neighbour_peak``, which keeps the parts apart).
         gather_spike = {2: params * e, 3: 2 * params * e}.get(z, 0)
         resident = 2 * params * e if z == 3 else 0
-        recompute_extra = full - kept if recompute else 0
+        recompute_extra = max(0, full - kept)
         unsharded_grad = params * REDUCE_BYTES if fsdp and role != "head" else 0
         if role == "block":
             working = self._block_backward_transient(tp, micro_batch)
@@ -576,7 +620,7 @@ def in_flight(stage: int, pp: int, num_micro_batches: int) -> int:
 
 
 # A layer's choices without its name: (role, tensor_parallel, sequence_parallel, zero, recompute).
-LayerChoice = tuple[str, int, bool, int, bool]
+LayerChoice = tuple[str, int, bool, int, str]
 # A stage's layers in order as runs of one choice: ((choice, count, name of the run's last layer), ...).
 Runs = tuple[tuple[LayerChoice, int, str], ...]
 

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from partita.cluster import NodeGroup
 from partita.devices import get_device
 from partita.plan import LayerStrategy, Plan, Prediction, StageMemory
-from partita.search.costs import (CostModel, LayerChoice, StageCost, interleaved_stage_cost, stage_cost,
-                                  stage_cost_counts, step_time_s, with_receives)
+from partita.search.costs import (CostModel, LayerChoice, StageCost, boundary_s, choice_of, interleaved_stage_cost,
+                                  stage_cost, stage_cost_counts, step_time_s, with_receives)
+from partita.search.schedules import ZERO_BUBBLE, in_flight_chunks, pending_weight_grads
 
 
 @dataclass(frozen=True)
@@ -68,18 +70,99 @@ def evaluate_interleaved(cm: CostModel, stages: Sequence[tuple[NodeGroup, Sequen
                          dp: int, tp: int, micro_batch: int, num_micro_batches: int,
                          schedule: str = "interleaved-1f1b") -> Evaluation:
     """Evaluate stages whose ranks run several virtual stages each, given as (node group, the
-    layers of each virtual stage, or counts of their choices) in pipeline order; virtual stage c of stage i feeds virtual
-    stage c of stage i + 1, and the last stage's feeds the first stage's c + 1."""
+    layers of each virtual stage, or counts of their choices) in pipeline order. Under the
+    interleaved schedules virtual stage c of stage i feeds virtual stage c of stage i + 1, and
+    the last stage's feeds the first stage's c + 1; under zbv (a V) chunk 0 runs down the
+    stages and chunk 1 back up, the last stage's ranks turning from one to the other without a
+    send. The zero-bubble schedules also hold their in-flight micro-batches until the weight
+    gradient (``_split_backward``)."""
     pp, v = len(stages), len(stages[0][1])
+    groups = [g for g, _ in stages]
     costs = []
     for i, (group, chunks) in enumerate(stages):
-        nexts = [stages[i + 1][0] if i + 1 < pp else (stages[0][0] if c + 1 < v else None) for c in range(v)]
-        costs.append(interleaved_stage_cost(cm, group, chunks, stage=i, pp=pp, dp=dp, tp=tp, micro_batch=micro_batch,
-                                            num_micro_batches=num_micro_batches, next_groups=nexts))
-    costs = with_receives(costs, wrap=True)  # each stage also pays its side of the boundaries before its chunks
+        nexts = _next_groups(schedule, groups, i, v)
+        cost = interleaved_stage_cost(cm, group, chunks, stage=i, pp=pp, dp=dp, tp=tp, micro_batch=micro_batch,
+                                      num_micro_batches=num_micro_batches, next_groups=nexts)
+        if schedule == "zbv" and i == pp - 1:  # the V's turn stays on the rank: priced as a send, taken off
+            turn = boundary_s(cm, group, group, dp=dp, tp=tp, micro_batch=micro_batch)
+            cost = dataclasses.replace(cost, time_s=cost.time_s - turn, p2p_s=cost.p2p_s - turn,
+                                       send_s=cost.send_s - turn)
+        costs.append(cost)
+    if schedule == "zbv":
+        costs = _zbv_receives(cm, costs, groups, dp=dp, tp=tp, micro_batch=micro_batch)
+    else:
+        costs = with_receives(costs, wrap=True)  # each stage also pays its side of the boundaries before its chunks
+    if schedule in ZERO_BUBBLE:
+        costs = [_split_backward(cm, cost, chunks, schedule=schedule, stage=i, pp=pp, micro_batch=micro_batch,
+                                 num_micro_batches=num_micro_batches)
+                 for i, (cost, (_, chunks)) in enumerate(zip(costs, stages))]
     step, breakdown = step_time_s(costs, num_micro_batches, schedule=schedule, virtual_stages=v,
                                   step_overhead_s=cm.step_overhead_s)
     return Evaluation(step_time_s=step, breakdown=breakdown, stages=tuple(costs))
+
+
+def _next_groups(schedule: str, groups: Sequence[NodeGroup], stage: int, v: int) -> list[NodeGroup | None]:
+    """Where each virtual stage of ``stage`` sends its output (None: the pipeline's last)."""
+    pp = len(groups)
+    if schedule == "zbv":  # chunk 0 down the stages, turning on the last one; chunk 1 back up
+        return [groups[stage + 1] if stage + 1 < pp else groups[stage], groups[stage - 1] if stage > 0 else None]
+    return [groups[stage + 1] if stage + 1 < pp else (groups[0] if c + 1 < v else None) for c in range(v)]
+
+
+def _zbv_receives(cm: CostModel, costs: list[StageCost], groups: Sequence[NodeGroup], *, dp: int, tp: int,
+                  micro_batch: int) -> list[StageCost]:
+    """Under zbv each stage also pays its side of the boundaries it receives across: chunk 0's
+    from the stage before it, chunk 1's from the stage after it (``costs.with_receives`` for
+    the V)."""
+    out = []
+    for i, cost in enumerate(costs):
+        receive = sum(boundary_s(cm, groups[j], groups[i], dp=dp, tp=tp, micro_batch=micro_batch)
+                      for j in (i - 1, i + 1) if 0 <= j < len(groups))
+        out.append(dataclasses.replace(cost, time_s=cost.time_s + receive, p2p_s=cost.p2p_s + receive))
+    return out
+
+
+def _split_backward(cm: CostModel, cost: StageCost, chunks: Sequence, *, schedule: str, stage: int, pp: int,
+                    micro_batch: int, num_micro_batches: int) -> StageCost:
+    """A zero-bubble stage: its micro-batches stay in flight until their weight gradient
+    (``schedules.in_flight_chunks``), those between I and W also keep the gradients at their
+    weight products' outputs (``schedules.pending_weight_grads`` x the largest virtual
+    stage's ``weight_grad_bytes``, counted with the retained outputs), and the data-parallel
+    reduction runs after the step with nothing to hide behind (``runtime.schedule``)."""
+    v = len(chunks)
+    pending = pending_weight_grads(schedule, stage, pp, num_micro_batches)
+    per_chunk = max(sum(n * weight_grad_bytes(cm, c, micro_batch) for c, n in _choices(cm, chunk)) for chunk in chunks)
+    return dataclasses.replace(cost, in_flight=in_flight_chunks(schedule, stage, pp, v, num_micro_batches),
+                               retained_output=cost.retained_output + pending * per_chunk, overlap_window_s=0.0)
+
+
+def _choices(cm: CostModel, chunk) -> list[tuple[LayerChoice, int]]:
+    if isinstance(chunk, Mapping):
+        return list(chunk.items())
+    return [(choice_of(cm.model, s), 1) for s in chunk]
+
+
+def weight_grad_bytes(cm: CostModel, choice: LayerChoice, micro_batch: int) -> int:
+    """What a layer's weight gradient W needs kept after its input gradient I, besides the
+    activations: the gradient at the output of every product with a weight (torch's
+    ``stage_backward_input`` saves them for ``stage_backward_weight``), in the compute dtype,
+    per micro-batch of t tokens on one rank. A block: the norms' (2 h, split by the sequence
+    under SP), q, k, v and the MLP's first products (split by columns under TP) and the two
+    row-parallel outputs (2 h, whole); the head: its norm and the logits (vocab / tp). The
+    embedding is the first stage's, whose I torch skips (W runs the whole backward)."""
+    role, tp, sp = choice[0], choice[1], choice[2]
+    m = cm.model
+    t = micro_batch * cm.seq_len
+    norm = m.hidden // (tp if sp else 1)
+    if role == "block":
+        up = 2 if m.family == "llama" else 1  # gated MLP: two first products
+        columns = (m.heads + 2 * m.kv_heads) * m.head_dim + up * m.ffn
+        per_token = 2 * norm + columns // tp + 2 * m.hidden
+    elif role == "head":
+        per_token = norm + m.vocab // tp
+    else:
+        per_token = 0
+    return t * per_token * cm.elem
 
 
 def prediction(cm: CostModel, ev: Evaluation, *, devices: Sequence[str], global_batch: int) -> Prediction:

@@ -1,13 +1,17 @@
-"""Interleaved 1F1B candidates: the uniform grid's fastest pipelines with v virtual stages per rank.
+"""Candidates with several stages per rank: the uniform grid's fastest pipelines under the
+interleaved and zero-bubble schedules.
 
 The uniform grid's fastest pipelined candidates that fit (``UniformResult.pipelined``, 16) are
-tried with v = 2 and 4 virtual stages per rank where torch's ``ScheduleInterleaved1F1B`` runs
-them (``schedules.check``) and every virtual stage holds at least one block: the blocks split
-as evenly as possible over the pp * v virtual stages (virtual stage c of stage i is the model's
-(c * pp + i)-th slice), every layer making the candidate's choice, priced by the evaluator
-(``evaluate.evaluate_interleaved``). This is a heuristic, not a proof: the planner keeps the
-fastest when it beats the 1F1B plan and then reports status "feasible", with a lower bound that
-holds for every interleaved plan of the grid's shapes (``bound_us``) as well as for 1F1B.
+tried under interleaved 1F1B and interleaved zero-bubble with v = 2 and 4 virtual stages per
+rank, and under ZB-V (v = 2), where torch's schedule runs them (``schedules.check``), the
+runtime runs their layer choices (``schedules.check_layers``: the zero-bubble schedules take
+ZeRO 0/1 without recomputation) and every virtual stage holds at least one block: the blocks
+split as evenly as possible over the pp * v virtual stages (in the schedule's order: virtual
+stage c of stage i is the model's (c * pp + i)-th slice, under ZB-V the V), every layer making
+the candidate's choice, priced by the evaluator (``evaluate.evaluate_interleaved``). This is a
+heuristic, not a proof: the planner keeps the fastest when it beats the 1F1B plan and then
+reports status "feasible", with a lower bound that holds for every plan of the grid's shapes
+under every schedule (``bound_us``) as well as for 1F1B.
 """
 
 from __future__ import annotations
@@ -18,18 +22,21 @@ from dataclasses import dataclass
 
 from partita.search.costs import CostModel, choice_of
 from partita.search.evaluate import Evaluation, evaluate_interleaved
-from partita.search.schedules import check
+from partita.search.schedules import check, check_layers
 from partita.search.uniform import Layout, SearchSpace, grid, sp_choices, split_blocks, strategy
 
-VIRTUAL_STAGES = (2, 4)
+# The (schedule, virtual stages per rank) pairs tried.
+VARIANTS = (("interleaved-1f1b", 2), ("interleaved-1f1b", 4), ("interleaved-zb", 2), ("interleaved-zb", 4),
+            ("zbv", 2))
 
 
 @dataclass(frozen=True, kw_only=True)
 class InterleavedLayout(Layout):
     """A candidate whose stages' layers (``stage_layers``) form virtual stages of
-    ``chunk_sizes[stage]`` layers each, in order."""
+    ``chunk_sizes[stage]`` layers each, in order, run under ``schedule``."""
 
     chunk_sizes: tuple[tuple[int, ...], ...]
+    schedule: str = "interleaved-1f1b"
 
     @property
     def virtual_stages(self) -> int:
@@ -41,17 +48,27 @@ class InterleavedResult:
     best: InterleavedLayout | None = None
     best_eval: Evaluation | None = None
     evaluated: int = 0
-    bound_us: float = float("inf")  # no interleaved plan of the grid's shapes is faster (seconds x 1e6)
+    bound_us: float = float("inf")  # no plan of the grid's shapes under any schedule is faster (seconds x 1e6)
 
 
-def chunk_names(n_layers: int, pp: int, v: int) -> list[list[list[str]]]:
+def place(schedule: str, g: int, pp: int) -> tuple[int, int]:
+    """(stage, chunk) of the model's g-th slice: torch's stage g is chunk g // pp of stage
+    g % pp, under ZB-V chunk 0 of stage g for the first pp and chunk 1 of stage 2 pp - 1 - g
+    after (``Plan.virtual_stage_index``)."""
+    if schedule == "zbv":
+        return (g, 0) if g < pp else (2 * pp - 1 - g, 1)
+    c, i = divmod(g, pp)
+    return i, c
+
+
+def chunk_names(n_layers: int, pp: int, v: int, schedule: str = "interleaved-1f1b") -> list[list[list[str]]]:
     """[stage][virtual stage] -> layer names, the blocks split evenly over the pp * v virtual
     stages in pipeline order (embedding on the first, head on the last)."""
     counts = split_blocks(n_layers, pp * v)
     out: list[list[list[str]]] = [[[] for _ in range(v)] for _ in range(pp)]
     start = 0
     for g, count in enumerate(counts):
-        c, i = divmod(g, pp)
+        i, c = place(schedule, g, pp)
         names = [f"layers.{j}" for j in range(start, start + count)]
         start += count
         if g == 0:
@@ -69,19 +86,20 @@ def _counts(names: list[str], choice: dict) -> Counter:
 
 def interleaved_search(cm: CostModel, *, global_batch: int, space: SearchSpace, candidates: list,
                        deadline: float | None = None) -> InterleavedResult:
-    """The fastest interleaved variant that fits of the given pipelined uniform candidates
-    (``UniformResult.pipelined``: the grid's fastest, as lazy tuples), and a lower bound on
-    every interleaved plan of the grid's shapes."""
+    """The fastest variant that fits of the given pipelined uniform candidates
+    (``UniformResult.pipelined``: the grid's fastest, as lazy tuples) under the schedules of
+    ``VARIANTS``, and a lower bound on every such plan of the grid's shapes."""
     result = InterleavedResult()
     model = cm.model
     for stage_groups, tp, dp, mb, m in grid(cm, global_batch, space):
         pp = len(stage_groups)
-        if pp < 2 or not any(pp * v <= model.n_layers and not check("interleaved-1f1b", pp, v, m)
-                             for v in VIRTUAL_STAGES):
+        if pp < 2 or not any(pp * v <= model.n_layers and not check(schedule, pp, v, m) for schedule, v in VARIANTS):
             continue
-        # Whatever v and however the layers split, the step is at least m x the busiest rank's
-        # time, so at least m x W / pp, with W the least work of one micro-batch (each layer at
-        # its cheapest choice on the shape's fastest group). Memory is ignored: a valid bound.
+        # Whatever the schedule and v and however the layers split, the step is at least m x
+        # the busiest rank's time (every closed form in ``schedules.closed_form_s`` is at least
+        # m max T, zero-bubble too: their fill and drain add sum T / 3v - max T / 3v >= 0), so
+        # at least m x W / pp, with W the least work of one micro-batch (each layer at its
+        # cheapest choice on the shape's fastest group). Memory is ignored: a valid bound.
         least = 0.0
         for role, name, count in (("embed", "embed", 1), ("block", "layers.0", model.n_layers), ("head", "head", 1)):
             least += count * min(cm.layer_time(role, g, strategy(model, name, tp=tp, sp=sp, zero=z, recompute=rc),
@@ -93,21 +111,24 @@ def interleaved_search(cm: CostModel, *, global_batch: int, space: SearchSpace, 
         if deadline is not None and time.perf_counter() > deadline:
             break
         pp = len(stage_groups)
-        for v in VIRTUAL_STAGES:
-            if pp * v > model.n_layers or check("interleaved-1f1b", pp, v, m):
+        kinds = {n: strategy(model, n, tp=tp, sp=sp, zero=zero, recompute=recompute)
+                 for n in ("embed", "layers.0", "head")}
+        choice = {n: choice_of(model, s) for n, s in kinds.items()}
+        for schedule, v in VARIANTS:
+            if (pp * v > model.n_layers or check(schedule, pp, v, m)
+                    or check_layers(schedule, ((n, s.zero, s.recompute) for n, s in kinds.items()))):
                 continue
-            names = chunk_names(model.n_layers, pp, v)
-            choice = {n: choice_of(model, strategy(model, n, tp=tp, sp=sp, zero=zero, recompute=recompute))
-                      for n in ("embed", "layers.0", "head")}
+            names = chunk_names(model.n_layers, pp, v, schedule)
             counts = [[_counts(chunk, choice) for chunk in stage] for stage in names]
             ev = evaluate_interleaved(cm, list(zip(stage_groups, counts)), dp=dp, tp=tp, micro_batch=mb,
-                                      num_micro_batches=m)
+                                      num_micro_batches=m, schedule=schedule)
             result.evaluated += 1
             if ev.fits and (result.best_eval is None or ev.step_time_s < result.best_eval.step_time_s):
                 layers = tuple(tuple(strategy(model, n, tp=tp, sp=sp, zero=zero, recompute=recompute)
                                      for chunk in stage for n in chunk) for stage in names)
                 result.best = InterleavedLayout(stage_groups=stage_groups, stage_layers=layers, dp=dp, tp=tp,
                                                 micro_batch=mb, num_micro_batches=m,
-                                                chunk_sizes=tuple(tuple(len(c) for c in stage) for stage in names))
+                                                chunk_sizes=tuple(tuple(len(c) for c in stage) for stage in names),
+                                                schedule=schedule)
                 result.best_eval = ev
     return result

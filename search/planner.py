@@ -16,6 +16,7 @@ from partita.profile import Profile
 from partita.search.costs import CostModel
 from partita.search.evaluate import evaluate_plan, prediction
 from partita.search.uniform import (Layout, SearchSpace, UniformResult, batch_shares, device_price, infeasible_error,
+                                    micro_batch_sizes,
                                     uniform_search)
 from partita.units import to_us
 
@@ -54,6 +55,8 @@ class PlanRequest:
     # CP-SAT deterministic time over all shapes; None: DEFAULT_WORK_LIMIT, or time_limit_s if
     # that is larger (a longer limit buys more search).
     work_limit: float | None = None
+    # Stop once the plan is proven within this fraction of the optimum (0: prove it optimal).
+    gap: float = 0.0
     workers: int = 1
     seed: int = 0
     space: SearchSpace = field(default_factory=SearchSpace)
@@ -68,6 +71,8 @@ def check_request(req: PlanRequest) -> None:
         raise PartitaError(f"--search {req.search!r}: choose cpsat or uniform")
     if req.time_limit_s is not None and req.time_limit_s <= 0:
         raise PartitaError(f"--time-limit must be > 0 seconds, got {req.time_limit_s}")
+    if not 0 <= req.gap < 1:
+        raise PartitaError(f"--gap must be a fraction in [0, 1) (e.g. 0.01 for 1 %), got {req.gap:g}")
     if req.work_limit is not None and req.work_limit <= 0:
         raise PartitaError(f"the work limit must be > 0, got {req.work_limit}")
 
@@ -101,23 +106,26 @@ def layout_to_plan(cm: CostModel, layout: Layout, *, global_batch: int, solver: 
                 cost_sources={}, dtype=cm.dtype, seq_len=cm.seq_len, global_batch=global_batch,
                 micro_batch=layout.micro_batch, num_micro_batches=layout.num_micro_batches, dp=layout.dp,
                 tp=layout.tp, pp=layout.pp, stages=tuple(stages), prediction=None, solver=solver,
-                batch_shares=batch_shares(global_batch, layout.dp, layout.micro_batch, layout.num_micro_batches))
+                batch_shares=batch_shares(global_batch, layout.dp, layout.micro_batch, layout.num_micro_batches),
+                micro_batch_sizes=micro_batch_sizes(global_batch, layout.dp, layout.micro_batch,
+                                                    layout.num_micro_batches))
     return attach_prediction(plan, cm)
 
 
 def interleaved_to_plan(cm: CostModel, layout, *, global_batch: int, solver: SolverReport | None) -> Plan:
     """An ``interleaved.InterleavedLayout`` as a plan: each stage's layers virtual stage by
-    virtual stage, with their counts (``Stage.chunks``), under interleaved 1F1B."""
+    virtual stage, with their counts (``Stage.chunks``), under the layout's schedule."""
     plan = layout_to_plan(cm, layout, global_batch=global_batch, solver=None)
     stages = tuple(dataclasses.replace(st, chunks=sizes) for st, sizes in zip(plan.stages, layout.chunk_sizes))
-    return attach_prediction(dataclasses.replace(plan, stages=stages, schedule="interleaved-1f1b", solver=solver), cm)
+    return attach_prediction(dataclasses.replace(plan, stages=stages, schedule=layout.schedule, solver=solver), cm)
 
 
 def _consider_interleaved(cm: CostModel, req: PlanRequest, plan: Plan, uni: UniformResult, deadline: float) -> Plan:
-    """The uniform grid's fastest pipelines under interleaved 1F1B (``search/interleaved.py``):
-    the fastest that fits replaces the 1F1B plan when it is faster. The 1F1B search's proof
-    covers 1F1B plans only, so the plan then reports status "feasible", with the lower of the
-    two searches' bounds."""
+    """The uniform grid's fastest pipelines under interleaved 1F1B, interleaved zero-bubble and
+    ZB-V (``search/interleaved.py``): the fastest that fits replaces the 1F1B plan when it is
+    faster. The 1F1B search's proof covers 1F1B plans only, so the plan then reports status
+    "feasible", with the lower of the two searches' bounds (the post-pass's holds for every
+    schedule it tries)."""
     from partita.search.interleaved import interleaved_search
 
     if req.space.pipeline and max(req.space.pipeline) < 2:

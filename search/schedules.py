@@ -2,11 +2,11 @@
 
 A schedule is an order of actions per rank: F (forward of one micro-batch through one stage),
 B (its whole backward), or, for zero-bubble schedules, I (the backward to the input) and W (to
-the weights). ``simulate`` plays such lists with a duration per stage and action kind, each
-action waiting for the rank's previous one and for its data (a forward for the previous stage's
-forward of that micro-batch, a backward for the next stage's backward, plus a send), and
-returns the step's makespan, each rank's busy time and the most micro-batches whose
-activations each rank holds at once. The action lists are torch's own
+the weights; it can wait, and fills the pipeline's bubble). ``simulate`` plays such lists with
+a duration per stage and action kind, each action waiting for the rank's previous one and for
+its data (a forward for the previous stage's forward of that micro-batch, a backward for the
+next stage's backward, plus a send), and returns the step's makespan, each rank's busy time and
+the most micro-batches whose activations each rank holds at once. The action lists are torch's own
 (``torch.distributed.pipelining``'s schedule classes, through its schedule visualiser), so the
 simulation is of what the runtime executes; ``closed_form_s`` gives the formulas the search
 uses, and the tests compare the two.
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from partita.errors import PartitaError
 
@@ -31,6 +31,14 @@ SCHEDULES = {
     "interleaved-zb": "ScheduleInterleavedZeroBubble",
     "zbv": "ScheduleZBVZeroBubble",
 }
+# The schedules that split a backward into I and W.
+ZERO_BUBBLE = ("interleaved-zb", "zbv")
+# The split the closed forms assume for one micro-batch through one stage: forward F, input
+# gradient I and weight gradient W a third of it each. A matrix product's backward is two
+# products of its size (one for the input gradient, one for the weight's), so backward = 2 x
+# forward and I = W = backward / 2 for layers whose time is their matrix products (Qi et al.,
+# "Zero Bubble Pipeline Parallelism", ICLR 2024, §2: T_F ~ T_B ~ T_W, B the input gradient).
+FORWARD_SHARE = WEIGHT_SHARE = 1 / 3
 
 
 @dataclass(frozen=True)
@@ -57,6 +65,37 @@ def stages_of_rank(schedule: str, rank: int, pp: int, v: int) -> tuple[int, ...]
     if schedule == "zbv":
         return (rank, 2 * pp - 1 - rank)
     return tuple(rank + i * pp for i in range(v))
+
+
+def check_layers(schedule: str, layers: Iterable[tuple[str, int, str]]) -> str | None:
+    """Why the runtime does not run layers given as (name, zero, recompute) under this
+    schedule, or None. The zero-bubble schedules' weight gradients run outside the backward
+    passes that FSDP2 and activation checkpointing hook into (``runtime/schedule.py``):
+
+    * ZeRO 2/3: FSDP2 reduce-scatters (and at 3 reshards) when a micro-batch's backward ends,
+      before its weight gradient exists; the weight pass then finds the resharded parameters
+      (an error at 2, and gradients silently missing at 3 on CPU ranks). ZeRO 0/1 keep their
+      gathered weights and reduce once after the step.
+    * recompute: the input-gradient pass recomputes a checkpointed layer's forward and the
+      weight pass recomputes it again (torch's checkpoint frees the recomputed activations after
+      the first), a third forward no plan prices."""
+    if schedule not in ZERO_BUBBLE:
+        return None
+    layers = list(layers)
+    sharded = [name for name, zero, _ in layers if zero >= 2]
+    if sharded:
+        return (f"schedule {schedule} splits the backward, which FSDP2's ZeRO 2/3 reduce before the weight gradients "
+                f"exist; {_some(sharded)} have zero >= 2: use zero 0 or 1, or interleaved-1f1b")
+    recomputed = [name for name, _, recompute in layers if recompute != "none"]
+    if recomputed:
+        return (f"schedule {schedule} splits the backward, and the weight gradient would recompute a checkpointed "
+                f"layer's forward a second time; {_some(recomputed)} recompute: use recompute none, or "
+                f"interleaved-1f1b")
+    return None
+
+
+def _some(names: list[str]) -> str:
+    return f"{len(names)} layers ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
 
 
 def check(schedule: str, pp: int, v: int, m: int) -> str | None:
@@ -211,29 +250,80 @@ def simulate(actions: Sequence[Sequence[Action]], forward_s: Sequence[float], ba
 
 def closed_form_s(schedule: str, rank_times: Sequence[float], m: int, v: int) -> float:
     """The step the search prices, from each rank's time T_r for one micro-batch through all
-    its stages (forward + backward, sends included):
+    its stages (forward + backward, sends included), M = max T:
 
-    * 1F1B: (m - 1) max T + sum T;
-    * interleaved 1F1B: (m - 1) max T + sum T / v + (1 - 1/v) max T: the warm-up and the drain
+    * 1F1B: (m - 1) M + sum T;
+    * interleaved 1F1B: (m - 1) M + sum T / v + (1 - 1/v) M: the warm-up and the drain
       pass a micro-batch through one virtual stage (T_r / v) per rank instead of a whole rank
       (the bubble shrinks v-fold, Narayanan et al., SC'21, section 2.2.2), and one whole
-      micro-batch still crosses the slowest rank.
+      micro-batch still crosses the slowest rank;
+    * interleaved zero-bubble: (m - 1) M + sum T / 3v + (1 - 1/3v) M: the same with the
+      fill and drain a third as long, one F (or I) of a virtual stage per rank, F = I = W =
+      T / 3v (``FORWARD_SHARE``): the weight gradients fill the rest (torch's ZB1P; on equal
+      ranks its bubble is (pp - 1) max(F, I, F + I - W) whatever m);
+    * ZB-V (two stages per rank, in a V; F = I = W = T / 6): with m >= 2 pp - 1 micro-batches
+      (m - 1) M + sum T / 6 + (5/6) M; with fewer, torch's schedule leaves
+      max(pp - 1, 2 (2 pp - 1 - m)) idle F-slots per rank: m M + that x M / 6.
 
-    Both equal ``simulate`` on torch's action lists when the ranks are equal, and are never
-    below it otherwise (tests/test_schedules.py)."""
+    Each equals ``simulate`` on torch's action lists when the ranks are equal, and is never
+    below it otherwise (tests/test_schedules.py; the short ZB-V form prices every rank at the
+    slowest one's time, and a schedule's makespan only grows with its actions' durations)."""
+    slowest, total = max(rank_times), sum(rank_times)
     if schedule == "1f1b":
-        return (m - 1) * max(rank_times) + sum(rank_times)
+        return (m - 1) * slowest + total
     if schedule == "interleaved-1f1b":
-        return (m - 1) * max(rank_times) + sum(rank_times) / v + (1 - 1 / v) * max(rank_times)
-    raise PartitaError(f"no closed form for {schedule!r} yet")
+        return (m - 1) * slowest + total / v + (1 - 1 / v) * slowest
+    if schedule == "interleaved-zb":
+        part = FORWARD_SHARE / v
+        return (m - 1) * slowest + total * part + (1 - part) * slowest
+    if schedule == "zbv":
+        pp, part = len(rank_times), FORWARD_SHARE / 2
+        if m >= 2 * pp - 1:
+            return (m - 1) * slowest + total * part + (1 - part) * slowest
+        return m * slowest + max(pp - 1, 2 * (2 * pp - 1 - m)) * part * slowest
+    raise PartitaError(f"no closed form for {schedule!r}")
+
+
+def rounds(pp: int, m: int) -> tuple[int, int]:
+    """Torch's interleaved schedules take the micro-batches in rounds: (rounds, micro-batches
+    per round) = (max(1, m // pp), m // rounds)."""
+    n = max(1, m // pp)
+    return n, m // n
 
 
 def in_flight_chunks(schedule: str, rank: int, pp: int, v: int, m: int) -> int:
-    """The most (stage, micro-batch) pairs whose activations rank ``rank`` holds at once: 1F1B
-    min(pp - rank, m) (whole stages); interleaved 1F1B min((v - 1) pp + 2 (pp - rank - 1) + 1,
-    m v), in virtual stages of about 1/v of the rank's layers each (torch's warm-up)."""
+    """The most (stage, micro-batch) pairs whose activations rank ``rank`` holds at once,
+    from a forward until its backward (zero-bubble: until its weight gradient W, which needs
+    them), with k = m // max(1, m // pp) micro-batches per round:
+
+    * 1F1B: min(pp - rank, m) (whole stages);
+    * interleaved 1F1B: min((v - 1) k + 2 (pp - rank - 1) + 1, m v), in virtual stages of
+      about 1/v of the rank's layers each (torch's warm-up, then one more forward);
+    * interleaved zero-bubble: min((v - 1) k + pp, m v): the warm-up is (v - 1) k + pp - 1 -
+      rank forwards, and each W comes ``rank`` backwards after its I (``pending_weight_grads``);
+    * ZB-V: min(m + rank + 1, 2 min(m, pp)): with enough micro-batches 2 pp on every rank."""
+    _, per_round = rounds(pp, m)
     if schedule == "1f1b":
         return min(pp - rank, m)
     if schedule == "interleaved-1f1b":
-        return min((v - 1) * pp + 2 * (pp - rank - 1) + 1, m * v)
-    raise PartitaError(f"no in-flight count for {schedule!r} yet")
+        return min((v - 1) * per_round + 2 * (pp - rank - 1) + 1, m * v)
+    if schedule == "interleaved-zb":
+        return min((v - 1) * per_round + pp, m * v)
+    if schedule == "zbv":
+        return min(m + rank + 1, 2 * min(m, pp))
+    raise PartitaError(f"no in-flight count for {schedule!r}")
+
+
+def pending_weight_grads(schedule: str, rank: int, pp: int, m: int) -> int:
+    """The most (stage, micro-batch) pairs whose input gradient I has run and weight gradient W
+    not yet, on rank ``rank``: each keeps the gradients at the outputs of its stage's weight
+    products for W (torch's ``stage_backward_input`` saves them; its activations are counted
+    in flight). Interleaved zero-bubble: rank + 1 (its W lags its I by ``rank`` backwards);
+    ZB-V: 2 rank + 1 with m >= 2 pp - 1 micro-batches (its drain runs the I of both stages
+    first), and at most that with fewer (torch drops the missing micro-batches' actions from
+    the same order). Schedules without a split backward keep none."""
+    if schedule == "interleaved-zb":
+        return rank + 1
+    if schedule == "zbv":
+        return 2 * rank + 1
+    return 0

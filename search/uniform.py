@@ -2,10 +2,10 @@
 
 Over the whole cluster and, on a mixed cluster, over each node group alone, it tries every
 tensor-parallel degree (inside a node), stage size (dp * tp ranks, stages never straddle
-node groups), hence pipeline degree, micro-batch size, ZeRO level, recomputation on/off and
-sequence parallelism on/off, with blocks split as evenly as the pipeline allows (embedding
-in the first stage, head in the last). It is the CP-SAT search's warm start, fallback and
-yardstick.
+node groups), hence pipeline degree, micro-batch size, ZeRO level, recomputation (none,
+selective or full) and sequence parallelism on/off, with blocks split as evenly as the
+pipeline allows (embedding in the first stage, head in the last). It is the CP-SAT search's
+warm start, fallback and yardstick.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ class SearchSpace:
     """What a search may choose. Defaults are everything the runtime executes."""
 
     zero_levels: tuple[int, ...] = (0, 1, 2, 3)
-    recompute: tuple[bool, ...] = (False, True)
+    recompute: tuple[str, ...] = ("none", "selective", "full")  # blocks' recompute modes (plan.RECOMPUTE)
     sequence_parallel: tuple[bool, ...] = (False, True)
     micro_batches: tuple[int, ...] | None = None  # None: every divisor up to MAX_MICRO_BATCH
     tensor_parallel: tuple[int, ...] | None = None  # None: every degree that fits a node
@@ -84,6 +84,9 @@ class UniformResult:
     balanced: Layout | None = None
     balanced_eval: Evaluation | None = None
     complete: bool = True  # False: the deadline stopped the grid before it had seen every candidate
+    # Candidates not evaluated because their work bound (``work_bound_s``) could not beat the
+    # best plan so far: neither could any split of their blocks or any pipeline schedule.
+    skipped: int = 0
 
     # The fastest pipelined candidates that fit, as (step time, candidate), for the interleaved
     # schedule's search (search/interleaved.py).
@@ -138,11 +141,12 @@ def layer_tp(model: ModelSpec, role: str, tp: int) -> int:
     return tp if model.kinds[role].tp_divides(tp) is None else 1
 
 
-def strategy(model: ModelSpec, name: str, *, tp: int, sp: bool, zero: int, recompute: bool) -> LayerStrategy:
+def strategy(model: ModelSpec, name: str, *, tp: int, sp: bool, zero: int, recompute: str) -> LayerStrategy:
+    """The layer's choices in a uniform candidate; only blocks recompute (``recompute`` is their mode)."""
     role = model.role_of(name)
     t = layer_tp(model, role, tp)
     return LayerStrategy(name=name, tensor_parallel=t, sequence_parallel=sp and t > 1, zero=zero,
-                         recompute=recompute and role == "block")
+                         recompute=recompute if role == "block" else "none")
 
 
 def hosts(group: NodeGroup, stage_size: int, tp: int) -> bool:
@@ -212,9 +216,11 @@ def tp_allowed(model: ModelSpec, tp: int, space: SearchSpace) -> bool:
 def batch_splits(global_batch: int, dp: int, space: SearchSpace) -> list[tuple[int, int]]:
     """(micro-batch size, micro-batch count) pairs that make up the global batch on dp replicas.
     Where no micro-batch size splits the batch evenly over dp replicas, the replicas take shares
-    that differ by one (``batch_shares``) and the count is the largest share: any number of
-    replicas works with any global batch. (Uneven splits are offered only then: where even ones
-    exist they are nearly always as fast, and the search stays the size it was.)"""
+    that differ by one: in micro-batch counts (``batch_shares``; the count is the largest share)
+    or in micro-batch sizes (``micro_batch_sizes``; the size is the largest): any number of
+    replicas works with any global batch, and 1024 sequences go to 80 replicas as one
+    micro-batch of 13 or 12 each. (Uneven splits are offered only then: where even ones exist
+    they are nearly always as fast, and the search stays the size it was.)"""
     if global_batch % dp == 0:
         per_replica = global_batch // dp
         mbs = space.micro_batches or tuple(d for d in divisors(per_replica) if d <= MAX_MICRO_BATCH)
@@ -222,14 +228,37 @@ def batch_splits(global_batch: int, dp: int, space: SearchSpace) -> list[tuple[i
         if even:
             return even
     mbs = space.micro_batches or tuple(d for d in divisors(global_batch) if d <= MAX_MICRO_BATCH)
-    return [(mb, -(-(global_batch // mb) // dp)) for mb in mbs
-            if global_batch % mb == 0 and (global_batch // mb) % dp and global_batch // mb >= dp]
+    out = [(mb, -(-(global_batch // mb) // dp)) for mb in mbs
+           if global_batch % mb == 0 and (global_batch // mb) % dp and global_batch // mb >= dp]
+    for m in divisors(global_batch):
+        rows = global_batch // m  # per micro-batch round, over all replicas
+        mb = -(-rows // dp)
+        if rows >= dp and rows % dp and mb <= MAX_MICRO_BATCH and (not space.micro_batches or mb in space.micro_batches):
+            out.append((mb, m))
+    return sorted(set(out))
+
+
+def micro_batch_sizes(global_batch: int, dp: int, micro_batch: int, num_micro_batches: int) -> tuple[int, ...]:
+    """Each replica's micro-batch size when they differ (``Plan.micro_batch_sizes``): every
+    replica runs ``num_micro_batches``, the rows of each round dealt as evenly as they go, the
+    larger sizes first; () when the split is even or is one of micro-batch counts
+    (``batch_shares``)."""
+    if dp * micro_batch * num_micro_batches == global_batch or global_batch % num_micro_batches:
+        return ()
+    rows = global_batch // num_micro_batches
+    if not dp * (micro_batch - 1) < rows < dp * micro_batch:
+        return ()
+    base, extra = divmod(rows, dp)
+    return tuple(base + 1 if d < extra else base for d in range(dp))
 
 
 def batch_shares(global_batch: int, dp: int, micro_batch: int, num_micro_batches: int) -> tuple[int, ...]:
     """Each replica's micro-batch count when they differ (``Plan.batch_shares``): the global
     batch's micro-batches dealt as evenly as they go, the larger shares first; () when every
-    replica runs ``num_micro_batches``."""
+    replica runs ``num_micro_batches`` (also when the replicas differ in micro-batch size
+    instead, ``micro_batch_sizes``)."""
+    if micro_batch_sizes(global_batch, dp, micro_batch, num_micro_batches):
+        return ()
     total = global_batch // micro_batch
     if total == dp * num_micro_batches:
         return ()
@@ -269,6 +298,11 @@ def uniform_search(cm: CostModel, *, global_batch: int, space: SearchSpace = Sea
                 for sp in sp_choices(cm, tp, space):
                     choice = {role: choice_of(model, strategy(model, role, tp=tp, sp=sp, zero=zero, recompute=recompute))
                               for role in ("embed", "block", "head")}
+                    if result.best_eval is not None and (
+                            work_bound_s(cm, stage_groups, choice, dp=dp, micro_batch=mb, num_micro_batches=m)
+                            >= result.best_eval.step_time_s):
+                        result.skipped += 1
+                        continue
                     ev = evaluate_counts(cm, list(zip(stage_groups, stage_counts(choice, blocks))), dp=dp, tp=tp,
                                          micro_batch=mb, num_micro_batches=m)
                     result.evaluated += 1
@@ -295,6 +329,21 @@ def uniform_search(cm: CostModel, *, global_batch: int, space: SearchSpace = Sea
     result.balanced = _layout(model, *result.balanced) if result.balanced else None
     result.wall_s = time.perf_counter() - start
     return result
+
+
+def work_bound_s(cm: CostModel, stage_groups: Sequence[NodeGroup], choice: dict[str, LayerChoice], *, dp: int,
+                 micro_batch: int, num_micro_batches: int) -> float:
+    """A lower bound on the step of every plan that puts these layer choices on these stages,
+    whatever the split of blocks and whatever the pipeline schedule: each of the pp stages runs
+    all m micro-batches through its layers, so the slowest takes at least m x the layers' time
+    per micro-batch / pp, each layer at its time on the fastest of the stages' groups. (The
+    grid's candidates, the rebalanced splits and the interleaved and zero-bubble variants of a
+    candidate are all such plans; tests/test_search_space.py checks the bound against the
+    evaluator on every candidate of two grids.)"""
+    groups = set(stage_groups)
+    per_mb = sum(n * min(cm.layer_time_of(choice[role], g, dp=dp, micro_batch=micro_batch).total_s for g in groups)
+                 for role, n in (("embed", 1), ("block", cm.model.n_layers), ("head", 1)))
+    return num_micro_batches * per_mb / len(stage_groups)
 
 
 REBALANCED = 8  # multi-stage candidates whose block split is rebalanced
@@ -360,7 +409,7 @@ def stage_counts(choice: dict[str, LayerChoice], blocks: Sequence[int]) -> list[
 
 
 def _layout(model: ModelSpec, stage_groups: tuple[NodeGroup, ...], blocks: Sequence[int], tp: int, dp: int, mb: int,
-            m: int, sp: bool, zero: int, recompute: bool) -> Layout:
+            m: int, sp: bool, zero: int, recompute: str) -> Layout:
     layers = tuple(tuple(strategy(model, n, tp=tp, sp=sp, zero=zero, recompute=recompute) for n in names)
                    for names in stage_layer_names(model, blocks))
     return Layout(stage_groups=stage_groups, stage_layers=layers, dp=dp, tp=tp, micro_batch=mb, num_micro_batches=m)
@@ -383,8 +432,9 @@ def infeasible_error(cm: CostModel, result: UniformResult, global_batch: int,
     state = worst.weights + worst.gathered_weights + worst.gradients + worst.optimizer + worst.reserve
     state_binds = state > worst.capacity
     hints = []  # only what the search did not already try
-    if True not in space.recompute:
-        hints.append("recompute (drop --no-recompute)")
+    if "full" not in space.recompute:
+        hints.append("recompute (drop --no-recompute)" if space.recompute == ("none",)
+                     else "full recompute (--recompute none,selective,full)")
     if 3 not in space.zero_levels:
         hints.append("ZeRO-3 (--zero 0,1,2,3)")
     if space.micro_batches and min(space.micro_batches) > 1:

@@ -147,18 +147,20 @@ def _reference(plan: Plan, cfg, grad_norms: list[float]) -> tuple[list[float], d
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def interleaved(plan: Plan, chunks: list[list[int]]) -> Plan:
-    """``plan`` under the interleaved 1F1B schedule: stage i's ranks run virtual stages of
-    ``chunks[i]`` layers each, virtual stage c of stage i being the (c * pp + i)-th slice of the
-    model in order."""
+def interleaved(plan: Plan, chunks: list[list[int]], schedule: str = "interleaved-1f1b") -> Plan:
+    """``plan`` under a schedule with several stages per rank (interleaved 1F1B by default):
+    stage i's ranks run virtual stages of ``chunks[i]`` layers each, virtual stage c of stage i
+    being the ``virtual_stage_index(i, c)``-th slice of the model in order (c * pp + i; the V
+    under zbv)."""
     layers = plan.layer_strategies()
+    placed = dataclasses.replace(plan, schedule=schedule)
+    order = sorted((placed.virtual_stage_index(i, c), i, c) for i in range(plan.pp) for c in range(len(chunks[i])))
     per: dict[int, list] = {i: [] for i in range(plan.pp)}
     start = 0
-    for c in range(len(chunks[0])):
-        for i in range(plan.pp):
-            per[i].extend(layers[start:start + chunks[i][c]])
-            start += chunks[i][c]
+    for _, i, c in order:  # chunk c of a stage comes after its chunks before c in both orders
+        per[i].extend(layers[start:start + chunks[i][c]])
+        start += chunks[i][c]
     assert start == len(layers), "the chunks must cover the model"
     stages = tuple(dataclasses.replace(s, layers=tuple(per[s.index]), chunks=tuple(chunks[s.index]))
                    for s in plan.stages)
-    return dataclasses.replace(plan, stages=stages, schedule="interleaved-1f1b")
+    return dataclasses.replace(placed, stages=stages)

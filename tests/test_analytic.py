@@ -8,7 +8,8 @@ from partita.devices import get_device
 from partita.errors import PartitaError
 from partita.model import ModelSpec, load_model
 from partita.profile import Profile
-from partita.search.analytic import Shard, activation_bytes, analytic_profile, attention_s, layer_cost, param_bytes
+from partita.search.analytic import (Shard, activation_bytes, analytic_profile, attention_s, forward_matmuls, layer_cost,
+                                     param_bytes)
 
 H100 = get_device("H100")
 TINY_LLAMA = load_model("tiny-llama")  # hidden 64, heads 4, kv_heads 2 (head_dim 16), ffn 128, vocab 256
@@ -48,8 +49,46 @@ def test_llama_block_activations_with_tp_sequence_parallel_and_recompute():
     common = dict(tp=2, micro_batch=2, seq_len=64, dtype="bf16")
     assert activation_bytes(kind, **common, sequence_parallel=True) == expected == 157184
     # Full recompute keeps the block's input only: [128, 64] bf16, split over 2 ranks with SP.
-    assert activation_bytes(kind, **common, recompute=True) == 128 * 64 * 2
-    assert activation_bytes(kind, **common, recompute=True, sequence_parallel=True) == 128 * 64
+    assert activation_bytes(kind, **common, recompute="full") == 128 * 64 * 2
+    assert activation_bytes(kind, **common, recompute="full", sequence_parallel=True) == 128 * 64
+    # Selective keeps the input and the matrix products' outputs but w2's (t = 128 tokens, per
+    # rank 2 query heads and 1 kv head of 16, ffn 64): q, k, v; wo's [t, h] partial sum, whole
+    # under SP; w1 and w3.
+    products = 128 * (32 + 16 + 16) * 2 + 128 * 64 * 2 + 2 * 128 * 64 * 2
+    assert activation_bytes(kind, **common, recompute="selective") == 128 * 64 * 2 + products
+    assert activation_bytes(kind, **common, recompute="selective", sequence_parallel=True) == 128 * 64 + products
+
+
+def test_selective_recomputation_keeps_between_none_and_full_and_drops_the_attention_core():
+    """Korthikanti et al. 2022 drop the attention core's a*s^2 terms; with fused attention
+    there are none, and selective drops the norms, rotary, SDPA's saved tensors and the MLP's
+    activation instead: less than none keeps, more than full."""
+    for model, tp in ((TINY_LLAMA, 1), (TINY_LLAMA, 2), (TINY_GPT2, 1), (TINY_GPT2, 2)):
+        kind = model.kinds["block"]
+        for sp in (False, True) if tp > 1 else (False,):
+            kept = {mode: activation_bytes(kind, tp=tp, micro_batch=2, seq_len=64, dtype="bf16", sequence_parallel=sp,
+                                           recompute=mode) for mode in ("none", "selective", "full")}
+            assert kept["full"] < kept["selective"] < kept["none"], (model.name, tp, sp, kept)
+    with pytest.raises(PartitaError, match="decoder blocks"):
+        activation_bytes(TINY_LLAMA.kinds["head"], tp=1, micro_batch=1, seq_len=64, dtype="bf16", recompute="selective")
+    with pytest.raises(PartitaError, match="recompute must be one of"):
+        activation_bytes(TINY_LLAMA.kinds["block"], tp=1, micro_batch=1, seq_len=64, dtype="bf16", recompute=True)
+
+
+def test_selective_recomputation_repeats_the_forward_but_its_products():
+    from partita.devices import get_device
+    from partita.search.analytic import (Shard, forward_elementwise, forward_time_s, matmul_time_s,
+                                         selective_recompute_time_s)
+    from partita.search.roofline import memory_time_s
+
+    dev = get_device("H100")
+    kind = load_model("llama-2-7b").kinds["block"]
+    sh = Shard.of(kind, tp=1, micro_batch=1, seq_len=4096, dtype="bf16")
+    forward = forward_time_s(kind, dev, sh, "bf16")
+    products = sum(matmul_time_s(dev, m, n, k, "bf16") for _, m, n, k in forward_matmuls(kind, sh))
+    final_add = memory_time_s(dev, forward_elementwise(kind, sh)[-1][1])
+    assert selective_recompute_time_s(kind, dev, sh, "bf16") == pytest.approx(forward - products - final_add)
+    assert 0 < selective_recompute_time_s(kind, dev, sh, "bf16") < 0.3 * forward  # attention + elementwise
 
 
 def test_gpt2_block_embed_and_head_activations_by_hand():
@@ -119,6 +158,39 @@ def test_activation_bytes_match_what_autograd_saves_on_cpu(spec, dtype, tp):
                 F.cross_entropy(out.float().view(-1, out.shape[-1]), targets)
         expected = activation_bytes(spec.kinds[role], tp=tp, micro_batch=batch, seq_len=seq, dtype=dtype, on_cpu=True)
         assert sum(saved.values()) == expected, role
+
+
+@pytest.mark.parametrize("spec", [TINY_LLAMA, TINY_GPT2, MHA_LLAMA], ids=lambda s: s.name)
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_activation_bytes_match_what_the_runtimes_recomputation_keeps(spec, tp, recompute):
+    """A block wrapped as the runtime wraps it (``apply_recompute``: torch's checkpoint, with the
+    selective policy's cache of product outputs) keeps, after its forward, what
+    ``activation_bytes`` counts, to the byte: the storages torch's memory tracker sees alive,
+    less the block's output (fp32, where the block's input is among what every mode keeps)."""
+    torch = pytest.importorskip("torch")
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from partita.plan import LayerStrategy, Stage
+    from partita.runtime import models
+    from partita.runtime.parallelize import apply_recompute
+
+    batch, seq = 3, 16
+    holder = torch.nn.Module()
+    holder.layers = torch.nn.ModuleDict({"0": models.build_layer(spec, "block", tp=tp, device="cpu")})
+    models.init_layer(holder.layers["0"], "layers.0", seed=0, n_layers=spec.n_layers)
+    apply_recompute(holder, Stage(index=0, group="cpu", device="cpu", ranks=(0,),
+                                  layers=(LayerStrategy(name="layers.0", recompute=recompute),)))
+    tracker = MemTracker()
+    tracker.track_external(holder)
+    with tracker:
+        x = torch.randn(batch, seq, spec.hidden).requires_grad_()
+        y = holder.layers["0"](x)
+        current = next(iter(tracker.get_tracker_snapshot("current").values()))
+        alive = sum(v for k, v in current.items() if getattr(k, "value", str(k)) == "Activation")
+        y.sum().backward()  # the recomputation runs: the cache matches the forward
+    assert alive - y.untyped_storage().nbytes() == activation_bytes(
+        spec.kinds["block"], tp=tp, micro_batch=batch, seq_len=seq, dtype="fp32", recompute=recompute, on_cpu=True)
 
 
 # ---- time -----------------------------------------------------------------------------------

@@ -82,6 +82,8 @@ CASES = [
     (["plan", *TINY, "--search", "greedy"], 2, "invalid choice"),
     (["plan", *TINY, "--search", "uniform", "--workers", "2"], 2, "--search uniform does not run"),
     (["plan", *TINY, "--time-limit", "0"], 2, "must be > 0"),
+    (["plan", *TINY, "--gap", "100"], 2, "below 100"),
+    (["plan", *TINY, "--gap", "tight"], 2, "expected a percentage"),
     (["plan", *TINY, "--dtype", "int8"], 2, "invalid choice"),
     (["plan", *TINY, "--dtype", "bf16"], 2, "CPU ranks train in fp32"),
     (["plan", "--model", "tiny-llama", "--cluster", "8xV100-32GB", "--dtype", "bf16"], 2, "has no bf16"),

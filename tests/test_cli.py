@@ -79,8 +79,25 @@ def test_plan_flags_pin_the_space(tmp_path):
     data = yaml.safe_load(out.read_text())
     assert (data["tp"], data["pp"]) == (8, 2)
     layers = [l for s in data["stages"] for l in s["layers"]]
-    assert all(not l["recompute"] for l in layers)
+    assert all(l["recompute"] == "none" for l in layers)
     assert all(l["zero"] == 1 for l in layers) or data["dp"] == 1
+
+
+def test_recompute_modes_are_searched_and_shown(tmp_path, capsys):
+    """Where memory binds, blocks recompute selectively (the products' outputs kept), and the
+    summary says so; --recompute limits the modes, and --no-recompute cannot disagree with it."""
+    out = tmp_path / "p.yaml"
+    assert main(["plan", "--model", "llama-2-13b", "--cluster", "1x8xA100-40GB", "--seq-len", "4096",
+                 "--recompute", "none,selective", "-o", str(out)]) == 0
+    assert "selective recompute" in capsys.readouterr().out
+    modes = [l["recompute"] for s in yaml.safe_load(out.read_text())["stages"] for l in s["layers"]]
+    assert set(modes) <= {"none", "selective"} and "selective" in modes
+    assert main(["plan", "--model", "tiny-llama", "--cluster", "2xcpu", "--no-recompute", "--recompute", "selective",
+                 "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "--no-recompute and --recompute selective disagree" in err
+    r = run("plan", "--model", "tiny-llama", "--cluster", "2xcpu", "--recompute", "partial", "-o", str(out))
+    assert r.returncode == 2 and "expected some of none,selective,full" in r.stderr
 
 
 def test_check_refuses_a_hand_edited_tp_that_does_not_divide(tmp_path):

@@ -125,6 +125,9 @@ def test_no_plan_fits_names_the_binding_limit(capsys):
                  "--zero", "0,1", "--no-recompute"]) == 3
     err = capsys.readouterr().err
     assert "ZeRO-3 (--zero 0,1,2,3)" in err and "recompute (drop --no-recompute)" in err
+    assert main(["plan", "--model", "llama-2-70b", "--cluster", "8xA100-80GB", "--search", "uniform",
+                 "--recompute", "none,selective"]) == 3
+    assert "full recompute (--recompute none,selective,full)" in capsys.readouterr().err
 
 
 def test_cpu_oversubscription_is_a_warning_line(tmp_path, monkeypatch, capsys):

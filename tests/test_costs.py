@@ -143,7 +143,7 @@ def test_recompute_trades_time_for_memory_and_in_flight_scales_activations():
     cm = CostModel(model, cluster, seq_len=4096)
     g = cluster.groups[0]
     plain = LayerStrategy(name="layers.0", tensor_parallel=8)
-    rc = LayerStrategy(name="layers.0", tensor_parallel=8, recompute=True)
+    rc = LayerStrategy(name="layers.0", tensor_parallel=8, recompute="full")
     assert cm.layer_time("block", g, rc, dp=1, micro_batch=1).total_s > cm.layer_time("block", g, plain, dp=1, micro_batch=1).total_s
     m_plain = cm.layer_memory("block", "H100", plain, dp=1, micro_batch=1, num_micro_batches=1)
     m_rc = cm.layer_memory("block", "H100", rc, dp=1, micro_batch=1, num_micro_batches=1)
@@ -162,6 +162,40 @@ def test_recompute_trades_time_for_memory_and_in_flight_scales_activations():
     assert ev.stages[1].activations == 1 * per_mb[1] + 1 * 4096 * model.vocab * 2
     # the schedule's receive buffers: one per micro-batch, gradients on stage 0, activations on stage 1
     assert ev.stages[0].pipeline_buffers == ev.stages[1].pipeline_buffers == 4 * act_msg
+
+
+def test_selective_recompute_lies_between_none_and_full_in_memory_and_time():
+    """Selective keeps the matrix products' outputs and recomputes the rest: fewer bytes kept
+    than none, more than full; a backward longer than none's by the forward's non-product work
+    and its collectives but w2's reduction, shorter than full's."""
+    model = load_model("llama-2-70b")
+    cluster = parse_short("8xH100")
+    cm = CostModel(model, cluster, seq_len=4096)
+    g = cluster.groups[0]
+    for tp, sp in ((1, False), (8, False), (8, True)):
+        s = {mode: LayerStrategy(name="layers.0", tensor_parallel=tp, sequence_parallel=sp, recompute=mode)
+             for mode in ("none", "selective", "full")}
+        mem = {mode: cm.layer_memory("block", "H100", s[mode], dp=1, micro_batch=1, num_micro_batches=4)
+               for mode in s}
+        t = {mode: cm.layer_time("block", g, s[mode], dp=1, micro_batch=1) for mode in s}
+        assert mem["full"].activations < mem["selective"].activations < mem["none"].activations
+        assert t["none"].backward_s < t["selective"].backward_s < t["full"].backward_s
+        assert t["none"].forward_s == t["selective"].forward_s == t["full"].forward_s
+        selective = cm.recompute_s("block", "H100", tp, 1, "selective")
+        assert t["selective"].compute_s == pytest.approx(t["none"].compute_s + selective)
+        assert 0 < selective < cm.recompute_s("block", "H100", tp, 1, "full")
+        # the collectives repeated: the forward's, but w2's reduction (the recomputation stops before it)
+        act = 4096 * model.hidden * 2
+        link = cm.tp_link(g, tp)
+        reduction = cm.collective_s("reduce_scatter" if sp else "all_reduce", act, tp, link, "H100")
+        forward_tp = t["none"].tp_comm_s / 2  # a block's TP collectives: as many in backward as in forward
+        assert t["selective"].tp_comm_s == pytest.approx(t["none"].tp_comm_s + forward_tp - reduction)
+        assert t["full"].tp_comm_s == pytest.approx(t["none"].tp_comm_s + forward_tp)
+    # bytes by hand at tp 8 with SP: the input's 1/8, q (8 heads), k and v (1 kv head each),
+    # wo's [t, h] partial sum, w1 and w3 (ffn/8 each), bf16
+    t_ = 4096
+    by_hand = 2 * (t_ * model.hidden // 8 + t_ * (8 + 1 + 1) * 128 + t_ * model.hidden + 2 * t_ * model.ffn // 8)
+    assert mem["selective"].activations == round_up_to_grain(by_hand)
 
 
 def test_a_send_between_groups_goes_at_the_slower_side_and_the_link_between_them():

@@ -41,7 +41,7 @@ def _expressible_uneven(path):
     """The mixed plan made expressible by Megatron (one setting for all layers), its uneven split kept."""
     p = Plan.load(path)
     model = load_model("llama-3-8b")
-    return uniform(p, model, sequence_parallel=p.tp > 1, zero=1, recompute=lambda s, b: False), model
+    return uniform(p, model, sequence_parallel=p.tp > 1, zero=1, recompute=lambda s, b: "none"), model
 
 
 def test_megatron_keeps_an_uneven_split_exactly(plans):
@@ -89,12 +89,51 @@ def test_megatron_arguments_are_flags_megatron_declares(plans, tmp_path):
                 "--pipeline-model-parallel-size", "--sequence-parallel", "--micro-batch-size", "--global-batch-size",
                 "--bf16", "--fp16", "--use-distributed-optimizer", "--use-megatron-fsdp",
                 "--data-parallel-sharding-strategy", "--ckpt-format", "--recompute-granularity", "--recompute-method",
-                "--recompute-num-layers", "--pipeline-model-parallel-layout"}
+                "--recompute-num-layers", "--recompute-modules", "--pipeline-model-parallel-layout"}
     assert flags <= declared
     p = Plan.load(plans["dense"])
     value = lambda flag: argv[argv.index(flag) + 1]  # noqa: E731
     assert value("--tensor-model-parallel-size") == str(p.tp) and value("--pipeline-model-parallel-size") == str(p.pp)
     assert value("--micro-batch-size") == str(p.micro_batch) and value("--global-batch-size") == str(p.global_batch)
+
+
+def _selective(path, zero: int):
+    """The plan with every block selectively recomputed, one SP setting and ZeRO level for all."""
+    p = Plan.load(path)
+    return uniform(p, load_model("llama-3-8b"), sequence_parallel=p.tp > 1, zero=zero,
+                   recompute=lambda s, b: "selective")
+
+
+def test_selective_recomputation_exports_to_megatron_and_torchtitan_and_the_closest_to_deepspeed(
+        plans, tmp_path, monkeypatch, capsys):
+    model = load_model("llama-3-8b")
+    ex = export_plan(_selective(plans["dense"], zero=1), "megatron")
+    assert ex.changes == ()
+    args = arguments(ex.exported, model)
+    at = args.index("--recompute-granularity")
+    # TransformerConfig.recompute_modules (nargs "+"): the attention core and the norms; no
+    # --recompute-method or --recompute-num-layers with selective (Megatron's validate_args)
+    assert args[at:at + 5] == ["--recompute-granularity", "selective", "--recompute-modules", "core_attn", "layernorm"]
+    assert "--recompute-method" not in args and "--recompute-num-layers" not in args
+    assert "--recompute-modules core_attn layernorm" in ex.text.splitlines()
+    assert any("selective recomputation is priced as Partita's" in n for n in ex.notes)
+
+    path = tmp_path / "selective.yaml"
+    _selective(plans["dense"], zero=0).save(path)
+    out = tmp_path / "job.toml"
+    assert main(["export", str(path), "--to", "torchtitan", "-o", str(out)]) == 0
+    assert "expresses the plan exactly" in capsys.readouterr().out
+    ac = tomllib.loads(out.read_text())["activation_checkpoint"]
+    assert ac == {"mode": "selective", "selective_ac_option": "op"}
+    if importlib.util.find_spec("torchtitan") is not None:
+        cfg = _torchtitan_config_manager(monkeypatch).ConfigManager().parse_args(["--job.config_file", str(out)])
+        assert (cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option) == ("selective", "op")
+
+    # DeepSpeed recomputes whole blocks or nothing: the closest plan, and the change said
+    assert main(["export", str(path), "--to", "deepspeed", "-o", str(tmp_path / "ds.json")]) == 0
+    text = capsys.readouterr().out
+    assert "cannot express" in text
+    assert re.search(r"recompute: none on 2, selective on 32 -> (none|full) on", text), text
 
 
 def _torchtitan_config_manager(monkeypatch):
@@ -228,3 +267,42 @@ def test_an_interleaved_plan_exports_its_virtual_stages(plans, tmp_path, capsys,
     ex = export_plan(p, "deepspeed")
     assert ex.exported.virtual_stages == 1 and blocks_per_stage(ex.exported) == [16, 16]
     assert model.n_layers == 32
+
+
+def test_zero_bubble_plans_export_to_each_targets_nearest_schedule(plans, tmp_path, capsys):
+    """torchtitan runs both zero-bubble schedules by torch's names for them; Megatron has none:
+    interleaved zero-bubble exports as interleaved 1F1B on the same virtual stages, ZB-V as 1F1B
+    with the same blocks per stage, and the change list says so."""
+    p = dataclasses.replace(_interleaved(plans["dense"]), schedule="interleaved-zb")
+    assert export_plan(p, "torchtitan").exported.schedule == "interleaved-zb"
+    path = tmp_path / "izb.yaml"
+    p.save(path)
+    assert main(["export", str(path), "--to", "torchtitan", "-o", str(tmp_path / "t.toml")]) == 0
+    assert tomllib.loads((tmp_path / "t.toml").read_text())["parallelism"]["pipeline_parallel_schedule"] == \
+        "InterleavedZeroBubble"
+    ex = export_plan(p, "megatron")
+    assert ex.exported.schedule == "interleaved-1f1b" and ex.exported.virtual_stages == 2
+    assert any("schedule interleaved-zb" in c and "-> interleaved-1f1b" in c for c in ex.changes)
+    # ZB-V: the same layers as a V over the ranks (stage 0 holds the first and the last chunk).
+    v = _as_schedule(p, "zbv")
+    assert v.stages[0].layers[0].name == "embed" and v.stages[0].layers[-1].name == "head"
+    assert "ZBVZeroBubble" in export_plan(v, "torchtitan").text
+    ex = export_plan(v, "megatron")
+    assert ex.exported.schedule == "1f1b" and ex.exported.virtual_stages == 1
+    assert blocks_per_stage(ex.exported) == blocks_per_stage(v)
+
+
+def _as_schedule(p, schedule):
+    """``p``'s layers, in the model's order, dealt to the virtual stages as ``schedule`` places
+    them (each stage keeping its chunk sizes' order of virtual stages)."""
+    placed = dataclasses.replace(p, schedule=schedule, prediction=None)
+    layers = p.layer_strategies()
+    sizes = {placed.virtual_stage_index(s.index, c): n for s in p.stages for c, n in enumerate(s.chunks)}
+    start, chunk_layers = 0, {}
+    for k in sorted(sizes):
+        chunk_layers[k] = layers[start:start + sizes[k]]
+        start += sizes[k]
+    stages = tuple(dataclasses.replace(s, layers=tuple(l for c in range(len(s.chunks))
+                                                       for l in chunk_layers[placed.virtual_stage_index(s.index, c)]))
+                   for s in p.stages)
+    return dataclasses.replace(placed, stages=stages)

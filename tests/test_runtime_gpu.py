@@ -30,7 +30,7 @@ def test_bf16_run_on_two_gpus_tracks_the_fp32_reference(tmp_path, layout):
     plan = {
         "tp-sp": lambda: make_plan(tp=2, layer=dict(tensor_parallel=2, sequence_parallel=True), cluster=cluster,
                                    dtype="bf16", seq_len=64),
-        "fsdp": lambda: make_plan(dp=2, layer=dict(zero=3, recompute=True), cluster=cluster, dtype="bf16", seq_len=64),
+        "fsdp": lambda: make_plan(dp=2, layer=dict(zero=3, recompute="full"), cluster=cluster, dtype="bf16", seq_len=64),
         "pp": lambda: make_plan(pp=2, boundaries=[2], num_micro_batches=4, cluster=cluster, dtype="bf16", seq_len=64),
     }[layout]()
     path = tmp_path / "plan.yaml"

@@ -392,7 +392,7 @@ def test_resume_under_another_plan_reshards_the_checkpoint(tmp_path):
     """torch.distributed.checkpoint reshards: a run saved as dp 2 x ZeRO-3 with recomputation
     continues as pp 2 x tp 2 with sequence parallelism (same global batch), on the same losses."""
     small = dataclasses.replace(BUILTIN["tiny-llama"], name="tiny-llama-4", n_layers=4)
-    saved_as = make_plan(small, dp=2, layer=dict(zero=3, recompute=True))
+    saved_as = make_plan(small, dp=2, layer=dict(zero=3, recompute="full"))
     resumed_as = make_plan(small, pp=2, tp=2, boundaries=[1], num_micro_batches=4,
                            layer=dict(tensor_parallel=2, sequence_parallel=True))
     assert saved_as.global_batch == resumed_as.global_batch

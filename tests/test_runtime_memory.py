@@ -1,9 +1,9 @@
 """The memory contract: what each rank holds during a step, measured with torch's memory
 trackers on CPU ranks (``partita.runtime.memory``), against the plan's predicted breakdown.
 
-For every strategy the runtime tests train (DP, ZeRO 0-3, TP, TP+SP, recompute, uneven
-pipeline, PP+TP, PP+FSDP, the mixed plans, and a bf16 plan), each rank's tracked peak (reserve
-excluded: the CUDA context and allocator caching are not tensors) is within 10 % of the
+For every strategy the runtime tests train (DP, ZeRO 0-3, TP, TP+SP, full and selective
+recompute, uneven pipeline, PP+TP, PP+FSDP, the mixed plans, and a bf16 plan), each rank's
+tracked peak (reserve excluded: the CUDA context and allocator caching are not tensors) is within 10 % of the
 prediction for its stage. The plan also names the moment of the peak (a layer's forward or
 backward, ``StageMemory.peak_at``); at that moment the tracker's bytes are within 10 % of the
 plan's, category by category. (Compared at the tracker's own peak instead, the categories would
@@ -66,7 +66,7 @@ def test_each_ranks_tracked_memory_is_the_plans_prediction(name):
         assert moment in measured["moments"], f"rank {rank}: no layer {moment!r} in {sorted(measured['moments'])}"
         want, got = dict(want), dict(measured["moments"][moment])
         layers = plan.stage_of_rank(rank).layers
-        if any(l.recompute for l in layers) or any(l.zero >= 2 for l in layers):
+        if any(l.recompute != "none" for l in layers) or any(l.zero >= 2 for l in layers):
             # MemTracker labels a recomputed layer's activations as activations, FSDPMemTracker
             # (checkpointing sits inside the FSDP unit) as temporaries; the plan counts them as
             # transient. Compared together. With ZeRO 2/3 layers, which instant of a layer's

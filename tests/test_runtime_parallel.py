@@ -25,11 +25,11 @@ SMALL = dataclasses.replace(BUILTIN["tiny-llama"], name="tiny-llama-4", n_layers
 # The mixed plan: every per-layer choice, neighbours differing, on dp 2 x tp 2.
 MIXED = {
     "embed": dict(tensor_parallel=2, sequence_parallel=True, zero=1),
-    "layers.0": dict(tensor_parallel=2, sequence_parallel=True, zero=3, recompute=True),
+    "layers.0": dict(tensor_parallel=2, sequence_parallel=True, zero=3, recompute="full"),
     "layers.1": dict(tensor_parallel=1, zero=0),
     "layers.2": dict(tensor_parallel=2, sequence_parallel=True, zero=2),
-    "layers.3": dict(tensor_parallel=2, zero=1, recompute=True),
-    "layers.4": dict(tensor_parallel=1, zero=3, recompute=True),
+    "layers.3": dict(tensor_parallel=2, zero=1, recompute="full"),
+    "layers.4": dict(tensor_parallel=1, zero=3, recompute="full"),
     "layers.5": dict(tensor_parallel=2, sequence_parallel=True, zero=0),
     "head": dict(tensor_parallel=2, sequence_parallel=True, zero=2),
 }
@@ -42,17 +42,28 @@ PLANS = {
     "fsdp-zero3": make_plan(SMALL, dp=2, layer=dict(zero=3)),
     "tp": make_plan(SMALL, tp=2, layer=TP2),
     "tp-sp": make_plan(SMALL, tp=2, layer=dict(TP2, sequence_parallel=True)),
-    "recompute": make_plan(SMALL, dp=2, layer=dict(zero=3, recompute=True)),
+    "recompute": make_plan(SMALL, dp=2, layer=dict(zero=3, recompute="full")),
     "pp-uneven": make_plan(SMALL, pp=2, boundaries=[1], num_micro_batches=4),
     "pp-tp": make_plan(SMALL, pp=2, tp=2, boundaries=[3], layer=dict(TP2, sequence_parallel=True), num_micro_batches=3,
-                       per_layer={"layers.2": dict(TP2, sequence_parallel=True, recompute=True)}),
+                       per_layer={"layers.2": dict(TP2, sequence_parallel=True, recompute="full")}),
     "pp-fsdp": make_plan(SMALL, pp=2, dp=2, boundaries=[3], num_micro_batches=3,
-                         layer=dict(zero=3), per_layer={"layers.1": dict(zero=1), "layers.3": dict(zero=3, recompute=True),
+                         layer=dict(zero=3), per_layer={"layers.1": dict(zero=1), "layers.3": dict(zero=3, recompute="full"),
                                                         "head": dict(zero=2)}),
     "mixed": make_plan(dp=2, tp=2, per_layer=MIXED),
+    # Selective recomputation (the matrix products' outputs kept, the rest recomputed: the
+    # sequence-parallel all-gathers and the TP reductions among it) under DP x TP+SP with FSDP2,
+    # a block without SP beside the others; at ZeRO-3; and across a pipeline beside a block that
+    # keeps everything.
+    "selective": make_plan(SMALL, dp=2, tp=2, layer=dict(TP2, sequence_parallel=True, zero=1, recompute="selective"),
+                           per_layer={"layers.2": dict(TP2, zero=1, recompute="selective")}),
+    "selective-zero3": make_plan(SMALL, dp=2, tp=2, layer=dict(TP2, sequence_parallel=True, zero=3,
+                                                               recompute="selective"),
+                                 per_layer={"layers.2": dict(TP2, zero=3, recompute="selective")}),
+    "pp-selective": make_plan(SMALL, pp=2, boundaries=[2], num_micro_batches=3, layer=dict(recompute="selective"),
+                              per_layer={"layers.3": dict(recompute="none")}),
     "gpt2-mixed": make_plan("tiny-gpt2", dp=2, tp=2, per_layer={
         "embed": dict(tensor_parallel=2, sequence_parallel=True, zero=3),
-        "layers.0": dict(tensor_parallel=2, sequence_parallel=True, zero=2, recompute=True),
+        "layers.0": dict(tensor_parallel=2, sequence_parallel=True, zero=2, recompute="full"),
         "layers.1": dict(tensor_parallel=1, zero=0),
         "layers.2": dict(tensor_parallel=2, zero=1),
         "layers.3": dict(tensor_parallel=2, sequence_parallel=True, zero=3),
@@ -106,7 +117,7 @@ def run_reference_names(plan):
 @pytest.mark.parametrize("plan", [
     interleaved(make_plan(SMALL, pp=2, num_micro_batches=4), [[2, 1], [1, 2]]),
     interleaved(make_plan(SMALL, pp=2, dp=2, num_micro_batches=2, layer=dict(zero=3),
-                          per_layer={"layers.1": dict(zero=1), "layers.2": dict(zero=2, recompute=True)}),
+                          per_layer={"layers.1": dict(zero=1), "layers.2": dict(zero=2, recompute="full")}),
                 [[2, 1], [1, 2]]),
     interleaved(make_plan(SMALL, pp=2, tp=2, num_micro_batches=4, layer=dict(TP2, sequence_parallel=True)),
                 [[2, 1], [1, 2]]),
@@ -170,7 +181,7 @@ def test_zero_levels_shard_and_reshard_as_planned():
 @pytest.mark.parametrize("plan", [
     make_plan(SMALL, pp=2, boundaries=[1], dtype="bf16"),
     make_plan(SMALL, pp=2, dp=2, boundaries=[2], layer=dict(zero=1), dtype="bf16"),
-    make_plan(SMALL, dp=2, layer=dict(zero=3, recompute=True), dtype="fp16"),
+    make_plan(SMALL, dp=2, layer=dict(zero=3, recompute="full"), dtype="fp16"),
     make_plan(SMALL, pp=2, boundaries=[2], num_micro_batches=3, dtype="fp16"),
 ], ids=["bf16-pp", "bf16-pp-fsdp", "fp16-fsdp", "fp16-pp"])
 def test_mixed_precision_tracks_fp32(plan, tmp_path):

@@ -36,6 +36,12 @@ def with_shares(plan: Plan, shares: list[int]) -> Plan:
                                global_batch=plan.micro_batch * sum(shares))
 
 
+def with_sizes(plan: Plan, sizes: list[int]) -> Plan:
+    """``plan`` with replica d running ``num_micro_batches`` micro-batches of ``sizes[d]`` rows."""
+    return dataclasses.replace(plan, micro_batch_sizes=tuple(sizes), micro_batch=max(sizes),
+                               global_batch=plan.num_micro_batches * sum(sizes))
+
+
 def validate(plan: Plan) -> None:
     validate_plan(plan, BUILTIN[plan.model["name"]] if plan.model["name"] in BUILTIN else SMALL,
                   parse_short("4xcpu"))
@@ -49,6 +55,14 @@ SHARED = {
     "pp2-dp2-3:2": with_shares(make_plan(SMALL, pp=2, dp=2, boundaries=[2], **ZERO01), [3, 2]),
     "tied-pp2-dp2-2:3": with_shares(make_plan("tiny-gpt2", pp=2, dp=2, boundaries=[1], layer=dict(zero=1)), [2, 3]),
     "pp2-v2-dp2-4:2": with_shares(interleaved(make_plan(SMALL, pp=2, dp=2, **ZERO01), [[2, 1], [1, 2]]), [4, 2]),
+    # Replicas of different micro-batch sizes run the same count: every ZeRO level works.
+    "sizes-dp2-3:1": with_sizes(make_plan(SMALL, dp=2, num_micro_batches=2, layer=dict(zero=3),
+                                          per_layer={"layers.1": dict(zero=2), "head": dict(zero=0)}), [3, 1]),
+    "sizes-dp3-2:1:1": with_sizes(make_plan(SMALL, dp=3, num_micro_batches=1, **ZERO01), [2, 1, 1]),
+    "sizes-pp2-dp2-2:1": with_sizes(make_plan(SMALL, pp=2, dp=2, boundaries=[2], num_micro_batches=2,
+                                              layer=dict(zero=3), per_layer={"head": dict(zero=1)}), [2, 1]),
+    "sizes-dp2-tp2-1:2": with_sizes(make_plan(SMALL, dp=2, tp=2, num_micro_batches=2,
+                                              layer=dict(tensor_parallel=2, sequence_parallel=True, zero=2)), [1, 2]),
 }
 
 
@@ -127,6 +141,30 @@ def test_validator_refuses_bad_shares(plan, message):
         validate(plan)
 
 
+def test_sizes_round_trip_and_are_absent_by_default():
+    plan = SHARED["sizes-dp3-2:1:1"]
+    data = yaml.safe_load(yaml.safe_dump(plan.to_dict()))
+    assert data["micro_batch_sizes"] == [2, 1, 1] and "batch_shares" not in data
+    assert Plan.from_dict(data) == plan
+    assert [plan.replica_rows(d) for d in range(3)] == [slice(0, 2), slice(2, 3), slice(3, 4)]
+    assert "micro_batch_sizes" not in make_plan(SMALL, dp=2).to_dict()
+    with pytest.raises(PartitaError, match="micro_batch_sizes must be a non-empty list of micro-batch sizes >= 1"):
+        Plan.from_dict(data | {"micro_batch_sizes": [2, 0, 1]})
+
+
+@pytest.mark.parametrize("plan,message", [
+    (dataclasses.replace(SHARED["sizes-dp2-3:1"], micro_batch_sizes=(3, 1, 1)),
+     r"micro_batch_sizes \[3, 1, 1\] lists 3 replicas, but dp is 2"),
+    (dataclasses.replace(SHARED["sizes-dp2-3:1"], micro_batch=4),
+     r"micro_batch 4 must be the largest of micro_batch_sizes \[3, 1\] \(3\)"),
+    (dataclasses.replace(SHARED["sizes-dp2-3:1"], global_batch=9),
+     r"global_batch 9 != the rows the replicas train on \(8: micro-batch counts x micro_batch_sizes \[3, 1\]\)"),
+])
+def test_validator_refuses_bad_sizes(plan, message):
+    with pytest.raises(PartitaError, match=message):
+        validate(plan)
+
+
 def test_equal_shares_allow_every_zero_level():
     # Equal shares are today's plan spelled out: every replica runs the same micro-batches.
     validate(with_shares(make_plan(SMALL, dp=2, layer=dict(zero=3)), [2, 2]))
@@ -144,9 +182,23 @@ def test_a_plan_with_shares_is_priced_at_its_largest_share():
     assert step[(3, 1)] == step[(3, 3)] > step[(2, 2)]
 
 
+def test_a_plan_with_sizes_is_priced_at_its_largest_size():
+    from partita.search.costs import CostModel
+    from partita.search.evaluate import evaluate_plan
+
+    cm = CostModel(SMALL, parse_short("4xcpu"), seq_len=16, dtype="fp32")
+    step = {sizes: evaluate_plan(with_sizes(make_plan(SMALL, dp=2, num_micro_batches=2), list(sizes)), cm).step_time_s
+            for sizes in [(3, 1), (2, 2), (3, 3)]}
+    assert step[(3, 1)] == step[(3, 3)] > step[(2, 2)]
+
+
 def test_the_summary_shows_the_shares():
     from partita.commands import batch_text
 
+    assert "1 micro-batch per replica, of sizes [2, 1, 1]" in batch_text(SHARED["sizes-dp3-2:1:1"])
+    eighty = dataclasses.replace(make_plan(SMALL, dp=2), dp=80, micro_batch=13, num_micro_batches=1,
+                                 micro_batch_sizes=(13,) * 64 + (12,) * 16)
+    assert batch_text(eighty) == "1 micro-batch per replica, of size 13 on 64 replicas and 12 on 16 replicas"
     assert "replica shares [2, 1, 1]" in batch_text(SHARED["dp3-2:1:1"])
     assert "shares" not in batch_text(make_plan(SMALL, dp=2))
 
@@ -157,3 +209,6 @@ def test_export_refuses_uneven_shares():
     with pytest.raises(PartitaError, match=r"--to megatron: .* uneven batch shares \[3, 1\]; megatron runs one "
                                            r"micro-batch count on every replica"):
         export_plan(SHARED["dp2-3:1"], "megatron")
+    with pytest.raises(PartitaError, match=r"--to torchtitan: .* different micro-batch sizes \(\[3, 1\]\); torchtitan runs "
+                                           r"one micro-batch size on every replica"):
+        export_plan(SHARED["sizes-dp2-3:1"], "torchtitan")

@@ -91,3 +91,20 @@ def test_same_input_same_plan_on_a_loaded_machine(work_limit):
     assert (a.status, a.objective_us, a.bound_us, a.gap) == (b.status, b.objective_us, b.bound_us, b.gap)
     if work_limit is None:
         assert a.status == "optimal"
+
+
+def test_a_requested_gap_bounds_the_plan_returned():
+    """`--gap`: the search may stop once its plan is proven within the gap of the optimum. The
+    plan it returns is at most that much slower than the proven optimum, and the bound it
+    reports is below the optimum (a true bound), so its stated gap is honest."""
+    model = load_model("llama-2-7b")
+    base = dict(model=model, cluster=parse_short("2x8xH100+2x8xA100-80GB"), seq_len=model.seq_len,
+                global_batch=model.default_global_batch, workers=1, seed=0)
+    exact, _ = make_plan(PlanRequest(**base))
+    assert exact.solver.status == "optimal"
+    for gap in (0.02, 0.10):
+        plan, _ = make_plan(PlanRequest(gap=gap, **base))
+        r = plan.solver
+        assert exact.solver.objective_us <= r.objective_us <= exact.solver.objective_us / (1 - gap) + 1
+        assert r.bound_us <= exact.solver.objective_us and r.gap <= gap + 1e-6
+        assert r.status == ("optimal" if r.objective_us == exact.solver.objective_us and r.gap == 0 else "feasible")

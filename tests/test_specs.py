@@ -91,7 +91,7 @@ def hand_profile() -> Profile:
         provenance=Provenance(source="measured", device_name="NVIDIA H100 80GB HBM3", torch="2.11.0",
                               cuda="12.8", date="2026-11-30", command="partita profile --device cuda"),
         layers=(LayerCost(kind=kind, tp=1, micro_batch=2, seq_len=64, forward_s=1.5e-4, backward_s=3.25e-4,
-                          recompute_s=1.5e-4, activation_bytes=1 << 20, param_bytes=98304),
+                          recompute_s=1.5e-4, activation_bytes=1 << 20, param_bytes=98304, selective_recompute_s=2.5e-5),
                 LayerCost(kind=LayerKind.of(BUILTIN["tiny-llama"], "head"), tp=2, micro_batch=2, seq_len=64,
                           forward_s=2e-5, backward_s=4e-5, recompute_s=0.0, activation_bytes=65536,
                           param_bytes=16384)),
@@ -105,6 +105,8 @@ def test_profile_round_trips(tmp_path):
     assert Profile.from_dict(through_yaml(profile.to_dict())) == profile
     profile.save(tmp_path / "p.yaml")
     assert Profile.load(tmp_path / "p.yaml") == profile
+    # a point without the selective measurement (the head; profiles from before it) has no key
+    assert [("selective_recompute_s" in l) for l in profile.to_dict()["layers"]] == [True, False]
 
 
 def hand_plan(with_results: bool = True) -> Plan:
@@ -114,7 +116,8 @@ def hand_plan(with_results: bool = True) -> Plan:
         Stage(index=0, group="cpu", device="cpu", ranks=(0, 1),
               layers=tuple(LayerStrategy(name=n, zero=1) for n in names[:4])),
         Stage(index=1, group="cpu", device="cpu", ranks=(2, 3),
-              layers=tuple(LayerStrategy(name=n, zero=1, recompute=n != "head") for n in names[4:])),
+              layers=tuple(LayerStrategy(name=n, zero=1, recompute={"layers.3": "selective", "head": "none"}.get(n, "full"))
+                           for n in names[4:])),
     )
     memory = tuple(StageMemory(stage=i, device="cpu", capacity_bytes=4 * GiB, weights_bytes=400_000,
                                gradients_bytes=400_000, optimizer_bytes=1_600_000, activations_bytes=2_000_000,
@@ -138,6 +141,33 @@ def test_plan_round_trips(tmp_path, with_results):
     plan.save(tmp_path / "plan.yaml")
     assert Plan.load(tmp_path / "plan.yaml") == plan
     assert plan.world_size == 4 and plan.ranks == [0, 1, 2, 3]
+    assert [l.recompute for l in plan.stages[1].layers] == ["selective", "full", "full", "none"]
+
+
+def test_plans_written_before_selective_recomputation_still_load():
+    """Schema-1 plans said ``recompute: true/false``; they read as full and none (and are
+    written back as the mode's name)."""
+    data = hand_plan().to_dict()
+    for stage in data["stages"]:
+        for layer in stage["layers"]:
+            layer["recompute"] = layer["recompute"] == "full"
+    plan = Plan.from_dict(through_yaml(data))
+    assert [l.recompute for l in plan.stages[1].layers] == ["none", "full", "full", "none"]
+    assert plan.stages[1].layers[1].to_dict()["recompute"] == "full"
+
+
+@pytest.mark.parametrize("value", ["partial", "Full", 1, None])
+def test_a_bad_recompute_mode_is_one_clear_error(value):
+    data = hand_plan().to_dict()
+    data["stages"][0]["layers"][1]["recompute"] = value
+    with pytest.raises(PartitaError, match=r"recompute must be one of none, selective, full"):
+        Plan.from_dict(data)
+
+
+def test_a_layer_strategy_takes_a_mode_not_a_bool():
+    """The truth of a string would read "none" as recomputing: a bool is refused outright."""
+    with pytest.raises(PartitaError, match="recompute must be one of"):
+        LayerStrategy(name="layers.0", recompute=True)
 
 
 # ---- short forms --------------------------------------------------------------------------

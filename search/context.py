@@ -1,0 +1,346 @@
+"""Context parallelism's costs: attention compute, communication, memory and limits, per rank.
+
+    from partita.search.context import all_to_all_traffic, ring_traffic, cp_activation_bytes
+    t = all_to_all_traffic(batch=1, seq=131072, heads=32, kv_heads=8, head_dim=128, elem=2, cp=8)
+    t.forward_wire_bytes        # what one rank sends in one attention forward
+
+Pure functions of the shapes (no torch). Symbols: b micro-batch, s the whole sequence, cp the
+context-parallel degree, L = s/cp the tokens a rank holds, d head_dim, e bytes per element,
+H and KV the query and kv heads a rank holds *before* context parallelism (heads/tp and
+kv_heads/tp under tensor parallelism: pass those). Each function is per rank, per micro-batch,
+per attention layer; the cost model multiplies by layers and micro-batches.
+
+Two variants (``VARIANTS``), matching ``partita.runtime.context``:
+
+* ``all_to_all`` (DeepSpeed-Ulysses: Jacobs et al. 2023, "DeepSpeed Ulysses: System
+  Optimizations for Enabling Training of Extreme Long Sequence Transformer Models",
+  arXiv:2309.14509, sec. 3). Four all-to-alls a forward (q, k, v to head shards; the output
+  back), the same four in the backward on the gradients. The paper's observation: the bytes
+  each rank sends shrink as 1/cp when s and cp grow together, so the traffic per link stays
+  constant, unlike an all-gather of the sequence.
+* ``ring`` (Liu, Zaharia, Abbeel 2023, "Ring Attention with Blockwise Transformers for
+  Near-Infinite Context", arXiv:2310.01889, sec. 3): each rank keeps its queries and passes
+  its key/value block around the ring, overlapping each pass with the attention of the block
+  it already has. The runtime uses torch's ``context_parallel`` (see the PyTorch tutorial
+  "Introduction to Context Parallel" and torchtitan's ``context_parallel_degree`` /
+  ``context_parallel_rotate_method``), with head-tail load balancing: 2*cp chunks, rank r
+  holding chunks r and 2*cp-1-r, as Llama 3 does (Llama Team 2024, "The Llama 3 Herd of
+  Models", arXiv:2407.21783, sec. 3.3.2, which all-gathers K/V instead of passing them; the
+  ``allgather`` rotate method here).
+
+What torch's ring does, read from ``torch/distributed/tensor/experimental/_context_parallel/
+_attention.py`` (torch 2.13): the forward runs cp steps; before step i < cp-1 it starts sending
+the K/V block it holds to the next rank and computes on the block it has (rotate "alltoall"), or
+it all-gathers every rank's block once before step 0 (rotate "allgather", torch's default). The
+backward passes K/V the same way, and also passes the dK/dV accumulators around the ring at
+every one of the cp steps, in fp32 (``convert_to_f32``, the default), so each rank's gradients
+return to it. The runtime repeats kv heads before SDPA (``partita.runtime.models.Attention``), so
+the blocks the ring moves hold H heads, not KV: ``ring_kv_heads``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from partita.errors import PartitaError
+from partita.model import LayerKind
+from partita.search.analytic import Shard, activation_bytes
+from partita.search.roofline import ATTENTION_BWD_FLOPS_RATIO
+
+VARIANTS = ("all_to_all", "ring")
+ROTATES = ("alltoall", "allgather")
+GRAD_ACCUM_BYTES = 4  # the ring's dQ, dK, dV accumulators and merged output are fp32 (convert_to_f32)
+STAT_BYTES = 4  # logsumexp
+
+
+# ---- limits: None when the choice is possible, else why not and what to change -----------------
+
+
+def sequence_limit(seq_len: int, cp: int) -> str | None:
+    """Every variant splits the sequence into cp equal shards."""
+    if cp < 1:
+        return f"context-parallel degree must be >= 1, got {cp}"
+    if seq_len % cp:
+        return f"sequence length {seq_len} is not divisible by context-parallel degree {cp}"
+    return None
+
+
+def all_to_all_limit(heads: int, kv_heads: int, *, cp: int, tp: int = 1) -> str | None:
+    """All-to-all gives each of the cp x tp ranks of a block whole query and kv heads."""
+    for what, n in (("heads", heads), ("kv_heads", kv_heads)):
+        if n % (cp * tp):
+            return (f"all-to-all context parallelism needs {what} ({n}) divisible by cp x tp = {cp} x {tp} = "
+                    f"{cp * tp}")
+    return None
+
+
+def ring_limit(seq_len: int, *, cp: int) -> str | None:
+    """The ring's head-tail load balancing splits the sequence into 2 x cp equal chunks."""
+    if seq_len % (2 * cp):
+        return f"ring attention needs the sequence length ({seq_len}) divisible by 2 x cp = {2 * cp}"
+    return None
+
+
+def cp_limit(kind: LayerKind, *, variant: str, seq_len: int, cp: int, tp: int = 1) -> str | None:
+    """Why ``variant`` at degree cp cannot run this layer kind, or None. Layers without
+    attention (embed, head) only need the sequence split."""
+    _check_variant(variant)
+    why = sequence_limit(seq_len, cp)
+    if why or cp == 1 or kind.role != "block":
+        return why
+    if variant == "all_to_all":
+        return all_to_all_limit(kind.heads, kind.kv_heads, cp=cp, tp=tp)
+    return ring_limit(seq_len, cp=cp)
+
+
+def _check_variant(variant: str) -> None:
+    if variant not in VARIANTS:
+        raise PartitaError(f"unknown context-parallel variant {variant!r}; valid: {', '.join(VARIANTS)}")
+
+
+def _check_positive(**dims: int) -> None:
+    bad = {k: v for k, v in dims.items() if v < 1}
+    if bad:
+        raise PartitaError(f"context-parallel costs need positive dimensions, got {bad}")
+
+
+def _local_tokens(seq: int, cp: int) -> int:
+    why = sequence_limit(seq, cp)
+    if why:
+        raise PartitaError(why)
+    return seq // cp
+
+
+# ---- compute ----------------------------------------------------------------------------------
+
+
+def causal_attention_flops(batch: int, heads: int, q_len: int, kv_len: int, head_dim: int) -> float:
+    """Forward FLOPs of q k^T and p v over the (query, key) pairs a causal mask keeps, queries
+    being the last ``q_len`` of ``kv_len`` positions: 4 b H d per pair (two products, 2 FLOPs a
+    multiply-add). q_len = kv_len = s gives 2 b H s^2 d, ``roofline.attention_flops_bytes``'s."""
+    _check_positive(batch=batch, heads=heads, q_len=q_len, kv_len=kv_len, head_dim=head_dim)
+    pairs = q_len * (kv_len - q_len) + q_len * q_len / 2  # a full rectangle, then half the square
+    return 4.0 * batch * heads * head_dim * pairs
+
+
+def attention_flops(*, variant: str, batch: int, seq: int, heads: int, head_dim: int, cp: int,
+                    balanced: bool = True) -> float:
+    """Forward attention FLOPs of the busiest rank. The backward is ``ATTENTION_BWD_FLOPS_RATIO``
+    times this (five block products to the forward's two).
+
+    * all_to_all: the whole sequence for H/cp heads: 2 b (H/cp) s^2 d, equal on every rank.
+    * ring, head-tail balanced: step 0 is the rank's own two chunks, causal (L^2/2 pairs);
+      each of the other cp-1 steps needs half a block (its early chunk against all of the
+      visiting block, or all of it against the visiting block's early chunk: L^2/2 pairs).
+      So cp * L^2/2 pairs = s^2/(2 cp), 1/cp of the causal total, on every rank: 2 b H s^2 d / cp.
+    * ring, contiguous shards (``balanced=False``): the last rank sees cp-1 full blocks and
+      its own causal one, (cp - 1/2) L^2 pairs: 4 b H d (cp - 1/2) L^2, nearly twice the mean.
+    Both balanced variants equal the single-rank FLOPs / cp (``tests/test_context_costs``)."""
+    _check_variant(variant)
+    local = _local_tokens(seq, cp)
+    if variant == "all_to_all":
+        if heads % cp:
+            raise PartitaError(all_to_all_limit(heads, heads, cp=cp))
+        return causal_attention_flops(batch, heads // cp, seq, seq, head_dim)
+    if balanced:
+        return cp * ring_step_flops(batch=batch, seq=seq, heads=heads, head_dim=head_dim, cp=cp)
+    return 4.0 * batch * heads * head_dim * (cp - 0.5) * local * local
+
+
+def ring_step_flops(*, batch: int, seq: int, heads: int, head_dim: int, cp: int) -> float:
+    """Forward FLOPs of one step of the balanced ring: L^2/2 pairs, the same as one causal
+    attention over L tokens; so a step's time is ``roofline.attention_time_s(dev, b, H, L, d)``
+    and the ring's compute is cp of those."""
+    local = _local_tokens(seq, cp)
+    return causal_attention_flops(batch, heads, local, local, head_dim)
+
+
+def attention_backward_flops(forward_flops: float) -> float:
+    return ATTENTION_BWD_FLOPS_RATIO * forward_flops
+
+
+# ---- communication ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """One rank's communication for one attention layer's forward and backward: the messages
+    (each a collective the cost model prices on the cp group's link) and the bytes that leave
+    the rank. ``*_messages`` hold the buffer size of each collective, as
+    ``CostModel.collective_s`` takes it."""
+
+    op: str  # "all_to_all", "p2p" (one ring step) or "all_gather"
+    forward_messages: tuple[int, ...]
+    backward_messages: tuple[int, ...]
+    forward_wire_bytes: float
+    backward_wire_bytes: float
+
+    @property
+    def total_wire_bytes(self) -> float:
+        return self.forward_wire_bytes + self.backward_wire_bytes
+
+
+def all_to_all_bus_bytes(buffer_bytes: float, cp: int) -> float:
+    """Bytes one rank sends in an all-to-all of a ``buffer_bytes`` buffer over cp ranks: all of
+    it but the 1/cp it keeps. (For ``partita.profile.bus_bytes`` and ``costs.ring_steps``: an
+    all-to-all is cp-1 pairwise exchanges of buffer/cp.)"""
+    if cp <= 1:
+        return 0.0
+    return (cp - 1) / cp * buffer_bytes
+
+
+def all_to_all_time_s(buffer_bytes: float, cp: int, *, gbps: float, latency_s: float, efficiency: float = 1.0) -> float:
+    """Datasheet time of one all-to-all, priced like the other collectives
+    (``CostModel.collective_s``): cp-1 exchange latencies plus the bytes sent at the link's
+    achieved bandwidth. A profile's measured all-to-all fit replaces it."""
+    if cp <= 1 or buffer_bytes <= 0:
+        return 0.0
+    return (cp - 1) * latency_s + all_to_all_bus_bytes(buffer_bytes, cp) / (efficiency * gbps * 1e9)
+
+
+def all_to_all_traffic(*, batch: int, seq: int, heads: int, kv_heads: int, head_dim: int, elem: int,
+                       cp: int) -> Traffic:
+    """Forward: q, k, v and the output, each this rank's [b, L, heads, d] buffer:
+    b L d e (2H + 2 KV) bytes, of which (cp-1)/cp leaves the rank. Backward: the mirror (the
+    output's gradient in, the q, k, v gradients back), the same four buffers. With s and cp
+    grown together, L and so every message stays the same size (Ulysses' constant per-link
+    volume). Zero at cp = 1. A recomputed block (full or selective) runs its forward's four
+    again in the backward: the cost model adds ``forward_messages`` once more."""
+    _check_positive(batch=batch, heads=heads, kv_heads=kv_heads, head_dim=head_dim, elem=elem)
+    local = _local_tokens(seq, cp)
+    if cp == 1:
+        return Traffic("all_to_all", (), (), 0.0, 0.0)
+    q = batch * local * heads * head_dim * elem
+    kv = batch * local * kv_heads * head_dim * elem
+    messages = (q, kv, kv, q)
+    wire = sum(all_to_all_bus_bytes(m, cp) for m in messages)
+    return Traffic("all_to_all", messages, messages, wire, wire)
+
+
+def ring_kv_heads(heads: int, kv_heads: int, *, repeated: bool = True) -> int:
+    """The heads in a K/V block the ring passes: the runtime repeats kv heads to the query heads
+    before SDPA (``repeated``), so the ring moves H heads; a GQA-aware kernel would move KV."""
+    return heads if repeated else kv_heads
+
+
+def ring_block_bytes(*, batch: int, seq: int, kv_heads: int, head_dim: int, elem: int, cp: int) -> int:
+    """One rank's K and V block: 2 b L KV d e."""
+    _check_positive(batch=batch, kv_heads=kv_heads, head_dim=head_dim, elem=elem)
+    return 2 * batch * _local_tokens(seq, cp) * kv_heads * head_dim * elem
+
+
+def ring_traffic(*, batch: int, seq: int, kv_heads: int, head_dim: int, elem: int, cp: int,
+                 rotate: str = "alltoall") -> Traffic:
+    """``kv_heads``: what the ring moves (``ring_kv_heads``). With B the K/V block
+    (``ring_block_bytes``) and G the fp32 dK/dV block (B * 4 / e):
+
+    * forward, rotate "alltoall": cp-1 point-to-point passes of B (each rank sends its block on
+      and forwards the ones it receives); "allgather": one all-gather of cp blocks, the same
+      (cp-1) B leaving the rank.
+    * backward: K/V again as in the forward, plus cp passes of G (the accumulated dK/dV travel
+      the whole ring to come home; torch always passes them point to point).
+    Zero at cp = 1. A recomputed block passes the forward's K/V once more in the backward."""
+    if rotate not in ROTATES:
+        raise PartitaError(f"unknown ring rotate method {rotate!r}; valid: {', '.join(ROTATES)}")
+    block = ring_block_bytes(batch=batch, seq=seq, kv_heads=kv_heads, head_dim=head_dim, elem=elem, cp=cp)
+    if cp == 1:
+        return Traffic("p2p" if rotate == "alltoall" else "all_gather", (), (), 0.0, 0.0)
+    grad = block * GRAD_ACCUM_BYTES // elem
+    if rotate == "alltoall":
+        forward, op = (block,) * (cp - 1), "p2p"
+    else:
+        forward, op = (cp * block,), "all_gather"
+    kv_wire = (cp - 1) * block
+    return Traffic(op, forward, forward + (grad,) * cp, float(kv_wire), float(kv_wire + cp * grad))
+
+
+def ring_forward_time_s(*, step_compute_s: float, step_comm_s: float, cp: int, rotate: str = "alltoall") -> float:
+    """The ring's forward attention time on the busiest rank, from one step's attention time
+    (all steps alike under head-tail balancing: ``ring_step_flops``) and one K/V pass's time.
+
+    Assumption: a transfer overlaps fully with the attention that runs while it is in flight
+    (separate streams; the SMs NCCL takes from the kernel are ignored), so a step costs
+    max(compute, comm) and only the excess of comm over compute is exposed. "alltoall" sends
+    block i+1 during step i: cp steps, cp-1 of them with a transfer behind them:
+        cp * a + (cp - 1) * max(0, c - a)
+    "allgather" (``step_comm_s`` = the one all-gather) must land before step 1:
+        cp * a + max(0, c - a)."""
+    if cp <= 1:
+        return step_compute_s
+    exposed = max(0.0, step_comm_s - step_compute_s)
+    return cp * step_compute_s + (exposed if rotate == "allgather" else (cp - 1) * exposed)
+
+
+def ring_backward_time_s(*, step_compute_s: float, kv_comm_s: float, grad_comm_s: float, cp: int) -> float:
+    """The ring's backward attention time: cp steps of ``step_compute_s`` (the step's attention
+    backward); during each of the first cp-1 the next K/V block and the previous step's dK/dV
+    share the link (``kv_comm_s + grad_comm_s``, the same overlap assumption as the forward),
+    and the last dK/dV pass, which brings each rank its own gradients, has nothing to hide
+    behind: cp * a + (cp - 1) * max(0, c_kv + c_grad - a) + c_grad."""
+    if cp <= 1:
+        return step_compute_s
+    return (cp * step_compute_s + (cp - 1) * max(0.0, kv_comm_s + grad_comm_s - step_compute_s) + grad_comm_s)
+
+
+# ---- memory ------------------------------------------------------------------------------------
+
+
+def cp_activation_bytes(kind: LayerKind, *, variant: str, cp: int, tp: int, micro_batch: int, seq_len: int,
+                        dtype: str, sequence_parallel: bool = False, recompute: str = "none",
+                        on_cpu: bool = False) -> int:
+    """Bytes autograd keeps from one micro-batch's forward on one rank under context parallelism
+    of degree cp: ``analytic.activation_bytes`` of the rank's s/cp tokens (every term is per
+    token, or per position for rotary tables and the logsumexp, so it all divides by cp), plus
+    what the variant adds:
+
+    * all_to_all, no recomputation: SDPA keeps q, k, v, its output and the logsumexp for H/cp
+      heads over all s positions -- the same bytes as H heads over s/cp -- but wo's input is now
+      the output after the second all-to-all, a storage of its own: + b L H d e. (The all-to-all
+      itself keeps nothing: its backward is the mirror all-to-all; ``runtime.context`` reorders
+      head_tail shards with views, flips and cats, which keep nothing either.) Measured to the
+      byte on CPU ranks (``tests/test_runtime_context``).
+    * ring: torch's ring op keeps q, k, v and the merged output and logsumexp of the local
+      tokens, as the local SDPA does: nothing added (GPU-only; not measured here).
+    * recompute "selective" or "full": the kept tensors are products' outputs or the layer
+      input, all sequence shards: nothing added.
+    Embed and head layers keep per-token tensors only; cp divides them."""
+    _check_variant(variant)
+    local = _local_tokens(seq_len, cp)
+    base = activation_bytes(kind, tp=tp, micro_batch=micro_batch, seq_len=local, dtype=dtype,
+                            sequence_parallel=sequence_parallel, recompute=recompute, on_cpu=on_cpu)
+    if cp == 1 or kind.role != "block" or variant != "all_to_all" or recompute != "none":
+        return base
+    sh = Shard.of(kind, tp=tp, micro_batch=micro_batch, seq_len=local, dtype=dtype)
+    return base + sh.tokens * sh.heads * sh.head_dim * sh.elem
+
+
+@dataclass(frozen=True)
+class RingTransient:
+    """Bytes the ring holds only while one layer's attention runs (peak-memory terms)."""
+
+    forward: int
+    backward: int
+
+
+def ring_transient_bytes(*, batch: int, seq: int, heads: int, kv_heads: int, head_dim: int, elem: int, cp: int,
+                         rotate: str = "alltoall") -> RingTransient:
+    """With B the K/V block (``kv_heads`` as the ring moves them), G its fp32 twin, and O the
+    fp32 output [b, L, H, d]:
+
+    * forward: the blocks in flight -- the one computed on and the next ("alltoall": 2B, or
+      cp B gathered at once by "allgather") -- plus the fp32 merged output and logsumexp
+      (O + 4 b H L);
+    * backward: K/V blocks as in the forward, the dK/dV accumulator being sent and the one
+      received (2G), this step's dK/dV (G) and the fp32 dQ accumulator (O).
+    Not kept across layers; one layer's worth sits on top of the activations at the peak."""
+    if rotate not in ROTATES:
+        raise PartitaError(f"unknown ring rotate method {rotate!r}; valid: {', '.join(ROTATES)}")
+    if cp == 1:
+        return RingTransient(0, 0)
+    local = _local_tokens(seq, cp)
+    block = ring_block_bytes(batch=batch, seq=seq, kv_heads=kv_heads, head_dim=head_dim, elem=elem, cp=cp)
+    grad = block * GRAD_ACCUM_BYTES // elem
+    out32 = batch * local * heads * head_dim * GRAD_ACCUM_BYTES
+    in_flight = 2 * block if rotate == "alltoall" else cp * block
+    return RingTransient(forward=in_flight + out32 + STAT_BYTES * batch * heads * local,
+                         backward=in_flight + 3 * grad + out32)

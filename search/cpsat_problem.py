@@ -1,0 +1,312 @@
+"""The CP-SAT planner's problem: integer cost tables for one shape (``Problem``), the shapes a
+plan can take, and their split by ZeRO edge level. ``search/cpsat.py`` describes the model."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from partita.cluster import NodeGroup
+from partita.plan import LayerStrategy
+from partita.search.costs import (CostModel, activation_message_bytes, boundary_s, canonical_order, choice_of,
+                                  stage_cost_counts)
+from partita.search.uniform import (SearchSpace, batch_shares, batch_splits, divisors, hosts, device_price, layer_tp,
+                                    max_stages, sp_choices, stage_sizes, tp_allowed)
+from partita.units import capacity_grains, to_grains, to_us
+
+NEVER = 1 << 61  # the bound of a shape proven to hold no plan at all
+
+
+# ---- the problem: integer cost tables for one shape ----------------------------------------
+@dataclass(frozen=True)
+class Shape:
+    stage_size: int
+    tp: int
+    dp: int
+    micro_batch: int
+    num_micro_batches: int  # the largest replica's share when they differ
+    uneven: bool = False  # replicas run micro-batch counts that differ by one (``uniform.batch_shares``)
+
+
+@dataclass(frozen=True)
+class LayerTable:
+    """Integer costs of one layer kind per (group, strategy): times in microseconds, memory
+    (the ``*_bytes`` fields) in allocation grains (``partita.units.MEMORY_GRAIN``)."""
+
+    strategies: tuple[LayerStrategy, ...]  # name is a placeholder
+    time_us: tuple[tuple[int, ...], ...]  # [g][k] forward + backward per micro-batch
+    backward_us: tuple[tuple[int, ...], ...]
+    sync_us: tuple[tuple[int, ...], ...]  # per-step data-parallel sync
+    optimizer_us: tuple[tuple[int, ...], ...]
+    static_bytes: tuple[tuple[int, ...], ...]  # weights + gradients + optimizer state
+    act_bytes: tuple[tuple[int, ...], ...]  # kept activations, one micro-batch
+    transient_bytes: tuple[tuple[int, ...], ...]  # extra at its own peak moment (gathers, recompute, working set)
+    # A tied head on another stage than the embedding (its own copy of the shared weight):
+    copy_transient_bytes: tuple[tuple[int, ...], ...] = ()
+    tied_us: tuple[tuple[int, ...], ...] = ()  # per step: the copies' gradient sum and the copy's update
+    # Time terms a stage takes as the largest over its layers, or sums (costs.StageCost):
+    edge_us: tuple[tuple[int, ...], ...] = ()  # exposed ZeRO traffic if it is the stage's edge layer
+    window_us: tuple[tuple[int, ...], ...] = ()  # backward the data-parallel sync can hide behind
+    order: tuple[tuple[int, ...], ...] = ()  # [g]: the strategies in a stage's canonical order
+    # [g][k]: the choices a subproblem allows (``edge_levels``); empty: every one.
+    allowed: tuple[tuple[bool, ...], ...] = ()
+
+    def allows(self, g: int, k: int) -> bool:
+        return not self.allowed or self.allowed[g][k]
+
+    def on(self, g: int) -> list[int]:
+        """The choices allowed on group g."""
+        return [k for k in range(len(self.strategies)) if self.allows(g, k)]
+
+    def least(self, field: str) -> int:
+        """The least of a field over every allowed (group, choice); a huge number if none is."""
+        table = getattr(self, field)
+        return min((table[g][k] for g in range(len(table)) for k in self.on(g)), default=NEVER)
+
+
+@dataclass(frozen=True)
+class Problem:
+    shape: Shape
+    groups: tuple[NodeGroup, ...]
+    slots: int  # most stages the shape allows (K)
+    stages_per_group: tuple[int, ...]
+    n_blocks: int
+    block: LayerTable
+    embed: LayerTable
+    head: LayerTable
+    p2p_us: tuple[tuple[int, ...], ...]  # [g][h] send + receive between a stage on g and the next on h
+    capacity_bytes: tuple[int, ...]  # per group, minus the reserve
+    lower_bound_us: int
+    tied: bool = False  # embedding and head share one weight
+    pipeline: tuple[int, ...] | None = None  # allowed pipeline degrees, None: any
+    # What the evaluator counts for a stage beyond its layers' own terms (the schedule's
+    # buffers, a last stage's retained output), per group, by the stage's place in the
+    # pipeline: [g] for a first or a middle stage, [g][head choice] for a last or a lone one.
+    extra_first: tuple[int, ...] = ()
+    extra_middle: tuple[int, ...] = ()
+    extra_last: tuple[tuple[int, ...], ...] = ()
+    extra_alone: tuple[tuple[int, ...], ...] = ()
+    output_bytes: int = 0  # a stage's output (micro_batch x seq x hidden), kept per micro-batch in flight
+    step_overhead_us: int = 0  # the fixed per-step overhead (CostModel.step_overhead_s)
+    # A subproblem of the shape (``edge_levels``): only the choices whose exposed ZeRO edge is
+    # at most the ceiling, and the edge term Z at least the floor; None: the whole shape.
+    edge_ceiling_us: int | None = None
+    edge_floor_us: int = 0
+    # The cost objective's bound on the devices used (``SearchSpace.price_cap``), micro-dollars
+    # per hour, and what a stage on each group costs; None: no bound.
+    price_cap: int | None = None
+    stage_price: tuple[int, ...] = ()
+
+    @property
+    def key(self) -> tuple[Shape, int | None]:
+        return self.shape, self.edge_ceiling_us
+
+
+def strategies_for(cm: CostModel, role: str, shape: Shape, space: SearchSpace) -> list[LayerStrategy]:
+    """Every choice the runtime executes for this layer kind in this shape."""
+    out = []
+    tps = sorted({1, layer_tp(cm.model, role, shape.tp)})
+    zeros = (0,) if shape.dp == 1 else tuple(z for z in space.zero_levels if z <= 1 or not shape.uneven)
+    recomputes = space.recompute if role == "block" else ("none",)
+    for t in tps:
+        for sp in sp_choices(cm, t, space):
+            for z in zeros:
+                for rc in recomputes:
+                    out.append(LayerStrategy(name=role, tensor_parallel=t, sequence_parallel=sp, zero=z, recompute=rc))
+    return out
+
+
+def layer_table(cm: CostModel, role: str, shape: Shape, groups: Sequence[NodeGroup], space: SearchSpace) -> LayerTable:
+    """The integer cost table of one kind. Dominated choices are dropped, except for a tied
+    embedding and head, whose choices must be matched pairwise."""
+    strategies = strategies_for(cm, role, shape, space)
+    rows: dict[str, list[list[int]]] = {k: [] for k in ("time", "bwd", "sync", "opt", "static", "act", "gath", "edge", "win",
+                                                         "copy_gath", "tied")}
+    copy = role == "head" and cm.model.tie_embeddings
+    for g in groups:
+        cols: dict[str, list[int]] = {k: [] for k in rows}
+        for s in strategies:
+            t = cm.layer_time(role, g, s, dp=shape.dp, micro_batch=shape.micro_batch)
+            m = cm.layer_memory(role, g.device, s, dp=shape.dp, micro_batch=shape.micro_batch,
+                                num_micro_batches=shape.num_micro_batches)
+            cols["time"].append(to_us(t.total_s))
+            cols["bwd"].append(to_us(t.backward_s))
+            cols["sync"].append(to_us(t.dp_sync_s))
+            cols["opt"].append(to_us(t.optimizer_s))
+            cols["edge"].append(to_us(t.zero_edge_s))
+            cols["win"].append(to_us(t.overlap_window_s))
+            cols["static"].append(to_grains(m.static_bytes))
+            cols["act"].append(to_grains(m.activations))
+            cols["gath"].append(to_grains(m.transient))
+            if copy:
+                mc = cm.layer_memory(role, g.device, s, dp=shape.dp, micro_batch=shape.micro_batch,
+                                     num_micro_batches=shape.num_micro_batches, tied_copy=True)
+                cols["copy_gath"].append(to_grains(mc.transient))
+                cols["tied"].append(to_us(cm.tied_sync_s(g, dp=shape.dp, tp=s.tensor_parallel, zero=s.zero)))
+        for k in rows:
+            rows[k].append(cols[k])
+    keep = list(range(len(strategies))) if cm.model.tie_embeddings and role != "block" else undominated([[rows[k][g][j] for k in ("time", "opt", "static", "act", "gath", "edge", "sync") for g in range(len(groups))]
+                        + [-rows["win"][g][j] for g in range(len(groups))]
+                        for j in range(len(strategies))])
+    strategies = [strategies[j] for j in keep]
+    tup = lambda k: tuple(tuple(r[j] for j in keep) for r in rows[k])  # noqa: E731
+    # The order the evaluator prices a stage's layers in and the plan writes them in
+    # (``costs.canonical_order``), per group, as indices into ``strategies``.
+    choices = [choice_of(cm.model, dataclasses.replace(s, name="layers.0" if role == "block" else role))
+               for s in strategies]
+    order = tuple(tuple(choices.index(c) for c in canonical_order(
+        cm, g.device, choices, dp=shape.dp, micro_batch=shape.micro_batch,
+        num_micro_batches=shape.num_micro_batches)) for g in groups)
+    return LayerTable(strategies=tuple(strategies), time_us=tup("time"), backward_us=tup("bwd"), sync_us=tup("sync"),
+                      optimizer_us=tup("opt"), static_bytes=tup("static"), act_bytes=tup("act"),
+                      transient_bytes=tup("gath"), copy_transient_bytes=tup("copy_gath") if copy else (),
+                      tied_us=tup("tied") if copy else (), edge_us=tup("edge"), window_us=tup("win"), order=order)
+
+
+def undominated(vectors: list[list[int]]) -> list[int]:
+    """Indices of the choices no other choice beats or ties on every cost (time, exposed sync,
+    optimizer, each memory term, on every group). Dropping the others cannot make the optimum
+    worse, and shrinks the model; of exact ties the first is kept."""
+    keep = []
+    for j, v in enumerate(vectors):
+        dominated = False
+        for i, w in enumerate(vectors):
+            if i != j and all(a <= b for a, b in zip(w, v)) and (w != v or i < j):
+                dominated = True
+                break
+        if not dominated:
+            keep.append(j)
+    return keep
+
+
+def shapes(cm: CostModel, global_batch: int, space: SearchSpace) -> list[Shape]:
+    """Every (stage size, tp, micro-batch) some node group can host."""
+    model = cm.model
+    sizes = sorted({s for g in cm.cluster.groups for s in stage_sizes(g)})
+    out = []
+    for stage_size in sizes:
+        for tp in divisors(stage_size):
+            if not tp_allowed(model, tp, space):
+                continue
+            if not any(hosts(g, stage_size, tp) for g in cm.cluster.groups):
+                continue
+            dp = stage_size // tp
+            out += [Shape(stage_size, tp, dp, mb, m, uneven=bool(batch_shares(global_batch, dp, mb, m)))
+                    for mb, m in batch_splits(global_batch, dp, space)]
+    return out
+
+
+def build_problem(cm: CostModel, shape: Shape, space: SearchSpace) -> Problem | None:
+    """Integer tables for one shape, or None if no group can host a stage of it."""
+    groups = tuple(g for g in cm.cluster.groups if hosts(g, shape.stage_size, shape.tp))
+    if not groups:
+        return None
+    per_group = tuple(g.size // shape.stage_size for g in groups)
+    slots = min(sum(per_group), max_stages(cm, shape.num_micro_batches))
+    if space.pipeline:
+        slots = min(slots, max(space.pipeline))
+    block = layer_table(cm, "block", shape, groups, space)
+    embed = layer_table(cm, "embed", shape, groups, space)
+    head = layer_table(cm, "head", shape, groups, space)
+    p2p = tuple(tuple(_p2p_us(cm, a, b, shape) for b in groups) for a in groups)
+    capacity = tuple(capacity_grains(g.memory_bytes - cm.reserve_bytes(g)) for g in groups)
+    lb = _lower_bound_us(cm, shape, block, embed, head, slots)
+    extra = lambda g, first, last, k=0: _stage_extra_bytes(cm, shape, groups, g, block, embed, head,  # noqa: E731
+                                                            first=first, last=last, head_k=k)
+    heads = range(len(head.strategies))
+    return Problem(shape=shape, groups=groups, slots=slots, stages_per_group=per_group, n_blocks=cm.model.n_layers,
+                   block=block, embed=embed, head=head, p2p_us=p2p, capacity_bytes=capacity, lower_bound_us=lb,
+                   tied=cm.model.tie_embeddings, pipeline=space.pipeline,
+                   extra_first=tuple(extra(g, True, False) for g in range(len(groups))),
+                   extra_middle=tuple(extra(g, False, False) for g in range(len(groups))),
+                   extra_last=tuple(tuple(extra(g, False, True, k) for k in heads) for g in range(len(groups))),
+                   extra_alone=tuple(tuple(extra(g, True, True, k) for k in heads) for g in range(len(groups))),
+                   output_bytes=to_grains(activation_message_bytes(cm, shape.micro_batch)),
+                   step_overhead_us=to_us(cm.step_overhead_s), price_cap=space.price_cap,
+                   stage_price=tuple(shape.stage_size * device_price(g) for g in groups)
+                   if space.price_cap is not None else ())
+
+
+EDGE_LEVEL_RATIO = 1.25  # edge values within this ratio of the level's least share a subproblem
+
+
+def edge_levels(p: Problem) -> list[Problem]:
+    """The shape split by its largest exposed ZeRO edge (Z, paid m times a step). The distinct
+    edge values, grouped into levels [lo, hi] (values within ``EDGE_LEVEL_RATIO`` of each other:
+    on a mixed cluster one choice's edge differs a little from group to group), give one
+    subproblem each, allowing only the choices whose edge is at most hi and holding Z >= lo.
+    Every plan of the shape is in the subproblem of its own largest edge, priced exactly, and in
+    those above it priced at least as high, so the least over the subproblems is the shape's
+    optimum. What the split buys is bounds: a relaxation free to pick any choice must still pay
+    the edge of the lean (ZeRO-3) ones m times, so they stop making every shape look cheap."""
+    tables = (p.block, p.embed, p.head)
+    values = sorted({v for t in tables for row in t.edge_us for v in row})
+    levels: list[list[int]] = []
+    for v in values:
+        if levels and v <= EDGE_LEVEL_RATIO * levels[-1][0]:
+            levels[-1][1] = v
+        else:
+            levels.append([v, v])
+    if len(levels) <= 1:
+        return [p]
+    out = []
+    m = p.shape.num_micro_batches
+    for lo, hi in levels:
+        block, embed, head = (dataclasses.replace(t, allowed=tuple(tuple(v <= hi for v in row) for row in t.edge_us))
+                              for t in tables)
+        if min(t.least("time_us") for t in (block, embed, head)) >= NEVER:
+            continue  # some layer has no choice this low
+        work = p.n_blocks * block.least("time_us") + embed.least("time_us") + head.least("time_us")
+        lb = int(math.floor(work * (m - 1 + p.slots) / p.slots)) + m * lo
+        out.append(dataclasses.replace(p, block=block, embed=embed, head=head, edge_floor_us=lo, edge_ceiling_us=hi,
+                                       lower_bound_us=lb))
+    return out
+
+
+def _stage_extra_bytes(cm: CostModel, shape: Shape, groups: Sequence[NodeGroup], g: int, block: LayerTable,
+                       embed: LayerTable, head: LayerTable, *, first: bool, last: bool, head_k: int) -> int:
+    """A stage's peak under the evaluator, less the reserve and its layers' own terms (static
+    state, in-flight activations and outputs, the running micro-batch's activations up to its
+    peak layer and that layer's transient): what the schedule adds for a stage at this place in
+    the pipeline. Measured on a stage of one block, so the CP-SAT memory sums stay those of the
+    evaluator whatever stage-level terms the cost model holds."""
+    parts = ([(embed, 0, "embed")] if first else []) + [(block, 0, "layers.0")] + ([(head, head_k, "head")] if last else [])
+    counts = {choice_of(cm.model, dataclasses.replace(t.strategies[k], name=name)): 1 for t, k, name in parts}
+    pp, stage = {(True, True): (1, 0), (True, False): (2, 0), (False, True): (2, 1), (False, False): (3, 1)}[first, last]
+    group = groups[g]
+    sc = stage_cost_counts(cm, group, counts, stage=stage, pp=pp, dp=shape.dp, tp=shape.tp,
+                           micro_batch=shape.micro_batch, num_micro_batches=shape.num_micro_batches,
+                           next_group=None if last else group)
+    acts = sum(t.act_bytes[g][k] for t, k, _ in parts)
+    running, prefix = 0, 0
+    for t, k, name in parts:  # the canonical order: embed, blocks, head
+        prefix += t.act_bytes[g][k]
+        copy = name == "head" and not first and t.copy_transient_bytes
+        running = max(running, prefix + (t.copy_transient_bytes if copy else t.transient_bytes)[g][k])
+    own = (sum(t.static_bytes[g][k] for t, k, _ in parts) + (sc.in_flight - 1) * acts
+           + sc.in_flight * to_grains(sc.output_per_mb) + running)
+    return to_grains(sc.peak_bytes - sc.reserve) - own
+
+
+def _p2p_us(cm: CostModel, a: NodeGroup, b: NodeGroup, shape: Shape) -> int:
+    """One side of the boundary between a stage on ``a`` and the next on ``b`` (each side pays it)."""
+    return to_us(boundary_s(cm, a, b, dp=shape.dp, tp=shape.tp, micro_batch=shape.micro_batch))
+
+
+def _lower_bound_us(cm: CostModel, shape: Shape, block: LayerTable, embed: LayerTable, head: LayerTable,
+                    slots: int) -> int:
+    """A proven bound for the shape: the least total work W (each layer at its cheapest group and
+    strategy), and (m - 1) * max T + sum T >= W * (m - 1 + pp) / pp >= W * (m - 1 + K) / K."""
+    work = cm.model.n_layers * block.least("time_us") + embed.least("time_us") + head.least("time_us")
+    m = shape.num_micro_batches
+    return int(math.floor(work * (m - 1 + slots) / slots))
+
+
+def memory_infeasible(p: Problem) -> bool:
+    """Quick proof that a shape cannot fit: even the least static memory of every layer,
+    spread over every slot of the largest group, exceeds what those slots hold."""
+    need = p.n_blocks * p.block.least("static_bytes") + p.embed.least("static_bytes") + p.head.least("static_bytes")
+    room = sum(n * cap for n, cap in zip(p.stages_per_group, p.capacity_bytes))
+    return need > room

@@ -1,0 +1,220 @@
+"""The context-parallel cost formulas (``partita.search.context``): hand-computed small cases,
+the scaling laws they must obey (1/cp per rank, constant messages when s and cp grow together,
+nothing at cp = 1), a brute-force count of the (query, key) pairs each rank computes, and the
+limits. No torch: ``partita.search`` must import without it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from partita.errors import PartitaError
+from partita.model import ModelSpec, load_model
+from partita.search.analytic import activation_bytes
+from partita.search.context import (all_to_all_limit, all_to_all_time_s, all_to_all_traffic, attention_flops,
+                                    causal_attention_flops, cp_activation_bytes, cp_limit, ring_backward_time_s,
+                                    ring_block_bytes, ring_forward_time_s, ring_kv_heads, ring_limit, ring_step_flops,
+                                    ring_traffic, ring_transient_bytes, sequence_limit)
+from torch_blocker import BLOCK_TORCH
+
+SMALL = dict(batch=1, seq=8, head_dim=2, elem=2)  # L = 4 tokens a rank at cp 2
+LLAMA_8B = load_model("llama-3-8b")  # 32 heads, 8 kv heads, hidden 4096
+
+
+# ---- communication, by hand --------------------------------------------------------------------
+
+
+def test_all_to_all_bytes_of_a_small_case():
+    t = all_to_all_traffic(heads=4, kv_heads=2, cp=2, **SMALL)
+    # q and out: 1 x 4 tokens x 4 heads x 2 x 2 B = 64; k and v: 2 heads: 32. Half leaves the rank.
+    assert t.op == "all_to_all"
+    assert t.forward_messages == t.backward_messages == (64, 32, 32, 64)
+    assert t.forward_wire_bytes == t.backward_wire_bytes == 96
+    assert t.total_wire_bytes == 192
+
+
+def test_all_to_all_messages_shrink_as_1_over_cp_and_stay_put_when_s_grows_with_cp():
+    shape = dict(batch=2, heads=32, kv_heads=8, head_dim=128, elem=2)
+    by_cp = {cp: all_to_all_traffic(seq=65536, cp=cp, **shape) for cp in (2, 4, 8)}
+    assert sum(by_cp[4].forward_messages) * 2 == sum(by_cp[2].forward_messages)
+    assert sum(by_cp[8].forward_messages) * 2 == sum(by_cp[4].forward_messages)
+    # Ulysses: sequence and degree grown together keep each rank's messages the same.
+    assert all_to_all_traffic(seq=8192 * 8, cp=8, **shape).forward_messages == \
+        all_to_all_traffic(seq=8192 * 2, cp=2, **shape).forward_messages
+
+
+def test_ring_bytes_of_a_small_case():
+    kv = ring_kv_heads(4, 2)  # the runtime repeats kv heads before SDPA: the ring moves all 4
+    assert kv == 4 and ring_kv_heads(4, 2, repeated=False) == 2
+    assert ring_block_bytes(kv_heads=kv, cp=2, **SMALL) == 2 * 4 * 4 * 2 * 2  # K and V, 4 tokens, 4 heads
+    t = ring_traffic(kv_heads=kv, cp=2, **SMALL)
+    assert t.op == "p2p"
+    assert t.forward_messages == (128,)
+    assert t.backward_messages == (128, 256, 256)  # K/V again, then dK/dV in fp32 at each of the 2 steps
+    assert (t.forward_wire_bytes, t.backward_wire_bytes) == (128, 640)
+    g = ring_traffic(kv_heads=kv, cp=2, rotate="allgather", **SMALL)
+    assert g.op == "all_gather" and g.forward_messages == (256,) and g.forward_wire_bytes == 128
+
+
+def test_ring_wire_bytes_per_rank_grow_with_the_steps_but_each_block_shrinks():
+    shape = dict(batch=1, seq=65536, kv_heads=32, head_dim=128, elem=2)
+    blocks = {cp: ring_block_bytes(cp=cp, **shape) for cp in (2, 4, 8)}
+    assert blocks[2] == 2 * blocks[4] == 4 * blocks[8]
+    for cp in (2, 4, 8):  # the forward sends (cp - 1) blocks: (cp - 1) / cp of the whole K/V
+        assert ring_traffic(cp=cp, **shape).forward_wire_bytes == (cp - 1) * blocks[cp]
+
+
+@pytest.mark.parametrize("traffic", [
+    lambda: all_to_all_traffic(heads=4, kv_heads=2, cp=1, **SMALL),
+    lambda: ring_traffic(kv_heads=4, cp=1, **SMALL),
+    lambda: ring_traffic(kv_heads=4, cp=1, rotate="allgather", **SMALL)])
+def test_cp_1_communicates_nothing(traffic):
+    t = traffic()
+    assert t.forward_messages == t.backward_messages == ()
+    assert t.total_wire_bytes == 0
+
+
+def test_all_to_all_time_is_latencies_plus_the_bytes_sent():
+    assert all_to_all_time_s(1e9, 4, gbps=100, latency_s=1e-5) == pytest.approx(3e-5 + 0.75e9 / 100e9)
+    assert all_to_all_time_s(1e9, 1, gbps=100, latency_s=1e-5) == 0.0
+
+
+def test_ring_overlap_hides_what_fits_behind_each_step():
+    assert ring_forward_time_s(step_compute_s=1.0, step_comm_s=0.5, cp=4) == 4.0  # all hidden
+    assert ring_forward_time_s(step_compute_s=1.0, step_comm_s=3.0, cp=4) == 4.0 + 3 * 2.0  # 3 passes, 2 s over each
+    assert ring_forward_time_s(step_compute_s=1.0, step_comm_s=3.0, cp=4, rotate="allgather") == 6.0
+    assert ring_forward_time_s(step_compute_s=1.0, step_comm_s=3.0, cp=1) == 1.0
+    # backward: K/V and dK/dV share the link in each of cp - 1 steps; the last dK/dV pass is exposed
+    assert ring_backward_time_s(step_compute_s=1.0, kv_comm_s=1.0, grad_comm_s=2.0, cp=4) == 4.0 + 3 * 2.0 + 2.0
+    assert ring_backward_time_s(step_compute_s=1.0, kv_comm_s=0.2, grad_comm_s=0.3, cp=4) == 4.0 + 0.3
+
+
+# ---- compute --------------------------------------------------------------------------------------
+
+
+def test_attention_flops_by_hand():
+    assert causal_attention_flops(1, 1, 4, 4, 1) == 4 * 8  # 16 / 2 pairs
+    assert causal_attention_flops(1, 1, 2, 4, 1) == 4 * (2 * 2 + 2)  # the last 2 of 4 queries: 4 + 2 pairs
+    whole = causal_attention_flops(1, 4, 8, 8, 2)
+    assert whole == 1024
+    assert attention_flops(variant="all_to_all", batch=1, seq=8, heads=4, head_dim=2, cp=2) == 512
+    assert attention_flops(variant="ring", batch=1, seq=8, heads=4, head_dim=2, cp=2) == 512
+    assert ring_step_flops(batch=1, seq=8, heads=4, head_dim=2, cp=2) == 256
+    assert attention_flops(variant="ring", batch=1, seq=8, heads=4, head_dim=2, cp=2, balanced=False) == 768
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4, 8])
+def test_both_balanced_variants_split_the_causal_work_evenly(cp):
+    shape = dict(batch=2, seq=4096, heads=32, head_dim=128)
+    whole = causal_attention_flops(2, 32, 4096, 4096, 128)
+    for variant in ("all_to_all", "ring"):
+        assert attention_flops(variant=variant, cp=cp, **shape) == pytest.approx(whole / cp)
+
+
+def _pairs(queries: list[int]) -> int:
+    return sum(q + 1 for q in queries)  # causal: query q sees keys 0..q
+
+
+def _positions(seq: int, cp: int, rank: int, head_tail: bool) -> list[int]:
+    if not head_tail:
+        per = seq // cp
+        return list(range(rank * per, (rank + 1) * per))
+    k = seq // (2 * cp)
+    return list(range(rank * k, (rank + 1) * k)) + list(range((2 * cp - 1 - rank) * k, (2 * cp - rank) * k))
+
+
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_head_tail_gives_every_rank_the_same_pairs_and_contiguous_does_not(cp):
+    """Brute force: count the (query, key) pairs each rank's queries need under the causal mask."""
+    seq = 1024
+    balanced = [_pairs(_positions(seq, cp, r, True)) for r in range(cp)]
+    assert len(set(balanced)) == 1 and sum(balanced) == seq * (seq + 1) // 2
+    contiguous = [_pairs(_positions(seq, cp, r, False)) for r in range(cp)]
+    assert contiguous == sorted(contiguous) and contiguous[0] < contiguous[-1]
+    # The formulas count s^2/2 pairs (no diagonal); with it the busiest rank's share is the same to O(1/s).
+    ratio = attention_flops(variant="ring", batch=1, seq=seq, heads=1, head_dim=1, cp=cp, balanced=False) / \
+        attention_flops(variant="ring", batch=1, seq=seq, heads=1, head_dim=1, cp=cp)
+    assert max(contiguous) / balanced[0] == pytest.approx(ratio, rel=cp / seq)
+
+
+# ---- memory ---------------------------------------------------------------------------------------
+
+
+BLOCK = LLAMA_8B.kinds["block"]
+MEM = dict(tp=1, micro_batch=1, seq_len=8192, dtype="bf16")
+
+
+def test_cp_1_keeps_what_no_cp_keeps():
+    for variant in ("all_to_all", "ring"):
+        for role in ("embed", "block", "head"):
+            assert cp_activation_bytes(LLAMA_8B.kinds[role], variant=variant, cp=1, **MEM) == \
+                activation_bytes(LLAMA_8B.kinds[role], **MEM)
+
+
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_activations_divide_by_cp(cp):
+    whole = activation_bytes(BLOCK, **MEM)
+    assert cp_activation_bytes(BLOCK, variant="ring", cp=cp, **MEM) * cp == whole
+    for recompute in ("selective", "full"):
+        assert cp_activation_bytes(BLOCK, variant="all_to_all", cp=cp, recompute=recompute, **MEM) * cp == \
+            activation_bytes(BLOCK, recompute=recompute, **MEM)
+    # all-to-all: wo's input is a copy of the attention output, 1 x 8192/cp tokens x 4096 x 2 B
+    assert cp_activation_bytes(BLOCK, variant="all_to_all", cp=cp, **MEM) == whole // cp + 8192 // cp * 4096 * 2
+
+
+def test_ring_transient_bytes_of_a_small_case():
+    t = ring_transient_bytes(heads=4, kv_heads=4, cp=2, **SMALL)
+    # forward: 2 blocks of 128 B in flight, fp32 output 4 tokens x 4 heads x 2 x 4 B = 128, logsumexp 64
+    assert t.forward == 2 * 128 + 128 + 4 * 4 * 4
+    # backward: 2 blocks, the dK/dV accumulator sent, received and this step's (3 x 256), fp32 dQ
+    assert t.backward == 2 * 128 + 3 * 256 + 128
+    assert ring_transient_bytes(heads=4, kv_heads=4, cp=2, rotate="allgather", **SMALL).forward == t.forward
+    assert ring_transient_bytes(heads=4, kv_heads=4, cp=1, **SMALL).forward == 0
+
+
+# ---- limits ---------------------------------------------------------------------------------------
+
+
+def test_limits_say_what_does_not_divide():
+    assert all_to_all_limit(32, 8, cp=4, tp=2) is None
+    assert all_to_all_limit(32, 8, cp=4, tp=4) == \
+        "all-to-all context parallelism needs kv_heads (8) divisible by cp x tp = 4 x 4 = 16"
+    assert "heads (6)" in all_to_all_limit(6, 6, cp=4)
+    assert ring_limit(131072, cp=8) is None
+    assert ring_limit(100, cp=4) == "ring attention needs the sequence length (100) divisible by 2 x cp = 8"
+    assert sequence_limit(100, 3) == "sequence length 100 is not divisible by context-parallel degree 3"
+    assert sequence_limit(100, 0) == "context-parallel degree must be >= 1, got 0"
+
+
+def test_cp_limit_per_layer_kind():
+    block, embed = BLOCK, LLAMA_8B.kinds["embed"]  # 32 heads, 8 kv heads
+    assert cp_limit(block, variant="all_to_all", seq_len=8192, cp=8) is None
+    assert "kv_heads (8)" in cp_limit(block, variant="all_to_all", seq_len=8192, cp=4, tp=4)
+    assert cp_limit(block, variant="ring", seq_len=8192, cp=16, tp=8) is None  # the ring has no head limit
+    assert "2 x cp = 32" in cp_limit(block, variant="ring", seq_len=8208, cp=16)
+    assert cp_limit(embed, variant="ring", seq_len=8208, cp=16) is None  # no attention: the shards suffice
+    assert cp_limit(block, variant="ring", seq_len=8, cp=1) is None
+    with pytest.raises(PartitaError, match="unknown context-parallel variant 'ulysses'; valid: all_to_all, ring"):
+        cp_limit(block, variant="ulysses", seq_len=8192, cp=2)
+
+
+def test_formulas_refuse_shapes_that_do_not_split():
+    with pytest.raises(PartitaError, match="not divisible by context-parallel degree 3"):
+        all_to_all_traffic(heads=4, kv_heads=2, cp=3, **SMALL)
+    with pytest.raises(PartitaError, match="unknown ring rotate method 'p2p'"):
+        ring_traffic(kv_heads=4, cp=2, rotate="p2p", **SMALL)
+
+
+def test_the_cost_module_imports_without_torch():
+    code = BLOCK_TORCH + "import partita.search.context as c\nprint(c.VARIANTS)\n"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "all_to_all" in r.stdout
+
+
+def test_a_spec_with_gqa_heads_is_checked_like_the_runtime():
+    spec = ModelSpec.from_dict(dict(load_model("tiny-llama").to_dict(), name="t", heads=8, kv_heads=4))
+    assert cp_limit(spec.kinds["block"], variant="all_to_all", seq_len=16, cp=2, tp=2) is None
+    assert cp_limit(spec.kinds["block"], variant="all_to_all", seq_len=16, cp=4, tp=2) is not None
