@@ -84,7 +84,8 @@ FULL_LP_SLOTS = 8  # shapes with at most this many stage slots solve with the fu
 
 
 def solve_shape(p: Problem, *, upper_bound_us: int | None, hint: Layout | None, time_limit_s: float, workers: int,
-                seed: int, fit: "StageFit | None" = None, work_limit: float | None = None) -> ShapeResult:
+                seed: int, fit: "StageFit | None" = None, work_limit: float | None = None,
+                gap: float = 0.0) -> ShapeResult:
     """The only place that runs CpSolver. ``work_limit`` is CP-SAT's deterministic time (the
     same on a busy machine and an idle one); ``time_limit_s`` a wall-clock bound."""
     start = time.perf_counter()
@@ -97,6 +98,8 @@ def solve_shape(p: Problem, *, upper_bound_us: int | None, hint: Layout | None, 
     if work_limit is not None:
         solver.parameters.max_deterministic_time = max(0.01, work_limit)
     solver.parameters.num_workers = workers
+    if gap:
+        solver.parameters.relative_gap_limit = gap
     solver.parameters.random_seed = seed
     solver.parameters.log_search_progress = False
     if p.slots <= FULL_LP_SLOTS:
@@ -224,11 +227,16 @@ def solve_plan(cm: CostModel, req, uniform: UniformResult, *, deadline: float, w
         # Share the work left among the shapes still open, giving the most promising more;
         # a shape that runs out is retried once at the end with whatever work is left.
         work = work_left if p.key in earlier else min(work_left, max(MIN_WORK, work_left / min(len(queue) + 1, 4)))
-        r = solve_shape(p, upper_bound_us=target() - 1 if best is not None else None, hint=hint,
+        # The model is the same with or without a gap (CP-SAT's path through it is sensitive to
+        # its upper bound: one less than the incumbent either way); with a gap CP-SAT stops once
+        # its own bound is within it.
+        r = solve_shape(p, upper_bound_us=best.us - 1 if best is not None else None, hint=hint, gap=req.gap,
                         time_limit_s=wall_left, workers=req.workers, seed=req.seed, fit=fits[p.key],
                         work_limit=work)
         work_used += r.work
-        if r.status in ("feasible", "unknown"):
+        settled = (r.status == "feasible" and req.gap > 0 and r.objective_us is not None
+                   and r.objective_us - r.bound_us <= req.gap * r.objective_us)  # within the gap asked for
+        if r.status in ("feasible", "unknown") and not settled:
             r.bound_us = max(r.bound_us, bounds[p.key])
             if p.key not in earlier:
                 earlier[p.key] = r
@@ -267,7 +275,7 @@ def _report(req, best: Incumbent, results: list[ShapeResult], uniform_us: int, c
     # micro-batch the schedule's formula takes it, and its per-step terms (data-parallel sync,
     # the window that hides it, optimizer step) are rounded apart: three more.
     slack = (lay.num_micro_batches - 1 + lay.pp + 3) * (max(len(l) for l in lay.stage_layers) + 1) / 2
-    if exact and objective - bound > slack:
+    if exact and objective - bound > slack + req.gap * objective:
         # A shape proven better than the plan returned means the solver and the evaluator
         # disagree on a cost; never call that optimal.
         log.warning("a shape's proven optimum (%d us) beats the plan returned (%d us): the CP-SAT model and the "
