@@ -286,36 +286,46 @@ def uniform_search(cm: CostModel, *, global_batch: int, space: SearchSpace = Sea
     model = cm.model
     result = UniformResult(best=None, best_eval=None, evaluated=0, wall_s=0.0)
     promising: list[tuple[float, tuple]] = []
+    # Every candidate with its work bound (``work_bound_s``), evaluated in the order of that
+    # bound: once it reaches the best plan found, no candidate left can beat it (nor any split
+    # of its blocks, nor any schedule), and the rest are skipped unevaluated.
+    candidates = []
     for stage_groups, tp, dp, mb, m in grid(cm, global_batch, space):
         if deadline is not None and time.perf_counter() > deadline:
             result.complete = False
             break
         if space.price_cap is not None and layout_price(stage_groups, dp * tp) > space.price_cap:
             continue
-        blocks = split_blocks(model.n_layers, len(stage_groups))
         for zero in zero_levels(space, global_batch, dp, mb, m):
             for recompute in space.recompute:
                 for sp in sp_choices(cm, tp, space):
                     choice = {role: choice_of(model, strategy(model, role, tp=tp, sp=sp, zero=zero, recompute=recompute))
                               for role in ("embed", "block", "head")}
-                    if result.best_eval is not None and (
-                            work_bound_s(cm, stage_groups, choice, dp=dp, micro_batch=mb, num_micro_batches=m)
-                            >= result.best_eval.step_time_s):
-                        result.skipped += 1
-                        continue
-                    ev = evaluate_counts(cm, list(zip(stage_groups, stage_counts(choice, blocks))), dp=dp, tp=tp,
-                                         micro_batch=mb, num_micro_batches=m)
-                    result.evaluated += 1
-                    lazy = (stage_groups, blocks, tp, dp, mb, m, sp, zero, recompute)
-                    if len(stage_groups) > 1:
-                        promising.append((_penalised(ev), lazy))
-                        if ev.fits:
-                            result.pipelined.append((ev.step_time_s, lazy))
-                    if ev.fits:
-                        if result.best_eval is None or ev.step_time_s < result.best_eval.step_time_s:
-                            result.best, result.best_eval = lazy, ev
-                    elif result.closest_eval is None or ev.peak_over_capacity < result.closest_eval.peak_over_capacity:
-                        result.closest, result.closest_eval = lazy, ev
+                    bound = work_bound_s(cm, stage_groups, choice, dp=dp, micro_batch=mb, num_micro_batches=m)
+                    candidates.append((bound, len(candidates), (stage_groups, tp, dp, mb, m, sp, zero, recompute),
+                                       choice))
+    candidates.sort(key=lambda c: c[:2])
+    for i, (bound, _, (stage_groups, tp, dp, mb, m, sp, zero, recompute), choice) in enumerate(candidates):
+        if deadline is not None and time.perf_counter() > deadline:
+            result.complete = False
+            break
+        if result.best_eval is not None and bound >= result.best_eval.step_time_s:
+            result.skipped += len(candidates) - i
+            break
+        blocks = split_blocks(model.n_layers, len(stage_groups))
+        ev = evaluate_counts(cm, list(zip(stage_groups, stage_counts(choice, blocks))), dp=dp, tp=tp,
+                             micro_batch=mb, num_micro_batches=m)
+        result.evaluated += 1
+        lazy = (stage_groups, blocks, tp, dp, mb, m, sp, zero, recompute)
+        if len(stage_groups) > 1:
+            promising.append((_penalised(ev), lazy))
+            if ev.fits:
+                result.pipelined.append((ev.step_time_s, lazy))
+        if ev.fits:
+            if result.best_eval is None or ev.step_time_s < result.best_eval.step_time_s:
+                result.best, result.best_eval = lazy, ev
+        elif result.closest_eval is None or ev.peak_over_capacity < result.closest_eval.peak_over_capacity:
+            result.closest, result.closest_eval = lazy, ev
     promising.sort(key=lambda t: t[0])
     result.pipelined = sorted(result.pipelined, key=lambda t: t[0])[:PIPELINED_KEPT]
     for _, lazy in promising[:REBALANCED]:
