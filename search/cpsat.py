@@ -57,7 +57,7 @@ from partita.search.cpsat_fit import StageFit
 from partita.search.cpsat_model import PlanModel
 # The problem's names, where the planner's callers and tests have always found them.
 from partita.search.cpsat_problem import (NEVER, LayerTable, Problem, Shape, build_problem, edge_levels,  # noqa: F401
-                                         memory_infeasible, shapes, strategies_for)
+                                         memory_infeasible, shape_bound_us, shapes, strategies_for)
 from partita.search.evaluate import Evaluation, evaluate_layout
 from partita.search.uniform import Layout, UniformResult, batch_shares, infeasible_error
 from partita.units import to_us
@@ -150,20 +150,6 @@ def solve_plan(cm: CostModel, req, uniform: UniformResult, *, deadline: float, w
     best = Incumbent(warm[0], warm[1], to_us(warm[1].step_time_s)) if warm else None
     uniform_us = to_us(uniform.best_eval.step_time_s) if uniform.best_eval is not None else 0
     results: list[ShapeResult] = []
-    problems = []
-    for shape in shapes(cm, req.global_batch, req.space):
-        if time.perf_counter() > deadline:  # not built: nothing known about the shape
-            results.append(ShapeResult(shape, "unknown", 0))
-            continue
-        p = build_problem(cm, shape, req.space)
-        if p is not None:
-            problems.append(p)
-    candidates = len(problems)
-    # Shapes first, whole; a shape is split by ZeRO edge (``edge_levels``) when it comes up to
-    # be solved, so only shapes that survive the cheap bounds pay for their subproblems.
-    problems.sort(key=lambda p: p.lower_bound_us)
-    fits: dict[tuple, StageFit] = {}
-    curves: dict[Shape, dict] = {}  # whole-block curves, shared by a shape's subproblems
 
     def target() -> int:
         """What a shape must beat to be worth solving: the incumbent, less the gap the request
@@ -173,6 +159,27 @@ def solve_plan(cm: CostModel, req, uniform: UniformResult, *, deadline: float, w
             return best.us
         # From the plan's own (evaluated) step time, which the reported gap is relative to.
         return min(best.us, math.ceil(to_us(best.evaluation.step_time_s) * (1 - req.gap)))
+
+    problems, candidates = [], 0
+    for shape in shapes(cm, req.global_batch, req.space):
+        if time.perf_counter() > deadline:  # not built: nothing known about the shape
+            results.append(ShapeResult(shape, "unknown", 0))
+            continue
+        bound = shape_bound_us(cm, shape, req.space)
+        if bound is None:
+            continue  # no group hosts it
+        candidates += 1
+        if best is not None and bound >= target():  # its tables are not worth building
+            results.append(ShapeResult(shape, "pruned", bound))
+            continue
+        p = build_problem(cm, shape, req.space)
+        if p is not None:
+            problems.append(p)
+    # Shapes first, whole; a shape is split by ZeRO edge (``edge_levels``) when it comes up to
+    # be solved, so only shapes that survive the cheap bounds pay for their subproblems.
+    problems.sort(key=lambda p: p.lower_bound_us)
+    fits: dict[tuple, StageFit] = {}
+    curves: dict[Shape, dict] = {}  # whole-block curves, shared by a shape's subproblems
 
     def still_open(p: Problem) -> bool:
         """Record shapes proven unable to fit or to beat the incumbent; keep the rest."""

@@ -204,9 +204,7 @@ def build_problem(cm: CostModel, shape: Shape, space: SearchSpace) -> Problem | 
     if not groups:
         return None
     per_group = tuple(g.size // shape.stage_size for g in groups)
-    slots = min(sum(per_group), max_stages(cm, shape.num_micro_batches))
-    if space.pipeline:
-        slots = min(slots, max(space.pipeline))
+    slots = _slots(cm, shape, space, per_group)
     block = layer_table(cm, "block", shape, groups, space)
     embed = layer_table(cm, "embed", shape, groups, space)
     head = layer_table(cm, "head", shape, groups, space)
@@ -293,6 +291,31 @@ def _stage_extra_bytes(cm: CostModel, shape: Shape, groups: Sequence[NodeGroup],
 def _p2p_us(cm: CostModel, a: NodeGroup, b: NodeGroup, shape: Shape) -> int:
     """One side of the boundary between a stage on ``a`` and the next on ``b`` (each side pays it)."""
     return to_us(boundary_s(cm, a, b, dp=shape.dp, tp=shape.tp, micro_batch=shape.micro_batch))
+
+
+def _slots(cm: CostModel, shape: Shape, space: SearchSpace, per_group: Sequence[int]) -> int:
+    """The most stages a plan of this shape can have: its groups' room, the micro-batches (1F1B
+    needs one per stage) and ``--pp``."""
+    slots = min(sum(per_group), max_stages(cm, shape.num_micro_batches))
+    return min(slots, max(space.pipeline)) if space.pipeline else slots
+
+
+def shape_bound_us(cm: CostModel, shape: Shape, space: SearchSpace) -> int | None:
+    """The shape's ``Problem.lower_bound_us`` from the layers' times alone, without building its
+    tables (their memory columns are most of the work): the same number, since the table keeps
+    every choice of least time. None if no group hosts the shape."""
+    groups = tuple(g for g in cm.cluster.groups if hosts(g, shape.stage_size, shape.tp))
+    if not groups:
+        return None
+    slots = _slots(cm, shape, space, tuple(g.size // shape.stage_size for g in groups))
+
+    def least(role: str) -> int:
+        return min(to_us(cm.layer_time(role, g, s, dp=shape.dp, micro_batch=shape.micro_batch).total_s)
+                   for g in groups for s in strategies_for(cm, role, shape, space))
+
+    work = cm.model.n_layers * least("block") + least("embed") + least("head")
+    m = shape.num_micro_batches
+    return int(math.floor(work * (m - 1 + slots) / slots))
 
 
 def _lower_bound_us(cm: CostModel, shape: Shape, block: LayerTable, embed: LayerTable, head: LayerTable,

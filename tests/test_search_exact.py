@@ -108,3 +108,22 @@ def test_a_requested_gap_bounds_the_plan_returned():
         assert exact.solver.objective_us <= r.objective_us <= exact.solver.objective_us / (1 - gap) + 1
         assert r.bound_us <= exact.solver.objective_us and r.gap <= gap + 1e-6
         assert r.status == ("optimal" if r.objective_us == exact.solver.objective_us and r.gap == 0 else "feasible")
+
+
+def test_a_shapes_bound_before_its_tables_is_the_bound_its_tables_give():
+    """solve_plan prunes shapes by ``shape_bound_us`` before building their tables: it must be
+    the same bound the built problem states (so pruning early changes nothing)."""
+    from partita.search import cpsat
+    from partita.search.uniform import SearchSpace
+
+    model = load_model("llama-2-7b")
+    cm = CostModel(model, parse_short("1x8xH100+2x8xA100-40GB"), seq_len=model.seq_len)
+    checked = 0
+    for shape in cpsat.shapes(cm, 64, SearchSpace()):
+        p = cpsat.build_problem(cm, shape, SearchSpace())
+        bound = cpsat.shape_bound_us(cm, shape, SearchSpace())
+        assert (p is None) == (bound is None)
+        if p is not None:
+            assert bound == p.lower_bound_us, shape
+            checked += 1
+    assert checked > 10
