@@ -75,15 +75,19 @@ def _check_degrees(plan: Plan) -> None:
                                f"{plan.dp} x {plan.tp} = {plan.dp * plan.tp}")
 
 
+def _one_per_replica(plan: Plan, values: tuple[int, ...], key: str, what: str) -> None:
+    if len(values) != plan.dp:
+        raise PartitaError(f"{key} {list(values)} lists {len(values)} replicas, but dp is {plan.dp}; give one {what} "
+                           f"per data-parallel replica")
+
+
 def _check_micro_batch_sizes(plan: Plan) -> None:
     """Replicas of different micro-batch sizes (``Plan.micro_batch_sizes``): one size per
     replica, the largest is ``micro_batch``, and the replicas' rows make up the global batch."""
     sizes = plan.micro_batch_sizes
     if not sizes:
         return
-    if len(sizes) != plan.dp:
-        raise PartitaError(f"micro_batch_sizes {list(sizes)} lists {len(sizes)} replicas, but dp is {plan.dp}; give "
-                           f"one micro-batch size per data-parallel replica")
+    _one_per_replica(plan, sizes, "micro_batch_sizes", "micro-batch size")
     if plan.micro_batch != max(sizes):
         raise PartitaError(f"micro_batch {plan.micro_batch} must be the largest of micro_batch_sizes {list(sizes)} "
                            f"({max(sizes)}): the slowest replica's size, which the memory plan is for")
@@ -103,12 +107,8 @@ def _check_batch_shares(plan: Plan) -> None:
     shares = plan.batch_shares
     if not shares:
         return
-    if len(shares) != plan.dp:
-        raise PartitaError(f"batch_shares {list(shares)} lists {len(shares)} replicas, but dp is {plan.dp}; give one "
-                           f"micro-batch count per data-parallel replica")
-    if plan.micro_batch_sizes:
-        pass  # the rows are checked with the sizes
-    elif plan.global_batch != plan.micro_batch * sum(shares):
+    _one_per_replica(plan, shares, "batch_shares", "micro-batch count")
+    if not plan.micro_batch_sizes and plan.global_batch != plan.micro_batch * sum(shares):  # (with sizes: checked there)
         whole, rest = divmod(plan.global_batch, plan.micro_batch)
         fix = (f"make the shares add up to {whole} micro-batches" if not rest else
                "global_batch must be a multiple of micro_batch")

@@ -216,6 +216,20 @@ def all_to_all_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: 
 # ---- the model's layers under context parallelism -------------------------------------------
 
 
+def _shard_qkv(attn: Attention, x: torch.Tensor, layout: str) -> tuple[torch.Tensor, ...]:
+    """q, k, v of a sequence shard ([b, s/cp, heads, head_dim]), rotary at the shard's global
+    positions in ``layout``."""
+    b, s_local, _ = x.shape
+    q = attn.wq(x).view(b, s_local, -1, attn.head_dim)
+    k = attn.wk(x).view(b, s_local, -1, attn.head_dim)
+    v = attn.wv(x).view(b, s_local, -1, attn.head_dim)
+    if attn.rope_theta is not None:
+        cp, index = dist.get_world_size(attn.cp_group), dist.get_rank(attn.cp_group)
+        positions = shard_positions(s_local * cp, cp, index, layout, device=x.device)
+        q, k = rotary_at(q, positions, attn.rope_theta), rotary_at(k, positions, attn.rope_theta)
+    return q, k, v
+
+
 class AllToAllAttention(Attention):
     """``Attention`` on a sequence shard: rotary at the shard's global positions, then
     ``all_to_all_attention``. Same parameters and names as ``Attention`` (a class swap, made by
@@ -226,13 +240,7 @@ class AllToAllAttention(Attention):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s_local, _ = x.shape
-        q = self.wq(x).view(b, s_local, -1, self.head_dim)
-        k = self.wk(x).view(b, s_local, -1, self.head_dim)
-        v = self.wv(x).view(b, s_local, -1, self.head_dim)
-        if self.rope_theta is not None:
-            cp, index = dist.get_world_size(self.cp_group), dist.get_rank(self.cp_group)
-            positions = shard_positions(s_local * cp, cp, index, self.cp_layout, device=x.device)
-            q, k = rotary_at(q, positions, self.rope_theta), rotary_at(k, positions, self.rope_theta)
+        q, k, v = _shard_qkv(self, x, self.cp_layout)
         out = all_to_all_attention(q, k, v, self.cp_group, layout=self.cp_layout)
         return self.wo(out.reshape(b, s_local, -1))
 
@@ -290,13 +298,7 @@ class RingAttention(Attention):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s_local, _ = x.shape
-        q = self.wq(x).view(b, s_local, -1, self.head_dim)
-        k = self.wk(x).view(b, s_local, -1, self.head_dim)
-        v = self.wv(x).view(b, s_local, -1, self.head_dim)
-        if self.rope_theta is not None:
-            cp, index = dist.get_world_size(self.cp_group), dist.get_rank(self.cp_group)
-            positions = shard_positions(s_local * cp, cp, index, HEAD_TAIL, device=x.device)
-            q, k = rotary_at(q, positions, self.rope_theta), rotary_at(k, positions, self.rope_theta)
+        q, k, v = _shard_qkv(self, x, HEAD_TAIL)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if self.group > 1:
             k = k.repeat_interleave(self.group, dim=1)

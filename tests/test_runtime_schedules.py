@@ -19,6 +19,7 @@ torch = pytest.importorskip("torch")
 from partita.model import BUILTIN  # noqa: E402
 from partita.runtime.train import TrainConfig  # noqa: E402
 from runtime_helpers import interleaved, make_plan, run_parallel, run_reference  # noqa: E402
+from test_runtime_parallel import assert_same_training  # noqa: E402
 
 CFG = TrainConfig(steps=2, warmup_steps=1, lr=1e-3)
 SMALL = dataclasses.replace(BUILTIN["tiny-llama"], name="tiny-llama-4", n_layers=4)
@@ -41,27 +42,6 @@ PLANS = {
                                            per_layer={"layers.1": dict(zero=0), "head": dict(zero=0)}),
                                  [[2, 1], [1, 2]], "interleaved-zb"),
 }
-
-
-def run_reference_names(plan):
-    """The parameter names of one whole model (a tied head's weight is the embedding's)."""
-    from partita.model import ModelSpec
-    from partita.runtime.models import build_model
-
-    return dict(build_model(ModelSpec.from_dict(plan.model)).named_parameters())
-
-
-def assert_same_training(plan):
-    losses, params = run_parallel(plan, CFG)
-    if "head.output.weight" in params and "head.output.weight" not in run_reference_names(plan):
-        # a tied head on another stage than the embedding: its copy stays equal to the embedding
-        torch.testing.assert_close(params.pop("head.output.weight"), params["embed.tok.weight"], rtol=0, atol=0)
-    ref_losses, ref_params = run_reference(plan, CFG)
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-5)
-    assert set(params) == set(ref_params)
-    for name, ref in ref_params.items():
-        torch.testing.assert_close(params[name], ref, rtol=1e-4, atol=5e-5, msg=lambda m: f"{name}: {m}")
-    assert losses[-1] != losses[0]  # training moved
 
 
 @pytest.mark.parametrize("name", list(PLANS))
