@@ -744,6 +744,10 @@ def print_plan(p: Plan, notes: Sequence[str] = ()) -> None:
         line = f"search: {r.method}, {r.status}"
         if r.method == "cpsat":
             line += f", gap {100 * r.gap:.2f}% (bound {fmt_seconds(r.bound_us / 1e6)})"
+            if p.pp > 1 and p.schedule == "1f1b" and r.status == "optimal":
+                # CP-SAT's proof covers 1F1B plans; the other schedules are priced after it on the
+                # uniform grid's candidates (docs/search.md), not proven.
+                line += " among 1F1B plans"
             if r.uniform_objective_us:
                 gain = r.uniform_objective_us / r.objective_us if r.objective_us else 1.0
                 line += f"; {gain:.3f}x the best uniform plan ({fmt_seconds(r.uniform_objective_us / 1e6)})"
