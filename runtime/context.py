@@ -44,11 +44,12 @@ from typing import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from partita.errors import PartitaError
-from partita.runtime.models import Attention, Embed, _rotary, causal_attention
+from partita.runtime.models import Attention, Embed
 
 CONTIGUOUS, HEAD_TAIL = "contiguous", "head_tail"
 LAYOUTS = (CONTIGUOUS, HEAD_TAIL)
@@ -124,9 +125,16 @@ def to_shard_order(x: torch.Tensor, cp: int, layout: str) -> torch.Tensor:
 
 
 def rotary_at(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary embedding of [b, s, heads, head_dim] at the given positions [s] (the model's own,
-    ``partita.runtime.models._rotary``)."""
-    return _rotary(x, theta, positions)
+    """Rotary embedding of [b, s, heads, head_dim] at the given positions [s]: the arithmetic
+    of ``partita.runtime.models._rotary``, which is this at positions 0..s-1."""
+    head_dim = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=x.device, dtype=torch.float32) / head_dim))
+    angles = torch.outer(positions.to(device=x.device, dtype=torch.float32), inv_freq)
+    cos = torch.cat((angles.cos(), angles.cos()), dim=-1)[None, :, None, :].to(x.dtype)
+    sin = torch.cat((angles.sin(), angles.sin()), dim=-1)[None, :, None, :].to(x.dtype)
+    half = head_dim // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
 
 
 # ---- the all-to-all --------------------------------------------------------------------------
@@ -197,8 +205,12 @@ def all_to_all_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: 
         raise PartitaError(f"all-to-all context parallelism: this rank holds {heads} heads and {kv_heads} kv heads, "
                            f"not divisible by cp {size}; choose cp x tp dividing the model's heads and kv heads")
     check_sequence(q.shape[1] * size, size, layout)
-    q, k, v = (to_global_order(seq_to_heads(t, group), size, layout) for t in (q, k, v))
-    return heads_to_seq(to_shard_order(causal_attention(q, k, v), size, layout), group)
+    q, k, v = (to_global_order(seq_to_heads(t, group), size, layout).transpose(1, 2) for t in (q, k, v))
+    if heads != kv_heads:  # as the model does: kv heads repeated for their query heads
+        k = k.repeat_interleave(heads // kv_heads, dim=1)
+        v = v.repeat_interleave(heads // kv_heads, dim=1)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return heads_to_seq(to_shard_order(out.transpose(1, 2), size, layout), group)
 
 
 # ---- the model's layers under context parallelism -------------------------------------------
@@ -207,8 +219,15 @@ def all_to_all_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: 
 def _shard_qkv(attn: Attention, x: torch.Tensor, layout: str) -> tuple[torch.Tensor, ...]:
     """q, k, v of a sequence shard ([b, s/cp, heads, head_dim]), rotary at the shard's global
     positions in ``layout``."""
-    cp, index = dist.get_world_size(attn.cp_group), dist.get_rank(attn.cp_group)
-    return attn.project(x, shard_positions(x.shape[1] * cp, cp, index, layout, device=x.device))
+    b, s_local, _ = x.shape
+    q = attn.wq(x).view(b, s_local, -1, attn.head_dim)
+    k = attn.wk(x).view(b, s_local, -1, attn.head_dim)
+    v = attn.wv(x).view(b, s_local, -1, attn.head_dim)
+    if attn.rope_theta is not None:
+        cp, index = dist.get_world_size(attn.cp_group), dist.get_rank(attn.cp_group)
+        positions = shard_positions(s_local * cp, cp, index, layout, device=x.device)
+        q, k = rotary_at(q, positions, attn.rope_theta), rotary_at(k, positions, attn.rope_theta)
+    return q, k, v
 
 
 class AllToAllAttention(Attention):
@@ -246,16 +265,6 @@ def _swap(module: nn.Module, cls: type, group: dist.ProcessGroup, layout: str) -
     module.cp_layout = layout
 
 
-def _swap_all(model: nn.Module, attention: type, group: dist.ProcessGroup, layout: str) -> nn.Module:
-    """Every attention of ``model`` to ``attention``, every (gpt2) embedding to ``ShardEmbed``."""
-    for module in model.modules():
-        if type(module) is Attention:
-            _swap(module, attention, group, layout)
-        elif type(module) is Embed:
-            _swap(module, ShardEmbed, group, layout)
-    return model
-
-
 def apply_all_to_all(model: nn.Module, cp: DeviceMesh | dist.ProcessGroup, *, tp: int = 1,
                      layout: str = CONTIGUOUS) -> nn.Module:
     """All-to-all context parallelism on every attention (and gpt2 position table) ``model``
@@ -268,7 +277,12 @@ def apply_all_to_all(model: nn.Module, cp: DeviceMesh | dist.ProcessGroup, *, tp
     spec = getattr(model, "spec", None)
     if spec is not None:
         check_all_to_all(spec.heads, spec.kv_heads, cp=size, tp=tp)
-    return _swap_all(model, AllToAllAttention, group, layout)
+    for module in model.modules():
+        if type(module) is Attention:
+            _swap(module, AllToAllAttention, group, layout)
+        elif type(module) is Embed:
+            _swap(module, ShardEmbed, group, layout)
+    return model
 
 
 # ---- ring attention (CUDA only) ---------------------------------------------------------------
@@ -284,7 +298,13 @@ class RingAttention(Attention):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s_local, _ = x.shape
-        return self.wo(causal_attention(*_shard_qkv(self, x, HEAD_TAIL)).reshape(b, s_local, -1))
+        q, k, v = _shard_qkv(self, x, HEAD_TAIL)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if self.group > 1:
+            k = k.repeat_interleave(self.group, dim=1)
+            v = v.repeat_interleave(self.group, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, s_local, -1))
 
 
 def check_ring_device(device_type: str) -> None:
@@ -299,7 +319,12 @@ def apply_ring(model: nn.Module, cp_mesh: DeviceMesh) -> nn.Module:
     step must then run inside ``ring_attention``, which shards its batch head_tail."""
     check_ring_device(cp_mesh.device_type)
     group = _group(cp_mesh)
-    return _swap_all(model, RingAttention, group, HEAD_TAIL)
+    for module in model.modules():
+        if type(module) is Attention:
+            _swap(module, RingAttention, group, HEAD_TAIL)
+        elif type(module) is Embed:
+            _swap(module, ShardEmbed, group, HEAD_TAIL)
+    return model
 
 
 @contextmanager

@@ -49,14 +49,11 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
-def _rotary(x: torch.Tensor, theta: float, positions: torch.Tensor | None = None) -> torch.Tensor:
-    """Rotary position embedding on [b, s, heads, head_dim], rotating the two halves, at the
-    given positions [s] (by default 0..s-1; a context-parallel shard gives its global ones)."""
+def _rotary(x: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary position embedding on [b, s, heads, head_dim], rotating the two halves."""
     seq, head_dim = x.shape[1], x.shape[-1]
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=x.device, dtype=torch.float32) / head_dim))
-    if positions is None:
-        positions = torch.arange(seq, device=x.device)
-    angles = torch.outer(positions.to(device=x.device, dtype=torch.float32), inv_freq)
+    angles = torch.outer(torch.arange(seq, device=x.device, dtype=torch.float32), inv_freq)
     cos = torch.cat((angles.cos(), angles.cos()), dim=-1)[None, :, None, :].to(x.dtype)
     sin = torch.cat((angles.sin(), angles.sin()), dim=-1)[None, :, None, :].to(x.dtype)
     half = head_dim // 2
@@ -79,32 +76,20 @@ class Attention(nn.Module):
         self.wv = nn.Linear(hidden, kv_heads * head_dim, bias=bias, **kw)
         self.wo = nn.Linear(heads * head_dim, hidden, bias=out_bias, **kw)
 
-    def project(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
-        """q, k, v [b, s, heads, head_dim], rotary at ``positions`` (``_rotary``)."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds a slice of the heads.
         q = self.wq(x).view(b, s, -1, self.head_dim)
         k = self.wk(x).view(b, s, -1, self.head_dim)
         v = self.wv(x).view(b, s, -1, self.head_dim)
         if self.rope_theta is not None:
-            q, k = _rotary(q, self.rope_theta, positions), _rotary(k, self.rope_theta, positions)
-        return q, k, v
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        return self.wo(causal_attention(*self.project(x)).reshape(b, s, -1))
-
-
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal SDPA of q [b, s, H, d] with k, v [b, s, KV, d] (each kv head repeated for its
-    H / KV query heads) -> [b, s, H, d]. SDPA is looked up on ``F`` at call time (torch's
-    ``context_parallel`` patches it)."""
-    heads, kv_heads = q.shape[2], k.shape[2]
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    if heads != kv_heads:
-        k = k.repeat_interleave(heads // kv_heads, dim=1)
-        v = v.repeat_interleave(heads // kv_heads, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+            q, k = _rotary(q, self.rope_theta), _rotary(k, self.rope_theta)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if self.group > 1:
+            k = k.repeat_interleave(self.group, dim=1)
+            v = v.repeat_interleave(self.group, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
 class SwiGLU(nn.Module):
