@@ -168,6 +168,13 @@ def build_parser(with_torch_commands: bool = False) -> argparse.ArgumentParser:
     plan.add_argument("--memory-margin", type=_memory_margin, default=None, metavar="M",
                       help="memory to keep free on every device: GiB (4) or a fraction of the device (0.1)")
     plan.add_argument("--tp", type=_int_list, help="allowed tensor-parallel degrees, e.g. 4,8 (default: any that fits)")
+    plan.add_argument("--cp", type=_int_list,
+                      help="context-parallel degrees to search, e.g. 1,4,8: each sequence split over cp devices "
+                           "of a node (default: 1, and for sequences of 16384 tokens or more every degree that "
+                           "divides the node; 1 alone turns it off)")
+    plan.add_argument("--cp-variant", choices=("all_to_all", "ring"), default=None,
+                      help="context parallelism's attention: all_to_all (Ulysses; heads and kv heads divisible by "
+                           "cp x tp) or ring (CUDA only); default: all_to_all where the heads allow it, else ring")
     plan.add_argument("--pp", type=_int_list, help="allowed pipeline degrees, e.g. 1,2,4 (default: any)")
     plan.add_argument("--micro-batch", type=_int_list, help="allowed micro-batch sizes, e.g. 1,2 (default: any)")
     plan.add_argument("--zero", type=_int_list, help="allowed ZeRO levels, e.g. 1,3 (default: 0,1,2,3)")

@@ -70,7 +70,8 @@ def plan(args: argparse.Namespace) -> int:
     req = PlanRequest(model=model, cluster=with_margins(cluster, margins), seq_len=seq_len,
                       global_batch=global_batch, profiles=profiles, dtype=dtype, search=args.search,
                       time_limit_s=args.time_limit, gap=getattr(args, "gap", 0.0), workers=args.workers or 1,
-                      seed=args.seed or 0, space=space)
+                      seed=args.seed or 0, space=space, context_parallel=getattr(args, "cp", None) or (),
+                      cp_variant=getattr(args, "cp_variant", None))
     start = time.perf_counter()
     as_json = getattr(args, "json", False)
     alternatives: list[Plan] = []
@@ -419,7 +420,7 @@ def idle_devices_note(p: Plan, model: ModelSpec, cluster: ClusterSpec, *, cm: "C
                            f"than {most:,}")
         if used < most:
             proven = p.solver is not None and p.solver.status in ("optimal", "exhaustive")
-            unused = [g for g in cluster.groups if g.name not in {s.group for s in p.stages}]
+            unused = [g for g in cluster.groups if g.name not in {n for s in p.stages for n in s.groups}]
             left_out = (f"; the {', '.join(_group_text(g) for g in unused)} group{'s' if len(unused) > 1 else ''} "
                         f"{'are' if len(unused) > 1 else 'is'} not worth adding") if unused else ""
             reasons.append(f"{'no' if proven else 'the search found no'} plan on more {unit} (up to {most:,}) "
@@ -465,7 +466,7 @@ def available_cores() -> int:
 
 
 def cpu_oversubscription(p: Plan, cluster: ClusterSpec) -> str | None:
-    cpu_ranks = sum(len(s.ranks) for s in p.stages if cluster.group(s.group).device_type.is_cpu)
+    cpu_ranks = sum(1 for _, name in p.rank_groups() if cluster.group(name).device_type.is_cpu)
     cores = available_cores()
     if cpu_ranks <= cores:
         return None
@@ -693,6 +694,33 @@ def batch_text(p: Plan) -> str:
     return f"{p.dp} x micro-batch {p.micro_batch} x {p.num_micro_batches} micro-batches"
 
 
+def replica_text(p: Plan) -> str:
+    """Replicas on different device types: each kind's count and share of the batch, one line
+    ("replicas: 16 on h100 (H100) x 2 micro-batches of 24 = 768 sequences, ..."); empty otherwise."""
+    if not p.mixed_replicas:
+        return ""
+    groups = {g["name"]: g.get("device", "?") for g in p.cluster.get("groups", [])}
+    counts, sizes = p.replica_micro_batches(), p.replica_micro_batch_sizes()
+    kinds: dict[tuple, int] = {}
+    for d in range(p.dp):
+        key = (p.replica_path(d), counts[d], sizes[d])
+        kinds[key] = kinds.get(key, 0) + 1
+    parts = []
+    for (path, count, size), n in kinds.items():
+        where = " -> ".join(dict.fromkeys(f"{g} ({groups.get(g, '?')})" for g in path))
+        parts.append(f"{n} on {where} x {count} micro-batch{'es' if count > 1 else ''} of {size} = {n * count * size} "
+                     f"sequences")
+    return "replicas: " + "; ".join(parts)
+
+
+def _stage_devices_text(p: Plan, s) -> str:
+    """'8x H100 (h100)', or per group for a stage whose replicas sit on several."""
+    if not s.replica_groups:
+        return f"{len(s.ranks)}x {s.device} ({s.group})"
+    devices = {g["name"]: g.get("device", "?") for g in p.cluster.get("groups", [])}
+    return " + ".join(f"{s.replica_groups.count(g) * p.tp}x {devices.get(g, '?')} ({g})" for g in s.groups)
+
+
 def bubble_text(p: Plan) -> str:
     """The pipeline bubble's share of the predicted step, for the summary line of a pipelined
     plan ("; bubble 6.2% of the step"); empty without a pipeline or a prediction."""
@@ -704,11 +732,14 @@ def bubble_text(p: Plan) -> str:
 
 def print_plan(p: Plan, notes: Sequence[str] = ()) -> None:
     name = p.model.get("name", "?")
+    cp = f" x cp {p.cp} ({p.cp_variant.replace('_', '-')})" if p.cp > 1 else ""
     console.print(f"[bold]{name}[/bold] on [bold]{p.cluster.get('name', '?')}[/bold]: "
-                  f"{p.world_size} ranks = dp {p.dp} x tp {p.tp} x pp {p.pp}; seq {p.seq_len}, global batch "
+                  f"{p.world_size} ranks = dp {p.dp}{cp} x tp {p.tp} x pp {p.pp}; seq {p.seq_len}, global batch "
                   f"{p.global_batch} = {batch_text(p)}; "
                   f"{p.dtype}, {p.schedule}" + (f" with {p.virtual_stages} virtual stages per rank"
                                                  if p.virtual_stages > 1 else "") + bubble_text(p))
+    if replica_text(p):
+        console.print(replica_text(p))
     for note in notes:
         console.print(note)
     t = Table(show_lines=True)
@@ -726,7 +757,7 @@ def print_plan(p: Plan, notes: Sequence[str] = ()) -> None:
         # Under an interleaved schedule, one paragraph per virtual stage.
         choices = "\n".join(f"virtual stage {p.virtual_stage_index(s.index, c)}:\n  " + "\n  ".join(_runs(chunk)) if s.chunks
                             else "\n".join(_runs(chunk)) for c, chunk in enumerate(s.chunk_layers()))
-        t.add_row(str(s.index), f"{len(s.ranks)}x {s.device} ({s.group})", ranks, f"{blocks} blocks",
+        t.add_row(str(s.index), _stage_devices_text(p, s), ranks, f"{blocks} blocks",
                   choices,
                   fmt_seconds(pred.stage_time_s[s.index]) if pred else "", mem)
     console.print(t)
@@ -755,6 +786,40 @@ def print_plan(p: Plan, notes: Sequence[str] = ()) -> None:
             line += f", {r.candidates} candidates"
         line += f"; {r.wall_s:.2f} s"
         console.print(line)
+        for text in context_parallel_lines(p):
+            console.print(text)
+
+
+def context_parallel_lines(p: Plan) -> list[str]:
+    """Why the plan's context-parallel degree: every degree searched, its best plan's step time,
+    tensor-parallel degree and recomputed blocks (what memory forced), against the one chosen."""
+    options = p.solver.context_parallel if p.solver is not None else ()
+    if not options:
+        return []
+    blocks = sum(1 for l in p.layer_strategies() if l.name.startswith("layers."))
+    chosen = next((o for o in options if o.cp == p.cp and o.variant == p.cp_variant), None)
+    parts = []
+    for o in options:
+        name = f"cp {o.cp}" + (f" {o.variant.replace('_', '-')}" if o.cp > 1 else "")
+        if not o.fits:
+            parts.append(f"{name}: {'no plan fits' if o.status == 'infeasible' else 'none found in time'}")
+            continue
+        ratio = f", {o.objective_us / chosen.objective_us:.2f}x" if chosen and o is not chosen else ""
+        parts.append(f"{name}: {fmt_seconds(o.objective_us / 1e6)} (tp {o.tp}, {o.recomputed_blocks}/{blocks} blocks "
+                     f"recomputed{ratio})")
+    lines = ["context parallelism: " + "; ".join(parts)]
+    base = next((o for o in options if o.cp == 1), None)
+    if p.cp > 1 and base is not None:
+        tokens = f"each device holds {p.seq_len // p.cp} of the {p.seq_len} tokens of a sequence"
+        if not base.fits:
+            lines.append(f"  cp {p.cp} chosen for memory: without context parallelism no plan fits; {tokens}")
+        elif chosen is not None:
+            why = ("for memory: " if chosen.recomputed_blocks < base.recomputed_blocks or chosen.tp < base.tp else "")
+            lines.append(f"  cp {p.cp} chosen {why}{tokens}, so it recomputes {chosen.recomputed_blocks} blocks at tp "
+                         f"{chosen.tp} where cp 1 recomputes {base.recomputed_blocks} at tp {base.tp}")
+    elif p.cp == 1 and len(options) > 1:
+        lines.append("  cp 1 chosen: no context-parallel plan is faster")
+    return lines
 
 
 def print_memory(p: Plan) -> None:

@@ -197,6 +197,10 @@ def export_plan(plan: Plan, target: str, *, profiles: Sequence = ()) -> Export:
     from partita.search.planner import attach_prediction
 
     mod = target_module(target)
+    if plan.mixed_replicas:
+        raise PartitaError(f"--to {target}: the plan's data-parallel replicas sit on different device types "
+                           f"(replica_groups); {target} runs every replica alike, so export a plan for one node "
+                           f"group (partita plan --cluster with that group alone)")
     if len(set(plan.batch_shares)) > 1:
         raise PartitaError(f"--to {target}: the plan gives its data-parallel replicas uneven batch shares "
                            f"{list(plan.batch_shares)}; {target} runs one micro-batch count on every replica, so "

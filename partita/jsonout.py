@@ -37,7 +37,7 @@ def plan_summary(p: Plan) -> dict[str, Any]:
     pred = p.prediction
     return {"dp": p.dp, "tp": p.tp, "pp": p.pp, "micro_batch": p.micro_batch,
             "num_micro_batches": p.num_micro_batches, "world_size": p.world_size,
-            "groups": [s.group for s in p.stages],
+            "groups": ["+".join(s.groups) for s in p.stages],
             "blocks_per_stage": [sum(1 for l in s.layers if l.name.startswith("layers.")) for s in p.stages],
             "step_time_s": pred.step_time_s if pred else None, "tokens_per_s": pred.tokens_per_s if pred else None,
             "mfu": pred.mfu if pred else None,

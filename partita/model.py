@@ -192,6 +192,29 @@ class LayerKind:
             flops += 2.0 * 2.0 * seq_len * self.heads * self.head_dim
         return flops
 
+    def cp_divides(self, cp: int, *, tp: int = 1, variant: str = "all_to_all", seq_len: int) -> str | None:
+        """Why context parallelism of degree ``cp`` (``variant`` "all_to_all" or "ring") cannot
+        run this kind at tensor-parallel degree ``tp`` on ``seq_len`` tokens, or None if it can.
+        Every layer needs equal sequence shards; a block under all-to-all gives each of the
+        cp x tp ranks whole query and kv heads, and under the ring the head-tail load balancing
+        cuts the sequence into 2 x cp equal chunks (docs/context-parallel.md). The one copy the
+        validator, the search and the runtime share."""
+        if cp < 1:
+            return f"context-parallel degree must be >= 1, got {cp}"
+        if seq_len % cp:
+            return f"sequence length {seq_len} is not divisible by context-parallel degree {cp}"
+        if cp == 1 or self.role != "block":
+            return None
+        if variant == "all_to_all":
+            for what, n in (("heads", self.heads), ("kv_heads", self.kv_heads)):
+                if n % (cp * tp):
+                    return (f"all-to-all context parallelism needs {what} ({n}) divisible by cp x tp = {cp} x {tp} = "
+                            f"{cp * tp}")
+            return None
+        if seq_len % (2 * cp):
+            return f"ring attention needs the sequence length ({seq_len}) divisible by 2 x cp = {2 * cp}"
+        return None
+
     def tp_divides(self, tp: int) -> str | None:
         """Why this kind cannot be split ``tp`` ways, or None if it can."""
         if tp == 1:

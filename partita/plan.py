@@ -4,9 +4,17 @@ A plan is versioned YAML that a person can read and write by hand; the search pr
 same type. It speaks the runtime's words: module names (``embed``, ``layers.3``, ``head``),
 named mesh dimensions (``pp``, ``dp``, ``tp``) and named per-layer choices.
 
-Mesh layout. Every stage has ``dp * tp`` ranks, listed dp-major: the rank at data-parallel
-index ``d`` and tensor-parallel index ``t`` is ``stage.ranks[d * tp + t]``. Pipeline
-replica ``(d, t)`` runs through ``stages[s].ranks[d * tp + t]`` for s = 0..pp-1.
+Mesh layout. Every stage has ``dp * cp * tp`` ranks, listed dp-major, then context-parallel,
+then tensor-parallel: the rank at data-parallel index ``d``, context-parallel index ``c`` and
+tensor-parallel index ``t`` is ``stage.ranks[(d * cp + c) * tp + t]`` (tp innermost, cp next:
+Llama 3's order, so a cp group spans ``cp * tp`` consecutive ranks). Pipeline replica
+``(d, c, t)`` runs through ``stages[s].ranks[(d * cp + c) * tp + t]`` for s = 0..pp-1.
+
+Context parallelism (``cp``, ``cp_variant``). Each sequence is split over the ``cp`` ranks of a
+group (``docs/context-parallel.md``): "all_to_all" (Ulysses: heads and kv heads divisible by
+cp x tp) or "ring" (torch's ``context_parallel``, CUDA only: the sequence divisible by 2 x cp).
+Parameters are replicated over cp, so gradients and ZeRO shards span dp x cp ranks. Plans
+without the fields have cp 1.
 
 Per-layer choices (``LayerStrategy``):
   * ``tensor_parallel``: 1 (the layer is replicated across the stage's tensor group) or the
@@ -39,6 +47,12 @@ happens as often on each (any ZeRO level works), and 1024 sequences split over 8
 one micro-batch of 13 or 12 each. In general replica ``d`` trains on ``batch_shares[d] *
 micro_batch_sizes[d]`` rows (either list may be empty: the plan's count or size on every
 replica).
+
+Replicas on different device types. A stage's replicas may sit on different node groups:
+``Stage.replica_groups`` names the group of each replica, in dp-index order (``group`` is then
+the first replica's; empty: every replica on ``group``). Every replica runs the same layers with
+the same choices (so each layer's gradient is reduced over the same replicas); the replicas on
+the faster devices take the larger shares, and the step is the slowest replica's.
 """
 
 from __future__ import annotations
@@ -55,6 +69,7 @@ SCHEMA_VERSION = 1
 ZERO_LEVELS = (0, 1, 2, 3)
 RECOMPUTE = ("none", "selective", "full")  # ``LayerStrategy.recompute``, least recomputed first
 SCHEDULES = ("1f1b", "interleaved-1f1b", "interleaved-zb", "zbv")
+CP_VARIANTS = ("all_to_all", "ring")  # ``Plan.cp_variant``
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,10 +121,22 @@ class Stage:
     # Under an interleaved schedule the stage's ranks run v virtual stages: ``chunks`` gives how
     # many of ``layers`` (in order) each holds; empty: one stage, all of them.
     chunks: tuple[int, ...] = ()
+    # The node group of each data-parallel replica's ranks, in dp-index order, when they differ
+    # (``group`` is the first's); empty: every replica on ``group``.
+    replica_groups: tuple[str, ...] = ()
 
     @property
     def layer_names(self) -> list[str]:
         return [l.name for l in self.layers]
+
+    def replica_group(self, dp_index: int) -> str:
+        """The node group replica ``dp_index`` of this stage runs on."""
+        return self.replica_groups[dp_index] if self.replica_groups else self.group
+
+    @property
+    def groups(self) -> tuple[str, ...]:
+        """The node groups the stage's ranks are on, each once, in order of first use."""
+        return tuple(dict.fromkeys(self.replica_groups)) if self.replica_groups else (self.group,)
 
     def chunk_layers(self) -> list[tuple[LayerStrategy, ...]]:
         """The layers of each virtual stage this stage's ranks run, in order."""
@@ -126,6 +153,8 @@ class Stage:
              "ranks": list(self.ranks), "layers": [l.to_dict() for l in self.layers]}
         if self.chunks:
             d["chunks"] = list(self.chunks)
+        if self.replica_groups:
+            d["replica_groups"] = list(self.replica_groups)
         return d
 
     @classmethod
@@ -144,11 +173,15 @@ class Stage:
             raise PartitaError(f"{where}: chunks must be a list of positive layer counts, one per virtual stage")
         if chunks and sum(chunks) != len(layers):
             raise PartitaError(f"{where}: chunks {chunks} add up to {sum(chunks)} layers, the stage has {len(layers)}")
+        replica_groups = data.get("replica_groups") or []
+        if not isinstance(replica_groups, list) or not all(isinstance(g, str) and g for g in replica_groups):
+            raise PartitaError(f"{where}: replica_groups must be a list of node group names, one per data-parallel "
+                               f"replica")
         return cls(index=specio.get_int(data, "index", where, minimum=0),
                    group=specio.get_str(data, "group", where), device=specio.get_str(data, "device", where),
                    ranks=tuple(ranks),
                    layers=tuple(LayerStrategy.from_dict(l, f"{where}: layers[{i}]") for i, l in enumerate(layers)),
-                   chunks=tuple(chunks))
+                   chunks=tuple(chunks), replica_groups=tuple(replica_groups))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -230,6 +263,32 @@ class Prediction:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ContextOption:
+    """The best plan the search found at one context-parallel degree (``SolverReport.context_parallel``),
+    so a summary can say why the plan's cp was chosen."""
+
+    cp: int
+    variant: str  # one of CP_VARIANTS
+    fits: bool  # False: no plan at this degree fits (or none was found in time)
+    objective_us: int = 0  # its step time, integer microseconds (0 when nothing fits)
+    tp: int = 0
+    activations_bytes: int = 0  # its fullest device's activations
+    peak_bytes: int = 0  # its fullest device's peak
+    capacity_bytes: int = 0
+    recomputed_blocks: int = 0  # blocks that recompute (fully or selectively)
+    status: str = ""  # its search's status ("optimal", "feasible", "infeasible", "timeout")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> "ContextOption":
+        data = specio.require_mapping(data, where)
+        specio.check_keys(data, cls, where, required=("cp", "variant", "fits"))
+        return cls(**data)
+
+
+@dataclass(frozen=True, kw_only=True)
 class SolverReport:
     method: str  # "uniform" or "cpsat"
     status: str  # "optimal", "feasible" (time ran out), or "exhaustive" for the uniform grid
@@ -242,14 +301,27 @@ class SolverReport:
     ortools_version: str = ""
     uniform_objective_us: int = 0  # the best uniform plan's step time, for comparison
     candidates: int = 0  # plans the uniform grid evaluated
+    # The best plan at each context-parallel degree searched (``planner.make_plan``); empty when
+    # only cp 1 was (the field is then left out of the file).
+    context_parallel: tuple[ContextOption, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if self.context_parallel:
+            d["context_parallel"] = [o.to_dict() for o in self.context_parallel]
+        else:
+            del d["context_parallel"]
+        return d
 
     @classmethod
     def from_dict(cls, data: Any, where: str) -> "SolverReport":
-        data = specio.require_mapping(data, where)
+        data = dict(specio.require_mapping(data, where))
         specio.check_keys(data, cls, where, required=("method", "status", "objective_us", "bound_us", "gap", "wall_s"))
+        options = data.get("context_parallel") or []
+        if not isinstance(options, list):
+            raise PartitaError(f"{where}: context_parallel must be a list")
+        data["context_parallel"] = tuple(ContextOption.from_dict(o, f"{where}: context_parallel[{i}]")
+                                         for i, o in enumerate(options))
         return cls(**data)
 
 
@@ -272,6 +344,8 @@ class Plan:
     dp: int
     tp: int
     pp: int
+    cp: int = 1  # context-parallel degree: each sequence split over cp ranks (module docstring)
+    cp_variant: str = "all_to_all"  # one of CP_VARIANTS; meaningful when cp > 1
     schedule: str = "1f1b"
     stages: tuple[Stage, ...]
     prediction: Prediction | None = None
@@ -279,7 +353,7 @@ class Plan:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
 
     @property
     def ranks(self) -> list[int]:
@@ -309,6 +383,21 @@ class Plan:
     def replica_batch_rows(self) -> tuple[int, ...]:
         """How many rows (sequences) of the global batch each replica trains on."""
         return tuple(n * b for n, b in zip(self.replica_micro_batches(), self.replica_micro_batch_sizes()))
+
+    def replica_path(self, dp_index: int) -> tuple[str, ...]:
+        """The node group of each stage of replica ``dp_index``, in pipeline order."""
+        return tuple(s.replica_group(dp_index) for s in self.stages)
+
+    def rank_groups(self) -> list[tuple[int, str]]:
+        """Every rank of the plan with the node group it is on, stage by stage."""
+        width = self.cp * self.tp
+        return [(s.ranks[d * width + i], s.replica_group(d)) for s in self.stages for d in range(self.dp)
+                for i in range(width)]
+
+    @property
+    def mixed_replicas(self) -> bool:
+        """Do some stages' replicas sit on different node groups?"""
+        return any(s.replica_groups for s in self.stages)
 
     def replica_rows(self, dp_index: int) -> slice:
         """The rows of the global batch that replica ``dp_index`` trains on: its share, after
@@ -354,6 +443,8 @@ class Plan:
                 if not v:
                     continue  # equal shares: plans without the field read and write as before
                 v = list(v)
+            elif f.name in ("cp", "cp_variant") and self.cp == 1:
+                continue  # no context parallelism: plans read and write as before
             elif isinstance(v, Mapping):
                 v = dict(v)
             d[f.name] = v
@@ -377,6 +468,8 @@ class Plan:
             kwargs[key] = dict(specio.require_mapping(data[key], f"{where}: {key}"))
         kwargs["dtype"] = specio.get_str(data, "dtype", where, choices=("bf16", "fp16", "fp32"))
         kwargs["schedule"] = specio.get_str(data, "schedule", where, default="1f1b", choices=SCHEDULES)
+        kwargs["cp"] = specio.get_int(data, "cp", where, minimum=1, default=1)
+        kwargs["cp_variant"] = specio.get_str(data, "cp_variant", where, default="all_to_all", choices=CP_VARIANTS)
         kwargs["batch_shares"] = _batch_shares(data.get("batch_shares"), where)
         kwargs["micro_batch_sizes"] = _batch_shares(data.get("micro_batch_sizes"), where, "micro_batch_sizes",
                                                     "micro-batch sizes")

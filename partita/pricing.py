@@ -96,9 +96,9 @@ def training_cost(plan: Plan, cluster: ClusterSpec, tokens: int) -> TrainingCost
     hours = seconds / 3600
     used: dict[str, int] = {}
     price: dict[str, float | None] = {}
-    for s in plan.stages:
-        g = cluster.group(s.group)
-        used[g.device] = used.get(g.device, 0) + len(s.ranks)
+    for _, name in plan.rank_groups():
+        g = cluster.group(name)
+        used[g.device] = used.get(g.device, 0) + 1
         _merge_price(price, g.device, g.price)
     rows = tuple(DeviceHours(device=d, devices=n, gpu_hours=n * hours, price_per_gpu_hour=price[d],
                              cost_usd=None if price[d] is None else n * hours * price[d])

@@ -13,7 +13,8 @@ width it was sharded to, the micro-batch size and the sequence length. Comm entr
 An optional ``calibration`` block (``partita calibrate``, fitted on measured runs) holds the
 time constants the cost model prices analytic layers with on this device type: a scale on the
 analytic device time, the host's overhead per eager op, the compute slowdown while
-communication overlaps it, and the fixed per-step overhead; its ``runs`` and ``error`` say what
+communication overlaps it, the fixed per-step overhead and, on CPU ranks, the bandwidth at
+which passes over the weights stream; its ``runs`` and ``error`` say what
 it was fitted on and how well. Profiles without it load as before (and keep their fingerprint).
 """
 
@@ -29,7 +30,7 @@ from partita.errors import PartitaError
 from partita.model import LayerKind
 
 SCHEMA_VERSION = 1
-COMM_OPS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
+COMM_OPS = ("all_reduce", "all_gather", "reduce_scatter", "p2p", "all_to_all")
 LINK_CLASSES = ("nvlink", "pcie", "xgmi", "loopback", "network")
 
 
@@ -44,6 +45,8 @@ def bus_bytes(op: str, message_bytes: float, ranks: int) -> float:
     if op == "all_reduce":
         return 2.0 * (ranks - 1) / ranks * message_bytes
     if op in ("all_gather", "reduce_scatter"):
+        return (ranks - 1) / ranks * message_bytes
+    if op == "all_to_all":  # every rank keeps 1/ranks of its buffer and sends the rest (context parallelism)
         return (ranks - 1) / ranks * message_bytes
     raise PartitaError(f"unknown collective {op!r}; valid: {', '.join(COMM_OPS)}")
 
@@ -146,15 +149,23 @@ class Calibration:
     op_overhead_s: float  # host time per dispatched eager op
     overlap_slowdown: float  # compute slowdown while a collective overlaps it (0: none, 1: no overlap)
     step_overhead_s: float  # fixed per step: loss reduction, data, Python between micro-batches
-    fitted: tuple[str, ...] = ()  # which of the four were fitted to the runs (the others kept their default)
+    # CPU ranks: the bandwidth at which passes over the weights and the optimizer's state stream
+    # (``roofline.cpu_weight_stream_s``). None: a calibration from before the term (its other
+    # constants were fitted without it, so it prices as it did), or of a GPU (not used there).
+    # Absent from the file when None, so such profiles keep their fingerprint.
+    weight_stream_gbps: float | None = None
+    fitted: tuple[str, ...] = ()  # which constants were fitted to the runs (the others kept their default)
     runs: tuple[str, ...] = ()  # run ids fitted on
     error: float = 0.0  # median |predicted / measured - 1| over the fitted observations
 
     CONSTANTS = ("compute_scale", "op_overhead_s", "overlap_slowdown", "step_overhead_s")
+    OPTIONAL = ("weight_stream_gbps",)
 
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["fitted"], d["runs"] = list(self.fitted), list(self.runs)
+        if self.weight_stream_gbps is None:
+            del d["weight_stream_gbps"]
         return d
 
     @classmethod
@@ -164,10 +175,13 @@ class Calibration:
         values = {name: specio.get_float(data, name, where, strict_min=False) for name in cls.CONSTANTS}
         if values["compute_scale"] <= 0:
             raise PartitaError(f"{where}: compute_scale must be > 0, got {values['compute_scale']}")
+        if data.get("weight_stream_gbps") is not None:
+            values["weight_stream_gbps"] = specio.get_float(data, "weight_stream_gbps", where)
         fitted = data.get("fitted") or []
         runs = data.get("runs") or []
-        if not isinstance(fitted, list) or any(f not in cls.CONSTANTS for f in fitted):
-            raise PartitaError(f"{where}: fitted must list some of {', '.join(cls.CONSTANTS)}")
+        names = cls.CONSTANTS + cls.OPTIONAL
+        if not isinstance(fitted, list) or any(f not in names for f in fitted):
+            raise PartitaError(f"{where}: fitted must list some of {', '.join(names)}")
         if not isinstance(runs, list):
             raise PartitaError(f"{where}: runs must be a list of run ids")
         return cls(**values, fitted=tuple(fitted), runs=tuple(str(r) for r in runs),

@@ -638,7 +638,7 @@ def write_report(plan: Plan, cluster: "ClusterSpec", path: Path, *, source: str)
         f"<tr><td>stage {m.stage}</td>" + "".join(f"<td>{m.category_bytes()[c] / GiB:.2f}</td>" for c in used)
         + f"<td><b>{m.peak_bytes / GiB:.2f}</b></td><td>{m.capacity_bytes / GiB:.2f}</td></tr>" for m in pred.memory)
     stage_rows = "".join(
-        f"<tr><td>stage {s.index}</td><td>{e(s.group)}</td><td>{e(s.device)}</td><td>{_ranges(s.ranks)}</td>"
+        f"<tr><td>stage {s.index}</td><td>{e(' + '.join(s.groups))}</td><td>{e(s.device)}</td><td>{_ranges(s.ranks)}</td>"
         f"<td>{sum(1 for l in s.layers if l.name.startswith('layers.'))} blocks</td>"
         f"<td>{fmt_seconds(pred.stage_time_s[s.index])}</td></tr>" for s in plan.stages)
     group_rows = "".join(

@@ -19,8 +19,29 @@ def validate_plan(plan: Plan, model: ModelSpec, cluster: ClusterSpec) -> None:
     _check_batch_shares(plan)
     _check_ranks(plan, cluster)
     _check_layers(plan, model)
+    _check_context_parallel(plan, model, cluster)
     _check_dtype(plan, cluster)
     _check_runtime_limits(plan, model)
+
+
+def _check_context_parallel(plan: Plan, model: ModelSpec, cluster: ClusterSpec) -> None:
+    """Context parallelism: the limits of its variant for every layer (``LayerKind.cp_divides``),
+    the ring on CUDA ranks only, sequence parallelism on each rank's shard. (With replicas on
+    different node groups it is refused in ``_check_degrees``: not priced, not run.)"""
+    if plan.cp == 1:
+        return
+    for l in plan.layer_strategies():
+        why = model.kind_of(l.name).cp_divides(plan.cp, tp=l.tensor_parallel, variant=plan.cp_variant,
+                                               seq_len=plan.seq_len)
+        if why:
+            raise PartitaError(f"layer {l.name}: {why}; choose another cp (or cp_variant), or cp 1")
+    if plan.cp_variant == "ring" and any(cluster.group(s.group).device_type.is_cpu for s in plan.stages):
+        raise PartitaError("ring context parallelism (torch's context_parallel) runs on CUDA ranks only; use "
+                           "cp_variant all_to_all on CPU ranks")
+    sp = [l for l in plan.layer_strategies() if l.sequence_parallel]
+    if sp and (plan.seq_len // plan.cp) % plan.tp:
+        raise PartitaError(f"sequence parallelism splits each rank's {plan.seq_len // plan.cp} tokens (seq_len "
+                           f"{plan.seq_len} / cp {plan.cp}) {plan.tp} ways: not divisible by tp {plan.tp}")
 
 
 def _check_runtime_limits(plan: Plan, model: ModelSpec) -> None:
@@ -61,6 +82,9 @@ def _check_inputs(plan: Plan, model: ModelSpec, cluster: ClusterSpec) -> None:
 
 
 def _check_degrees(plan: Plan) -> None:
+    if plan.cp > 1 and plan.mixed_replicas:
+        raise PartitaError(f"context parallelism (cp {plan.cp}) with replicas on different node groups "
+                           f"(replica_groups) is not supported; use cp 1 or one node group per stage")
     if plan.pp != len(plan.stages):
         raise PartitaError(f"pp is {plan.pp} but the plan lists {len(plan.stages)} stages")
     if not (plan.batch_shares or plan.micro_batch_sizes) and (
@@ -70,7 +94,10 @@ def _check_degrees(plan: Plan) -> None:
     for i, s in enumerate(plan.stages):
         if s.index != i:
             raise PartitaError(f"stage {i} has index {s.index}; stages must be listed in pipeline order 0..{plan.pp - 1}")
-        if len(s.ranks) != plan.dp * plan.tp:
+        if len(s.ranks) != plan.dp * plan.cp * plan.tp:
+            if plan.cp > 1:
+                raise PartitaError(f"stage {i} has {len(s.ranks)} ranks; every stage needs dp x cp x tp = "
+                                   f"{plan.dp} x {plan.cp} x {plan.tp} = {plan.dp * plan.cp * plan.tp}")
             raise PartitaError(f"stage {i} has {len(s.ranks)} ranks; every stage needs dp x tp = "
                                f"{plan.dp} x {plan.tp} = {plan.dp * plan.tp}")
 
@@ -130,26 +157,53 @@ def _check_ranks(plan: Plan, cluster: ClusterSpec) -> None:
     if len(set(ranks)) != len(ranks):
         raise PartitaError("a rank appears in more than one stage (or twice in one)")
     if plan.world_size > cluster.world_size:
-        raise PartitaError(f"plan needs {plan.world_size} ranks (dp {plan.dp} x tp {plan.tp} x pp {plan.pp}) but the "
-                           f"cluster has {cluster.world_size}")
+        cp = f" x cp {plan.cp}" if plan.cp > 1 else ""
+        raise PartitaError(f"plan needs {plan.world_size} ranks (dp {plan.dp}{cp} x tp {plan.tp} x pp {plan.pp}) but "
+                           f"the cluster has {cluster.world_size}")
     for s in plan.stages:
         group = cluster.group(s.group)
         if s.device != group.device:
             raise PartitaError(f"stage {s.index} says device {s.device} but group {group.name!r} holds {group.device}")
-        first = cluster.first_rank(group.name)
+        if s.replica_groups:
+            _check_replica_groups(plan, s, cluster)
+            continue
         if list(s.ranks) != list(range(s.ranks[0], s.ranks[0] + len(s.ranks))):
             raise PartitaError(f"stage {s.index}: ranks must be consecutive (the cost model and the meshes assume "
                                f"it), got {list(s.ranks)[:6]}")
-        outside = [r for r in s.ranks if not first <= r < first + group.size]
-        if outside:
-            raise PartitaError(f"stage {s.index}: ranks {outside[:4]} are not in group {group.name!r} "
-                               f"(ranks {first}..{first + group.size - 1})")
         for d in range(plan.dp):
-            tp_ranks = s.ranks[d * plan.tp:(d + 1) * plan.tp]
-            nodes = {(r - first) // group.gpus_per_node for r in tp_ranks}
-            if len(nodes) > 1:
-                raise PartitaError(f"stage {s.index}: tensor-parallel group {list(tp_ranks)} spans nodes; "
-                                   f"tp {plan.tp} must fit in one node of {group.gpus_per_node}")
+            _check_replica_ranks(plan, s, d, group, cluster)
+
+
+def _check_replica_groups(plan: Plan, s, cluster: ClusterSpec) -> None:
+    """A stage whose replicas sit on different node groups: one group per replica, the first
+    is the stage's ``group``, and each replica's ranks lie in its group."""
+    if len(s.replica_groups) != plan.dp:
+        raise PartitaError(f"stage {s.index}: replica_groups lists {len(s.replica_groups)} groups, but dp is {plan.dp}; "
+                           f"give one node group per data-parallel replica")
+    if plan.virtual_stages > 1:
+        raise PartitaError(f"stage {s.index}: replicas on several node groups (replica_groups) run the 1F1B schedule; "
+                           f"the plan says {plan.schedule}: use schedule 1f1b, or one group per stage")
+    if s.replica_groups[0] != s.group:
+        raise PartitaError(f"stage {s.index}: group {s.group!r} must be the first replica's group "
+                           f"({s.replica_groups[0]!r} in replica_groups)")
+    for d, name in enumerate(s.replica_groups):
+        _check_replica_ranks(plan, s, d, cluster.group(name), cluster)
+
+
+def _check_replica_ranks(plan: Plan, s, d: int, group, cluster: ClusterSpec) -> None:
+    """Replica ``d`` of stage ``s``: its tp ranks consecutive, in ``group``, inside one node."""
+    first = cluster.first_rank(group.name)
+    tp_ranks = list(s.ranks[d * plan.tp:(d + 1) * plan.tp])
+    if tp_ranks != list(range(tp_ranks[0], tp_ranks[0] + plan.tp)):
+        raise PartitaError(f"stage {s.index}: replica {d}'s ranks {tp_ranks} must be consecutive")
+    outside = [r for r in tp_ranks if not first <= r < first + group.size]
+    if outside:
+        raise PartitaError(f"stage {s.index}: ranks {outside[:4]} are not in group {group.name!r} "
+                           f"(ranks {first}..{first + group.size - 1})")
+    nodes = {(r - first) // group.gpus_per_node for r in tp_ranks}
+    if len(nodes) > 1:
+        raise PartitaError(f"stage {s.index}: tensor-parallel group {tp_ranks} spans nodes; "
+                           f"tp {plan.tp} must fit in one node of {group.gpus_per_node}")
 
 
 def _check_layers(plan: Plan, model: ModelSpec) -> None:
@@ -195,8 +249,8 @@ def _check_layers(plan: Plan, model: ModelSpec) -> None:
 
 
 def _check_dtype(plan: Plan, cluster: ClusterSpec) -> None:
-    for s in plan.stages:
-        group = cluster.group(s.group)
+    for s, name in ((s, name) for s in plan.stages for name in s.groups):
+        group = cluster.group(name)
         if group.device == "cpu" and plan.dtype != "fp32":
             raise PartitaError(f"stage {s.index} runs on CPU ranks, which train in fp32; the plan says {plan.dtype}")
         if group.device != "cpu" and plan.dtype == "bf16" and group.device_type.bf16_tflops == 0:

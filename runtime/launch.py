@@ -279,7 +279,7 @@ def _check_local_world(plan: Plan, cluster: ClusterSpec, nproc: int | None) -> N
     if nproc is not None and nproc != plan.world_size:
         raise PartitaError(f"plan needs world size {plan.world_size} (dp {plan.dp} x tp {plan.tp} x pp {plan.pp}) "
                            f"but --nproc is {nproc}")
-    devices = {cluster.group(s.group).device for s in plan.stages}
+    devices = {cluster.group(name).device for _, name in plan.rank_groups()}
     if devices == {"cpu"}:
         return
     if "cpu" in devices:
@@ -290,13 +290,11 @@ def _check_local_world(plan: Plan, cluster: ClusterSpec, nproc: int | None) -> N
         raise PartitaError(f"plan runs on {', '.join(sorted(devices))} but this machine has no CUDA device")
     if torch.cuda.device_count() < plan.world_size:
         raise PartitaError(f"plan needs {plan.world_size} GPUs on this node, it has {torch.cuda.device_count()}")
-    for s in plan.stages:
-        want = cluster.group(s.group).device
-        for rank in s.ranks:
-            have = torch.cuda.get_device_name(rank)
-            if not _same_device(want, have):
-                raise PartitaError(f"stage {s.index} expects {want} but rank {rank} is a {have!r}; "
-                                   f"plan for this cluster with `partita plan --cluster ...`")
+    for rank, name in plan.rank_groups():
+        want, have = cluster.group(name).device, torch.cuda.get_device_name(rank)
+        if not _same_device(want, have):
+            raise PartitaError(f"stage {plan.stage_of_rank(rank).index} expects {want} but rank {rank} is a {have!r}; "
+                               f"plan for this cluster with `partita plan --cluster ...`")
 
 
 def _same_device(catalog_name: str, torch_name: str) -> bool:

@@ -1,11 +1,15 @@
 """Where this rank sits in the plan, and the one device mesh every parallelism is cut from.
 
-The world mesh has four named dimensions, ``("pp", "dp", "dp_shard", "tp")``, built from the
-plan's stages (``stages[s].ranks[d * tp + t]`` sits at ``[s, d, 0, t]``), so on a mixed cluster
-each stage lands on the ranks of the device group the plan gives it. ``dp_shard`` always has
-size 1: ZeRO-0 layers use FSDP2's hybrid mode over ``("dp", "dp_shard")``, i.e. weights
-replicated over ``dp`` and gradients all-reduced, while ZeRO-1/2/3 layers shard over ``dp``.
-Every sub-mesh is a slice of this one mesh (FSDP2 over tensor parallelism requires that).
+The world mesh has five named dimensions, ``("pp", "dp", "dp_shard", "cp", "tp")``, built from
+the plan's stages (``stages[s].ranks[(d * cp + c) * tp + t]`` sits at ``[s, d, 0, c, t]``), so
+on a mixed cluster each stage lands on the ranks of the device group the plan gives it.
+``dp_shard`` always has size 1: ZeRO-0 layers use FSDP2's hybrid mode over ``("dp", "dp_shard")``,
+i.e. weights replicated over ``dp`` and gradients all-reduced, while ZeRO-1/2/3 layers shard
+over ``dp``. Under context parallelism (cp > 1) the parameters are replicated over cp as well
+and each cp rank's gradient covers its tokens only, so the data-parallel meshes are ``dp`` and
+``cp`` flattened (``"dp_cp"``, torchtitan's ``dp_shard_cp``): gradients are averaged and ZeRO
+shards span dp x cp ranks. Every sub-mesh is a slice of this one mesh (FSDP2 over tensor
+parallelism requires that).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from partita.plan import Plan, Stage
 
-MESH_DIMS = ("pp", "dp", "dp_shard", "tp")
+MESH_DIMS = ("pp", "dp", "dp_shard", "cp", "tp")
 
 
 @dataclass(frozen=True)
@@ -29,12 +33,14 @@ class RankPlace:
     stage: Stage
     dp_index: int
     tp_index: int
+    cp_index: int = 0
 
     @classmethod
     def of(cls, plan: Plan, rank: int) -> "RankPlace":
         stage = plan.stage_of_rank(rank)
         position = stage.ranks.index(rank)
-        return cls(rank=rank, stage=stage, dp_index=position // plan.tp, tp_index=position % plan.tp)
+        return cls(rank=rank, stage=stage, dp_index=position // (plan.cp * plan.tp), tp_index=position % plan.tp,
+                   cp_index=position // plan.tp % plan.cp)
 
     @property
     def is_first_stage(self) -> bool:
@@ -54,25 +60,39 @@ class Meshes:
 
     @property
     def dp(self) -> DeviceMesh:
-        return self.world["dp"]
+        """The mesh gradients are reduced and ZeRO shards over: ``dp``, or under context
+        parallelism ``dp`` x ``cp`` flattened (``build_meshes``)."""
+        return self.world["dp_cp"] if self.context_parallel else self.world["dp"]
 
     @property
     def dp_replicate(self) -> DeviceMesh:
-        """("dp", "dp_shard"): FSDP2's hybrid mode with one-rank shards, i.e. plain replication."""
-        return self.world["dp", "dp_shard"]
+        """("dp", "dp_shard"): FSDP2's hybrid mode with one-rank shards, i.e. plain replication
+        (over ``dp_cp`` under context parallelism)."""
+        return self.world["dp_cp" if self.context_parallel else "dp", "dp_shard"]
 
     @property
     def tp(self) -> DeviceMesh:
         return self.world["tp"]
 
+    @property
+    def cp(self) -> DeviceMesh:
+        return self.world["cp"]
+
+    @property
+    def context_parallel(self) -> bool:
+        return self.world["cp"].size() > 1
+
 
 def rank_grid(plan: Plan) -> torch.Tensor:
-    """Global ranks laid out as [pp, dp, 1, tp], from the plan's stage rank lists."""
+    """Global ranks laid out as [pp, dp, 1, cp, tp], from the plan's stage rank lists."""
     grid = torch.tensor([list(s.ranks) for s in sorted(plan.stages, key=lambda s: s.index)], dtype=torch.int64)
-    return grid.view(plan.pp, plan.dp, 1, plan.tp)
+    return grid.view(plan.pp, plan.dp, 1, plan.cp, plan.tp)
 
 
 def build_meshes(plan: Plan, device_type: str) -> Meshes:
-    """Build the world mesh for an initialised default process group."""
+    """Build the world mesh for an initialised default process group (and, under context
+    parallelism, its flattened ``dp_cp`` dimension)."""
     world = DeviceMesh(device_type, rank_grid(plan), mesh_dim_names=MESH_DIMS)
+    if plan.cp > 1:
+        world["dp", "cp"]._flatten("dp_cp")
     return Meshes(world=world, place=RankPlace.of(plan, dist.get_rank()))

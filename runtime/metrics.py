@@ -40,8 +40,8 @@ def peak_memory_bytes(device: torch.device) -> int:
 def peak_flops(plan: Plan) -> float:
     """Summed dense peak FLOP/s of every rank the plan uses, in the plan's dtype."""
     cluster = ClusterSpec.from_dict(plan.cluster)
-    return sum(len(s.ranks) * get_device(cluster.group(s.group).device).peak_tflops(plan.dtype) * 1e12
-               for s in plan.stages)
+    return sum(get_device(cluster.group(name).device).peak_tflops(plan.dtype) * 1e12
+               for _, name in plan.rank_groups())
 
 
 def read_metrics(path: str | Path, run_id: str | None = None) -> list[dict[str, Any]]:

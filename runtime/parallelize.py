@@ -4,6 +4,10 @@
 
   1. keep the stage's layers, materialise them and initialise each from the seed;
   2. tensor / sequence parallelism per layer (``parallelize_module``, a dict of styles);
+  2b. context parallelism (``apply_context_parallel``): each attention (and gpt2's position
+     table) swapped in place for its sequence-shard class, all-to-all or ring
+     (``partita.runtime.context``); names and parameters unchanged, so it must come before
+     FSDP2, which swaps classes itself;
   3. activation checkpointing per layer (``checkpoint_wrapper`` around the block, so the
      recomputation replays the block's tensor-parallel layout conversions too; module names
      gain ``._checkpoint_wrapped_module``, which ``torch.distributed.checkpoint`` strips):
@@ -268,6 +272,23 @@ def set_gradient_sync(units: list[ShardedLayer], *, last_micro_batch: bool) -> N
         unit.module.set_reshard_after_backward(unit.zero >= 2 or last_micro_batch, recurse=False)
 
 
+# ---- 2b. context parallelism ------------------------------------------------------------------
+
+# The token layout of an all-to-all plan's shards: contiguous works for any sequence that splits
+# cp ways (the all-to-all needs no load balancing); the ring always uses torch's head_tail.
+ALL_TO_ALL_LAYOUT = "contiguous"
+
+
+def apply_context_parallel(model: Transformer, plan: Plan, meshes: Meshes) -> None:
+    """Every attention of the stage on this rank's sequence shard over the plan's cp group."""
+    from partita.runtime.context import apply_all_to_all, apply_ring
+
+    if plan.cp_variant == "ring":
+        apply_ring(model, meshes.cp)
+    else:
+        apply_all_to_all(model, meshes.cp, tp=plan.tp, layout=ALL_TO_ALL_LAYOUT)
+
+
 # ---- all of it, in order ---------------------------------------------------------------------
 
 
@@ -279,6 +300,8 @@ def parallelize_stage(model: Transformer, plan: Plan, meshes: Meshes, *, device:
     materialize(model, device=device, seed=seed)  # full layers: identical on every rank of the stage
     if plan.tp > 1:
         apply_tensor_parallel(model, stage, meshes)
+    if plan.cp > 1:
+        apply_context_parallel(model, plan, meshes)
     apply_recompute(model, stage)
     if not use_fsdp:
         return []

@@ -195,7 +195,8 @@ class PipelineRunner:
         self.loss = loss
         spec_hidden = int(plan.model["hidden"])
         vocab = int(plan.model["vocab"]) // (loss.vocab_mesh.size() if loss.vocab_mesh is not None else 1)
-        b, s = plan.replica_micro_batch_sizes()[meshes.place.dp_index], plan.seq_len  # this replica's size
+        # this replica's size; under context parallelism a rank holds s/cp tokens of each sequence
+        b, s = plan.replica_micro_batch_sizes()[meshes.place.dp_index], plan.seq_len // plan.cp
         # Static shapes: the schedule needs no shape-inference pass (which would run the stage
         # once more on empty tensors).
         def meta(*shape: int, dtype: torch.dtype = activation_dtype) -> torch.Tensor:

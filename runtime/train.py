@@ -13,6 +13,8 @@ does not hold (steps, data, optimizer settings, checkpoints).
 
 from __future__ import annotations
 
+import contextlib
+
 import logging
 import math
 import os
@@ -194,7 +196,7 @@ class Trainer:
         mixed = compute_dtype != torch.float32
         mp_policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32) if mixed else None
         # FSDP2 over one rank shards and reduces nothing; it stays only where it brings mixed precision.
-        use_fsdp = plan.dp > 1 or mixed
+        use_fsdp = plan.dp * plan.cp > 1 or mixed  # cp ranks hold partial gradients: averaged over dp x cp
 
         self.model = build_model(spec)  # meta: nothing is allocated for layers this rank does not own
         units = parallelize_stage(self.model, plan, self.meshes, device=device, seed=cfg.seed, mp_policy=mp_policy,
@@ -248,12 +250,14 @@ class Trainer:
         for step in range(self.start_step, cfg.steps):
             inputs, targets = data.batch(step, rows=plan.replica_rows(place.dp_index))
             inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+            inputs, targets = context_shards(plan, place, inputs, targets)
             lr = lr_at(step, cfg)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             t0, delay0 = clock.now(), self.timer.delay.seconds()
             def one_step() -> tuple[torch.Tensor | None, float]:
-                loss_sum = self.runner.run(inputs, targets, self.scaler.get_scale() if self.scaler else 1.0)
+                with self._ring_context(inputs, targets):
+                    loss_sum = self.runner.run(inputs, targets, self.scaler.get_scale() if self.scaler else 1.0)
                 return loss_sum, self._update(pp_group)
 
             if step == tracked_step:
@@ -292,6 +296,15 @@ class Trainer:
                                collectives, op_overhead)
 
 
+    def _ring_context(self, inputs: torch.Tensor, targets: torch.Tensor):
+        """Ring plans run each step inside torch's ``context_parallel``, which shards the batch
+        (head_tail) in place and routes attention to the ring; a no-op otherwise."""
+        if self.plan.cp == 1 or self.plan.cp_variant != "ring":
+            return contextlib.nullcontext()
+        from partita.runtime.context import ring_attention
+
+        return ring_attention(self.meshes.cp, [inputs, targets])
+
     def _update(self, pp_group: dist.ProcessGroup | None) -> float:
         """Clip and step; under fp16 unscale first and skip the step on overflow (every rank alike)."""
         # The optimizer's own time is recorded (the clip's all-reduce over stages would add the
@@ -312,6 +325,18 @@ class Trainer:
         return grad_norm
 
 
+def context_shards(plan: Plan, place, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's tokens of each sequence under all-to-all context parallelism (the ring's
+    ``context_parallel`` shards them itself, head_tail, inside ``Trainer._ring_context``)."""
+    if plan.cp == 1 or plan.cp_variant == "ring":
+        return inputs, targets
+    from partita.runtime.context import shard_sequence
+    from partita.runtime.parallelize import ALL_TO_ALL_LAYOUT
+
+    return tuple(shard_sequence(t, cp=plan.cp, index=place.cp_index, layout=ALL_TO_ALL_LAYOUT)
+                 for t in (inputs, targets))
+
+
 def train(plan: Plan, cfg: TrainConfig, *, device: torch.device | None = None) -> RunSummary | None:
     """Train this rank's part of ``plan``; the run summary on rank 0, None elsewhere."""
     return Trainer(plan, cfg, device=device).fit()
@@ -322,8 +347,8 @@ def _global_loss(loss_sum: torch.Tensor | None, plan: Plan, dp_index: int, devic
     ranks contribute their micro-batch losses (each the mean over its rows, so weighted by the
     replica's micro-batch size), everyone else zero."""
     value = torch.zeros(1, dtype=torch.float64, device=device)
-    if loss_sum is not None:
-        value += loss_sum.to(torch.float64) * plan.replica_micro_batch_sizes()[dp_index]
+    if loss_sum is not None:  # under context parallelism each of the cp ranks has the mean of its equal shard
+        value += loss_sum.to(torch.float64) * plan.replica_micro_batch_sizes()[dp_index] / plan.cp
     dist.all_reduce(value)
     return float(value) / plan.global_batch
 

@@ -15,13 +15,16 @@ What is fitted, in this order:
 1. Collectives: ``time = latency + bus bytes / bandwidth`` per (op, link, group size) through
    the probe's two message sizes (the plan's and 4 KiB); they become the profile's ``comm``
    entries, which the cost model prefers to the datasheet.
-2. The four time constants of ``partita.profile.Calibration`` (compute scale on the analytic
-   device time, host overhead per eager op, overlap slowdown, fixed per-step overhead): the
+2. The time constants of ``partita.profile.Calibration`` (compute scale on the analytic
+   device time, host overhead per eager op, overlap slowdown, fixed per-step overhead and, on
+   CPU ranks, the bandwidth passes over the weights and the optimizer's state stream at): the
    cost model is evaluated on each run's plan with candidate constants, and the sum over the
    observations of log(predicted / measured)^2 is minimised (Nelder-Mead in log space, with a
    weak pull, ``PRIOR_WEIGHT``, towards the starting values). The start is the default, except
    for the host overhead per op, which every run measures on a shrunken copy of its own block
-   (``runtime.commprobe.probe_op_overhead``): the fit starts there. Observations per stage: the
+   (``runtime.commprobe.probe_op_overhead``): the fit starts there. The weight-stream bandwidth
+   starts at the device's memory bandwidth; every CPU run shows it (its optimizer step is those
+   passes, and each micro-batch's fixed part grows with them: ``roofline.cpu_weight_stream_s``). Observations per stage: the
    forward (with the loss) and backward of one micro-batch (a step's spans over its micro-batches:
    all of an interleaved stage's virtual stages) and the optimizer step; per run: the
    step time (less the longest wait of its ranks for a core, ``step_times``); each the median
@@ -228,10 +231,13 @@ def calibrate(runs: Sequence[Run], command: str = "") -> tuple[Profile, list[tup
     comm = fit_collectives(runs)
     from partita.devices import get_device
 
-    base = default_constants(get_device(device).is_cpu)
-    names = Calibration.CONSTANTS
+    dev = get_device(device)
+    base = default_constants(dev.is_cpu)
     start = {"compute_scale": base.compute_scale, "op_overhead_s": base.op_overhead_s,
              "overlap_slowdown": base.overlap_slowdown, "step_overhead_s": base.step_overhead_s}
+    if dev.is_cpu:  # the weights' passes on CPU ranks start at the device's memory bandwidth
+        start["weight_stream_gbps"] = dev.hbm_gbps
+    names = [n for n in Calibration.CONSTANTS + Calibration.OPTIONAL if n in start]
     probed = [r.op_overhead_s for r in runs if r.op_overhead_s]
     if probed:  # the runs' own measurement of a bare block's ops starts the fit (and is its prior)
         start["op_overhead_s"] = statistics.median(probed)
@@ -242,7 +248,8 @@ def calibrate(runs: Sequence[Run], command: str = "") -> tuple[Profile, list[tup
         log.warning("the compute scale is not fitted: no run is compute-bound (analytic device time at least "
                     "%.0f %% of its compute); add one (partita calibrate RUN_A RUN_B) to predict compute-bound plans",
                     100 * MIN_ANALYTIC_SHARE)
-    floor = {"compute_scale": 1e-3, "op_overhead_s": 1e-9, "overlap_slowdown": 1e-3, "step_overhead_s": 1e-6}
+    floor = {"compute_scale": 1e-3, "op_overhead_s": 1e-9, "overlap_slowdown": 1e-3, "step_overhead_s": 1e-6,
+             "weight_stream_gbps": 1e-3}
     z0 = np.log([max(start[n], floor[n]) for n in free])
 
     def values(z: np.ndarray) -> dict[str, float]:

@@ -40,11 +40,15 @@ the blocks the ring moves hold H heads, not KV: ``ring_kv_heads``.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
+from partita.cluster import ClusterSpec
 from partita.errors import PartitaError
 from partita.model import LayerKind
-from partita.search.analytic import Shard, activation_bytes
+from partita.search.analytic import Shard, activation_bytes, attention_s
+from partita.search.costs import CostModel, Link
+from partita.units import round_up_to_grain
 from partita.search.roofline import ATTENTION_BWD_FLOPS_RATIO
 
 VARIANTS = ("all_to_all", "ring")
@@ -85,12 +89,7 @@ def cp_limit(kind: LayerKind, *, variant: str, seq_len: int, cp: int, tp: int = 
     """Why ``variant`` at degree cp cannot run this layer kind, or None. Layers without
     attention (embed, head) only need the sequence split."""
     _check_variant(variant)
-    why = sequence_limit(seq_len, cp)
-    if why or cp == 1 or kind.role != "block":
-        return why
-    if variant == "all_to_all":
-        return all_to_all_limit(kind.heads, kind.kv_heads, cp=cp, tp=tp)
-    return ring_limit(seq_len, cp=cp)
+    return kind.cp_divides(cp, tp=tp, variant=variant, seq_len=seq_len)
 
 
 def _check_variant(variant: str) -> None:
@@ -344,3 +343,143 @@ def ring_transient_bytes(*, batch: int, seq: int, heads: int, kv_heads: int, hea
     in_flight = 2 * block if rotate == "alltoall" else cp * block
     return RingTransient(forward=in_flight + out32 + STAT_BYTES * batch * heads * local,
                          backward=in_flight + 3 * grad + out32)
+
+
+# ---- the cost model under context parallelism ----------------------------------------------------
+
+
+def cluster_view(cluster: ClusterSpec, cp: int) -> ClusterSpec:
+    """The cluster as the search sees it under context parallelism of degree ``cp``: one "rank"
+    is a cp group of consecutive devices (``Plan`` orders tp innermost, then cp), so a node holds
+    gpus_per_node / cp of them, each priced as cp devices. Every device keeps its own memory.
+    cp groups stay inside a node: cp must divide every group's GPUs per node."""
+    for g in cluster.groups:
+        if g.gpus_per_node % cp:
+            raise PartitaError(f"context-parallel degree {cp} does not divide the {g.gpus_per_node} GPUs per node of "
+                               f"group {g.name!r}; cp groups stay inside a node: choose cp dividing "
+                               f"{g.gpus_per_node}")
+    groups = tuple(dataclasses.replace(g, gpus_per_node=g.gpus_per_node // cp,
+                                       price_per_gpu_hour=g.price * cp if g.price is not None else None)
+                   for g in cluster.groups)
+    return ClusterSpec(name=cluster.name, groups=groups, inter_group_gbps=cluster.inter_group_gbps)
+
+
+class ContextCostModel(CostModel):
+    """A ``CostModel`` at context-parallel degree cp, for the search's unchanged grid and
+    CP-SAT code: its ``cluster`` is ``cluster_view`` (a rank is a cp group) and its
+    ``seq_len`` the s/cp tokens one device holds, so every per-token term of a layer (the
+    TP collectives, activations, working sets, pipeline messages, the loss) is priced at
+    s/cp. On top of the plain model's layer terms:
+
+    * the attention core's time is the variant's (``attention_time``): all-to-all, the whole
+      sequence for H/cp heads; ring, cp steps of one causal L-token block with the K/V passes
+      overlapping them (``ring_forward_time_s``, ``ring_backward_time_s``);
+    * the variant's collectives on the cp group's link (cp x tp consecutive devices):
+      4 all-to-alls a forward and 4 a backward (4 more when the block is recomputed);
+      counted with the tensor-parallel collectives (``tp_comm_s``), on the critical path;
+    * ZeRO shards, gradient reductions and the optimizer over dp x cp ranks, on the real
+      cluster's links (parameters are replicated over cp);
+    * memory: all-to-all without recomputation keeps b L H d e more a block
+      (``cp_activation_bytes``); the ring's blocks in flight are a block's transient
+      (``ring_transient_bytes``)."""
+
+    def __init__(self, base: CostModel, *, cp: int, variant: str) -> None:
+        _check_variant(variant)
+        if cp < 2:
+            raise PartitaError(f"a context-parallel cost model needs cp >= 2, got {cp}")
+        why = sequence_limit(base.plan_seq_len, cp)
+        if why:
+            raise PartitaError(why)
+        super().__init__(base.model, cluster_view(base.cluster, cp), seq_len=base.plan_seq_len // cp,
+                         dtype=base.dtype, profiles=base.profiles.values(), software=base.software)
+        self.cp, self.cp_variant, self.plan_seq_len = cp, variant, base.plan_seq_len
+        self.cp_base, self.real_cluster = base, base.cluster
+
+    # -- links: the real devices' ------------------------------------------------------
+    def dp_link(self, group, dp, tp):
+        """``dp`` here already counts the cp ranks (gradients and ZeRO span dp x cp)."""
+        return CostModel.dp_link(self.cp_base, self.real_cluster.group(group.name), dp, tp)
+
+    def cp_link(self, group, tp: int) -> Link:
+        """A cp group: cp x tp consecutive devices (inside a node, ``cluster_view``)."""
+        return self.cp_base._link(self.real_cluster.group(group.name), self.cp * tp)
+
+    def tied_sync_s(self, group, *, dp: int, tp: int, zero: int) -> float:
+        return super().tied_sync_s(group, dp=dp * self.cp, tp=tp, zero=zero)
+
+    # -- attention and its collectives ---------------------------------------------------
+    def attention_time(self, group, tp: int, micro_batch: int) -> tuple[float, float, float, float]:
+        """(forward, backward) seconds of one block's attention core at cp, and what it
+        replaces: the same at L = s/cp tokens over H/tp heads, which the plain layer cost
+        at ``seq_len`` = L holds (forward and backward). Ring times include the exposed
+        part of its K/V passes."""
+        from partita.devices import get_device
+
+        device = group.device
+        kind, dev = self.model.kinds["block"], get_device(device)
+        local = Shard.of(kind, tp=tp, micro_batch=micro_batch, seq_len=self.seq_len, dtype=self.dtype)
+        local_f, local_b = attention_s(dev, local, self.dtype, self.software.attention)
+        if self.cp_variant == "all_to_all":
+            whole = Shard.of(kind, tp=tp * self.cp, micro_batch=micro_batch, seq_len=self.plan_seq_len,
+                             dtype=self.dtype)
+            fwd, bwd = attention_s(dev, whole, self.dtype, self.software.attention)
+            return fwd, bwd, local_f, local_b
+        link = self.cp_link(group, tp)
+        heads = ring_kv_heads(local.heads, local.heads)
+        traffic = ring_traffic(batch=micro_batch, seq=self.plan_seq_len, kv_heads=heads, head_dim=local.head_dim,
+                               elem=self.elem, cp=self.cp)
+        kv = self.collective_s("p2p", traffic.forward_messages[0], 2, link, device)
+        grad = self.collective_s("p2p", traffic.backward_messages[-1], 2, link, device)
+        fwd = ring_forward_time_s(step_compute_s=local_f, step_comm_s=kv, cp=self.cp)
+        bwd = ring_backward_time_s(step_compute_s=local_b, kv_comm_s=kv, grad_comm_s=grad, cp=self.cp)
+        return fwd, bwd, local_f, local_b
+
+    def all_to_all_s(self, group, tp: int, micro_batch: int) -> float:
+        """One attention forward's 4 all-to-alls (q, k, v, output) on the cp group's link;
+        the backward runs the same 4 on the gradients. 0 for the ring."""
+        if self.cp_variant != "all_to_all":
+            return 0.0
+        kind = self.model.kinds["block"]
+        sh = Shard.of(kind, tp=tp, micro_batch=micro_batch, seq_len=self.seq_len, dtype=self.dtype)
+        traffic = all_to_all_traffic(batch=micro_batch, seq=self.plan_seq_len, heads=sh.heads,
+                                     kv_heads=max(1, kind.kv_heads // tp), head_dim=sh.head_dim, elem=self.elem,
+                                     cp=self.cp)
+        link = self.cp_link(group, tp)
+        return sum(self.collective_s("all_to_all", m, self.cp, link, group.device) for m in traffic.forward_messages)
+
+    # -- one layer ----------------------------------------------------------------------
+    def _layer_time_uncached(self, role, group_name, tp, sp, zero, recompute, dp, micro_batch):
+        base = super()._layer_time_uncached(role, group_name, tp, sp, zero, recompute, dp * self.cp, micro_batch)
+        if role != "block":
+            return base
+        group = self.cluster.group(group_name)
+        scale = self.time_constants(group.device).compute_scale
+        fwd, bwd, local_f, local_b = self.attention_time(group, tp, micro_batch)
+        extra_f, extra_b = scale * (fwd - local_f), scale * (bwd - local_b)
+        if recompute != "none":  # the recomputation runs the attention core (and its collectives) again
+            extra_b += extra_f
+        comm = self.all_to_all_s(group, tp, micro_batch)
+        comm_f, comm_b = comm, comm * (2 if recompute != "none" else 1)
+        return dataclasses.replace(base, forward_s=base.forward_s + extra_f + comm_f,
+                                   backward_s=base.backward_s + extra_b + comm_b,
+                                   compute_s=base.compute_s + extra_f + extra_b,
+                                   tp_comm_s=base.tp_comm_s + comm_f + comm_b)
+
+    def _layer_memory_uncached(self, role, device, tp, sp, zero, recompute, dp, micro_batch, num_micro_batches,
+                               tied_copy=False):
+        base = super()._layer_memory_uncached(role, device, tp, sp, zero, recompute, dp * self.cp, micro_batch,
+                                              num_micro_batches, tied_copy)
+        if role != "block":
+            return base
+        kind = self.model.kinds["block"]
+        sh = Shard.of(kind, tp=tp, micro_batch=micro_batch, seq_len=self.seq_len, dtype=self.dtype)
+        if self.cp_variant == "all_to_all":
+            if recompute != "none":
+                return base
+            extra = round_up_to_grain(sh.tokens * sh.heads * sh.head_dim * sh.elem)  # wo's input, its own storage
+            return dataclasses.replace(base, activations=base.activations + extra)
+        ring = ring_transient_bytes(batch=micro_batch, seq=self.plan_seq_len, heads=sh.heads,
+                                    kv_heads=ring_kv_heads(sh.heads, sh.heads), head_dim=sh.head_dim,
+                                    elem=self.elem, cp=self.cp)
+        extra = round_up_to_grain(max(ring.forward, ring.backward))
+        return dataclasses.replace(base, transient=base.transient + extra, backward_own=base.backward_own + extra)

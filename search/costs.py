@@ -56,7 +56,9 @@ Conventions (all per device of a stage, per micro-batch unless said otherwise):
   model is told otherwise (``timing.Software``: published runs of other frameworks).
 * Host overhead: an analytic layer pass takes max(device time, ops x per-op overhead) on a GPU
   and their sum on a CPU rank (``timing.host_bound_s``); a profile's calibration scales the
-  device time and sets the overhead (``time_constants``).
+  device time and sets the overhead (``time_constants``). On a CPU rank each micro-batch's
+  passes over a layer's weights, and AdamW's over the parameters and their state, stream at a
+  weight-stream bandwidth and add (``roofline.cpu_weight_stream_s``, ``weight_stream_gbps``).
 * Collectives are ring algorithms priced on the links the ranks use, at the bus bandwidth NCCL
   achieves there (``timing.LINK_EFFICIENCY``), or a profile's measured fit; a data-parallel group
   across nodes uses the NICs of all its ranks in a node (``dp_link``). Stages are aligned to
@@ -81,6 +83,7 @@ from partita.errors import PartitaError
 from partita.model import LayerKind, ModelSpec
 from partita.plan import LayerStrategy
 from partita.profile import LayerCost, Profile, bus_bytes, layer_cost_at
+from partita.search.roofline import cpu_adam_s, cpu_weight_stream_s
 from partita.search.timing import (LINK_EFFICIENCY, OPTIMIZER_OPS_PER_TENSOR, Software, TimeConstants,
                                    default_constants, host_bound_s, layer_ops, overlapped_s, param_tensors)
 from partita.units import GiB, MiB, round_up_to_grain
@@ -163,7 +166,7 @@ class LayerMemory:
 def ring_steps(op: str, n: int) -> int:
     if n <= 1:
         return 0
-    return {"all_reduce": 2 * (n - 1), "all_gather": n - 1, "reduce_scatter": n - 1, "p2p": 1}[op]
+    return {"all_reduce": 2 * (n - 1), "all_gather": n - 1, "reduce_scatter": n - 1, "p2p": 1, "all_to_all": n - 1}[op]
 
 
 class CostModel:
@@ -193,6 +196,41 @@ class CostModel:
         self._layer_time = lru_cache(maxsize=None)(self._layer_time_uncached)
         self._layer_memory = lru_cache(maxsize=None)(self._layer_memory_uncached)
         self.stage_cache: dict = {}  # stage costs by (group, layer choices, degrees), see stage_cost_counts
+        self.dp_span: tuple[str, ...] = ()  # node groups a stage's replicas span (``spanning``)
+        self._spans: dict[tuple[str, ...], CostModel] = {}
+        # Context parallelism (``at_cp``; search/context.py): the degree and variant this model
+        # prices, and the whole sequence (``seq_len`` is then the s/cp tokens a rank holds).
+        self.cp, self.cp_variant, self.plan_seq_len = 1, "all_to_all", seq_len
+        self._cp_views: dict[tuple[int, str], CostModel] = {}
+
+    def at_cp(self, cp: int, variant: str = "all_to_all") -> "CostModel":
+        """This cost model under context parallelism of degree ``cp``: a view in which one
+        "rank" is a group of cp devices holding s/cp tokens each (``context.ContextCostModel``),
+        so the grid and CP-SAT search it unchanged. Itself at cp 1."""
+        if cp == self.cp and (cp == 1 or variant == self.cp_variant):
+            return self
+        base = getattr(self, "cp_base", self)
+        if cp == 1:
+            return base
+        if (cp, variant) not in base._cp_views:
+            from partita.search.context import ContextCostModel
+
+            base._cp_views[(cp, variant)] = ContextCostModel(base, cp=cp, variant=variant)
+        return base._cp_views[(cp, variant)]
+
+    def spanning(self, groups: Iterable[str]) -> "CostModel":
+        """This cost model for stages whose data-parallel replicas sit on several node groups
+        (``Plan`` ``replica_groups``): their collectives over dp run at the slowest of the
+        groups' networks and the links between them (``dp_link``). Itself for one group."""
+        names = tuple(sorted(set(groups)))
+        if len(names) <= 1:
+            return self
+        if names not in self._spans:
+            other = copy.copy(self)
+            other.dp_span, other._spans, other.stage_cache = names, {}, {}
+            other._layer_time = lru_cache(maxsize=None)(other._layer_time_uncached)  # its times differ
+            self._spans[names] = other
+        return self._spans[names]
 
     # ---- compute ------------------------------------------------------------------------
     def compute(self, role: str, device: str, tp: int, micro_batch: int) -> LayerCost:
@@ -218,6 +256,11 @@ class CostModel:
         ops_fwd, ops_bwd = layer_ops(kind)
         fwd = host_bound_s(k.compute_scale * c.forward_s, ops_fwd, k.op_overhead_s, dev.is_cpu)
         bwd = host_bound_s(k.compute_scale * c.backward_s, ops_bwd, k.op_overhead_s, dev.is_cpu)
+        stream = self.weight_stream_gbps(device)
+        if stream is not None:  # CPU ranks: the passes over the weights add (roofline.cpu_weight_stream_s)
+            fwd_w, bwd_w = cpu_weight_stream_s(c.param_bytes / self.elem, self.elem, stream,
+                                               product=kind.role != "embed")
+            fwd, bwd = fwd + fwd_w, bwd + bwd_w
         return dataclasses.replace(c, forward_s=fwd, backward_s=bwd, recompute_s=fwd)
 
     def recompute_s(self, role: str, device: str, tp: int, micro_batch: int, mode: str) -> float:
@@ -263,6 +306,16 @@ class CostModel:
             return TimeConstants(compute_scale=cal.compute_scale, op_overhead_s=cal.op_overhead_s,
                                  overlap_slowdown=cal.overlap_slowdown, step_overhead_s=cal.step_overhead_s)
         return default_constants(get_device(device).is_cpu)
+
+    def weight_stream_gbps(self, device: str) -> float | None:
+        """The bandwidth passes over the weights and the optimizer's state stream at on a CPU
+        rank (``roofline.cpu_weight_stream_s``), as its profile's calibration fitted it. None on
+        GPUs, without a calibration (the plain CPU roofline, whose bytes term stands in for it)
+        and for a calibration written before the term (its other constants were fitted without
+        it): those price as they did."""
+        if not get_device(device).is_cpu or not self._calibrated(device):
+            return None
+        return self.profiles[device].calibration.weight_stream_gbps
 
     @property
     def step_overhead_s(self) -> float:
@@ -312,12 +365,24 @@ class CostModel:
         to what NVLink carries inside the node (NVIDIA/nccl-tests#119: 8 A100 a node with 4 HDR
         NICs reach 96 GB/s all-reduce bus bandwidth, "24GB/s ... per 200G NIC"; nccl-tests#319:
         8 x 400G NICs "aggregated to achieve up to ~396GB/s with the RING protocol")."""
+        if self.dp_span:
+            return self._spanning_dp_link(tp)
         link = self._link(group, dp * tp)
         if link.kind != "network":
             return link
         per_node = max(1, group.gpus_per_node // tp)
         intra = group.intra_node_gbps * LINK_EFFICIENCY.get(group.intra_link, 1.0) / LINK_EFFICIENCY["network"]
         return Link("network", min(per_node * group.network_gbps, max(intra, group.network_gbps)), link.latency_s)
+
+    def _spanning_dp_link(self, tp: int) -> Link:
+        """dp peers on several node groups: the ring crosses between the groups, so every group
+        runs its part over its network (each node's NICs at once, as in ``dp_link``) and the
+        slowest group's rate, or the slowest link between two groups, sets the pace."""
+        groups = [self.cluster.group(n) for n in self.dp_span]
+        per_node = max(1, min(g.gpus_per_node for g in groups) // tp)
+        rates = [g.network_gbps for g in groups]
+        rates += [self.cluster.between_groups_gbps(a, b) for i, a in enumerate(groups) for b in groups[i + 1:]]
+        return Link("network", per_node * min(rates), LINK_LATENCY_S["network"])
 
     def pp_link(self, a: NodeGroup, b: NodeGroup, stage_size: int) -> Link:
         """Between consecutive stages: inside a node only when the group is that one node
@@ -406,6 +471,9 @@ class CostModel:
         tensors = param_tensors(self.model.kinds[role], tied_head=role == "head" and self.model.tie_embeddings)
         host_ops = OPTIMIZER_OPS_PER_TENSOR["cpu" if group.device_type.is_cpu else "gpu"] * tensors
         optimizer = k.compute_scale * self.optimizer_s(group, params // shard) + host_ops * k.op_overhead_s
+        stream = self.weight_stream_gbps(device)
+        if stream is not None:  # CPU ranks: AdamW's passes over the fp32 state (roofline.cpu_adam_s)
+            optimizer = cpu_adam_s(params // shard, stream) + host_ops * k.op_overhead_s
         # Software that starts the gradient reductions only after the whole backward hides none.
         window = max(0.0, 1.0 - slowdown) * backward if self.software.grad_sync == "overlapped" else 0.0
         return LayerTime(forward_s=forward, backward_s=backward, compute_s=fwd_compute + bwd_compute,
@@ -428,7 +496,9 @@ class CostModel:
         grad = self.tied_params(tp) * REDUCE_BYTES // shard
         link = self.pp_link(group, group, dp * tp)
         t = self.collective_s("all_reduce", grad, 2, link, group.device)
-        t += self.optimizer_s(group, self.tied_params(tp) // shard)
+        stream = self.weight_stream_gbps(group.device)  # CPU ranks: AdamW's passes (roofline.cpu_adam_s)
+        copy_params = self.tied_params(tp) // shard
+        t += cpu_adam_s(copy_params, stream) if stream is not None else self.optimizer_s(group, copy_params)
         if dp > 1 and zero == 0:
             t += self.collective_s("all_reduce", self.tied_params(tp) * REDUCE_BYTES, dp, self.dp_link(group, dp, tp),
                                    group.device)

@@ -10,6 +10,10 @@ import numpy as np
 
 from partita.search.cpsat_problem import NEVER, Problem
 
+# The knapsack's "does not fit" in 32-bit integer microseconds: no finite sum comes near it.
+KNAPSACK_NEVER = 1 << 30
+
+
 def _hull(mem: np.ndarray, time_: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Lower convex envelope of (memory, time) points, memory increasing, time non-increasing:
     the least average time per block for any average memory per block (fractional mixes)."""
@@ -204,17 +208,33 @@ class StageFit:
         grain = max(1.0, top / grain_steps)
         cells = int(top // grain)
         ws = {j: int(weight[j] // grain) for j in order}  # rounded down: never heavier than the block
-        most = min(N, cells // max(1, min(ws.values())))  # no more blocks than the lightest choice fits
-        best = np.full((most + 1, cells + 1), np.inf)  # least time of n blocks within c cells
-        best[0, :] = 0.0
+        lightest = max(1, min(ws.values()))
+        most = min(N, cells // lightest)  # no more blocks than the lightest choice fits
+        # Whole microseconds, summed exactly in 32-bit integers (half the memory traffic of
+        # floats) while no sum can reach ``never``; floats otherwise.
+        slowest = max(times[j] for j in order)
+        exact = all(float(times[j]).is_integer() for j in order) and (most + 1) * slowest < KNAPSACK_NEVER
+        never = KNAPSACK_NEVER if exact else np.inf
+        best = np.full((most + 1, cells + 1), never, dtype=np.int32 if exact else float)  # n blocks within c cells
+        best[0, :] = 0
+        step = np.empty(cells + 1, dtype=best.dtype)
         for i, j in enumerate(order):
             w = ws[j]
             if w <= cells:
+                t = int(times[j]) if exact else times[j]
                 for n in range(1, most + 1):  # n ascending: the same choice may repeat
-                    np.minimum(best[n, w:], best[n - 1, :cells + 1 - w] + times[j], out=best[n, w:])
+                    lo = max(w, n * lightest)  # below n lightest blocks' cells nothing fits
+                    if lo > cells:
+                        break
+                    tmp = step[:cells + 1 - lo]
+                    np.add(best[n - 1, lo - w:cells + 1 - w], t, out=tmp)
+                    np.minimum(best[n, lo:], tmp, out=best[n, lo:])
             for out, rs in zip(outs, rooms):
                 if rs[i] >= 0:
-                    np.minimum(out[:most + 1], best[:, min(cells, int(rs[i] // grain))], out=out[:most + 1])
+                    col = best[:, min(cells, int(rs[i] // grain))]
+                    if exact:
+                        col = np.where(col >= never, np.inf, col)
+                    np.minimum(out[:most + 1], col, out=out[:most + 1])
         return outs
 
     def holds(self, pp: int, tau: float, *, empty_slots: bool = False) -> bool:

@@ -19,15 +19,30 @@ class Evaluation:
     step_time_s: float
     breakdown: dict[str, float]
     stages: tuple[StageCost, ...]
+    # Replicas on different device types (``evaluate_replicas``): each kind of replica's device
+    # types by stage and its own evaluation; ``stages`` and the step are the slowest kind's.
+    replicas: tuple[tuple[tuple[str, ...], "Evaluation"], ...] = ()
+
+    def _all_stages(self) -> list[StageCost]:
+        return list(self.stages) + [s for _, ev in self.replicas for s in ev.stages]
 
     @property
     def fits(self) -> bool:
-        return all(s.peak_bytes <= s.capacity for s in self.stages)
+        return all(s.peak_bytes <= s.capacity for s in self._all_stages())
 
     @property
     def peak_over_capacity(self) -> float:
         """Largest peak / capacity over stages (> 1: does not fit)."""
-        return max(s.peak_bytes / s.capacity for s in self.stages)
+        return max(s.peak_bytes / s.capacity for s in self._all_stages())
+
+    def tightest(self, i: int) -> tuple[StageCost, str | None]:
+        """Stage i's cost on its fullest device (largest peak / capacity) and, for replicas on
+        different device types, that device's type (None: the stage's own)."""
+        if not self.replicas:
+            return self.stages[i], None
+        cost, devices = max(((ev.stages[i], path) for path, ev in self.replicas),
+                            key=lambda t: t[0].peak_bytes / t[0].capacity)
+        return cost, devices[i]
 
 
 def evaluate_layout(cm: CostModel, stages: Sequence[tuple[NodeGroup, Sequence[LayerStrategy]]], *, dp: int, tp: int,
@@ -57,6 +72,9 @@ def evaluate_counts(cm: CostModel, stages: Sequence[tuple[NodeGroup, Mapping[Lay
 
 
 def evaluate_plan(plan: Plan, cm: CostModel) -> Evaluation:
+    cm = cm.at_cp(plan.cp, plan.cp_variant)  # a context-parallel plan is priced by its view (search/context.py)
+    if plan.mixed_replicas:
+        return evaluate_replicas(plan, cm)
     if plan.virtual_stages > 1:
         return evaluate_interleaved(cm, [(cm.cluster.group(s.group), s.chunk_layers()) for s in plan.stages],
                                     dp=plan.dp, tp=plan.tp, micro_batch=plan.micro_batch,
@@ -64,6 +82,34 @@ def evaluate_plan(plan: Plan, cm: CostModel) -> Evaluation:
     stages = [(cm.cluster.group(s.group), s.layers) for s in plan.stages]
     return evaluate_layout(cm, stages, dp=plan.dp, tp=plan.tp, micro_batch=plan.micro_batch,
                            num_micro_batches=plan.num_micro_batches)
+
+
+def replica_kinds(plan: Plan) -> dict[tuple[tuple[str, ...], int, int], list[int]]:
+    """The plan's replicas by kind: (node group of each stage, micro-batch size, micro-batch
+    count) -> dp indices. Replicas of one kind run alike."""
+    counts, sizes = plan.replica_micro_batches(), plan.replica_micro_batch_sizes()
+    kinds: dict[tuple[tuple[str, ...], int, int], list[int]] = {}
+    for d in range(plan.dp):
+        kinds.setdefault((plan.replica_path(d), sizes[d], counts[d]), []).append(d)
+    return kinds
+
+
+def evaluate_replicas(plan: Plan, cm: CostModel) -> Evaluation:
+    """A plan whose replicas sit on different device types (``Stage.replica_groups``): each
+    kind of replica (``replica_kinds``) is priced as a pipeline of its own groups, with its own
+    micro-batch size and count, its collectives over dp at the pace of every group the
+    replicas span (``CostModel.spanning``); the step is the slowest kind's, and every kind's
+    devices must hold their memory."""
+    span = cm.spanning(g for s in plan.stages for g in s.groups)
+    kinds = []
+    for (path, size, count), _ in replica_kinds(plan).items():
+        groups = [cm.cluster.group(g) for g in path]
+        ev = evaluate_layout(span, [(g, s.layers) for g, s in zip(groups, plan.stages)], dp=plan.dp, tp=plan.tp,
+                             micro_batch=size, num_micro_batches=count)
+        kinds.append((tuple(g.device for g in groups), ev))
+    slowest = max((ev for _, ev in kinds), key=lambda ev: ev.step_time_s)
+    return Evaluation(step_time_s=slowest.step_time_s, breakdown=slowest.breakdown, stages=slowest.stages,
+                      replicas=tuple(kinds))
 
 
 def evaluate_interleaved(cm: CostModel, stages: Sequence[tuple[NodeGroup, Sequence]], *,
@@ -167,16 +213,18 @@ def weight_grad_bytes(cm: CostModel, choice: LayerChoice, micro_batch: int) -> i
 
 def prediction(cm: CostModel, ev: Evaluation, *, devices: Sequence[str], global_batch: int) -> Prediction:
     """The plan's prediction block. ``devices`` lists the device type of every rank used."""
-    tokens = global_batch * cm.seq_len
-    flops = cm.model.train_flops_per_token(cm.seq_len) * tokens
+    tokens = global_batch * cm.plan_seq_len  # the whole sequence (seq_len is s/cp under context parallelism)
+    flops = cm.model.train_flops_per_token(cm.plan_seq_len) * tokens
     peak = sum(get_device(d).peak_tflops(cm.dtype) * 1e12 for d in devices)
-    memory = tuple(
-        StageMemory(stage=i, device=devices_of_stage, capacity_bytes=s.capacity, weights_bytes=s.weights,
-                    gathered_weights_bytes=s.gathered_weights, gradients_bytes=s.gradients,
-                    optimizer_bytes=s.optimizer, activations_bytes=s.activations, transient_bytes=s.transient,
-                    pipeline_buffers_bytes=s.pipeline_buffers, reserve_bytes=s.reserve,
-                    peak_at=s.peak_at)
-        for i, (s, devices_of_stage) in enumerate(zip(ev.stages, _stage_devices(devices, len(ev.stages)))))
+    memory = []
+    for i, devices_of_stage in enumerate(_stage_devices(devices, len(ev.stages))):
+        s, device = ev.tightest(i)  # replicas on several device types: the fullest device's
+        memory.append(StageMemory(
+            stage=i, device=device or devices_of_stage, capacity_bytes=s.capacity, weights_bytes=s.weights,
+            gathered_weights_bytes=s.gathered_weights, gradients_bytes=s.gradients, optimizer_bytes=s.optimizer,
+            activations_bytes=s.activations, transient_bytes=s.transient, pipeline_buffers_bytes=s.pipeline_buffers,
+            reserve_bytes=s.reserve, peak_at=s.peak_at))
+    memory = tuple(memory)
     return Prediction(step_time_s=ev.step_time_s, tokens_per_s=tokens / ev.step_time_s,
                       mfu=flops / ev.step_time_s / peak, stage_time_s=tuple(s.time_s for s in ev.stages),
                       breakdown={k: round(v, 9) for k, v in ev.breakdown.items()}, memory=memory)

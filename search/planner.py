@@ -11,7 +11,7 @@ from typing import Callable
 from partita.cluster import ClusterSpec
 from partita.errors import InfeasibleError, PartitaError
 from partita.model import ModelSpec
-from partita.plan import Plan, SolverReport, Stage
+from partita.plan import CP_VARIANTS, ContextOption, Plan, SolverReport, Stage
 from partita.profile import Profile
 from partita.search.costs import CostModel
 from partita.search.evaluate import evaluate_plan, prediction
@@ -60,6 +60,10 @@ class PlanRequest:
     workers: int = 1
     seed: int = 0
     space: SearchSpace = field(default_factory=SearchSpace)
+    # Context-parallel degrees to search (1 included to compare against no cp); empty: 1, and
+    # for long sequences every degree a node allows (``context_options``).
+    context_parallel: tuple[int, ...] = ()
+    cp_variant: str | None = None  # "all_to_all" or "ring"; None: all-to-all where the heads allow it
 
 
 def check_request(req: PlanRequest) -> None:
@@ -73,6 +77,10 @@ def check_request(req: PlanRequest) -> None:
         raise PartitaError(f"--time-limit must be > 0 seconds, got {req.time_limit_s}")
     if not 0 <= req.gap < 1:
         raise PartitaError(f"--gap must be a fraction in [0, 1) (e.g. 0.01 for 1 %), got {req.gap:g}")
+    if req.cp_variant is not None and req.cp_variant not in CP_VARIANTS:
+        raise PartitaError(f"--cp-variant {req.cp_variant!r}: choose {' or '.join(CP_VARIANTS)}")
+    if any(cp < 1 for cp in req.context_parallel):
+        raise PartitaError(f"--cp degrees must be >= 1, got {list(req.context_parallel)}")
     if req.work_limit is not None and req.work_limit <= 0:
         raise PartitaError(f"the work limit must be > 0, got {req.work_limit}")
 
@@ -92,20 +100,25 @@ def timeout_error(cm: CostModel, req: PlanRequest) -> SearchTimeout:
 
 
 def layout_to_plan(cm: CostModel, layout: Layout, *, global_batch: int, solver: SolverReport | None) -> Plan:
-    """Give each stage its ranks (consecutive, group by group) and attach the prediction."""
-    next_rank = {g.name: cm.cluster.first_rank(g.name) for g in cm.cluster.groups}
-    size = layout.dp * layout.tp
+    """Give each stage its ranks (consecutive, group by group) and attach the prediction. A
+    layout found on a context-parallel view (``CostModel.at_cp``), where a rank stands for a cp
+    group, becomes a plan of the real cluster with dp x cp x tp ranks a stage."""
+    cp = cm.cp
+    cluster = cm.real_cluster if cp > 1 else cm.cluster
+    next_rank = {g.name: cluster.first_rank(g.name) for g in cluster.groups}
+    size = layout.dp * cp * layout.tp
     stages = []
     for i, (group, layers) in enumerate(zip(layout.stage_groups, layout.stage_layers)):
         first = next_rank[group.name]
         next_rank[group.name] = first + size
         stages.append(Stage(index=i, group=group.name, device=group.device, ranks=tuple(range(first, first + size)),
                             layers=tuple(layers)))
-    plan = Plan(model=cm.model.to_dict(), model_fingerprint=cm.model.fingerprint, cluster=cm.cluster.to_dict(),
-                cluster_fingerprint=cm.cluster.fingerprint, profile_fingerprint=cm.profile_fingerprint,
-                cost_sources={}, dtype=cm.dtype, seq_len=cm.seq_len, global_batch=global_batch,
+    plan = Plan(model=cm.model.to_dict(), model_fingerprint=cm.model.fingerprint, cluster=cluster.to_dict(),
+                cluster_fingerprint=cluster.fingerprint, profile_fingerprint=cm.profile_fingerprint,
+                cost_sources={}, dtype=cm.dtype, seq_len=cm.plan_seq_len, global_batch=global_batch,
                 micro_batch=layout.micro_batch, num_micro_batches=layout.num_micro_batches, dp=layout.dp,
-                tp=layout.tp, pp=layout.pp, stages=tuple(stages), prediction=None, solver=solver,
+                tp=layout.tp, pp=layout.pp, cp=cp, cp_variant=cm.cp_variant, stages=tuple(stages), prediction=None,
+                solver=solver,
                 batch_shares=batch_shares(global_batch, layout.dp, layout.micro_batch, layout.num_micro_batches),
                 micro_batch_sizes=micro_batch_sizes(global_batch, layout.dp, layout.micro_batch,
                                                     layout.num_micro_batches))
@@ -149,23 +162,177 @@ def _consider_interleaved(cm: CostModel, req: PlanRequest, plan: Plan, uni: Unif
     return interleaved_to_plan(cm, found.best, global_batch=req.global_batch, solver=report)
 
 
+def _consider_replicas(cm: CostModel, req: PlanRequest, plan: Plan) -> Plan:
+    """Whole replicas on two or more device types, the faster taking larger micro-batches
+    (``search/replicas.py``): the fastest found replaces the plan when it is faster. That
+    search is a heuristic outside CP-SAT's space, so the plan then reports status "feasible",
+    with a bound that holds for every plan on the cluster (``replicas.throughput_bound_s``)."""
+    from partita.search.replicas import replica_plan, replica_search, throughput_bound_s
+
+    if req.space.micro_batches or plan.prediction is None or plan.solver is None:
+        return plan  # micro-batch sizes are the search's lever: a fixed size leaves it nothing
+    found = replica_search(cm, global_batch=req.global_batch, space=req.space,
+                           incumbent_s=plan.prediction.step_time_s)
+    if found.best is None:
+        return plan
+    candidate = replica_plan(cm, found.best, plan)
+    if not evaluate_plan(candidate, cm).fits:
+        return plan
+    candidate = attach_prediction(candidate, cm)
+    if candidate.prediction.step_time_s >= plan.prediction.step_time_s:
+        return plan
+    objective = to_us(candidate.prediction.step_time_s)
+    bound = min(plan.solver.bound_us, objective, int(throughput_bound_s(cm, req.global_batch) * 1e6))
+    report = dataclasses.replace(plan.solver, status="feasible", objective_us=objective, bound_us=bound,
+                                 gap=round((objective - bound) / objective, 6) if objective else 0.0,
+                                 candidates=plan.solver.candidates + found.evaluated)
+    return dataclasses.replace(candidate, solver=report)
+
+
 def attach_prediction(plan: Plan, cm: CostModel) -> Plan:
     import dataclasses
 
     ev = evaluate_plan(plan, cm)
-    devices = [s.device for s in plan.stages for _ in s.ranks]
+    devices = [cm.cluster.group(s.replica_group(d)).device for s in plan.stages for d in range(plan.dp)
+               for _ in range(plan.cp * plan.tp)]
     pred = prediction(cm, ev, devices=devices, global_batch=plan.global_batch)
     return dataclasses.replace(plan, prediction=pred, cost_sources=cm.cost_sources())
 
 
 def make_plan(req: PlanRequest, progress: Callable[[str], None] | None = None) -> tuple[Plan, UniformResult]:
-    """Run the search the request asks for and return a validated plan and the uniform result."""
+    """Run the search the request asks for and return a validated plan and the uniform result.
+
+    Context parallelism is searched degree by degree (``context_options``): the search runs on
+    each degree's view of the cost model (``CostModel.at_cp``), where a rank is a cp group, and
+    the fastest plan over the degrees wins; its report lists every degree's best
+    (``SolverReport.context_parallel``)."""
     from partita.validate import validate_plan
 
     check_request(req)
     start = time.perf_counter()
     deadline = start + (req.time_limit_s if req.time_limit_s is not None else SAFETY_WALL_S)
     cm = CostModel(req.model, req.cluster, seq_len=req.seq_len, dtype=req.dtype, profiles=req.profiles)
+    options = context_options(req, cm)
+    if options == [(1, "all_to_all")]:
+        plan, uni = _search(cm, req, deadline, progress)
+        validate_plan(plan, req.model, req.cluster)
+        return plan, uni
+    found: list[tuple[Plan, UniformResult]] = []
+    compared: list[ContextOption] = []
+    failure: PartitaError | None = None
+    for cp, variant in options:
+        if found and time.perf_counter() > deadline:
+            break
+        view = cm.at_cp(cp, variant)
+        sub = dataclasses.replace(req, space=_cp_space(req, cp, variant))
+        tag = f" (cp {cp}, {variant.replace('_', '-')})" if cp > 1 else " (cp 1)"
+        try:
+            plan, uni = _search(view, sub, deadline, (lambda what: progress(what + tag)) if progress else None)
+        except (InfeasibleError, SearchTimeout) as e:
+            compared.append(ContextOption(cp=cp, variant=variant, fits=False,
+                                          status="infeasible" if isinstance(e, InfeasibleError) else "timeout"))
+            if cp == 1 or failure is None:
+                failure = e
+            continue
+        found.append((plan, uni))
+        compared.append(_context_option(plan))
+    if not found:
+        assert failure is not None
+        raise failure
+    plan, uni = min(found, key=lambda t: t[0].prediction.step_time_s)
+    plan = dataclasses.replace(plan, solver=_over_cp(plan.solver, [p.solver for p, _ in found], compared))
+    validate_plan(plan, req.model, req.cluster)
+    return plan, uni
+
+
+# Sequences from this length on are long enough for context parallelism to pay (the
+# activations grow with s, the attention with s^2): the planner then also searches cp > 1. Shorter
+# ones plan as before, unless the request names cp degrees (``--cp``).
+CP_MIN_SEQ_LEN = 16384
+
+
+def context_options(req: PlanRequest, cm: CostModel) -> list[tuple[int, str]]:
+    """The (cp, variant) pairs to search, cp 1 first. Named degrees (``PlanRequest.context_parallel``)
+    or, for long sequences (``CP_MIN_SEQ_LEN``), every degree > 1 that divides each node group's
+    GPUs per node (cp groups stay inside a node) and the sequence. Variant: the request's, else
+    all-to-all where the model's heads and kv heads allow it (at tp 1) and the ring otherwise (on
+    GPUs, for a sequence divisible by 2 cp)."""
+    if req.context_parallel:
+        degrees = sorted(set(req.context_parallel))
+    elif req.seq_len >= CP_MIN_SEQ_LEN:
+        gpn = min(g.gpus_per_node for g in cm.cluster.groups)
+        degrees = [1] + [d for d in range(2, gpn + 1) if gpn % d == 0]
+    else:
+        degrees = [1]
+    block = cm.model.kinds["block"]
+    out = []
+    for cp in degrees:
+        if cp == 1:
+            out.append((1, "all_to_all"))
+            continue
+        if any(g.gpus_per_node % cp for g in cm.cluster.groups) or req.seq_len % cp:
+            if req.context_parallel:
+                raise PartitaError(f"--cp {cp}: cp groups stay inside a node and split the sequence evenly; choose cp "
+                                   f"dividing the GPUs per node ({', '.join(str(g.gpus_per_node) for g in cm.cluster.groups)}) "
+                                   f"and the sequence length {req.seq_len}")
+            continue
+        variants = (req.cp_variant,) if req.cp_variant else ("all_to_all", "ring")
+        for variant in variants:
+            if variant == "ring" and cm.cluster.is_cpu:
+                continue
+            if block.cp_divides(cp, tp=1, variant=variant, seq_len=req.seq_len) is None:
+                out.append((cp, variant))
+                break
+        else:
+            if req.context_parallel:
+                why = block.cp_divides(cp, tp=1, variant=variants[0], seq_len=req.seq_len) or "the ring runs on GPUs only"
+                raise PartitaError(f"--cp {cp}: {why}")
+    return out
+
+
+def _cp_space(req: PlanRequest, cp: int, variant: str):
+    """The search space at cp: tensor-parallel degrees whose blocks the variant can split cp x tp
+    ways (``LayerKind.cp_divides``)."""
+    if cp == 1:
+        return req.space
+    block = req.model.kinds["block"]
+    widest = min(g.gpus_per_node for g in req.cluster.groups) // cp
+    allowed = tuple(t for t in range(1, widest + 1) if widest % t == 0
+                    and block.cp_divides(cp, tp=t, variant=variant, seq_len=req.seq_len) is None
+                    and (not req.space.tensor_parallel or t in req.space.tensor_parallel))
+    return dataclasses.replace(req.space, tensor_parallel=allowed or (0,))  # (0,): no degree allowed
+
+
+def _context_option(plan: Plan) -> ContextOption:
+    pred = plan.prediction
+    fullest = max(pred.memory, key=lambda m: m.peak_bytes / m.capacity_bytes)
+    return ContextOption(cp=plan.cp, variant=plan.cp_variant, fits=True, objective_us=to_us(pred.step_time_s),
+                         tp=plan.tp, activations_bytes=fullest.activations_bytes, peak_bytes=fullest.peak_bytes,
+                         capacity_bytes=fullest.capacity_bytes,
+                         recomputed_blocks=sum(1 for l in plan.layer_strategies() if l.recompute != "none"),
+                         status=plan.solver.status if plan.solver else "")
+
+
+def _over_cp(chosen: SolverReport | None, reports: list[SolverReport | None],
+             compared: list[ContextOption]) -> SolverReport | None:
+    """The chosen plan's report over every degree searched: each search is exact for its degree,
+    so the best of them is optimal over the degrees only if every one was proven (a degree with
+    no plan must be proven infeasible), and the bound is the least of theirs."""
+    if chosen is None:
+        return None
+    settled = all(o.status in ("optimal", "exhaustive", "infeasible") for o in compared)
+    bound = min([r.bound_us for r in reports if r is not None] + [chosen.objective_us])
+    objective = chosen.objective_us
+    status = chosen.status if settled else "feasible"
+    return dataclasses.replace(chosen, status=status, bound_us=bound,
+                               gap=round((objective - bound) / objective, 6) if objective else 0.0,
+                               context_parallel=tuple(compared))
+
+
+def _search(cm: CostModel, req: PlanRequest, deadline: float,
+            progress: Callable[[str], None] | None) -> tuple[Plan, UniformResult]:
+    """One search on one cost model (a context-parallel view included): the uniform grid, CP-SAT
+    warm-started from it, then the interleaved schedules and replicas on several device types."""
     if progress:
         progress("uniform grid")
     uni = uniform_search(cm, global_batch=req.global_batch, space=req.space, deadline=deadline)
@@ -191,7 +358,10 @@ def make_plan(req: PlanRequest, progress: Callable[[str], None] | None = None) -
         if progress:
             progress("interleaved pipelines")
         plan = _consider_interleaved(cm, req, plan, uni, deadline)
-    validate_plan(plan, req.model, req.cluster)
+    if req.search == "cpsat" and cm.cp == 1 and time.perf_counter() < deadline:
+        if progress:
+            progress("replicas on several device types")
+        plan = _consider_replicas(cm, req, plan)
     return plan, uni
 
 
@@ -212,7 +382,7 @@ def usd_per_million_tokens(plan: Plan, price_uph: int) -> float:
 
 def plan_price(plan: Plan, cluster) -> int:
     """What the devices a plan runs on cost per hour, micro-dollars (idle devices released)."""
-    return sum(len(s.ranks) * device_price(cluster.group(s.group)) for s in plan.stages)
+    return sum(device_price(cluster.group(name)) for _, name in plan.rank_groups())
 
 
 def make_cost_plan(req: PlanRequest, progress: Callable[[str], None] | None = None

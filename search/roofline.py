@@ -18,7 +18,9 @@ and bandwidths are per device, so the curve transfers across devices by scaling 
 floor is a host property and is kept as is.
 
 The catalog's ``cpu`` device is nominal; it gets a plain roofline at its catalog peaks with
-a modest efficiency. ``benchmarks/calibrate_roofline.py`` re-fits the constants below and
+a modest efficiency, and on CPU ranks the weights' own traffic is priced apart
+(``cpu_weight_stream_s``: passes over a layer's weights per micro-batch at a weight-stream
+bandwidth that ``partita calibrate`` fits). ``benchmarks/calibrate_roofline.py`` re-fits the constants below and
 prints the fit; ``docs/calibration.md`` records the errors. Nothing here reads those files.
 
 Usage::
@@ -97,6 +99,57 @@ MEMORY_CURVE = KernelCurve(floor_s=5e-06, efficiency=1.0, memory_weight=1.0 / ME
 # the catalog's nominal peaks. Not calibrated; measure CPUs with `partita profile --device cpu`.
 CPU_EFFICIENCY = 0.5
 CPU_FLOOR_S = 2e-06
+
+# The weights' traffic on a CPU rank (``cpu_weight_stream_s``). The roofline above prices a product
+# by the larger of its math and its bytes, and its bytes are mostly the activations': on a CPU the
+# weights' own traffic does not hide behind the math. One core runs the BLAS kernel, which first
+# copies (packs) the weight operand into panels, and the weights, the gradients and the optimizer's
+# state of a rank (~60 MB for a calib-llama stage) do not stay in a cache (32 MB of L3 shared by the
+# ranks on the development machine), so each pass over a weight streams it from memory before the
+# math. Passes per micro-batch over a layer's parameters:
+#   forward   2: the product reads the weight and writes its packed copy;
+#   backward  3 + 3: dX = dY W^T reads and packs it again, dW = X^T dY writes a weight-sized
+#             result; autograd then accumulates it into the fp32 .grad (reads both, writes one).
+#             (A step's first micro-batch hands its gradient over without the add; not modelled.)
+# The embedding's weight feeds a gather, not a product: its forward reads rows only, and its
+# dense gradient's zeroing and scatter are priced as kernels (search/analytic.py); what is left
+# is the accumulation.
+# Measured on the development machine (one thread, nn.Linear 256x688 and 256x256, 128-512 tokens,
+# weights evicted by a 64 MB pass before each call against warm): the time at zero tokens grows
+# by 0.07-0.19 ms forward and 0.24-0.46 ms backward for the 0.7 MB weight, about 1 : 3 as the
+# passes say, at 7-20 GB/s. ``partita calibrate`` fits the bandwidth (from the device's memory
+# bandwidth); without a calibration that has it, the CPU keeps the plain roofline above.
+CPU_WEIGHT_PASSES_FORWARD = 2
+CPU_WEIGHT_PASSES_BACKWARD = 3
+CPU_GRAD_ACCUMULATE_PASSES = 3
+FP32_BYTES = 4  # the gradients accumulate in fp32; the master weights and Adam's state are fp32
+# torch's single-tensor AdamW (the CPU default) passes over parameter-sized fp32 tensors 20 times
+# per parameter: param *= 1 - lr*wd (2), exp_avg.lerp_(grad) (3), exp_avg_sq.mul_ (2) and
+# .addcmul_(grad, grad) (3), sqrt, / and +eps (2 each), param.addcdiv_(exp_avg, denom) (4). The
+# same streams at the same bandwidth: a step's optimizer time shows it on every run.
+CPU_ADAM_PASSES = 20
+
+
+def cpu_weight_stream_s(params: float, elem: int, bandwidth_gbps: float, *,
+                        product: bool) -> tuple[float, float]:
+    """(forward, backward) seconds one micro-batch spends streaming a layer's ``params``
+    parameters (``elem`` bytes each in the compute dtype) on a CPU rank at ``bandwidth_gbps``;
+    ``product``: the weights feed matrix products (every layer but the embedding)."""
+    if bandwidth_gbps <= 0:
+        raise PartitaError(f"weight-stream bandwidth must be positive, got {bandwidth_gbps} GB/s")
+    rate = bandwidth_gbps * 1e9
+    accumulate = CPU_GRAD_ACCUMULATE_PASSES * params * FP32_BYTES / rate
+    if not product:
+        return 0.0, accumulate
+    return (CPU_WEIGHT_PASSES_FORWARD * params * elem / rate,
+            CPU_WEIGHT_PASSES_BACKWARD * params * elem / rate + accumulate)
+
+
+def cpu_adam_s(params: float, bandwidth_gbps: float) -> float:
+    """Seconds of torch's single-tensor AdamW streaming ``params`` fp32 parameters and their
+    state on a CPU rank at ``bandwidth_gbps`` (its host ops are priced apart)."""
+    return CPU_ADAM_PASSES * params * FP32_BYTES / (bandwidth_gbps * 1e9)
+
 
 # Flash attention's backward runs five block products to the forward's two.
 ATTENTION_BWD_FLOPS_RATIO = 2.5

@@ -2,6 +2,7 @@
 benchmarks/calibrate_cpu.py on two CPU ranks), the profile it writes, and its bad inputs.
 Nothing here times anything: the runs' timings are data."""
 
+import dataclasses
 import json
 import logging
 import shutil
@@ -11,6 +12,7 @@ import pytest
 import yaml
 
 from partita.cli import main
+from partita.model import ModelSpec
 from partita.profile import Calibration, Profile, Provenance
 from partita.search.calibrate import calibrate, load_run, predictions, step_from_phases
 
@@ -61,7 +63,7 @@ def test_a_host_bound_run_alone_leaves_the_compute_scale_at_its_default(caplog):
     with caplog.at_level(logging.WARNING, logger="partita.search.calibrate"):
         profile, table = calibrate([load_run(HOST_BOUND)])
     cal = profile.calibration
-    assert set(cal.fitted) == {"op_overhead_s", "step_overhead_s"}
+    assert set(cal.fitted) == {"op_overhead_s", "step_overhead_s", "weight_stream_gbps"}
     assert cal.compute_scale == 1.0 and cal.overlap_slowdown == 1.0
     assert "compute scale is not fitted" in caplog.text
     step = next((p, m) for _, what, p, m in table if what == "step")
@@ -72,9 +74,10 @@ def test_a_host_bound_and_a_compute_bound_run_fit_both(fitted, caplog):
     profile, table = fitted
     cal = profile.calibration
     assert profile.device == "cpu" and profile.dtype == "fp32" and profile.provenance.source == "calibrated"
-    assert set(cal.fitted) == {"compute_scale", "op_overhead_s", "step_overhead_s"}
+    assert set(cal.fitted) == {"compute_scale", "op_overhead_s", "step_overhead_s", "weight_stream_gbps"}
     assert cal.overlap_slowdown == 1.0
     assert 0.3 < cal.compute_scale < 3 and 1e-6 < cal.op_overhead_s < 1e-4
+    assert 5 < cal.weight_stream_gbps < 100  # one core streaming from memory (docs/calibration.md)
     for run_id in {r for r, *_ in table}:  # each run's step
         predicted, measured = next((p, m) for r, what, p, m in table if r == run_id and what == "step")
         assert predicted == pytest.approx(measured, rel=0.10)
@@ -85,6 +88,52 @@ def test_a_host_bound_and_a_compute_bound_run_fit_both(fitted, caplog):
 def test_the_fit_is_deterministic(fitted):
     again, _ = calibrate([load_run(p) for p in CALIBRATED_ON])
     assert again.calibration == fitted[0].calibration
+
+
+def test_the_weight_stream_is_one_bandwidth_for_the_optimizer_and_the_micro_batches(fitted):
+    """The bandwidth fitted on the two calibration plans prices calib-llama's optimizer steps
+    (AdamW's passes), which the per-byte roofline priced 37-48 % fast, and agrees with the one
+    the four plans give together: one physical rate, not a knob per plan."""
+    profile, _ = fitted
+    for run_dir in [COMPUTE_BOUND] + OTHERS:
+        for what, p, m in predictions(load_run(run_dir), profile):
+            if what.endswith("optimizer"):
+                assert p == pytest.approx(m, rel=0.20), (run_dir.name, what)
+    everything, _ = calibrate([load_run(p) for p in CALIBRATED_ON + OTHERS])
+    assert everything.calibration.weight_stream_gbps == pytest.approx(profile.calibration.weight_stream_gbps, rel=0.2)
+
+
+def test_the_weight_passes_add_on_cpu_ranks_only(fitted):
+    """A CPU layer's forward gains 2 passes over its weights, its backward 3 and the fp32
+    gradient's accumulation 3, at the fitted bandwidth; the embedding (a gather) only the
+    accumulation; a calibration without the constant (written before it) prices as it did;
+    GPUs have no such term."""
+    from partita.cluster import load_cluster
+    from partita.model import load_model
+    from partita.search.analytic import layer_cost
+    from partita.devices import get_device
+    from partita.search.costs import CostModel
+    from partita.search.timing import layer_ops
+
+    profile = fitted[0]
+    cal = profile.calibration
+    old = dataclasses.replace(profile, calibration=dataclasses.replace(cal, weight_stream_gbps=None))
+    model = ModelSpec.from_dict(load_run(COMPUTE_BOUND).plan.model)
+    new_cm, old_cm = (CostModel(model, load_cluster("2xcpu"), seq_len=128, dtype="fp32", profiles=(p,))
+                      for p in (profile, old))
+    rate = cal.weight_stream_gbps * 1e9
+    for role in ("embed", "block", "head"):
+        a, b = new_cm.compute(role, "cpu", 1, 2), old_cm.compute(role, "cpu", 1, 2)
+        params = a.param_bytes / 4
+        product = role != "embed"
+        assert a.forward_s - b.forward_s == pytest.approx(2 * 4 * params / rate if product else 0.0, abs=1e-12)
+        assert a.backward_s - b.backward_s == pytest.approx((6 if product else 3) * 4 * params / rate)
+        analytic = layer_cost(model.kinds[role], get_device("cpu"), tp=1, micro_batch=2, seq_len=128, dtype="fp32")
+        fwd_ops = layer_ops(model.kinds[role])[0]
+        assert b.forward_s == pytest.approx(cal.compute_scale * analytic.forward_s + fwd_ops * cal.op_overhead_s)
+    assert old_cm.weight_stream_gbps("cpu") is None and new_cm.weight_stream_gbps("cpu") == cal.weight_stream_gbps
+    gpu = CostModel(load_model("llama-2-7b"), load_cluster("8xH100"), seq_len=4096, dtype="bf16")
+    assert gpu.weight_stream_gbps("H100") is None
 
 
 @pytest.mark.parametrize("other", OTHERS, ids=lambda p: p.name)
@@ -110,6 +159,14 @@ def test_calibrated_profiles_round_trip_and_old_ones_keep_their_fingerprint(tmp_
     old = Profile(device="cpu", dtype="fp32", provenance=Provenance(source="measured", device_name="x"))
     assert "calibration" not in old.to_dict()
     assert Profile.from_dict(yaml.safe_load(yaml.safe_dump(old.to_dict()))).fingerprint == old.fingerprint
+    # A calibration from before the weight-stream term: no key in the file, loads as None.
+    before = dataclasses.replace(profile, calibration=dataclasses.replace(
+        profile.calibration, weight_stream_gbps=None,
+        fitted=tuple(f for f in profile.calibration.fitted if f != "weight_stream_gbps")))
+    text = yaml.safe_dump(before.to_dict())
+    assert "weight_stream_gbps" not in text
+    again = Profile.from_dict(yaml.safe_load(text))
+    assert again == before and again.fingerprint == before.fingerprint
 
 
 def test_calibration_block_refuses_nonsense():
@@ -120,6 +177,10 @@ def test_calibration_block_refuses_nonsense():
         Calibration.from_dict(base | {"fitted": ["speed"]}, "c")
     with pytest.raises(Exception, match="unknown key"):
         Calibration.from_dict(base | {"speed": 1}, "c")
+    with pytest.raises(Exception, match="weight_stream_gbps"):
+        Calibration.from_dict(base | {"weight_stream_gbps": 0}, "c")
+    assert Calibration.from_dict(base | {"weight_stream_gbps": 20, "fitted": ["weight_stream_gbps"]},
+                                 "c").weight_stream_gbps == 20
 
 
 def test_plan_uses_a_calibrated_profile(tmp_path, fitted, capsys):

@@ -175,7 +175,9 @@ def test_cost_objective_picks_the_cheapest_plan_per_token_which_is_not_the_faste
     times = [p.plan.prediction.step_time_s for p in frontier]
     assert times == sorted(times)  # a lower price never buys a faster plan
     chosen = usd_per_million_tokens(plan, plan_price(plan, cluster))
-    assert chosen == min(p.usd_per_mtok for p in frontier) and all(p.exact for p in frontier)
+    assert chosen == min(p.usd_per_mtok for p in frontier)
+    # Every point is proven, but those of replicas on both device types (search/replicas.py, a heuristic).
+    assert all(p.exact != p.plan.mixed_replicas for p in frontier)
     assert chosen < usd_per_million_tokens(fastest, plan_price(fastest, cluster))
     assert plan_price(plan, cluster) < plan_price(fastest, cluster)
     a100 = parse_short("1x4xA100-80GB")

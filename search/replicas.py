@@ -1,0 +1,261 @@
+"""Replicas on different device types: every node group runs whole replicas of the model, and
+the replicas on the faster devices take the larger shares of the batch.
+
+On a mixed cluster the CP-SAT search places each pipeline stage on one node group, so a stage's
+data-parallel replicas are all of one device type. When one type is much faster (H100 beside
+V100), the best plan may instead run replicas on both, the fast ones taking more rows:
+``Stage.replica_groups`` puts replica ``d`` of every stage on a group of its own, and
+``Plan.micro_batch_sizes`` gives it its micro-batch size. Every replica runs the same
+micro-batch count (so any ZeRO level works) and the same layers with the same choices (each
+layer's gradient is reduced over the same replicas); the step is the slowest replica's, and the
+collectives over dp run at the pace of the slowest group and the links between the groups
+(``CostModel.spanning``).
+
+The search (``replica_search``) is a heuristic over that space, tried after the CP-SAT search
+(``planner.make_plan``), which keeps its plan unless one here is faster:
+
+* every tensor degree the groups' nodes share, pipeline depth, micro-batch count and uniform
+  layer choice (ZeRO level, recomputation, sequence parallelism), the blocks split evenly, each
+  group running as many whole replicas as it holds (a stage's part on a group aligned with its
+  nodes), visited in the order of a throughput estimate (``_estimate_s``) and cut off once the
+  estimate reaches the best plan;
+* for each, the micro-batch sizes by water-filling: every group starts at size 1 and the group
+  whose replicas would be slowest least after growing by one row grows, until the rows of a
+  micro-batch round are covered; the last group grown gives back the excess, one row from
+  each of as many replicas. The step is the slowest group's.
+
+It proves nothing about the space: a plan from here is reported "feasible", with a bound that
+holds for every plan on the cluster (``throughput_bound_s``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from partita.cluster import NodeGroup
+from partita.plan import Plan, Stage
+from partita.search.costs import CostModel, choice_of
+from partita.search.evaluate import evaluate_counts
+from partita.search.uniform import (MAX_MICRO_BATCH, SearchSpace, device_price, divisors, sp_choices, split_blocks,
+                                    stage_counts, stage_layer_names, strategy, tp_allowed)
+
+# Micro-batch counts tried per (tp, pp): the smallest that give every replica a row.
+COUNTS_TRIED = 3
+# Evaluations the search may spend (deterministic; each is one replica kind's pipeline priced).
+EVALUATION_BUDGET = 4000
+
+
+@dataclass(frozen=True)
+class ReplicaCandidate:
+    """Whole replicas on every group used: ``replicas[g]`` on ``groups[g]``, each running
+    ``num_micro_batches`` micro-batches of ``sizes[g]`` (its replicas' largest size; the first
+    ``smaller[g]`` replicas... take one row less), uniform layer choices."""
+
+    groups: tuple[NodeGroup, ...]
+    replicas: tuple[int, ...]
+    tp: int
+    pp: int
+    num_micro_batches: int
+    sizes: tuple[int, ...]
+    smaller: tuple[int, ...]  # replicas of each group at sizes[g] - 1
+    sp: bool
+    zero: int
+    recompute: str
+    step_time_s: float
+
+    @property
+    def dp(self) -> int:
+        return sum(self.replicas)
+
+    def replica_sizes(self) -> tuple[int, ...]:
+        """Each replica's micro-batch size, in dp-index order (group by group, larger first)."""
+        out: list[int] = []
+        for n, b, k in zip(self.replicas, self.sizes, self.smaller):
+            out += [b] * (n - k) + [b - 1] * k
+        return tuple(out)
+
+
+@dataclass
+class ReplicaResult:
+    best: ReplicaCandidate | None = None
+    evaluated: int = 0
+
+
+def replicas_on(group: NodeGroup, tp: int, pp: int) -> int:
+    """How many whole replicas of pp stages of tp ranks the group runs, each stage's part on
+    the group aligned with its nodes (it divides a node or is whole nodes)."""
+    n = group.size // (tp * pp)
+    gpn = group.gpus_per_node
+    while n > 0 and not (gpn % (n * tp) == 0 or (n * tp) % gpn == 0):
+        n -= 1
+    return n
+
+
+def throughput_bound_s(cm: CostModel, global_batch: int) -> float:
+    """A lower bound on the step of any plan on the cluster: every device at its best rate of
+    rows per second through the whole model (each layer's compute alone, at the tensor degree
+    and micro-batch size that make it cheapest per row and device; collectives, recomputation
+    and the schedule only add), all devices busy all the step."""
+    model = cm.model
+    rate = 0.0
+    for g in cm.cluster.groups:
+        best = 0.0
+        for tp in divisors(g.gpus_per_node):
+            if model.kinds["block"].tp_divides(tp) is not None:
+                continue
+            for b in (1, 2, 4, 8, 16, MAX_MICRO_BATCH):
+                per_mb = sum(n * (c.forward_s + c.backward_s) for n, c in (
+                    (1, cm.compute("embed", g.device, tp if model.kinds["embed"].tp_divides(tp) is None else 1, b)),
+                    (model.n_layers, cm.compute("block", g.device, tp, b)),
+                    (1, cm.compute("head", g.device, tp if model.kinds["head"].tp_divides(tp) is None else 1, b))))
+                best = max(best, b / (tp * per_mb))  # rows per second per device
+        rate += g.size * best
+    return global_batch / rate if rate else math.inf
+
+
+def replica_search(cm: CostModel, *, global_batch: int, space: SearchSpace, incumbent_s: float) -> ReplicaResult:
+    """The fastest plan of whole replicas on two or more device types found under
+    ``EVALUATION_BUDGET`` evaluations that beats ``incumbent_s``; ``best`` None if none does."""
+    result = ReplicaResult()
+    groups = tuple(cm.cluster.groups)
+    if len(groups) < 2 or len({g.device for g in groups}) < 2:
+        return result
+    span = cm.spanning(g.name for g in groups)
+    best_s = incumbent_s
+    for estimate, shape in sorted(_shapes(cm, span, groups, global_batch, space), key=lambda t: t[0]):
+        if estimate >= best_s or result.evaluated >= EVALUATION_BUDGET:
+            break
+        found = _fill(span, shape, global_batch, best_s, result)
+        if found is not None and found.step_time_s < best_s:
+            result.best, best_s = found, found.step_time_s
+    return result
+
+
+def _shapes(cm: CostModel, span: CostModel, groups: Sequence[NodeGroup], global_batch: int, space: SearchSpace):
+    """(estimate, shape) for every shape the search tries: groups used with their replica
+    counts, tp, pp, micro-batch count and layer choices."""
+    model = cm.model
+    common = [t for t in divisors(min(g.gpus_per_node for g in groups))
+              if all(g.gpus_per_node % t == 0 for g in groups) and tp_allowed(model, t, space)]
+    for tp in common:
+        for pp in range(1, model.n_layers + 1):
+            if space.pipeline and pp not in space.pipeline:
+                continue
+            counts = tuple(replicas_on(g, tp, pp) for g in groups)
+            used = tuple((g, n) for g, n in zip(groups, counts) if n)
+            if len({g.device for g, _ in used}) < 2:
+                if not any(counts):
+                    break  # deeper pipelines fit no group either
+                continue
+            dp = sum(n for _, n in used)
+            if space.price_cap is not None and sum(n * tp * pp * device_price(g) for g, n in used) > space.price_cap:
+                continue
+            ms = [m for m in divisors(global_batch) if m >= pp and global_batch // m >= dp][:COUNTS_TRIED]
+            for m in ms:
+                rows = global_batch // m
+                if space.micro_batches and not any(b in space.micro_batches for b in range(1, rows + 1)):
+                    continue
+                for zero in (space.zero_levels if dp > 1 else (0,)):
+                    for recompute in space.recompute:
+                        for sp in sp_choices(cm, tp, space):
+                            shape = (used, tp, pp, m, sp, zero, recompute)
+                            yield _estimate_s(span, shape, rows), shape
+
+
+def _choice(cm: CostModel, tp: int, sp: bool, zero: int, recompute: str) -> dict:
+    model = cm.model
+    return {role: choice_of(model, strategy(model, role, tp=tp, sp=sp, zero=zero, recompute=recompute))
+            for role in ("embed", "block", "head")}
+
+
+def _estimate_s(cm: CostModel, shape, rows: int) -> float:
+    """Every replica busy, each at its per-row rate at the size an even split gives, through
+    the m + pp - 1 stage times of a 1F1B pipeline whose stages split the work evenly."""
+    used, tp, pp, m, sp, zero, recompute = shape
+    choice = _choice(cm, tp, sp, zero, recompute)
+    dp = sum(n for _, n in used)
+    b = max(1, min(MAX_MICRO_BATCH, rows // dp))
+    rate = 0.0  # rows per second, all replicas
+    for g, n in used:
+        per_mb = sum(k * cm.layer_time_of(choice[role], g, dp=dp, micro_batch=b).total_s
+                     for role, k in (("embed", 1), ("block", cm.model.n_layers), ("head", 1)))
+        rate += n * b * pp / per_mb
+    return (m + pp - 1) * rows / rate  # 1F1B: m + pp - 1 stage times, a stage at least 1/pp of the work
+
+
+def _fill(cm: CostModel, shape, global_batch: int, best_s: float, result: ReplicaResult) -> ReplicaCandidate | None:
+    """Water-fill one shape's micro-batch sizes (module docstring); None if no sizes fit or
+    the slowest group cannot beat ``best_s``."""
+    used, tp, pp, m, sp, zero, recompute = shape
+    rows = global_batch // m
+    dp = sum(n for _, n in used)
+    choice = _choice(cm, tp, sp, zero, recompute)
+    blocks = split_blocks(cm.model.n_layers, pp)
+    stages = stage_counts(choice, blocks)
+    cache: dict[tuple[int, int], float] = {}
+
+    def step(i: int, b: int) -> float:
+        """Group i's replicas' step at micro-batch size b (inf: over memory or the size limit)."""
+        if (i, b) not in cache:
+            if b > MAX_MICRO_BATCH:
+                cache[(i, b)] = math.inf
+            else:
+                g = used[i][0]
+                ev = evaluate_counts(cm, [(g, c) for c in stages], dp=dp, tp=tp, micro_batch=b, num_micro_batches=m)
+                result.evaluated += 1
+                cache[(i, b)] = ev.step_time_s if ev.fits else math.inf
+        return cache[(i, b)]
+
+    sizes = [1] * len(used)
+    if any(step(i, 1) >= best_s for i in range(len(used))):
+        return None  # every group runs at least one row per replica
+    covered = sum(n for _, n in used)
+    last = 0
+    while covered < rows:
+        i = min(range(len(used)), key=lambda i: (step(i, sizes[i] + 1), i))
+        if step(i, sizes[i] + 1) >= best_s:
+            return None
+        sizes[i] += 1
+        covered += used[i][1]
+        last = i
+    smaller = [0] * len(used)
+    smaller[last] = covered - rows
+    slowest = max(step(i, b) for i, b in enumerate(sizes))
+    if smaller[last] == used[last][1]:  # the whole group took one row less: its size is one less
+        sizes[last] -= 1
+        smaller[last] = 0
+    return ReplicaCandidate(groups=tuple(g for g, _ in used), replicas=tuple(n for _, n in used), tp=tp, pp=pp,
+                            num_micro_batches=m, sizes=tuple(sizes), smaller=tuple(smaller), sp=sp, zero=zero,
+                            recompute=recompute, step_time_s=slowest)
+
+
+def replica_stages(cm: CostModel, cand: ReplicaCandidate) -> tuple[Stage, ...]:
+    """The candidate's stages: on each group, stage s takes the next ``replicas x tp`` ranks
+    after the group's earlier stages; replicas are numbered group by group."""
+    model = cm.model
+    names = stage_layer_names(model, split_blocks(model.n_layers, cand.pp))
+    stages = []
+    for s in range(cand.pp):
+        ranks: list[int] = []
+        replica_groups: list[str] = []
+        for g, n in zip(cand.groups, cand.replicas):
+            first = cm.cluster.first_rank(g.name) + s * n * cand.tp
+            ranks += range(first, first + n * cand.tp)
+            replica_groups += [g.name] * n
+        layers = tuple(strategy(model, name, tp=cand.tp, sp=cand.sp, zero=cand.zero, recompute=cand.recompute)
+                       for name in names[s])
+        stages.append(Stage(index=s, group=cand.groups[0].name, device=cand.groups[0].device, ranks=tuple(ranks),
+                            layers=layers, replica_groups=tuple(replica_groups)))
+    return tuple(stages)
+
+
+def replica_plan(cm: CostModel, cand: ReplicaCandidate, base: Plan) -> Plan:
+    """``base`` (a plan for the same request) reshaped to the candidate, without a prediction."""
+    sizes = cand.replica_sizes()
+    return dataclasses.replace(base, stages=replica_stages(cm, cand), dp=cand.dp, tp=cand.tp, pp=cand.pp,
+                               micro_batch=max(sizes), num_micro_batches=cand.num_micro_batches, batch_shares=(),
+                               micro_batch_sizes=sizes if len(set(sizes)) > 1 else (), schedule="1f1b",
+                               prediction=None)
