@@ -68,25 +68,6 @@ EXTRA = [
 COMMON = ["--cluster", CLUSTER, "--no-recompute", "--no-sequence-parallel"]
 
 
-def _price_zbv_layouts_once() -> None:
-    """Work around a planner bug (search/planner.py, 2026-12-01): ``interleaved_to_plan`` first
-    prices an interleaved layout as a 1F1B plan (``layout_to_plan``), which fails for a ZB-V
-    layout, whose head sits on the first stage (``pipeline_memory`` finds no head on the last).
-    Here that first pricing is left off; ``interleaved_to_plan`` prices the plan under its own
-    schedule right after, and ``partita plan`` validates it. Remove once the planner is fixed."""
-    import partita.search.planner as planner
-
-    attach = planner.attach_prediction
-
-    def attach_or_leave(plan: Plan, cm: CostModel) -> Plan:
-        try:
-            return attach(plan, cm)
-        except StopIteration:  # the 1F1B reading of a ZB-V layout; priced again as ZB-V next
-            return plan
-
-    planner.attach_prediction = attach_or_leave
-
-
 def run(args: list[str], quiet: bool = True) -> None:
     out = io.StringIO()
     with contextlib.redirect_stdout(out) if quiet else contextlib.nullcontext():
@@ -126,7 +107,6 @@ def main() -> None:
     ap.add_argument("--out", default="runs/calibrate_cpu")
     ap.add_argument("--extra", action="store_true", help="also run data-parallel plans (not expected to fit)")
     args = ap.parse_args()
-    _price_zbv_layouts_once()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     first_profile, final_profile = out / "cpu-calibrated-round1.yaml", out / "cpu-calibrated.yaml"
@@ -158,8 +138,10 @@ def main() -> None:
     for label, profile in zip(("round 1", "final"), profiles):
         cal = profile.calibration
         stream = f"{cal.weight_stream_gbps:.3g} GB/s" if cal.weight_stream_gbps is not None else "none"
-        comm = "; ".join(f"{c.op} {c.latency_s * 1e6:.0f} us + bytes / {c.bandwidth_gbps:.3g} GB/s" for c in profile.comm)
-        print(f"{label} profile: compute scale {cal.compute_scale:.3f}, per-op overhead {cal.op_overhead_s * 1e6:.2f} us, "
+        comm = "; ".join(f"{c.op} {c.latency_s * 1e6:.0f} us + bytes / {c.bandwidth_gbps:.3g} GB/s"
+                         for c in profile.comm)
+        print(f"{label} profile: compute scale {cal.compute_scale:.3f}, "
+              f"per-op overhead {cal.op_overhead_s * 1e6:.2f} us, "
               f"step overhead {cal.step_overhead_s * 1e3:.2f} ms, weight stream {stream} "
               f"(fitted: {', '.join(cal.fitted)}); {comm or 'no comm fit'}")
     print("\n| plan | role | shape | analytic | calibrated (round 1) | calibrated (final) | measured (quietest run) "

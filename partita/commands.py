@@ -495,9 +495,11 @@ def calibrate(args: argparse.Namespace) -> int:
     for run_id, what, predicted, measured in table:
         t.add_row(run_id, what, fmt_seconds(predicted), fmt_seconds(measured), f"{(predicted / measured - 1) * 100:+.1f}%")
     console.print(t)
-    for name in cal.CONSTANTS:
+    for name in cal.CONSTANTS + cal.OPTIONAL:
         value = getattr(cal, name)
-        shown = fmt_seconds(value) if name.endswith("_s") else f"{value:.3g}"
+        if value is None:
+            continue  # an optional constant the fit left out
+        shown = fmt_seconds(value) if name.endswith("_s") else f"{value:.3g}" + (" GB/s" if name.endswith("_gbps") else "")
         console.print(f"  {name.replace('_', ' ')}: {shown} ({'fitted' if name in cal.fitted else 'default'})")
     for c in profile.comm:
         console.print(f"  {c.op} on {c.ranks} {c.link} ranks: {c.latency_s * 1e6:.0f} us + bytes / {c.bandwidth_gbps:.3g} GB/s")

@@ -201,6 +201,13 @@ def export_plan(plan: Plan, target: str, *, profiles: Sequence = ()) -> Export:
         raise PartitaError(f"--to {target}: the plan's data-parallel replicas sit on different device types "
                            f"(replica_groups); {target} runs every replica alike, so export a plan for one node "
                            f"group (partita plan --cluster with that group alone)")
+    if plan.cp > 1:
+        # Megatron's --context-parallel-size (--cp-comm-type a2a or p2p), torchtitan's
+        # context_parallel_degree (ring) and DeepSpeed's sequence_parallel_size (Ulysses) would map
+        # it, each with its own layout and limits; not mapped yet.
+        raise PartitaError(f"--to {target}: the plan splits each sequence over cp {plan.cp} ranks "
+                           f"({plan.cp_variant.replace('_', '-')} context parallelism), which the export does not "
+                           f"map yet; re-plan with --cp 1 to export, or run it with partita launch")
     if len(set(plan.batch_shares)) > 1:
         raise PartitaError(f"--to {target}: the plan gives its data-parallel replicas uneven batch shares "
                            f"{list(plan.batch_shares)}; {target} runs one micro-batch count on every replica, so "

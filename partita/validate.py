@@ -242,7 +242,7 @@ def _check_layers(plan: Plan, model: ModelSpec) -> None:
                 raise PartitaError(f"{where}: sequence_parallel needs tensor_parallel > 1")
             if l.zero not in ZERO_LEVELS:
                 raise PartitaError(f"{where}: zero {l.zero} is not one of {ZERO_LEVELS}")
-            if l.zero > 0 and plan.dp == 1:
+            if l.zero > 0 and plan.dp * plan.cp == 1:  # under cp, ZeRO shards over dp x cp
                 raise PartitaError(f"{where}: zero {l.zero} shards over data parallelism, but dp is 1; use zero 0")
             if l.recompute != "none" and model.role_of(l.name) != "block":
                 raise PartitaError(f"{where}: recompute {l.recompute} applies to decoder blocks only; set it to none")

@@ -24,8 +24,8 @@ What is fitted, in this order:
    for the host overhead per op, which every run measures on a shrunken copy of its own block
    (``runtime.commprobe.probe_op_overhead``): the fit starts there. The weight-stream bandwidth
    starts at the device's memory bandwidth; every CPU run shows it (its optimizer step is those
-   passes, and each micro-batch's fixed part grows with them: ``roofline.cpu_weight_stream_s``). Observations per stage: the
-   forward (with the loss) and backward of one micro-batch (a step's spans over its micro-batches:
+   passes, and each micro-batch's fixed part grows with them: ``roofline.cpu_weight_stream_s``).
+   Observations per stage: the forward (with the loss) and backward of one micro-batch (a step's spans over its micro-batches:
    all of an interleaved stage's virtual stages) and the optimizer step; per run: the
    step time (less the longest wait of its ranks for a core, ``step_times``); each the median
    over every step but the first (warm-up) and the stage's ranks.

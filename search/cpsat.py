@@ -110,6 +110,10 @@ def solve_shape(p: Problem, *, upper_bound_us: int | None, hint: Layout | None, 
         # first feasible plan (twice the work on llama-2-70b at pp 24, tests/test_search.py).
         solver.parameters.linearization_level = 2
         solver.parameters.add_lp_constraints_lazily = False
+    import os
+    for kv in filter(None, os.environ.get("CPSAT_PARAMS", "").split(",")):
+        k, v = kv.split("=")
+        setattr(solver.parameters, k, type(getattr(solver.parameters, k))(eval(v)))
     status = solver.solve(pm.m)
     wall, work = time.perf_counter() - start, solver.deterministic_time
     if status == cp_model.MODEL_INVALID:
@@ -290,8 +294,8 @@ def solve_plan(cm: CostModel, req, uniform: UniformResult, *, deadline: float, w
                 results.append(r)
         else:
             results.append(r)
-        log.info("shape %s, edge <= %s us: %s, bound %d us, %.2f s, work %.2f", p.shape, p.edge_ceiling_us, r.status,
-                 r.bound_us, r.wall_s, r.work)
+        log.info("shape %s, edge <= %s us: %s, bound %d us, %.2f s, work %.2f (fit bound %d, target %d)", p.shape, p.edge_ceiling_us, r.status,
+                 r.bound_us, r.wall_s, r.work, bounds[p.key], target())
         if r.layout is not None:
             ev = evaluate_layout(cm, list(zip(r.layout.stage_groups, r.layout.stage_layers)), dp=r.layout.dp,
                                  tp=r.layout.tp, micro_batch=r.layout.micro_batch,

@@ -44,6 +44,40 @@ def _hull_cuts(f: np.ndarray) -> list[tuple[float, float]]:
     return cuts
 
 
+def pipeline_reach(most: np.ndarray, caps: tuple[int, ...], keep: bool = False
+                   ) -> tuple[list[np.ndarray], np.ndarray]:
+    """The most blocks a pipeline of each depth holds, each of its stages on one group and group
+    g hosting at most ``caps[g]`` of them: ``reach[t, depth]`` (-1: none), for stages that take
+    at most ``most[t, r, g, place]`` blocks in slot r on group g (place 1: the first stage, the
+    deepest slot used; 0: any other) and at least one. A programme over slots whose state is the
+    number of stages used on each group; ``states[r]`` (kept with ``keep``, for the first t) is
+    the most blocks slots 0..r-1 hold, none of them the first stage."""
+    T, K, G = most.shape[0], most.shape[1], most.shape[2]
+    shape = (T,) + tuple(min(c, K) + 1 for c in caps)
+    V = np.full(shape, -1, dtype=np.int64)
+    V[(slice(None),) + (0,) * G] = 0
+    states = [V[0]] if keep else []
+    reach = np.full((T, K + 1), -1, dtype=np.int64)
+    lift = (slice(None),) + (None,) * G  # a [t] vector against the state axes
+    for r in range(K):
+        nxt = np.full(shape, -1, dtype=np.int64)
+        done = np.full(T, -1, dtype=np.int64)
+        for g in range(G):
+            src, dst = [slice(None)] * (G + 1), [slice(None)] * (G + 1)
+            src[g + 1], dst[g + 1] = slice(0, -1), slice(1, None)
+            prev = V[tuple(src)]
+            add = most[:, r, g, 1][lift]
+            done = np.maximum(done, np.where((prev >= 0) & (add >= 1), prev + add, -1).reshape(T, -1).max(axis=1))
+            if r + 1 < K:
+                add = most[:, r, g, 0][lift]
+                np.maximum(nxt[tuple(dst)], np.where((prev >= 0) & (add >= 1), prev + add, -1), out=nxt[tuple(dst)])
+        reach[:, r + 1] = done
+        V = nxt
+        if keep:
+            states.append(V[0])
+    return states, reach
+
+
 def _slot_floor(p: Problem, r: int, k: int) -> int:
     """Memory any stage in slot r holds besides its layers' own terms, whatever the pipeline's
     depth: a used slot r >= 1 is not the last stage, so the schedule keeps a gradient receive
@@ -240,8 +274,27 @@ class StageFit:
     def holds(self, pp: int, tau: float, *, empty_slots: bool = False) -> bool:
         """Can pp stages hold every block with none slower than tau? With ``empty_slots``,
         slots may stay unused (and the embedding's stage is not known): a relaxation of every
-        depth up to pp at once."""
+        depth up to pp at once. Each slot takes its best group and each group its best slots,
+        apart (``holds_exact`` places them together)."""
         p = self.p
+        fit = self._fit(pp, tau, empty_slots)
+        if empty_slots:
+            fit = np.maximum(fit, 0)
+        any_group = int(fit.max(axis=0).sum())
+        per_group = sum(int(np.sort(fit[g])[::-1][:p.stages_per_group[g]].sum()) for g in range(len(p.groups)))
+        return min(any_group, per_group) >= p.n_blocks
+
+    def holds_exact(self, pp: int, tau: float) -> bool:
+        """``holds`` with the slots placed on groups together (``pipeline_reach``): each stage
+        on one group, holding at least one block, within the group's number of stages."""
+        fit = self._fit(pp, tau, False)  # [g, r]
+        most = np.zeros((1, pp, len(self.p.groups), 2), dtype=np.int64)
+        most[0, :pp - 1, :, 0] = fit[:, :pp - 1].T
+        most[0, pp - 1, :, 1] = fit[:, pp - 1]
+        return pipeline_reach(most, self.p.stages_per_group)[1][0, pp] >= self.p.n_blocks
+
+    def _fit(self, pp: int, tau: float, empty_slots: bool) -> np.ndarray:
+        """[group, slot]: the most blocks each slot of a pipeline pp deep takes within tau."""
         stage = (self.curves_any if empty_slots else self.curves)[:, :pp].copy()
         if not empty_slots:  # the first stage is slot pp - 1; every other one receives activations
             stage[:, :pp - 1] = self.curves_not_first[:, :pp - 1]
@@ -251,12 +304,7 @@ class StageFit:
         stage[:, 0] += self.least_head
         if not empty_slots:
             stage[:, pp - 1] += self.least_embed
-        fit = np.count_nonzero(stage <= tau, axis=2) - 1  # blocks each (group, slot) takes within tau
-        if empty_slots:
-            fit = np.maximum(fit, 0)
-        any_group = int(fit.max(axis=0).sum())
-        per_group = sum(int(np.sort(fit[g])[::-1][:p.stages_per_group[g]].sum()) for g in range(len(p.groups)))
-        return min(any_group, per_group) >= p.n_blocks
+        return np.count_nonzero(stage <= tau, axis=2) - 1  # blocks each (group, slot) takes within tau
 
     def _floor(self, pp: int) -> float:
         return self.work + self.fixed + 2 * (pp - 1) * self.least_p2p  # each boundary is paid on both sides
@@ -265,8 +313,10 @@ class StageFit:
         """True if no plan of this shape can beat the incumbent."""
         if self.m == 1:
             return self.work + self.fixed >= incumbent_us
-        return not any(self.holds(pp, (incumbent_us - self._floor(pp)) / (self.m - 1))
-                       for pp in range(1, self.p.slots + 1) if incumbent_us >= self._floor(pp))
+        taus = {pp: (incumbent_us - self._floor(pp)) / (self.m - 1)
+                for pp in range(1, self.p.slots + 1) if incumbent_us >= self._floor(pp)}
+        # The cheap test first; the depths it cannot refute get the exact placement.
+        return not any(self.holds(pp, tau) and self.holds_exact(pp, tau) for pp, tau in taus.items())
 
     def least_slowest_stage_us(self) -> float:
         """tau*(K) with unused slots allowed, a relaxation of every depth up to K at once: no

@@ -99,7 +99,8 @@ def timeout_error(cm: CostModel, req: PlanRequest) -> SearchTimeout:
         f"either: give the search more time (--time-limit)")
 
 
-def layout_to_plan(cm: CostModel, layout: Layout, *, global_batch: int, solver: SolverReport | None) -> Plan:
+def layout_to_plan(cm: CostModel, layout: Layout, *, global_batch: int, solver: SolverReport | None,
+                   priced: bool = True) -> Plan:
     """Give each stage its ranks (consecutive, group by group) and attach the prediction. A
     layout found on a context-parallel view (``CostModel.at_cp``), where a rank stands for a cp
     group, becomes a plan of the real cluster with dp x cp x tp ranks a stage."""
@@ -122,13 +123,14 @@ def layout_to_plan(cm: CostModel, layout: Layout, *, global_batch: int, solver: 
                 batch_shares=batch_shares(global_batch, layout.dp, layout.micro_batch, layout.num_micro_batches),
                 micro_batch_sizes=micro_batch_sizes(global_batch, layout.dp, layout.micro_batch,
                                                     layout.num_micro_batches))
-    return attach_prediction(plan, cm)
+    return attach_prediction(plan, cm) if priced else plan
 
 
 def interleaved_to_plan(cm: CostModel, layout, *, global_batch: int, solver: SolverReport | None) -> Plan:
     """An ``interleaved.InterleavedLayout`` as a plan: each stage's layers virtual stage by
     virtual stage, with their counts (``Stage.chunks``), under the layout's schedule."""
-    plan = layout_to_plan(cm, layout, global_batch=global_batch, solver=None)
+    # Priced once, with its chunks and schedule (as a 1F1B plan a ZB-V layout's last stage has no head).
+    plan = layout_to_plan(cm, layout, global_batch=global_batch, solver=None, priced=False)
     stages = tuple(dataclasses.replace(st, chunks=sizes) for st, sizes in zip(plan.stages, layout.chunk_sizes))
     return attach_prediction(dataclasses.replace(plan, stages=stages, schedule=layout.schedule, solver=solver), cm)
 

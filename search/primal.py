@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from partita.plan import LayerStrategy
+from partita.search.cpsat_fit import pipeline_reach
 from partita.search.cpsat_problem import Problem
 from partita.search.uniform import Layout
 
@@ -221,8 +222,11 @@ def pipeline_slots(times: np.ndarray, caps: tuple[int, ...], n_blocks: int, dept
         return None
     wanted = [d for d in depths if d <= K]
 
+    def most(taus: np.ndarray) -> np.ndarray:  # [tau, r, g, place]: the most blocks within tau
+        return (rising[None] <= taus[:, None, None, None, None]).sum(axis=-1)
+
     def holds(taus: np.ndarray) -> np.ndarray:
-        reach = _reach(rising, caps, taus)[1]
+        reach = pipeline_reach(most(taus), caps)[1]
         return np.any(reach[:, wanted] >= n_blocks, axis=1)
 
     if not wanted or not holds(values[-1:])[0]:
@@ -238,45 +242,10 @@ def pipeline_slots(times: np.ndarray, caps: tuple[int, ...], n_blocks: int, dept
         else:
             lo = int(picks[-1])
     tau = float(values[hi])
-    states, reach, most = _reach(rising, caps, np.array([tau]), keep=True)
-    placed = {d: _backtrack(states, most[0], d, int(reach[0, d]), caps) for d in wanted if reach[0, d] >= n_blocks}
+    at_tau = most(np.array([tau]))
+    states, reach = pipeline_reach(at_tau, caps, keep=True)
+    placed = {d: _backtrack(states, at_tau[0], d, int(reach[0, d]), caps) for d in wanted if reach[0, d] >= n_blocks}
     return tau, placed
-
-
-def _reach(rising: np.ndarray, caps: tuple[int, ...], taus: np.ndarray, keep: bool = False
-           ) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
-    """For each tau: the most blocks a pipeline of each depth holds with no stage slower than tau
-    (``reach[tau, depth]``, -1: none), by a programme over slots whose state is the number of
-    stages used on each group (``states[r]``: the most blocks slots 0..r-1 hold, none of them
-    the first stage; kept with ``keep``), and the most blocks per (slot, group, place)."""
-    K, G = rising.shape[0], rising.shape[1]
-    T = len(taus)
-    most = (rising[None] <= taus[:, None, None, None, None]).sum(axis=-1)  # [tau, K, G, place]
-    shape = (T,) + tuple(c + 1 for c in caps)
-    V = np.full(shape, -1, dtype=np.int64)
-    V[(slice(None),) + (0,) * G] = 0
-    states = [V] if keep else []
-    reach = np.full((T, K + 1), -1, dtype=np.int64)
-    lift = (slice(None),) + (None,) * G  # a [tau] vector against the state axes
-    for r in range(K):
-        nxt = np.full(shape, -1, dtype=np.int64)
-        fin = np.full(T, -1, dtype=np.int64)
-        for g in range(G):
-            src, dst = [slice(None)] * (G + 1), [slice(None)] * (G + 1)
-            src[g + 1], dst[g + 1] = slice(0, -1), slice(1, None)
-            prev = V[tuple(src)]
-            add = most[:, r, g, 1][lift]
-            fin = np.maximum(fin, np.where((prev >= 0) & (add >= 1), prev + add, -1).reshape(T, -1).max(axis=1))
-            if r + 1 < K:
-                add = most[:, r, g, 0][lift]
-                np.maximum(nxt[tuple(dst)], np.where((prev >= 0) & (add >= 1), prev + add, -1), out=nxt[tuple(dst)])
-        reach[:, r + 1] = fin
-        V = nxt
-        if keep:
-            states.append(V[0])
-    if keep:
-        states[0] = states[0][0]
-    return states, reach, most
 
 
 def _backtrack(states: list[np.ndarray], most: np.ndarray, depth: int, total: int, caps: tuple[int, ...]) -> list[int]:

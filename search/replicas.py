@@ -45,7 +45,7 @@ from partita.search.uniform import (MAX_MICRO_BATCH, SearchSpace, device_price, 
 # Micro-batch counts tried per (tp, pp): the smallest that give every replica a row.
 COUNTS_TRIED = 3
 # Evaluations the search may spend (deterministic; each is one replica kind's pipeline priced).
-EVALUATION_BUDGET = 4000
+EVALUATION_BUDGET = 2000
 
 
 @dataclass(frozen=True)

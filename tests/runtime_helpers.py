@@ -24,12 +24,14 @@ from partita.model import BUILTIN, ModelSpec
 from partita.plan import LayerStrategy, Plan, Stage
 
 
-def make_plan(model: str | ModelSpec = "tiny-llama", *, dp: int = 1, tp: int = 1, pp: int = 1,
+def make_plan(model: str | ModelSpec = "tiny-llama", *, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1,
+              cp_variant: str = "all_to_all",
               boundaries: list[int] | None = None, micro_batch: int = 2, num_micro_batches: int = 2,
               seq_len: int = 16, cluster: str = "4xcpu", layer: dict | None = None,
               per_layer: dict[str, dict] | None = None, dtype: str = "fp32") -> Plan:
     """A plan; ``boundaries`` are the block indices where stages 1.. start (uneven allowed);
-    ``layer`` sets every layer's strategy, ``per_layer`` overrides single layers by name."""
+    ``layer`` sets every layer's strategy, ``per_layer`` overrides single layers by name;
+    ``cp`` splits each sequence over that many ranks of every stage (dp x cp x tp a stage)."""
     spec = BUILTIN[model] if isinstance(model, str) else model
     clus = parse_short(cluster)
     names = spec.layer_names()
@@ -39,7 +41,7 @@ def make_plan(model: str | ModelSpec = "tiny-llama", *, dp: int = 1, tp: int = 1
     cuts = [0] + [b + 1 for b in boundaries] + [len(names)]  # +1: embed comes first
     stages = []
     for s in range(pp):
-        ranks = tuple(range(s * dp * tp, (s + 1) * dp * tp))
+        ranks = tuple(range(s * dp * cp * tp, (s + 1) * dp * cp * tp))
         layers = []
         for name in names[cuts[s]:cuts[s + 1]]:
             choice = dict(layer or {})
@@ -52,8 +54,8 @@ def make_plan(model: str | ModelSpec = "tiny-llama", *, dp: int = 1, tp: int = 1
     return Plan(model=spec.to_dict(), model_fingerprint=spec.fingerprint, cluster=clus.to_dict(),
                 cluster_fingerprint=clus.fingerprint, profile_fingerprint="analytic",
                 cost_sources={clus.groups[0].device: "analytic"}, dtype=dtype, seq_len=seq_len, global_batch=dp * micro_batch * num_micro_batches,
-                micro_batch=micro_batch, num_micro_batches=num_micro_batches, dp=dp, tp=tp, pp=pp,
-                stages=tuple(stages))
+                micro_batch=micro_batch, num_micro_batches=num_micro_batches, dp=dp, tp=tp, pp=pp, cp=cp,
+                cp_variant=cp_variant, stages=tuple(stages))
 
 
 def free_port() -> int:

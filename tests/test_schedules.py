@@ -238,3 +238,26 @@ def test_the_planner_takes_a_zero_bubble_pipeline_when_it_is_faster():
     assert plan.prediction.step_time_s < uni.best_eval.step_time_s
     share = 100 * plan.prediction.breakdown["pipeline_bubble"] / plan.prediction.step_time_s
     assert bubble_text(plan) == f"; bubble {share:.1f}% of the step" and 0 < share < 10
+
+
+def test_a_zbv_layout_becomes_a_priced_plan():
+    """A ZB-V layout is priced once, as ZB-V: priced first as a 1F1B plan, its last stage (which
+    holds the middle of the model, not the head) made the memory model fail."""
+    from partita.cluster import parse_short
+    from partita.model import load_model
+    from partita.search.costs import CostModel
+    from partita.search.interleaved import InterleavedLayout, chunk_names
+    from partita.search.planner import interleaved_to_plan
+    from partita.search.uniform import strategy
+
+    model, cluster = load_model("tiny-llama"), parse_short("2xcpu")
+    cm = CostModel(model, cluster, seq_len=16)
+    names = chunk_names(model.n_layers, 2, 2, "zbv")
+    layers = tuple(tuple(strategy(model, n, tp=1, sp=False, zero=0, recompute="none") for c in stage for n in c)
+                   for stage in names)
+    layout = InterleavedLayout(stage_groups=(cluster.groups[0],) * 2, stage_layers=layers, dp=1, tp=1, micro_batch=1,
+                               num_micro_batches=4, chunk_sizes=tuple(tuple(len(c) for c in s) for s in names),
+                               schedule="zbv")
+    plan = interleaved_to_plan(cm, layout, global_batch=4, solver=None)
+    assert plan.schedule == "zbv" and plan.virtual_stages == 2 and plan.prediction.step_time_s > 0
+    assert "head" in plan.stages[0].layer_names
