@@ -209,7 +209,7 @@ def build_parser(with_torch_commands: bool = False) -> argparse.ArgumentParser:
     _add_tokens(show)
     _add_json(show)
 
-    _add_json(sub.add_parser("models", help="list the built-in models"))
+    _add_json(sub.add_parser("models", help="list the built-in models, with the context-parallel (--cp) degrees each allows"))
     _add_json(sub.add_parser("devices", help="list the device catalog"))
 
     export = sub.add_parser("export", help="write a plan as Megatron-LM arguments, a torchtitan TOML or a "

@@ -615,14 +615,20 @@ def models(args: argparse.Namespace | None = None) -> int:
         jsonout.emit(jsonout.models_output())
         return 0
     t = Table(title="built-in models")
-    for col in ("name", "family", "params", "layers", "hidden", "heads/kv", "ffn", "vocab", "seq"):
+    for col in ("name", "family", "params", "layers", "hidden", "heads/kv", "ffn", "vocab", "seq", "cp all-to-all"):
         t.add_column(col, justify="right" if col not in ("name", "family") else "left")
     for m in BUILTIN.values():
+        # The context-parallel degrees the all-to-all variant allows at tp 1 (the ring: any).
+        cps = [c for c in (2, 4, 8, 16, 32) if m.kinds["block"].cp_divides(c, seq_len=m.seq_len * c) is None]
         t.add_row(m.name, m.family, f"{m.n_params / 1e9:.2f} B" if m.n_params > 1e8 else f"{m.n_params / 1e6:.2f} M",
-                  str(m.n_layers), str(m.hidden), f"{m.heads}/{m.kv_heads}", str(m.ffn), str(m.vocab), str(m.seq_len))
+                  str(m.n_layers), str(m.hidden), f"{m.heads}/{m.kv_heads}", str(m.ffn), str(m.vocab), str(m.seq_len),
+                  ",".join(map(str, cps)) or "-")
     console.print(t)
     console.print("Also: a model YAML file (ModelSpec fields) or a Hugging Face config.json "
                   "(llama, mistral, qwen2, gpt2, gpt_neox).")
+    console.print("Long sequences: `partita plan --seq-len N` searches context parallelism from 16384 tokens (`--cp` "
+                  "to choose degrees): all-to-all at the degrees above (heads and kv heads divisible by cp x tp), "
+                  "the ring on GPUs at any degree (docs/search.md).")
     return 0
 
 
