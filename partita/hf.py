@@ -6,16 +6,18 @@
 Supported ``model_type`` values and the family each becomes:
 
     llama, mistral, qwen2 (q/k/v biases)   -> "llama"  (RMSNorm, rotary, GQA, SwiGLU)
+    mixtral, qwen2_moe (mixtures of experts) -> "llama" with ``experts`` (docs/moe.md)
     gpt2, gpt_neox                         -> "gpt2"   (LayerNorm, GELU, biases)
 
-Anything else is refused with one line that names what is unsupported: mixture-of-experts
-models, unknown model types, missing or malformed size keys, a ``head_dim`` that is not
+Anything else is refused with one line that names what is unsupported: other
+mixture-of-experts families, unknown model types, missing or malformed size keys, a ``head_dim`` that is not
 hidden/heads, and biases or cross-attention the families do not price. Keys that do not
 change the shapes Partita prices (token ids, dtype, dropout, rope scaling...) are ignored.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -31,9 +33,9 @@ from partita.model import ModelSpec
 # write a model YAML (``partita models --yaml``) and edit ``seq_len``.
 MAX_DEFAULT_SEQ_LEN = 8192
 
-# model_types that are mixtures of experts. Every expert's weights are held but only the
-# routed ones run, and the search prices dense blocks only, so these are refused, not
-# approximated.
+# model_types that are mixtures of experts. mixtral and qwen2_moe are mapped (``MOE_MAPPERS``);
+# the others' routers and expert layouts (fine-grained and grouped routing, dense layers between
+# MoE ones, latent attention) are not priced, so they are refused, not approximated.
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "dbrx", "jamba", "olmoe",
                    "granitemoe", "phimoe", "jetmoe", "arctic", "grok-1", "switch_transformers", "nllb_moe")
 # Keys whose value > 1 marks a mixture-of-experts config, whatever its model_type says.
@@ -64,7 +66,8 @@ def spec_from_hf(config: Any, name: str, where: str = "Hugging Face config") -> 
     if not isinstance(model_type, str) or not model_type:
         problem = "missing key 'model_type'" if model_type is None else f"model_type must be a string, got {model_type!r}"
         raise PartitaError(f"{where}: {problem}; supported: {', '.join(MAPPERS)}")
-    _refuse_moe(config, model_type, where)
+    if model_type not in MOE_MAPPERS:
+        _refuse_moe(config, model_type, where)
     if model_type not in MAPPERS:
         raise PartitaError(f"{where}: model_type {model_type!r} is not supported; supported: {', '.join(MAPPERS)}")
     if not isinstance(name, str) or not name:
@@ -81,8 +84,8 @@ def spec_from_hf(config: Any, name: str, where: str = "Hugging Face config") -> 
 
 def _refuse_moe(config: Mapping[str, Any], model_type: str, where: str) -> None:
     if model_type in MOE_MODEL_TYPES:
-        raise PartitaError(f"{where}: model_type {model_type!r} is a mixture-of-experts model; "
-                           "Partita plans dense transformers only")
+        raise PartitaError(f"{where}: model_type {model_type!r} is a mixture-of-experts model Partita does not "
+                           f"price; supported mixtures of experts: {', '.join(MOE_MAPPERS)}")
     for key, value in config.items():
         if not (key in MOE_KEYS or (isinstance(key, str) and key.startswith("moe_"))):
             continue
@@ -156,7 +159,40 @@ def _gpt_neox(config: Mapping[str, Any], name: str, where: str) -> ModelSpec:
     )
 
 
+def _mixtral(config: Mapping[str, Any], name: str, where: str) -> ModelSpec:
+    # Mixtral: every block's MLP is num_local_experts SwiGLU experts of intermediate_size, top
+    # num_experts_per_tok, softmax over the chosen logits (the runtime's routing). sliding_window
+    # is ignored (attention is priced over the whole sequence, an upper bound).
+    spec = _llama_like(config, name, where, qkv_bias=False)
+    return dataclasses.replace(spec, experts=_size(config, "num_local_experts", where),
+                               experts_per_token=_size(config, "num_experts_per_tok", where))
+
+
+def _qwen2_moe(config: Mapping[str, Any], name: str, where: str) -> ModelSpec:
+    # Qwen2-MoE: num_experts experts of moe_intermediate_size, top num_experts_per_tok, and one
+    # shared expert of shared_expert_intermediate_size behind a sigmoid gate. intermediate_size
+    # is the width of dense MLP layers, which this family has only with decoder_sparse_step > 1
+    # or mlp_only_layers: refused (every block is priced alike). norm_topk_prob = false (the
+    # chosen experts' softmax weights not renormalised) changes no cost; the runtime renormalises.
+    if _size(config, "decoder_sparse_step", where, default=1) != 1:
+        raise PartitaError(f"{where}: decoder_sparse_step > 1 (dense MLP layers between expert layers) is not "
+                           "supported; every block must be a mixture of experts")
+    if config.get("mlp_only_layers"):
+        raise PartitaError(f"{where}: mlp_only_layers (dense MLP layers among the expert layers) is not supported; "
+                           "every block must be a mixture of experts")
+    spec = _llama_like(config, name, where, qkv_bias=True)
+    return dataclasses.replace(spec, ffn=_size(config, "moe_intermediate_size", where),
+                               experts=_size(config, "num_experts", where),
+                               experts_per_token=_size(config, "num_experts_per_tok", where),
+                               shared_expert_ffn=_size(config, "shared_expert_intermediate_size", where, default=0)
+                               if config.get("shared_expert_intermediate_size") else 0)
+
+
+MOE_MAPPERS = ("mixtral", "qwen2_moe")
+
 MAPPERS: dict[str, Callable[[Mapping[str, Any], str, str], ModelSpec]] = {
+    "mixtral": _mixtral,
+    "qwen2_moe": _qwen2_moe,
     "llama": lambda c, n, w: _llama_like(c, n, w, qkv_bias=False),
     "mistral": lambda c, n, w: _llama_like(c, n, w, qkv_bias=False),
     "qwen2": lambda c, n, w: _llama_like(c, n, w, qkv_bias=True),

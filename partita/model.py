@@ -23,6 +23,7 @@ from partita import specio
 SCHEMA_VERSION = 1
 FAMILIES = ("llama", "gpt2")
 ROLES = ("embed", "block", "head")
+MOE_FIELDS = ("experts", "experts_per_token", "shared_expert_ffn")  # 0: dense (left out of files)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,6 +48,13 @@ class ModelSpec:
     # Sequences per optimizer step when the user gives no --global-batch: the published
     # recipe's batch where there is one.
     default_global_batch: int = 512
+    # Mixture of experts (docs/moe.md): every block's MLP is ``experts`` SwiGLU experts of width
+    # ``ffn``, of which a router picks ``experts_per_token`` per token (top-k), plus optionally a
+    # gated shared expert of width ``shared_expert_ffn`` that every token runs (qwen2_moe).
+    # 0 experts: a dense model. Left out of the file (and the fingerprint) when dense.
+    experts: int = 0
+    experts_per_token: int = 0
+    shared_expert_ffn: int = 0
 
     def __post_init__(self) -> None:
         what = f"model {self.name!r}"
@@ -62,6 +70,20 @@ class ModelSpec:
             raise PartitaError(f"{what}: heads {self.heads} is not divisible by kv_heads {self.kv_heads}")
         if self.family == "gpt2" and self.kv_heads != self.heads:
             raise PartitaError(f"{what}: the gpt2 family has no grouped-query attention (kv_heads must equal heads)")
+        for key in MOE_FIELDS:
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise PartitaError(f"{what}: {key} must be a non-negative integer, got {value!r}")
+        if self.experts:
+            if self.family != "llama":
+                raise PartitaError(f"{what}: mixture-of-experts blocks are SwiGLU experts of the llama family, "
+                                   f"not {self.family}")
+            if not 1 <= self.experts_per_token <= self.experts:
+                raise PartitaError(f"{what}: experts_per_token must be between 1 and experts ({self.experts}), "
+                                   f"got {self.experts_per_token}")
+        elif self.experts_per_token or self.shared_expert_ffn:
+            raise PartitaError(f"{what}: experts_per_token and shared_expert_ffn need experts > 0 "
+                               f"(a mixture-of-experts model)")
 
     # ---- shapes -------------------------------------------------------------------------
     @property
@@ -84,11 +106,21 @@ class ModelSpec:
         return self.kinds[self.role_of(layer_name)]
 
     @property
+    def is_moe(self) -> bool:
+        return self.experts > 0
+
+    @property
     def n_params(self) -> int:
         total = sum(self.kind_of(n).params for n in self.layer_names())
         if self.tie_embeddings:
             total -= self.vocab * self.hidden
         return total
+
+    @property
+    def n_active_params(self) -> int:
+        """Parameters one token runs through: a mixture of experts' routed experts count
+        ``experts_per_token`` of ``experts`` times; equal to ``n_params`` for a dense model."""
+        return self.n_params - self.n_layers * self.kinds["block"].inactive_params
 
     def train_flops_per_token(self, seq_len: int) -> float:
         """Model FLOPs of forward + backward per token (3x forward), no recomputation:
@@ -97,7 +129,10 @@ class ModelSpec:
 
     # ---- files --------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        # The mixture-of-experts fields are left out when dense: dense files and fingerprints
+        # stay as they were.
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if not (f.name in MOE_FIELDS and getattr(self, f.name) == 0)}
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "model spec") -> "ModelSpec":
@@ -137,23 +172,35 @@ class LayerKind:
     vocab: int
     qkv_bias: bool
     learned_positions: int  # rows of a learned position table (gpt2 embed), else 0
+    # A mixture-of-experts block (``ModelSpec``): 0 for dense blocks, embeddings and heads.
+    experts: int = 0
+    experts_per_token: int = 0
+    shared_expert_ffn: int = 0
 
     @classmethod
     def of(cls, model: ModelSpec, role: str) -> "LayerKind":
+        moe = dict(experts=model.experts, experts_per_token=model.experts_per_token,
+                   shared_expert_ffn=model.shared_expert_ffn) if role == "block" else {}
         return cls(role=role, family=model.family, hidden=model.hidden, heads=model.heads,
                    kv_heads=model.kv_heads, ffn=model.ffn, vocab=model.vocab, qkv_bias=model.qkv_bias,
-                   learned_positions=model.seq_len if (model.family == "gpt2" and role == "embed") else 0)
+                   learned_positions=model.seq_len if (model.family == "gpt2" and role == "embed") else 0, **moe)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.experts > 0
 
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if not (f.name in MOE_FIELDS and getattr(self, f.name) == 0)}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], where: str = "layer kind") -> "LayerKind":
-        specio.check_keys(data, cls, where, required=[f.name for f in dataclasses.fields(cls)])
+        specio.check_keys(data, cls, where,
+                          required=[f.name for f in dataclasses.fields(cls) if f.name not in MOE_FIELDS])
         return cls(**data)
 
     # ---- parameters ---------------------------------------------------------------------
@@ -167,8 +214,47 @@ class LayerKind:
             return self.vocab * h
         qkv = h * hd * (self.heads + 2 * self.kv_heads)
         out = self.heads * hd * h
+        if self.is_moe:
+            return qkv + out + self.router_params + self.expert_params + self.shared_expert_params
         mlp = (3 if self.family == "llama" else 2) * h * self.ffn
         return qkv + out + mlp
+
+    # ---- a mixture-of-experts block's parts (0 for others) ------------------------------
+    @property
+    def router_params(self) -> int:
+        """The router: one hidden -> experts projection, no bias."""
+        return self.hidden * self.experts
+
+    @property
+    def expert_params(self) -> int:
+        """All routed experts: 3 h ffn each (SwiGLU's w1, w3, w2). What expert parallelism shards."""
+        return self.experts * 3 * self.hidden * self.ffn
+
+    @property
+    def shared_expert_params(self) -> int:
+        """The shared expert (SwiGLU of width shared_expert_ffn) and its sigmoid gate (h -> 1)."""
+        return 3 * self.hidden * self.shared_expert_ffn + self.hidden if self.shared_expert_ffn else 0
+
+    @property
+    def inactive_params(self) -> int:
+        """Routed experts' parameters a token does not run through."""
+        return (self.experts - self.experts_per_token) * 3 * self.hidden * self.ffn if self.is_moe else 0
+
+    def ep_divides(self, ep: int, dp: int) -> str | None:
+        """Why expert parallelism of degree ``ep`` cannot run with ``dp`` data-parallel ranks,
+        or None if it can: each of the ep ranks holds experts/ep whole experts, and the ep group
+        sits inside the data-parallel group (dp = ep x the replicas of each expert)."""
+        if ep < 1:
+            return f"expert-parallel degree must be >= 1, got {ep}"
+        if ep == 1:
+            return None
+        if not self.is_moe:
+            return f"expert parallelism (ep {ep}) needs a mixture-of-experts model"
+        if self.experts % ep:
+            return f"experts ({self.experts}) are not divisible by expert-parallel degree {ep}"
+        if dp % ep:
+            return f"the data-parallel degree {dp} is not divisible by expert-parallel degree {ep}"
+        return None
 
     @property
     def params(self) -> int:
@@ -186,7 +272,7 @@ class LayerKind:
         return self.matmul_params + 2 * norm + biases
 
     def forward_flops_per_token(self, seq_len: int) -> float:
-        flops = 2.0 * self.matmul_params
+        flops = 2.0 * (self.matmul_params - self.inactive_params)  # a token runs its top-k experts only
         if self.role == "block":
             # scores (QK^T) and weighted values (AV), counted over the full seq x seq square
             flops += 2.0 * 2.0 * seq_len * self.heads * self.head_dim
@@ -219,6 +305,9 @@ class LayerKind:
         """Why this kind cannot be split ``tp`` ways, or None if it can."""
         if tp == 1:
             return None
+        if self.role == "block" and self.is_moe:
+            return (f"a mixture-of-experts block is not split by tensor parallelism (tp {tp}); its experts are "
+                    f"split by expert parallelism (ep)")
         if self.role == "block":
             for what, n in (("heads", self.heads), ("kv_heads", self.kv_heads), ("ffn", self.ffn)):
                 if n % tp:
@@ -260,6 +349,10 @@ BUILTIN: dict[str, ModelSpec] = {
         # Tiny models that train on a CPU in seconds (tests, CI, laptops).
         _llama("tiny-llama", 64, 6, 4, 2, 128, 256, 64, 8),
         _gpt2("tiny-gpt2", 64, 4, 4, 256, 64, 8),
+        # Mixtral 8x7B (mistralai/Mixtral-8x7B-v0.1 config.json; trained at 4096 tokens here).
+        _llama("mixtral-8x7b", 4096, 32, 32, 8, 14336, 32000, 4096, 1024, rope_theta=1e6, experts=8,
+               experts_per_token=2),
+        _llama("tiny-moe", 64, 4, 4, 2, 64, 256, 64, 8, experts=4, experts_per_token=2),
     ]
 }
 BUILTIN_ALIASES = {"gpt2-small": "gpt2", "gpt-3-175b": "gpt3-175b", "gpt3": "gpt3-175b"}

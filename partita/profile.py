@@ -16,11 +16,17 @@ analytic device time, the host's overhead per eager op, the compute slowdown whi
 communication overlaps it, the fixed per-step overhead and, on CPU ranks, the bandwidth at
 which passes over the weights stream; its ``runs`` and ``error`` say what
 it was fitted on and how well. Profiles without it load as before (and keep their fingerprint).
+
+An optional ``attention`` table (``partita profile --attention-seq-lens``) holds the causal
+attention core alone (the runtime's SDPA call) at long sequences, where context parallelism
+prices it on shapes no layer point covers: all s positions for H/cp heads (all-to-all), one
+L-token block (ring). ``attention_time_at`` reads it at any shape; absent, as before.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -142,6 +148,44 @@ class CommCost:
 
 
 @dataclass(frozen=True, kw_only=True)
+class AttentionCost:
+    """The causal attention core on one device: ``scaled_dot_product_attention(q, k, v,
+    is_causal=True)`` on [micro_batch, heads, seq_len, head_dim] tensors (kv heads already
+    repeated to the query heads, as the runtime calls it), forward and backward (q, k, v
+    gradients)."""
+
+    heads: int
+    head_dim: int
+    micro_batch: int
+    seq_len: int
+    forward_s: float
+    backward_s: float
+
+    @property
+    def forward_flops(self) -> float:
+        return causal_attention_flops(self.micro_batch, self.heads, self.seq_len, self.head_dim)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> "AttentionCost":
+        data = specio.require_mapping(data, where)
+        specio.check_keys(data, cls, where, required=[f.name for f in dataclasses.fields(cls)])
+        return cls(heads=specio.get_int(data, "heads", where), head_dim=specio.get_int(data, "head_dim", where),
+                   micro_batch=specio.get_int(data, "micro_batch", where),
+                   seq_len=specio.get_int(data, "seq_len", where),
+                   forward_s=specio.get_float(data, "forward_s", where),
+                   backward_s=specio.get_float(data, "backward_s", where))
+
+
+def causal_attention_flops(batch: int, heads: int, seq_len: int, head_dim: int) -> float:
+    """Forward FLOPs of causal attention over ``seq_len`` positions: 2 b H s^2 d (q k^T and p v
+    over the s^2/2 pairs the mask keeps), as ``roofline.attention_flops_bytes`` counts them."""
+    return 2.0 * batch * heads * seq_len * seq_len * head_dim
+
+
+@dataclass(frozen=True, kw_only=True)
 class Calibration:
     """Time constants fitted on measured runs of this device type (``partita calibrate``)."""
 
@@ -197,6 +241,7 @@ class Profile:
     layers: tuple[LayerCost, ...] = ()
     comm: tuple[CommCost, ...] = ()
     calibration: Calibration | None = None
+    attention: tuple[AttentionCost, ...] = ()  # long-sequence attention cores; absent from the file when empty
 
     def to_dict(self) -> dict[str, Any]:
         d = {"schema_version": self.schema_version, "device": self.device, "dtype": self.dtype,
@@ -204,6 +249,8 @@ class Profile:
              "comm": [c.to_dict() for c in self.comm]}
         if self.calibration is not None:  # absent, a profile keeps the fingerprint it always had
             d["calibration"] = self.calibration.to_dict()
+        if self.attention:  # likewise
+            d["attention"] = [a.to_dict() for a in self.attention]
         return d
 
     @classmethod
@@ -215,15 +262,18 @@ class Profile:
         specio.check_version(data, SCHEMA_VERSION, where)
         layers = data.get("layers") or []
         comm = data.get("comm") or []
-        if not isinstance(layers, list) or not isinstance(comm, list):
-            raise PartitaError(f"{where}: layers and comm must be lists")
+        attention = data.get("attention") or []
+        if not isinstance(layers, list) or not isinstance(comm, list) or not isinstance(attention, list):
+            raise PartitaError(f"{where}: layers, comm and attention must be lists")
         device = get_device(specio.get_str(data, "device", where)).name
         return cls(device=device, dtype=specio.get_str(data, "dtype", where, choices=("bf16", "fp16", "fp32")),
                    provenance=Provenance.from_dict(data["provenance"], f"{where}: provenance"),
                    layers=tuple(LayerCost.from_dict(l, f"{where}: layers[{i}]") for i, l in enumerate(layers)),
                    comm=tuple(CommCost.from_dict(c, f"{where}: comm[{i}]") for i, c in enumerate(comm)),
                    calibration=Calibration.from_dict(data["calibration"], f"{where}: calibration")
-                   if data.get("calibration") is not None else None)
+                   if data.get("calibration") is not None else None,
+                   attention=tuple(AttentionCost.from_dict(a, f"{where}: attention[{i}]")
+                                   for i, a in enumerate(attention)))
 
     def save(self, path: str | Path) -> None:
         specio.save_yaml(self.to_dict(), path)
@@ -297,3 +347,45 @@ def _value_at(points: list[LayerCost], name: str, m: int) -> float:
 
 def _line(x0: float, y0: float, x1: float, y1: float, x: float) -> float:
     return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+def attention_time_at(profile: Profile, *, batch: int, heads: int, seq_len: int,
+                      head_dim: int) -> tuple[float, float] | None:
+    """(forward, backward) seconds of the causal attention core at this shape from the
+    profile's ``attention`` table, or None where it has no point to read it from (the caller
+    then uses the roofline).
+
+    Read as an achieved rate, forward FLOPs (``causal_attention_flops``) per second:
+
+    * the points of this head_dim whose b x H (the kernel's independent rows of work) is nearest
+      the asked one, an exact match first, then the larger (log distance);
+    * among those, the rate linear in log2(s) between the two measured lengths around s, and the
+      longest's rate above it (a fused kernel's rate is flat once the sequence fills the device);
+    * below the shortest measured length: None; short sequences are what the layer points
+      measure, and a kernel's rate falls there;
+    * time = FLOPs at the asked shape / rate, so b x H scales time proportionally (the device is
+      full at these lengths)."""
+    points = [a for a in profile.attention if a.head_dim == head_dim]
+    if not points or min(batch, heads, seq_len) < 1:
+        return None
+    width = batch * heads
+    nearest = min({a.micro_batch * a.heads for a in points},
+                  key=lambda w: (abs(math.log(w / width)), -w))
+    by_len: dict[int, list[AttentionCost]] = {}
+    for a in points:
+        if a.micro_batch * a.heads == nearest:
+            by_len.setdefault(a.seq_len, []).append(a)
+    lengths = sorted(by_len)
+    if seq_len < lengths[0]:
+        return None
+    rates = {n: (sum(a.forward_flops / a.forward_s for a in by_len[n]) / len(by_len[n]),
+                 sum(a.forward_flops / a.backward_s for a in by_len[n]) / len(by_len[n])) for n in lengths}
+    if seq_len >= lengths[-1]:
+        fwd_rate, bwd_rate = rates[lengths[-1]]
+    else:
+        hi = next(n for n in lengths if n >= seq_len)
+        lo = max(n for n in lengths if n <= seq_len)
+        share = 0.0 if hi == lo else (math.log2(seq_len) - math.log2(lo)) / (math.log2(hi) - math.log2(lo))
+        fwd_rate, bwd_rate = ((1 - share) * rates[lo][i] + share * rates[hi][i] for i in (0, 1))
+    flops = causal_attention_flops(batch, heads, seq_len, head_dim)
+    return flops / fwd_rate, flops / bwd_rate

@@ -3,6 +3,7 @@
     partita profile --model tiny-llama --device cpu --micro-batches 1,16 -o prof.yaml
     partita profile --model llama-3-8b --device cuda --tp 1,2,4,8 --micro-batches 1,2,4,8 -o h200.yaml
     partita profile --comm-only --device cpu --nproc 4 -o comm.yaml          # spawns 4 gloo ranks
+    partita profile --model llama-3-8b --attention-only --attention-seq-lens 8192,32768 --tp 1 --cp 1,8 -o att.yaml
     torchrun --nnodes 2 --nproc-per-node 8 ... -m partita.cli profile --comm --model M -o p.yaml
 
 ``add_profile_arguments`` adds the flags to a parser; ``profile_command`` runs them and returns
@@ -28,6 +29,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_TPS = (1, 2, 4, 8)
 DEFAULT_MICRO_BATCHES = (1, 2, 4, 8)
+DEFAULT_CPS = (1, 2, 4, 8)
 
 
 def add_profile_arguments(p: argparse.ArgumentParser) -> None:
@@ -53,6 +55,14 @@ def add_profile_arguments(p: argparse.ArgumentParser) -> None:
                    help="local ranks to spawn for --comm without torchrun (default: all GPUs; 4 on the CPU)")
     p.add_argument("--comm-sizes", default=None, metavar="MIN:MAX",
                    help="message sizes, e.g. 4KiB:4MiB (default 1KiB:1GiB on GPUs, 4KiB:4MiB on the CPU)")
+    p.add_argument("--attention-seq-lens", default=None, metavar="LIST",
+                   help="also time the causal attention core alone at these sequence lengths, comma-separated "
+                        "(context parallelism's pricing at long sequences; e.g. 8192,16384,32768)")
+    p.add_argument("--attention-only", action="store_true",
+                   help="time the attention core only (with --attention-seq-lens; no layers)")
+    p.add_argument("--cp", default=None, metavar="LIST",
+                   help="context-parallel degrees whose attention shapes to time: H/(tp cp) heads over s, and H/tp "
+                        "over s/cp (default: those of 1,2,4,8 the model's heads allow)")
     p.add_argument("-o", "--output", default="profile.yaml", help="where to write the profile (default profile.yaml)")
 
 
@@ -68,8 +78,11 @@ def profile_command(args: argparse.Namespace) -> int:
     dtype = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
     catalog = catalog_device(device, args.device_type)
     threads = _int_flag(args.threads, "--threads", default=1) if device.type == "cpu" else None
+    if args.comm_only and (args.attention_seq_lens or args.attention_only):
+        raise PartitaError("--attention-seq-lens times a model's attention; drop --comm-only (use --comm with --model)")
     spec = None if args.comm_only else _model(args)
-    layer_opts = None if spec is None else _layer_options(args, spec, device, dtype, threads)
+    layer_opts = None if spec is None or args.attention_only else _layer_options(args, spec, device, dtype, threads)
+    attention_opts = None if spec is None else _attention_options(args, spec, device, dtype, threads)
     comm_opts = _comm_options(args, device, catalog) if (args.comm or args.comm_only) else None
     nproc = _int_flag(args.nproc, "--nproc", default=torch.cuda.device_count() if device.type == "cuda" else 4)
     output = Path(args.output)
@@ -86,6 +99,7 @@ def profile_command(args: argparse.Namespace) -> int:
         if samples is None:
             return 0  # a torchrun rank other than 0: rank 0 measures the layers and writes the file
         measurements = _measure_layers(spec, layer_opts) if layer_opts else []
+        attention = _measure_attention(spec, attention_opts) if attention_opts else []
     finally:
         torch.set_num_threads(threads_before)
     elapsed = time.perf_counter() - started
@@ -95,7 +109,7 @@ def profile_command(args: argparse.Namespace) -> int:
 
     profile = Profile(device=catalog, dtype=dtype,
                       provenance=provenance(device, dtype=dtype, command=_command_line(args), threads=threads),
-                      layers=tuple(m.cost for m in measurements), comm=fit_comm(samples))
+                      layers=tuple(m.cost for m in measurements), comm=fit_comm(samples), attention=tuple(attention))
     profile.save(output)
     _report(profile, measurements, samples, elapsed, args.output)
     return 0
@@ -176,6 +190,26 @@ def _layer_options(args: argparse.Namespace, spec: ModelSpec, device, dtype: str
         repeats=_int_flag(args.repeats, "--repeats", default=7 if cpu else 5), cpu_time=cpu and threads == 1)
 
 
+def _attention_options(args: argparse.Namespace, spec: ModelSpec, device, dtype: str, threads: int | None):
+    """The attention points to time, or None without --attention-seq-lens."""
+    from partita.profiler.attention import AttentionOptions, attention_heads
+
+    if args.attention_only and not args.attention_seq_lens:
+        raise PartitaError("--attention-only needs --attention-seq-lens, e.g. --attention-seq-lens 8192,16384,32768")
+    if not args.attention_seq_lens:
+        return None
+    tps = parse_int_list(args.tp, "--tp") if args.tp else tuple(
+        t for t in DEFAULT_TPS if spec.kinds["block"].tp_divides(t) is None)
+    cps = parse_int_list(args.cp, "--cp") if args.cp else DEFAULT_CPS
+    cpu = device.type == "cpu"
+    return AttentionOptions(device=device, dtype=dtype, seq_lens=parse_int_list(args.attention_seq_lens,
+                                                                                "--attention-seq-lens"),
+                            heads=attention_heads(spec, tps=tps, cps=cps), head_dim=spec.head_dim,
+                            warmup=_int_flag(args.warmup, "--warmup", default=2 if cpu else 1, minimum=0),
+                            repeats=_int_flag(args.repeats, "--repeats", default=7 if cpu else 5),
+                            cpu_time=cpu and threads == 1)
+
+
 def _comm_options(args: argparse.Namespace, device, catalog: str):
     from partita.devices import get_device
     from partita.profiler.comm import CommOptions
@@ -198,7 +232,9 @@ _FLAGS = (("--model", "model", True), ("--device", "device", True), ("--device-t
           ("--dtype", "dtype", True), ("--seq-len", "seq_len", True), ("--micro-batches", "micro_batches", True),
           ("--tp", "tp", True), ("--warmup", "warmup", True), ("--repeats", "repeats", True),
           ("--threads", "threads", True), ("--comm", "comm", False), ("--comm-only", "comm_only", False),
-          ("--nproc", "nproc", True), ("--comm-sizes", "comm_sizes", True), ("-o", "output", True))
+          ("--nproc", "nproc", True), ("--comm-sizes", "comm_sizes", True),
+          ("--attention-seq-lens", "attention_seq_lens", True), ("--attention-only", "attention_only", False),
+          ("--cp", "cp", True), ("-o", "output", True))
 
 
 def _command_line(args: argparse.Namespace) -> str:
@@ -232,6 +268,23 @@ def _measure_layers(spec: ModelSpec, opts) -> list:
         describe = lambda what: progress.update(task, description=f"{spec.name}: {what}")  # noqa: E731
         for m in profile_layers(spec, opts, on_point=describe):
             out.append(m)
+            progress.advance(task)
+    return out
+
+
+def _measure_attention(spec: ModelSpec, opts) -> list:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from partita.profiler.attention import profile_attention
+
+    columns = (TextColumn("[bold]profiling {task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    out = []
+    with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
+        task = progress.add_task(spec.name, total=len(opts.heads) * len(opts.seq_lens))
+        describe = lambda what: progress.update(task, description=f"{spec.name}: {what}")  # noqa: E731
+        for point in profile_attention(opts, on_point=describe):
+            out.append(point)
             progress.advance(task)
     return out
 
@@ -273,6 +326,17 @@ def _report(profile: Profile, measurements: list, samples: list, elapsed: float,
                 t.add_row(c.measured.kind.role, str(c.measured.tp), str(c.measured.micro_batch),
                           *(f"{c.ratio(f):.2f}" for f in ("forward_s", "backward_s", "recompute_s", "activation_bytes")))
             console.print(t)
+    if profile.attention:
+        from partita.profile import causal_attention_flops
+
+        t = Table(title="causal attention core (forward FLOPs per second achieved)")
+        for col in ("heads", "head_dim", "micro-batch", "sequence", "forward", "backward", "forward TFLOP/s"):
+            t.add_column(col, justify="right")
+        for a in profile.attention:
+            flops = causal_attention_flops(a.micro_batch, a.heads, a.seq_len, a.head_dim)
+            t.add_row(str(a.heads), str(a.head_dim), str(a.micro_batch), str(a.seq_len), fmt_seconds(a.forward_s),
+                      fmt_seconds(a.backward_s), f"{flops / a.forward_s / 1e12:.1f}")
+        console.print(t)
     if profile.comm:
         t = Table(title="collectives: time = latency + bus bytes / bandwidth")
         for col in ("op", "link", "ranks", "latency", "bandwidth"):
@@ -280,5 +344,6 @@ def _report(profile: Profile, measurements: list, samples: list, elapsed: float,
         for c in profile.comm:
             t.add_row(c.op, c.link, str(c.ranks), fmt_seconds(c.latency_s), f"{c.bandwidth_gbps:.2f} GB/s")
         console.print(t)
-    console.print(f"wrote {output}: {len(profile.layers)} layer points, {len(profile.comm)} collective fits "
+    console.print(f"wrote {output}: {len(profile.layers)} layer points, {len(profile.attention)} attention points, "
+                  f"{len(profile.comm)} collective fits "
                   f"({len(samples)} sizes measured); profiling took {elapsed:.1f} s")

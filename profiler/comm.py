@@ -1,4 +1,4 @@
-"""Measure collectives (all-reduce, all-gather, reduce-scatter, p2p) and fit their costs.
+"""Measure collectives (all-reduce, all-gather, reduce-scatter, p2p, all-to-all) and fit their costs.
 
 Two ways to run, the same measurement:
 
@@ -10,7 +10,9 @@ Two ways to run, the same measurement:
 Groups: inside node 0, the first g ranks for g in 2, 4, 8 ... and the node's size (link class:
 the device's intra-node link, ``loopback`` on CPU); across nodes, the first rank of the first
 g nodes, for the same g up to the node count (link class ``network``). p2p is a ping-pong
-between the first two ranks of each link class; its time is half the round trip.
+between the first two ranks of each link class; its time is half the round trip. all-to-all is
+``dist.all_to_all_single`` on equal splits, the op context parallelism's all-to-all variant runs
+(``runtime.context``); its message is one rank's whole buffer, of which it sends (g-1)/g.
 
 Each (op, group, size) point is timed ``repeats`` times after ``warmup`` untimed runs; a timed
 repeat is a barrier, then ``iters`` back-to-back runs (so that the ranks' skew leaving the
@@ -41,7 +43,7 @@ from partita.units import KiB, MiB
 
 log = logging.getLogger(__name__)
 
-OPS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "p2p", "all_to_all")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -166,6 +168,9 @@ def _make_op(op: str, size: int, ranks: list[int], rank: int, group,
     if op == "reduce_scatter":
         scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         return (lambda: scatter(shard, full, group=group)), 1
+    if op == "all_to_all":  # equal splits: rank i's j-th slice goes to rank j
+        received = torch.empty_like(full)
+        return (lambda: dist.all_to_all_single(received, full, group=group)), 1
     if op == "p2p":
         peer = ranks[1] if rank == ranks[0] else ranks[0]
         first = rank == ranks[0]

@@ -127,6 +127,9 @@ class LayerTime:
     zero_edge_s: float = 0.0  # exposed if this is the stage's edge layer: (1 - slowdown) x its ZeRO traffic
     overlap_window_s: float = 0.0  # the part of its backward the data-parallel sync can hide behind
     optimizer_s: float = 0.0  # per step: Adam on the local shard (memory-bound) + its host ops
+    # context parallelism's all-to-alls, or the ring's K/V passes its blocks do not hide (search/context.py);
+    # part of forward_s and backward_s, on the critical path like tp_comm_s
+    cp_comm_s: float = 0.0
 
     @property
     def total_s(self) -> float:
@@ -659,6 +662,7 @@ class StageCost:
     dp_edge_s: float = 0.0
     overlap_window_s: float = 0.0
     send_s: float = 0.0
+    cp_comm_s: float = 0.0  # context parallelism's collectives on the critical path (LayerTime.cp_comm_s)
 
     @property
     def activations(self) -> int:
@@ -762,7 +766,7 @@ def _stage_cost_runs(cm: CostModel, group: NodeGroup, runs: Runs, *, stage: int,
 
 def _stage_cost(cm: CostModel, group: NodeGroup, runs: Runs, *, dp: int, tp: int, micro_batch: int,
                 num_micro_batches: int, next_group: NodeGroup | None, neighbours: bool = False) -> StageCost:
-    fwd = bwd = compute = tp_comm = zero_comm = dp_sync = 0.0
+    fwd = bwd = compute = tp_comm = zero_comm = dp_sync = cp_comm = 0.0
     zero_edge = dp_edge = window = optimizer_s = 0.0
     weights = gathered_weights = grads = opt = acts = 0
     # The running micro-batch at the stage's peak: the activations of the layers up to the peak
@@ -783,6 +787,7 @@ def _stage_cost(cm: CostModel, group: NodeGroup, runs: Runs, *, dp: int, tp: int
         bwd += n * t.backward_s
         compute += n * t.compute_s
         tp_comm += n * t.tp_comm_s
+        cp_comm += n * t.cp_comm_s
         zero_comm += n * t.zero_comm_s
         dp_sync += n * t.dp_sync_s
         zero_edge, dp_edge = max(zero_edge, t.zero_edge_s), max(dp_edge, t.dp_sync_s)
@@ -823,7 +828,7 @@ def _stage_cost(cm: CostModel, group: NodeGroup, runs: Runs, *, dp: int, tp: int
                      pipeline_buffers=buffers, reserve=reserve, capacity=group.memory_bytes,
                      peak_layer=moment.layer, peak_phase=moment.phase, tied_sync_s=tied_sync,
                      peak_gathered=moment.gathered, peak_released=moment.released, zero_edge_s=zero_edge,
-                     dp_edge_s=dp_edge, overlap_window_s=window, send_s=send)
+                     dp_edge_s=dp_edge, overlap_window_s=window, send_s=send, cp_comm_s=cp_comm)
 
 
 class Moment(NamedTuple):
@@ -909,7 +914,10 @@ def with_receives(stages: Sequence[StageCost], *, wrap: bool = False) -> list[St
     out = list(stages)
     for i in range(0 if wrap else 1, len(out)):
         receive = stages[i - 1].send_s
-        out[i] = dataclasses.replace(out[i], time_s=out[i].time_s + receive, p2p_s=out[i].p2p_s + receive)
+        # copy.copy, not dataclasses.replace (which re-runs __init__): the grid's hot path.
+        out[i] = copy.copy(out[i])
+        object.__setattr__(out[i], "time_s", out[i].time_s + receive)
+        object.__setattr__(out[i], "p2p_s", out[i].p2p_s + receive)
     return out
 
 
@@ -950,7 +958,7 @@ def interleaved_stage_cost(cm: CostModel, group: NodeGroup,
         transient=running.transient, pipeline_buffers=add("pipeline_buffers"), peak_layer=running.peak_layer,
         peak_phase=running.peak_phase, tied_sync_s=add("tied_sync_s"),
         zero_edge_s=max(p.zero_edge_s for p in parts), dp_edge_s=max(p.dp_edge_s for p in parts),
-        overlap_window_s=add("overlap_window_s"), send_s=add("send_s"))
+        overlap_window_s=add("overlap_window_s"), send_s=add("send_s"), cp_comm_s=add("cp_comm_s"))
 
 
 def activation_message_bytes(cm: CostModel, micro_batch: int) -> int:
@@ -1008,10 +1016,13 @@ def step_time_s(stages: Sequence[StageCost], num_micro_batches: int, *, schedule
     m = num_micro_batches
     slowest = max(stages, key=lambda s: s.time_s)
     busy = m * slowest.time_s
+    comm = slowest.tp_comm_s + slowest.cp_comm_s
     breakdown = {
         "compute": m * slowest.compute_s,
         "tensor_parallel_comm": m * slowest.tp_comm_s,
-        "zero_exposed": max(0.0, busy - m * (slowest.compute_s + slowest.tp_comm_s + slowest.p2p_s)) + zero_edge,
+        # context parallelism's all-to-alls / exposed ring passes: only for plans with cp
+        **({"context_parallel_comm": m * slowest.cp_comm_s} if any(s.cp_comm_s for s in stages) else {}),
+        "zero_exposed": max(0.0, busy - m * (slowest.compute_s + comm + slowest.p2p_s)) + zero_edge,
         "pipeline_send": m * slowest.p2p_s,
         "pipeline_bubble": pipe - busy,
         "data_parallel_exposed": exposed_dp,

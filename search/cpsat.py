@@ -33,12 +33,14 @@ grains (``partita.units``: the cost model's byte counts are whole grains), summe
 evaluator sums them, so the solver accepts exactly the plans that fit.
 
 The uniform planner's best plan is the warm start (a hint, and an upper bound every shape
-must beat), the fallback, and the yardstick reported in the plan.
+must beat), the fallback, and the yardstick reported in the plan; before CP-SAT runs, the
+primal heuristic (``primal``) builds a plan for each open shape from its tables, and the best
+that fits replaces the warm start when it is faster.
 
 The parts, each its own file: the problem's integer tables, its shapes and their split by ZeRO
 edge (``cpsat_problem``); the stage-fit bounds that prune shapes and cut the model
-(``cpsat_fit``); the model's variables and constraint families (``cpsat_model``); and here the
-solve loop over shapes and the report.
+(``cpsat_fit``); the model's variables and constraint families (``cpsat_model``); the primal
+heuristic (``primal``); and here the solve loop over shapes and the report.
 """
 
 from __future__ import annotations
@@ -110,10 +112,6 @@ def solve_shape(p: Problem, *, upper_bound_us: int | None, hint: Layout | None, 
         # first feasible plan (twice the work on llama-2-70b at pp 24, tests/test_search.py).
         solver.parameters.linearization_level = 2
         solver.parameters.add_lp_constraints_lazily = False
-    import os
-    for kv in filter(None, os.environ.get("CPSAT_PARAMS", "").split(",")):
-        k, v = kv.split("=")
-        setattr(solver.parameters, k, type(getattr(solver.parameters, k))(eval(v)))
     status = solver.solve(pm.m)
     wall, work = time.perf_counter() - start, solver.deterministic_time
     if status == cp_model.MODEL_INVALID:
@@ -160,10 +158,7 @@ def solve_plan(cm: CostModel, req, uniform: UniformResult, *, deadline: float, w
         """What a shape must beat to be worth solving: the incumbent, less the gap the request
         accepts (``PlanRequest.gap``: a shape pruned or proven unable to beat this bounds the
         optimum within that gap)."""
-        if not req.gap:
-            return best.us
-        # From the plan's own (evaluated) step time, which the reported gap is relative to.
-        return min(best.us, math.ceil(to_us(best.evaluation.step_time_s) * (1 - req.gap)))
+        return _target_us(best, req.gap)
 
     problems, candidates = [], 0
     for shape in shapes(cm, req.global_batch, req.space):
@@ -212,49 +207,16 @@ def solve_plan(cm: CostModel, req, uniform: UniformResult, *, deadline: float, w
     queue.sort(key=lambda p: bounds[p.key])
     # A plan near the optimum before CP-SAT (``primal``): shapes that cannot beat it are then
     # refuted in a few hundredths of a work unit instead of being solved to their own optimum.
-    t_primal, tried = time.perf_counter(), 0
     levels = {p.key: edge_levels(p) for p in queue}
-    tables: dict[Shape, dict] = {}  # each shape's slot tables, shared by its subproblems
-    found: dict[Shape, tuple[int, int]] = {}  # each shape's best heuristic plan: (step, its ZeRO edge), us
-    # First the subproblem of every choice (the top ZeRO-edge level), then the lower levels of
-    # the shapes whose plan a smaller edge could bring under the target: a lower level only
-    # forbids choices, and saves at most m x the edge above its floor.
-    for top in (True, False):
-        for p in queue:
-            if deadline - time.perf_counter() <= 0:
-                break
-            if best is not None and (bounds[p.key] >= target() or fits[p.key].prunes(target())):
-                continue
-            for q in (levels[p.key][-1:] if top else levels[p.key][:-1]):
-                if best is not None and q.lower_bound_us >= target():
-                    continue
-                if not top and p.shape in found:
-                    step_us, edge_us = found[p.shape]
-                    if step_us - p.shape.num_micro_batches * max(0, edge_us - q.edge_floor_us) >= target():
-                        continue
-                tried += 1
-                for lay in shape_plans(q, tables.setdefault(p.shape, {})):
-                    ev = evaluate_layout(cm, list(zip(lay.stage_groups, lay.stage_layers)), dp=lay.dp, tp=lay.tp,
-                                         micro_batch=lay.micro_batch, num_micro_batches=lay.num_micro_batches)
-                    if not ev.fits:
-                        continue
-                    us = to_us(ev.step_time_s)
-                    if top and (p.shape not in found or us < found[p.shape][0]):
-                        found[p.shape] = (us, to_us(max(s.zero_edge_s for s in ev.stages)))
-                    if best is None or ev.step_time_s < best.evaluation.step_time_s:
-                        best = Incumbent(lay, ev, us)
-                        log.debug("primal: %s edge <= %s: %d us (%d tried)", p.shape, q.edge_ceiling_us, best.us, tried)
-    log.info("primal heuristic: %s us, %d subproblems, %.2f s", best.us if best else None, tried,
-             time.perf_counter() - t_primal)
+    best = _primal_incumbent(cm, queue, levels, fits, bounds, best, req.gap, deadline)
     queue = [p for p in queue if still_open(p)]
     earlier: dict[tuple, ShapeResult] = {}  # first attempts that ran out of work, to retry once
     work_used = 0.0
     while queue:
         p = queue.pop(0)
         if p.edge_ceiling_us is None and deadline - time.perf_counter() > 0:
-            levels = edge_levels(p)
-            if len(levels) > 1:
-                for q in levels:
+            if len(levels[p.key]) > 1:
+                for q in levels[p.key]:
                     if still_open(q):
                         bounds[q.key] = max(q.lower_bound_us, fits[q.key].bound_us())
                         queue.append(q)
@@ -294,8 +256,8 @@ def solve_plan(cm: CostModel, req, uniform: UniformResult, *, deadline: float, w
                 results.append(r)
         else:
             results.append(r)
-        log.info("shape %s, edge <= %s us: %s, bound %d us, %.2f s, work %.2f (fit bound %d, target %d)", p.shape, p.edge_ceiling_us, r.status,
-                 r.bound_us, r.wall_s, r.work, bounds[p.key], target())
+        log.info("shape %s, edge <= %s us: %s, bound %d us, %.2f s, work %.2f", p.shape, p.edge_ceiling_us, r.status,
+                 r.bound_us, r.wall_s, r.work)
         if r.layout is not None:
             ev = evaluate_layout(cm, list(zip(r.layout.stage_groups, r.layout.stage_layers)), dp=r.layout.dp,
                                  tp=r.layout.tp, micro_batch=r.layout.micro_batch,
@@ -310,6 +272,55 @@ def solve_plan(cm: CostModel, req, uniform: UniformResult, *, deadline: float, w
     return layout_to_plan(cm, best.layout, global_batch=req.global_batch,
                           solver=_report(req, best, results, uniform_us, candidates,
                                          time.perf_counter() - start + uniform.wall_s))
+
+
+def _target_us(best: Incumbent, gap: float) -> int:
+    """The incumbent less the gap the request accepts (``solve_plan``'s target)."""
+    if not gap:
+        return best.us
+    # From the plan's own (evaluated) step time, which the reported gap is relative to.
+    return min(best.us, math.ceil(to_us(best.evaluation.step_time_s) * (1 - gap)))
+
+
+def _primal_incumbent(cm: CostModel, queue: list[Problem], levels: dict[tuple, list[Problem]],
+                      fits: dict[tuple, StageFit], bounds: dict[tuple, int], best: Incumbent | None, gap: float,
+                      deadline: float) -> Incumbent | None:
+    """The best plan the primal heuristic (``primal.shape_plans``) finds in the open shapes, in
+    the order given, or ``best`` if none beats it. A shape the incumbent already refutes is
+    skipped. First each shape's subproblem of every choice (its top ZeRO-edge level), then the
+    lower levels of the shapes whose plan a smaller edge could bring under the target: a lower
+    level only forbids choices, and saves at most m x the edge above its floor."""
+    start, tried = time.perf_counter(), 0
+    tables: dict[Shape, dict] = {}  # each shape's slot tables, shared by its subproblems
+    found: dict[Shape, tuple[int, int]] = {}  # each shape's best plan at its top level: (step, ZeRO edge), us
+    for top in (True, False):
+        for p in queue:
+            if deadline - time.perf_counter() <= 0:
+                break
+            if best is not None and (bounds[p.key] >= _target_us(best, gap)
+                                     or fits[p.key].prunes(_target_us(best, gap))):
+                continue
+            for q in (levels[p.key][-1:] if top else levels[p.key][:-1]):
+                if best is not None and q.lower_bound_us >= _target_us(best, gap):
+                    continue
+                if not top and p.shape in found:
+                    step_us, edge_us = found[p.shape]
+                    if step_us - p.shape.num_micro_batches * max(0, edge_us - q.edge_floor_us) >= _target_us(best, gap):
+                        continue
+                tried += 1
+                for lay in shape_plans(q, tables.setdefault(p.shape, {})):
+                    ev = evaluate_layout(cm, list(zip(lay.stage_groups, lay.stage_layers)), dp=lay.dp, tp=lay.tp,
+                                         micro_batch=lay.micro_batch, num_micro_batches=lay.num_micro_batches)
+                    if not ev.fits:  # the evaluator has the last word on memory
+                        continue
+                    us = to_us(ev.step_time_s)
+                    if top and (p.shape not in found or us < found[p.shape][0]):
+                        found[p.shape] = (us, to_us(max(s.zero_edge_s for s in ev.stages)))
+                    if best is None or ev.step_time_s < best.evaluation.step_time_s:
+                        best = Incumbent(lay, ev, us)
+    log.info("primal heuristic: %s us after %d subproblems, %.2f s", best.us if best else None, tried,
+             time.perf_counter() - start)
+    return best
 
 
 def _report(req, best: Incumbent, results: list[ShapeResult], uniform_us: int, candidates: int,

@@ -67,7 +67,7 @@ def pipeline_reach(most: np.ndarray, caps: tuple[int, ...], keep: bool = False
             src[g + 1], dst[g + 1] = slice(0, -1), slice(1, None)
             prev = V[tuple(src)]
             add = most[:, r, g, 1][lift]
-            done = np.maximum(done, np.where((prev >= 0) & (add >= 1), prev + add, -1).reshape(T, -1).max(axis=1))
+            done = np.maximum(done, np.where((prev >= 0) & (add >= 1), prev + add, -1).reshape(T, -1).max(axis=1, initial=-1))
             if r + 1 < K:
                 add = most[:, r, g, 0][lift]
                 np.maximum(nxt[tuple(dst)], np.where((prev >= 0) & (add >= 1), prev + add, -1), out=nxt[tuple(dst)])

@@ -7,19 +7,21 @@ step) left every shape to be solved against a weak bound, while with a plan near
 (56.0 s) each shape is refuted in a few hundredths of a work unit. ``shape_plans`` builds such
 plans, in three steps, each a lower-level function here:
 
-1. **stage curves** (``slot_curve``): for a stage slot r (k = min(r + 1, m) micro-batches in
+1. **stage curves** (``slot_table``, ``slot_curve``): for a stage slot r (k = min(r + 1, m) micro-batches in
    flight), a group and a place (first stage or not; slot 0 holds the head), the least time of
    n = 0..N blocks over mixes of at most two block choices whose memory fits exactly as the
    CP-SAT model counts it (family M: static state, k - 1 micro-batches' activations, outputs
    and the schedule's extra, and each used choice's transient at its place in the canonical
    order), with the embedding's and head's choices that make it least. With two choices each
    memory row is linear in the count of the first, so the best split sits at an end of the
-   interval the rows allow: computed for every pair and count at once.
+   interval the rows allow: computed for every pair and count at once, once per shape, each
+   ZeRO-edge subproblem then taking the least of the mixes it allows.
 2. **pipeline** (``pipeline_slots``): the least slowest-stage time tau at which some pipeline
    depth and some placement of slots on groups (each within its number of stages) holds every
-   block: a dynamic programme over slots and the stages used per group, inside a bisection on
-   tau. Each stage's time counts its boundaries at the dearest partner group, so it holds
-   wherever its neighbours are.
+   block: a dynamic programme over slots and the stages used per group
+   (``cpsat_fit.pipeline_reach``), inside a 32-way search over the curves' values. Each
+   stage's time counts its boundaries at the dearest partner group, so it holds wherever its
+   neighbours are.
 3. **blocks** (``deal_blocks``): with the slots placed, the blocks are dealt for the least total
    time with every stage within tau (a min-plus pass over the slots).
 
@@ -282,8 +284,7 @@ def deal_blocks(curves: list[np.ndarray], n_blocks: int, tau: float) -> list[int
     picks = []
     for curve in curves:
         c = np.where(curve <= tau, curve, INF)
-        # nxt[b] = min over n of total[b - n] + c[n]
-        grid = total[None, :] + np.full((N + 1, N + 1), INF)
+        # next total[b] = min over n of total[b - n] + c[n]
         idx = np.arange(N + 1)
         b_minus_n = idx[:, None] - idx[None, :]  # [b, n]
         valid = b_minus_n >= 0
@@ -351,7 +352,8 @@ def _plans_for(p: Problem, curves: list, caps: tuple[int, ...]) -> list[Layout]:
             continue
         if p.price_cap is not None and sum(p.stage_price[g] for g in groups) > p.price_cap:
             continue
-        out.append(_layout(p, [(g, curves[r][g][place], n) for r, (g, place, n) in enumerate(zip(groups, places, counts))]))
+        out.append(_layout(p, [(g, curves[r][g][place], n)
+                               for r, (g, place, n) in enumerate(zip(groups, places, counts))]))
     return out
 
 
@@ -378,5 +380,5 @@ def _layout(p: Problem, slots: list[tuple[int, SlotCurve, int]]) -> Layout:
             layers.append(dataclasses.replace(p.head.strategies[int(curve.head[n])], name="head"))
         stage_layers.append(tuple(layers))
     sh = p.shape
-    return Layout(stage_groups=tuple(p.groups[g] for g, _, _ in slots[::-1]), stage_layers=tuple(stage_layers), dp=sh.dp, tp=sh.tp,
-                  micro_batch=sh.micro_batch, num_micro_batches=sh.num_micro_batches)
+    return Layout(stage_groups=tuple(p.groups[g] for g, _, _ in slots[::-1]), stage_layers=tuple(stage_layers),
+                  dp=sh.dp, tp=sh.tp, micro_batch=sh.micro_batch, num_micro_batches=sh.num_micro_batches)

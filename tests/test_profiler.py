@@ -128,7 +128,7 @@ def test_activation_memory_matches_the_analytic_model(tiny_llama_profile, tiny_g
 def test_comm_section_is_written(tiny_llama_profile):
     prof, _ = tiny_llama_profile
     ops = {(c.op, c.link, c.ranks) for c in prof.comm}
-    assert ops == {(op, "loopback", 2) for op in ("all_reduce", "all_gather", "reduce_scatter", "p2p")}
+    assert ops == {(op, "loopback", 2) for op in ("all_reduce", "all_gather", "reduce_scatter", "p2p", "all_to_all")}
     for c in prof.comm:
         assert c.latency_s >= 0 and c.bandwidth_gbps > 0
 
