@@ -166,9 +166,13 @@ def _shapes(cm: CostModel, span: CostModel, groups: Sequence[NodeGroup], global_
 
 
 def _choice(cm: CostModel, tp: int, sp: bool, zero: int, recompute: str) -> dict:
-    model = cm.model
-    return {role: choice_of(model, strategy(model, role, tp=tp, sp=sp, zero=zero, recompute=recompute))
-            for role in ("embed", "block", "head")}
+    key = (tp, sp, zero, recompute)
+    cache = cm.__dict__.setdefault("_replica_choices", {})
+    if key not in cache:
+        model = cm.model
+        cache[key] = {role: choice_of(model, strategy(model, role, tp=tp, sp=sp, zero=zero, recompute=recompute))
+                      for role in ("embed", "block", "head")}
+    return cache[key]
 
 
 def _estimate_s(cm: CostModel, shape, rows: int) -> float:
@@ -180,10 +184,18 @@ def _estimate_s(cm: CostModel, shape, rows: int) -> float:
     b = max(1, min(MAX_MICRO_BATCH, rows // dp))
     rate = 0.0  # rows per second, all replicas
     for g, n in used:
-        per_mb = sum(k * cm.layer_time_of(choice[role], g, dp=dp, micro_batch=b).total_s
-                     for role, k in (("embed", 1), ("block", cm.model.n_layers), ("head", 1)))
-        rate += n * b * pp / per_mb
+        rate += n * b * pp / _model_time_s(cm, choice, g, dp, b)
     return (m + pp - 1) * rows / rate  # 1F1B: m + pp - 1 stage times, a stage at least 1/pp of the work
+
+
+def _model_time_s(cm: CostModel, choice: dict, group: NodeGroup, dp: int, micro_batch: int) -> float:
+    """One micro-batch through every layer at these choices on one device of the group."""
+    key = (cm.dp_span, tuple(choice.values()), group.name, dp, micro_batch)  # (a spanning view's times differ)
+    cache = cm.__dict__.setdefault("_replica_times", {})
+    if key not in cache:
+        cache[key] = sum(k * cm.layer_time_of(choice[role], group, dp=dp, micro_batch=micro_batch).total_s
+                         for role, k in (("embed", 1), ("block", cm.model.n_layers), ("head", 1)))
+    return cache[key]
 
 
 def _fill(cm: CostModel, shape, global_batch: int, best_s: float, result: ReplicaResult) -> ReplicaCandidate | None:
