@@ -166,3 +166,29 @@ def interleaved(plan: Plan, chunks: list[list[int]], schedule: str = "interleave
     stages = tuple(dataclasses.replace(s, layers=tuple(per[s.index]), chunks=tuple(chunks[s.index]))
                    for s in plan.stages)
     return dataclasses.replace(placed, stages=stages)
+
+
+def assert_trains_like_one_process(plan: Plan, cfg, metrics_dir) -> None:
+    """Train ``plan`` in its world of processes and in one process (``run_reference``): the
+    losses, rank 0's gradient norms (before clipping) and every parameter agree, and training
+    moved. ``cfg`` gets its metrics file in ``metrics_dir``."""
+    import dataclasses
+    import json
+
+    import pytest
+
+    path = Path(metrics_dir) / "metrics.jsonl"
+    cfg = dataclasses.replace(cfg, metrics=str(path))
+    losses, params = run_parallel(plan, cfg)
+    ref_norms: list[float] = []
+    ref_losses, ref_params = run_reference(plan, cfg, ref_norms)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-5)
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    norms = [r["grad_norm"] for r in sorted(records, key=lambda r: r["step"]) if r["rank"] == 0]
+    assert norms == pytest.approx(ref_norms, rel=1e-4)
+    if "head.output.weight" in params and "head.output.weight" not in ref_params:  # a tied head's copy
+        torch.testing.assert_close(params.pop("head.output.weight"), params["embed.tok.weight"], rtol=0, atol=0)
+    assert set(params) == set(ref_params)
+    for key, ref in ref_params.items():
+        torch.testing.assert_close(params[key], ref, rtol=1e-4, atol=5e-5, msg=lambda m: f"{key}: {m}")
+    assert losses[-1] != losses[0]  # training moved

@@ -3,7 +3,6 @@ plan format and validator, the cost model's pricing of each kind of replica, the
 mixed H100/V100 cluster, and a gloo run against one process on the whole batch."""
 
 import dataclasses
-import json
 
 import pytest
 
@@ -125,11 +124,11 @@ def test_the_summary_shows_each_kind_of_replica(gpt2_mixed, tmp_path, capsys):
 def test_replicas_on_two_groups_train_like_one_process(tmp_path):
     """dp 2 x pp 2 on two CPU groups: replica 0 on the first group's two ranks, replica 1 on
     the second's, with micro-batch sizes 3 and 1 (ranks 0, 2 form stage 0; 1, 3 stage 1)."""
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     from partita.plan import Stage
     from partita.runtime.train import TrainConfig
+    from runtime_helpers import assert_trains_like_one_process
     from runtime_helpers import make_plan as runtime_plan
-    from runtime_helpers import run_parallel, run_reference
 
     model = dataclasses.replace(BUILTIN["tiny-llama"], name="tiny-llama-4", n_layers=4)
     cluster = parse_short("1x2xcpu+1x2xcpu")
@@ -142,15 +141,4 @@ def test_replicas_on_two_groups_train_like_one_process(tmp_path):
     validate_plan(plan, model, cluster)
     cm = CostModel(model, cluster, seq_len=plan.seq_len)
     assert attach_prediction(plan, cm).prediction.step_time_s > 0
-    cfg = TrainConfig(steps=2, warmup_steps=1, lr=1e-3, metrics=str(tmp_path / "metrics.jsonl"))
-    losses, params = run_parallel(plan, cfg)
-    ref_norms: list[float] = []
-    ref_losses, ref_params = run_reference(plan, cfg, ref_norms)
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-5)
-    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    norms = [r["grad_norm"] for r in sorted(records, key=lambda r: r["step"]) if r["rank"] == 0]
-    assert norms == pytest.approx(ref_norms, rel=1e-4)
-    assert set(params) == set(ref_params)
-    for name, ref in ref_params.items():
-        torch.testing.assert_close(params[name], ref, rtol=1e-4, atol=5e-5, msg=lambda m: f"{name}: {m}")
-    assert losses[-1] != losses[0]  # training moved
+    assert_trains_like_one_process(plan, TrainConfig(steps=2, warmup_steps=1, lr=1e-3), tmp_path)

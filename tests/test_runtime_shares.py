@@ -9,7 +9,6 @@ percents. The plan-format and validator tests need no processes.
 """
 
 import dataclasses
-import json
 
 import pytest
 import yaml
@@ -22,7 +21,7 @@ from partita.model import BUILTIN  # noqa: E402
 from partita.plan import Plan  # noqa: E402
 from partita.runtime.train import TrainConfig  # noqa: E402
 from partita.validate import validate_plan  # noqa: E402
-from runtime_helpers import interleaved, make_plan, run_parallel, run_reference  # noqa: E402
+from runtime_helpers import assert_trains_like_one_process, interleaved, make_plan  # noqa: E402
 
 CFG = TrainConfig(steps=2, warmup_steps=1, lr=1e-3)
 SMALL = dataclasses.replace(BUILTIN["tiny-llama"], name="tiny-llama-4", n_layers=4)
@@ -70,20 +69,7 @@ SHARED = {
 def test_uneven_shares_train_like_one_process(name, tmp_path):
     plan = SHARED[name]
     validate(plan)
-    cfg = dataclasses.replace(CFG, metrics=str(tmp_path / "metrics.jsonl"))
-    losses, params = run_parallel(plan, cfg)
-    ref_norms: list[float] = []
-    ref_losses, ref_params = run_reference(plan, cfg, ref_norms)
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-5)
-    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    norms = [r["grad_norm"] for r in sorted(records, key=lambda r: r["step"]) if r["rank"] == 0]
-    assert norms == pytest.approx(ref_norms, rel=1e-4)
-    if "head.output.weight" in params and "head.output.weight" not in ref_params:  # a tied head's copy
-        torch.testing.assert_close(params.pop("head.output.weight"), params["embed.tok.weight"], rtol=0, atol=0)
-    assert set(params) == set(ref_params)
-    for key, ref in ref_params.items():
-        torch.testing.assert_close(params[key], ref, rtol=1e-4, atol=5e-5, msg=lambda m: f"{key}: {m}")
-    assert losses[-1] != losses[0]  # training moved
+    assert_trains_like_one_process(plan, CFG, tmp_path)
 
 
 def test_replica_rows_partition_the_global_batch():
