@@ -142,3 +142,19 @@ def test_replicas_on_two_groups_train_like_one_process(tmp_path):
     cm = CostModel(model, cluster, seq_len=plan.seq_len)
     assert attach_prediction(plan, cm).prediction.step_time_s > 0
     assert_trains_like_one_process(plan, TrainConfig(steps=2, warmup_steps=1, lr=1e-3), tmp_path)
+
+
+def test_a_mixed_replica_plan_prints_schema_valid_json(gpt2_mixed, tmp_path, capsys):
+    import json
+    from pathlib import Path
+
+    from partita.cli import main
+
+    jsonschema = pytest.importorskip("jsonschema")
+    *_, plan = gpt2_mixed
+    path = tmp_path / "plan.yaml"
+    plan.save(path)
+    assert main(["show", str(path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    jsonschema.validate(out, json.loads((Path(__file__).parent.parent / "docs" / "json-schema.json").read_text()))
+    assert out["plan"]["stages"][0]["replica_groups"][:1] == ["h100"]
