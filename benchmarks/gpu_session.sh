@@ -2,13 +2,18 @@
 # Every GPU check in one run, for a session lent a GPU (one H200 here). Results land in
 # ${OUT:-gpu-results}: commit them (profiles to configs/profiles/, tables to docs/).
 #
-#   OUT=/tmp/gpu bash benchmarks/gpu_session.sh          # about 8-10 minutes on one H200
+#   OUT=/tmp/gpu bash benchmarks/gpu_session.sh          # about 9-11 minutes on one H200
 #
 # 1. runtime vs a plain PyTorch loop on the ~1.1B llama (issue: runtime performance);
 # 2. the profiler on llama-3-8b and llama-2-70b shapes, measured vs analytic (profiler targets);
 # 3. the memory contract on the GPU: tracked bytes by category and the allocator's peak against
 #    the plan's breakdown (llama-1b, bf16, with and without recompute);
-# 4. the GPU-only tests. The machine has torch, numpy, pyyaml, rich, pytest and hypothesis but no
+# 4. context parallelism (issue 14): the causal attention core alone at 8k-32k tokens for
+#    llama-3-8b's shapes (32 heads: cp 1 and the ring's blocks; 4 heads: the all-to-all at cp 8),
+#    about half a minute, into $OUT/h200-attention.yaml (its `attention` table goes into the H200
+#    profile); with >= 2 GPUs also the NCCL collectives with all_to_all (the comm fit) and the
+#    ring-variant test (both need two ranks: skipped on one GPU, and said so);
+# 5. the GPU-only tests. The machine has torch, numpy, pyyaml, rich, pytest and hypothesis but no
 #    ortools: the package installs without dependencies, and nothing here plans.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -29,4 +34,15 @@ cp configs/profiles/h200-*.yaml "$OUT/" 2>/dev/null
 timeout 120 "$PY" benchmarks/memory_gpu.py --out "$OUT/memory_gpu.json" 2>&1 | tee "$OUT/memory_gpu.txt"
 timeout 120 "$PY" benchmarks/memory_gpu.py --recompute --micro-batch 8 --out "$OUT/memory_gpu_recompute.json" \
     2>&1 | tee "$OUT/memory_gpu_recompute.txt"
-timeout 120 "$PY" -m pytest -q tests/test_runtime_gpu.py tests/test_profiler_gpu.py 2>&1 | tee "$OUT/gpu_tests.txt"
+timeout 90 "$PY" -m partita.cli profile --model llama-3-8b --device cuda --attention-only \
+    --attention-seq-lens 8192,16384,32768 --tp 1 --cp 1,8 -o "$OUT/h200-attention.yaml" 2>&1 | tee "$OUT/attention.txt"
+GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())")
+if [ "$GPUS" -ge 2 ]; then
+    timeout 180 "$PY" -m partita.cli profile --comm-only --device cuda --comm-sizes 64KiB:256MiB \
+        -o "$OUT/comm.yaml" 2>&1 | tee "$OUT/comm.txt"
+    timeout 120 "$PY" -m pytest -q tests/test_runtime_context.py -k ring_attention_on_gpus 2>&1 | tee "$OUT/ring_tests.txt"
+else
+    echo "one GPU: the all_to_all comm fit and the ring test need two ranks; not run" | tee "$OUT/cp_skipped.txt"
+fi
+timeout 120 "$PY" -m pytest -q tests/test_runtime_gpu.py tests/test_profiler_gpu.py tests/test_context_profile.py \
+    2>&1 | tee "$OUT/gpu_tests.txt"

@@ -175,6 +175,12 @@ def build_parser(with_torch_commands: bool = False) -> argparse.ArgumentParser:
     plan.add_argument("--cp-variant", choices=("all_to_all", "ring"), default=None,
                       help="context parallelism's attention: all_to_all (Ulysses; heads and kv heads divisible by "
                            "cp x tp) or ring (CUDA only); default: all_to_all where the heads allow it, else ring")
+    plan.add_argument("--ep", type=_int_list,
+                      help="expert-parallel degrees to search for a mixture-of-experts model, e.g. 1,8 (default: "
+                           "every degree dividing the experts and the GPUs per node)")
+    plan.add_argument("--moe-imbalance", type=float, default=None, metavar="F",
+                      help="mixture of experts: the busiest expert-parallel rank's tokens over the balanced share "
+                           "(default 1: balanced routing)")
     plan.add_argument("--pp", type=_int_list, help="allowed pipeline degrees, e.g. 1,2,4 (default: any)")
     plan.add_argument("--micro-batch", type=_int_list, help="allowed micro-batch sizes, e.g. 1,2 (default: any)")
     plan.add_argument("--zero", type=_int_list, help="allowed ZeRO levels, e.g. 1,3 (default: 0,1,2,3)")

@@ -71,7 +71,8 @@ def plan(args: argparse.Namespace) -> int:
                       global_batch=global_batch, profiles=profiles, dtype=dtype, search=args.search,
                       time_limit_s=args.time_limit, gap=getattr(args, "gap", 0.0), workers=args.workers or 1,
                       seed=args.seed or 0, space=space, context_parallel=getattr(args, "cp", None) or (),
-                      cp_variant=getattr(args, "cp_variant", None))
+                      cp_variant=getattr(args, "cp_variant", None), expert_parallel=getattr(args, "ep", None) or (),
+                      moe_imbalance=getattr(args, "moe_imbalance", None) or 1.0)
     start = time.perf_counter()
     as_json = getattr(args, "json", False)
     alternatives: list[Plan] = []
@@ -101,6 +102,7 @@ def plan(args: argparse.Namespace) -> int:
         raise
     wall = time.perf_counter() - start
     cm = CostModel(model, cluster, seq_len=seq_len, dtype=dtype, profiles=profiles)
+    cm.moe_imbalance = req.moe_imbalance  # a mixture of experts' plan is priced at the routing it was made for
     if any(margins.values()):  # the plan is for the real cluster: its devices' full memory, the margin unused
         from partita.search.planner import attach_prediction
         from partita.validate import validate_plan
@@ -115,6 +117,8 @@ def plan(args: argparse.Namespace) -> int:
     for alt, path in zip(alternatives, alt_paths):
         save_plan(alt, path)
     notes = []
+    if model.is_moe:
+        notes.append(moe_note(result, model, req.moe_imbalance))
     idle = idle_devices_note(result, model, cluster, cm=cm, space=space, search=args.search)
     if idle:
         notes.append(idle)
@@ -619,13 +623,17 @@ def models(args: argparse.Namespace | None = None) -> int:
         t.add_column(col, justify="right" if col not in ("name", "family") else "left")
     for m in BUILTIN.values():
         # The context-parallel degrees the all-to-all variant allows at tp 1 (the ring: any).
-        cps = [c for c in (2, 4, 8, 16, 32) if m.kinds["block"].cp_divides(c, seq_len=m.seq_len * c) is None]
-        t.add_row(m.name, m.family, f"{m.n_params / 1e9:.2f} B" if m.n_params > 1e8 else f"{m.n_params / 1e6:.2f} M",
+        cps = [c for c in (2, 4, 8, 16, 32) if m.kinds["block"].cp_divides(c, seq_len=m.seq_len * c) is None
+               and not m.is_moe]  # a mixture of experts runs at cp 1 (docs/moe.md)
+        params = f"{m.n_params / 1e9:.2f} B" if m.n_params > 1e8 else f"{m.n_params / 1e6:.2f} M"
+        if m.is_moe:  # a mixture of experts: total and active per token
+            params += f" ({params_text(m.n_active_params)} active, {m.experts_per_token} of {m.experts} experts)"
+        t.add_row(m.name, m.family, params,
                   str(m.n_layers), str(m.hidden), f"{m.heads}/{m.kv_heads}", str(m.ffn), str(m.vocab), str(m.seq_len),
                   ",".join(map(str, cps)) or "-")
     console.print(t)
     console.print("Also: a model YAML file (ModelSpec fields) or a Hugging Face config.json "
-                  "(llama, mistral, qwen2, gpt2, gpt_neox).")
+                  "(llama, mistral, qwen2, gpt2, gpt_neox; the mixtures of experts mixtral, qwen2_moe).")
     console.print("Long sequences: `partita plan --seq-len N` searches context parallelism from 16384 tokens (`--cp` "
                   "to choose degrees): all-to-all at the degrees above (heads and kv heads divisible by cp x tp), "
                   "the ring on GPUs at any degree (docs/search.md).")
@@ -738,9 +746,22 @@ def bubble_text(p: Plan) -> str:
     return f"; bubble {100 * bubble / p.prediction.step_time_s:.1f}% of the step"
 
 
+def params_text(n: int) -> str:
+    return f"{n / 1e9:.1f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
+
+
+def moe_note(p: Plan, model, imbalance: float) -> str:
+    """A mixture of experts' sizes and its expert parallelism, for the plan's summary."""
+    routing = "balanced routing" if imbalance == 1.0 else f"routing imbalance {imbalance:g}"
+    return (f"mixture of experts: {params_text(model.n_params)} parameters, {params_text(model.n_active_params)} "
+            f"active per token ({model.experts_per_token} of {model.experts} experts); ep {p.ep}: "
+            f"{model.experts // p.ep} expert{'s' if model.experts // p.ep > 1 else ''} a rank, {routing}")
+
+
 def print_plan(p: Plan, notes: Sequence[str] = ()) -> None:
     name = p.model.get("name", "?")
     cp = f" x cp {p.cp} ({p.cp_variant.replace('_', '-')})" if p.cp > 1 else ""
+    cp += f" (ep {p.ep} inside dp)" if p.ep > 1 else ""
     console.print(f"[bold]{name}[/bold] on [bold]{p.cluster.get('name', '?')}[/bold]: "
                   f"{p.world_size} ranks = dp {p.dp}{cp} x tp {p.tp} x pp {p.pp}; seq {p.seq_len}, global batch "
                   f"{p.global_batch} = {batch_text(p)}; "

@@ -13,6 +13,11 @@ is expressible, else every combination of the settings the target has. The expor
 plan unchanged when it can; otherwise the fastest variant that fits, priced with Partita's own
 cost model (``search/evaluate.py``); with none fitting, the one closest to fitting, said so.
 Both predictions and every change are printed, and the file holds the exported plan's settings.
+
+Context parallelism (``cp`` > 1) maps where the target has it (``context_variant``): Megatron
+runs both variants (``--cp-comm-type a2a`` / ``p2p``), torchtitan the ring only, DeepSpeed the
+all-to-all only (Ulysses); a plan whose variant the target lacks exports with the other one,
+priced, and the change listed.
 """
 
 from __future__ import annotations
@@ -131,9 +136,33 @@ def recompute_counts(plan: Plan, mode: str = "full") -> list[int]:
 
 
 # ---- choosing and pricing -----------------------------------------------------------------
+def context_variant(plan: Plan, model: ModelSpec, runs: Sequence[str], target: str) -> Plan:
+    """The plan with a context-parallel variant the target runs (``runs``, in its order of
+    preference): the plan's own where the target has it, else the first the model's shapes and
+    the sequence allow (``LayerKind.cp_divides``); with none, an error that says why."""
+    if plan.cp == 1 or plan.cp_variant in runs:
+        return plan
+    reasons = []
+    for variant in runs:
+        why = model.kinds["block"].cp_divides(plan.cp, tp=plan.tp, variant=variant, seq_len=plan.seq_len)
+        if why is None:
+            return dataclasses.replace(plan, cp_variant=variant, prediction=None)
+        reasons.append(why)
+    raise PartitaError(f"--to {target}: the plan's {_variant(plan.cp_variant)} context parallelism (cp {plan.cp}) is "
+                       f"not in {target}, which runs {' or '.join(map(_variant, runs))} only, and {'; '.join(reasons)}; "
+                       f"re-plan with --cp-variant {runs[0]} or --cp 1")
+
+
+def _variant(v: str) -> str:
+    return v.replace("_", "-")
+
+
 def describe_changes(original: Plan, exported: Plan) -> list[str]:
     """Each setting whose values over the layers differ between the two plans, as counts."""
     changes = []
+    if original.cp > 1 and original.cp_variant != exported.cp_variant:
+        changes.append(f"context parallelism (cp {original.cp}) {_variant(original.cp_variant)} -> "
+                       f"{_variant(exported.cp_variant)}")
     if original.schedule != exported.schedule or original.virtual_stages != exported.virtual_stages:
         changes.append(f"schedule {_schedule(original)} -> {_schedule(exported)}")
     if blocks_per_stage(original) != blocks_per_stage(exported):
@@ -201,13 +230,6 @@ def export_plan(plan: Plan, target: str, *, profiles: Sequence = ()) -> Export:
         raise PartitaError(f"--to {target}: the plan's data-parallel replicas sit on different device types "
                            f"(replica_groups); {target} runs every replica alike, so export a plan for one node "
                            f"group (partita plan --cluster with that group alone)")
-    if plan.cp > 1:
-        # Megatron's --context-parallel-size (--cp-comm-type a2a or p2p), torchtitan's
-        # context_parallel_degree (ring) and DeepSpeed's sequence_parallel_size (Ulysses) would map
-        # it, each with its own layout and limits; not mapped yet.
-        raise PartitaError(f"--to {target}: the plan splits each sequence over cp {plan.cp} ranks "
-                           f"({plan.cp_variant.replace('_', '-')} context parallelism), which the export does not "
-                           f"map yet; re-plan with --cp 1 to export, or run it with partita launch")
     if len(set(plan.batch_shares)) > 1:
         raise PartitaError(f"--to {target}: the plan gives its data-parallel replicas uneven batch shares "
                            f"{list(plan.batch_shares)}; {target} runs one micro-batch count on every replica, so "

@@ -25,6 +25,16 @@ What maps how:
     DeepSpeed's options for it. DeepSpeed has no selective recomputation (its checkpointing
     recomputes a whole function): a plan with selectively recomputed blocks exports as the
     faster of none and full that fits, and the change is listed.
+  * Context parallelism is Ulysses, DeepSpeed's all-to-all: ``sequence_parallel_size`` = cp and
+    ``data_parallel_size`` = dp, which ``deepspeed.initialize`` reads to build its
+    ("data_parallel", "sequence_parallel") device mesh (``deepspeed/__init__.py``; the config
+    parser also reads ``sequence_parallel_size``, ``runtime/config.py``); the model code wraps its
+    attention core in ``deepspeed.sequence.layer.DistributedAttention`` (or
+    ``UlyssesSPAttentionHF``) over that mesh's sequence-parallel group, and ZeRO partitions over
+    dp x cp (the sequence-data-parallel group), as Partita's. DeepSpeed has no ring: a ring plan
+    exports as the all-to-all at the same cp where the heads allow it, priced, the change listed.
+    That mesh has no tensor or pipeline axis, so a cp plan exports with tp 1 and pp 1 only.
+    Checked against DeepSpeed 0.19.8 and deepspeedai/DeepSpeed edaa7221 (2026-08-22).
 """
 
 from __future__ import annotations
@@ -33,7 +43,8 @@ import json
 from typing import Iterator
 
 from partita.cluster import ClusterSpec
-from partita.export import blocks_per_stage, resplit, uniform
+from partita.errors import PartitaError
+from partita.export import blocks_per_stage, context_variant, resplit, uniform
 from partita.model import ModelSpec
 from partita.plan import Plan
 
@@ -43,6 +54,11 @@ FILE = "deepspeed.json"
 def variants(plan: Plan, model: ModelSpec) -> Iterator[Plan]:
     from partita.search.uniform import split_blocks
 
+    if plan.cp > 1 and (plan.tp > 1 or plan.pp > 1):
+        raise PartitaError(f"--to deepspeed: DeepSpeed's Ulysses mesh is data x sequence parallel only, and the plan "
+                           f"has cp {plan.cp} with tp {plan.tp} and pp {plan.pp}; export it --to megatron or torchtitan, "
+                           f"or re-plan with --tp 1 --pp 1")
+    plan = context_variant(plan, model, ("all_to_all",), "deepspeed")
     zeros = (0, 1) if plan.pp > 1 else (0, 1, 2, 3)
     even = split_blocks(model.n_layers, plan.pp)
     base = plan if blocks_per_stage(plan) == even and plan.virtual_stages == 1 else resplit(plan, even)
@@ -59,6 +75,8 @@ def config(plan: Plan, model: ModelSpec) -> dict:
                  "bf16": {"enabled": plan.dtype == "bf16"}, "fp16": {"enabled": plan.dtype == "fp16"}}
     if plan.tp > 1:
         cfg["tensor_parallel"] = {"autotp_size": plan.tp}
+    if plan.cp > 1:
+        cfg |= {"sequence_parallel_size": plan.cp, "data_parallel_size": plan.dp}
     if plan.pp > 1:
         cfg["pipeline"] = {"stages": plan.pp, "partition": "uniform",
                            "activation_checkpoint_interval": 1 if recomputes(layers) else 0}
@@ -83,6 +101,10 @@ def notes(plan: Plan, model: ModelSpec, cluster: ClusterSpec) -> list[str]:
     if recomputes(plan.layer_strategies()):
         out.append("recompute every block in the model code (deepspeed.checkpointing.checkpoint around each block, or "
                    "PipelineModule(activation_checkpoint_interval=1))")
+    if plan.cp > 1:
+        out.append(f"wrap each block's attention core in deepspeed.sequence.layer.DistributedAttention over the "
+                   f"sequence-parallel group of deepspeed.initialize's mesh, and give each rank its 1/{plan.cp} of every "
+                   f"sequence")
     if plan.pp > 1:
         out.append(f"build the model as PipelineModule(layers, num_stages={plan.pp}, partition_method='uniform'); "
                    f"blocks per stage {','.join(map(str, blocks_per_stage(plan)))}")

@@ -18,7 +18,11 @@ field (``megatron/training/argument_utils.py``, ``ArgumentGroupFactory._format_a
     ``--swiglu``, ``--untie-embeddings-and-output-weights`` (``_add_network_size_args``),
     ``--seq-length`` (``_add_data_args``), ``--use-distributed-optimizer``, ``--use-megatron-fsdp``
     (``common_config.py``), ``--data-parallel-sharding-strategy`` and
-    ``--pipeline-model-parallel-layout`` (``_add_distributed_args``).
+    ``--pipeline-model-parallel-layout`` (``_add_distributed_args``);
+  * ``--context-parallel-size`` (``ModelParallelConfig.context_parallel_size``, through the same
+    factory) and ``--cp-comm-type`` (declared in ``_add_distributed_args``, ``nargs="+"``: "p2p",
+    "a2a", "allgather" or "a2a+p2p", one for all layers or one per layer; the field
+    ``TransformerConfig.cp_comm_type``).
 
 What maps how:
   * ZeRO 1 is the distributed optimizer; ZeRO 2 and 3 are Megatron-FSDP with sharding strategy
@@ -44,6 +48,14 @@ What maps how:
     1F1B schedule); the block recompute rule then counts blocks per virtual stage.
   * Megatron sets tensor and sequence parallelism, the ZeRO level and the recompute rule once
     for all layers: a plan whose layers differ exports as the closest plan with one setting.
+  * Context parallelism: ``--context-parallel-size`` = cp with ``--cp-comm-type a2a`` for the
+    all-to-all ("Like DeepSpeed Ulysses, scatter attention heads across the CP group",
+    ``TransformerConfig.cp_comm_type``) or ``p2p`` for the ring (K/V chunks passed around the
+    ring, overlapped with the attention: the ring Partita prices, rotate "alltoall"). Megatron's
+    rank order (``--order`` default tp-cp-ep-dp-pp) puts tp innermost and cp next, as Partita's
+    stages do; its distributed optimizer and FSDP shard over dp x cp, as Partita's ZeRO does.
+    ``validate_args`` requires the sequence divisible by 2 x cp for either type (its load-balanced
+    layout), which the export checks.
 """
 
 from __future__ import annotations
@@ -52,13 +64,15 @@ import dataclasses
 from typing import Iterator
 
 from partita.cluster import ClusterSpec
-from partita.export import blocks_per_stage, is_block, recompute_counts, resplit, uniform, virtual_stages
+from partita.errors import PartitaError
+from partita.export import blocks_per_stage, context_variant, is_block, recompute_counts, resplit, uniform, virtual_stages
 from partita.model import ModelSpec
 from partita.plan import Plan
 
 FILE = "megatron.args"
 FSDP_STRATEGY = {2: "optim_grads", 3: "optim_grads_params"}
 SELECTIVE_MODULES = ("core_attn", "layernorm")  # TransformerConfig.recompute_modules closest to Partita's selective
+CP_COMM_TYPE = {"all_to_all": "a2a", "ring": "p2p"}  # --cp-comm-type by Partita's cp_variant
 
 
 def variants(plan: Plan, model: ModelSpec) -> Iterator[Plan]:
@@ -70,6 +84,11 @@ def variants(plan: Plan, model: ModelSpec) -> Iterator[Plan]:
         plan = dataclasses.replace(plan, schedule="interleaved-1f1b", prediction=None)
     elif plan.schedule == "zbv":
         plan = resplit(plan, blocks_per_stage(plan))
+    if plan.cp > 1 and plan.seq_len % (2 * plan.cp):
+        raise PartitaError(f"--to megatron: Megatron needs the sequence length ({plan.seq_len}) divisible by 2 x cp = "
+                           f"{2 * plan.cp} for context parallelism (validate_args); re-plan with a sequence length it "
+                           f"divides, or a smaller --cp")
+    plan = context_variant(plan, model, tuple(CP_COMM_TYPE), "megatron")
     most = max(n for _, n, _ in virtual_stages(plan))
     sps = (False, True) if plan.tp > 1 else (False,)
     zeros = (0, 1, 2, 3) if plan.pp == 1 else (0, 1)
@@ -84,8 +103,9 @@ def variants(plan: Plan, model: ModelSpec) -> Iterator[Plan]:
 
 def render(plan: Plan, model: ModelSpec) -> str:
     args = arguments(plan, model)
-    lines = [f"# Megatron-LM arguments for {model.name}: dp {plan.dp} x tp {plan.tp} x pp {plan.pp} = {plan.world_size} "
-             f"ranks", "# (from `partita export`; pass to pretrain_gpt.py with your data and tokenizer flags)"]
+    cp = f" x cp {plan.cp}" if plan.cp > 1 else ""
+    lines = [f"# Megatron-LM arguments for {model.name}: dp {plan.dp}{cp} x tp {plan.tp} x pp {plan.pp} = "
+             f"{plan.world_size} ranks", "# (from `partita export`; pass to pretrain_gpt.py with your data and tokenizer flags)"]
     i = 0
     while i < len(args):  # a flag and its values on one line
         j = i + 1
@@ -117,6 +137,8 @@ def arguments(plan: Plan, model: ModelSpec) -> list[str]:
     args += ["--tensor-model-parallel-size", str(plan.tp), "--pipeline-model-parallel-size", str(plan.pp)]
     if any(l.sequence_parallel for l in layers):
         args.append("--sequence-parallel")
+    if plan.cp > 1:
+        args += ["--context-parallel-size", str(plan.cp), "--cp-comm-type", CP_COMM_TYPE[plan.cp_variant]]
     args += ["--micro-batch-size", str(plan.micro_batch), "--global-batch-size", str(plan.global_batch)]
     if plan.dtype in ("bf16", "fp16"):
         args.append(f"--{plan.dtype}")
@@ -158,6 +180,10 @@ def notes(plan: Plan, model: ModelSpec, cluster: ClusterSpec) -> list[str]:
            "tokenizer, optimizer and schedule flags are yours to add"]
     if model.family == "gpt2":
         out.append("gpt2 family: Megatron's defaults (learned positions, LayerNorm, GeLU, biases) match it")
+    if plan.cp > 1:
+        out.append("Megatron runs context parallelism in Transformer Engine's attention (the default "
+                   "--transformer-impl transformer_engine) and shards each sequence in its own load-balanced "
+                   "layout (2 x cp chunks)")
     if any(l.recompute == "selective" for l in plan.layer_strategies()):
         out.append("selective recomputation is priced as Partita's (matrix products' outputs kept, all else "
                    "recomputed); Megatron's core_attn and layernorm modules also keep the MLP's activation input and "

@@ -26,6 +26,18 @@ What maps how:
     ``_op_sac_save_list`` in ``torchtitan/models/llama3/infra/parallelize.py``, every second
     ``mm`` and the attention kernel's and the sequence-parallel reduce-scatter's outputs among
     them, where Partita keeps every product's; the export is priced as Partita's).
+  * Context parallelism: torchtitan runs the ring (torch's ``context_parallel`` around SDPA,
+    ``torchtitan/distributed/context_parallel.py``), not the all-to-all: ``context_parallel_degree``
+    = cp with ``context_parallel_rotate_method = "alltoall"`` (K/V blocks passed one step at a
+    time, as Partita's runtime sets it and prices it; torchtitan's default is "allgather") and
+    its default ``context_parallel_load_balancer = "headtail"``, Partita's layout. An all-to-all
+    plan exports as the ring at the same cp (where the sequence divides by 2 x cp), priced, and
+    the change is listed. With cp > 1 torchtitan always shards parameters with FSDP over dp x cp
+    (``ParallelDims.fsdp_enabled`` is ``dp_shard_enabled or cp_enabled``), so a cp plan exports
+    at ZeRO 2 or 3 (ZeRO over dp x cp, as Partita's). Its mesh order (pp, dp_replicate,
+    dp_shard, cp, tp) puts tp innermost and cp next, as Partita's stages do. torchtitan >= 0.3
+    (pytorch/torchtitan b5bcd76c, ``torchtitan/config/configs.py``) keeps
+    ``context_parallel_degree`` but has no rotate method (torch's default, "allgather").
   * ``[training]``: ``local_batch_size`` = micro-batch x micro-batches (per data-parallel rank),
     ``global_batch_size``, ``seq_len``, ``mixed_precision_param`` (bfloat16 or float32; torchtitan
     trains no fp16).
@@ -37,7 +49,7 @@ import json
 from typing import Iterator
 
 from partita.cluster import ClusterSpec
-from partita.export import blocks_per_stage, is_block, uniform
+from partita.export import blocks_per_stage, context_variant, is_block, uniform
 from partita.model import ModelSpec
 from partita.plan import Plan
 
@@ -63,7 +75,9 @@ def recompute_rule(k: int):
 def variants(plan: Plan, model: ModelSpec) -> Iterator[Plan]:
     """The plans of this shape torchtitan runs: SP with TP, ZeRO 0/2/3, none/full/every k-th
     recomputed, or every block selectively."""
-    zeros = (0, 2, 3) if plan.dp > 1 else (0,)
+    plan = context_variant(plan, model, ("ring",), "torchtitan")
+    # with cp, torchtitan always runs FSDP over dp x cp (ParallelDims.fsdp_enabled)
+    zeros = (2, 3) if plan.cp > 1 else (0, 2, 3) if plan.dp > 1 else (0,)
     most = max(blocks_per_stage(plan))
     for zero in zeros:
         for k in [*range(0, min(MAX_SELECTIVE, most) + 1), OP]:
@@ -89,6 +103,8 @@ def config(plan: Plan, model: ModelSpec) -> dict:
     else:
         par |= {"data_parallel_replicate_degree": 1, "data_parallel_shard_degree": plan.dp,
                 "fsdp_reshard_after_forward": RESHARD[zero]}
+    if plan.cp > 1:
+        par |= {"context_parallel_degree": plan.cp, "context_parallel_rotate_method": "alltoall"}
     if plan.pp > 1:
         par |= {"pipeline_parallel_schedule": SCHEDULES[plan.schedule],
                 "pipeline_parallel_microbatch_size": plan.micro_batch,
@@ -126,8 +142,9 @@ def module_names(plan: Plan) -> list[list[str]]:
 def render(plan: Plan, model: ModelSpec) -> str:
     cfg = config(plan, model)
     overrides = " ".join(f"--{sec}.{key} {_cli(v)}" for sec in ("parallelism", "training")
-                         for key, v in cfg[sec].items() if key != "module_fqns_per_model_part")
-    lines = [f"# torchtitan job config for {model.name}: dp {plan.dp} x tp {plan.tp} x pp {plan.pp} = "
+                         for key, v in cfg[sec].items() if key not in NOT_IN_0_3)
+    cp = f" x cp {plan.cp}" if plan.cp > 1 else ""
+    lines = [f"# torchtitan job config for {model.name}: dp {plan.dp}{cp} x tp {plan.tp} x pp {plan.pp} = "
              f"{plan.world_size} ranks (from `partita export`)",
              "# torchtitan 0.2.x: torchrun ... -m torchtitan.train --job.config_file THIS_FILE",
              f"# torchtitan >= 0.3 (no TOML): add {overrides}"]
@@ -136,6 +153,11 @@ def render(plan: Plan, model: ModelSpec) -> str:
     for section, values in cfg.items():
         lines += ["", f"[{section}]"] + [f"{k} = {_toml(v)}" for k, v in values.items()]
     return "\n".join(lines) + "\n"
+
+
+# Keys left out of the torchtitan >= 0.3 override line: the split (a list, no command-line form
+# there) and the rotate method (0.3 has none).
+NOT_IN_0_3 = ("module_fqns_per_model_part", "context_parallel_rotate_method")
 
 
 def _toml(value) -> str:
@@ -156,6 +178,9 @@ def notes(plan: Plan, model: ModelSpec, cluster: ClusterSpec) -> list[str]:
     if plan.dtype == "fp16":
         out.append("torchtitan trains in bfloat16 or float32, not fp16: the TOML says bfloat16, which this plan's "
                    "devices may lack")
+    if plan.cp > 1:
+        out.append("torchtitan >= 0.3 has no context_parallel_rotate_method: its ring all-gathers the K/V blocks "
+                   "(torch's default) where this prediction passes them one step at a time")
     if any(l.recompute == "selective" for l in plan.layer_strategies()):
         out.append("selective recomputation is priced as Partita's (every matrix product's output kept, all else "
                    "recomputed); torchtitan's op policy keeps every second product's and the attention kernel's "

@@ -77,6 +77,8 @@ def models_output() -> dict[str, Any]:
     return _head("models") | {"models": [
         {"name": m.name, "family": m.family, "params": m.n_params, "layers": m.n_layers, "hidden": m.hidden,
          "heads": m.heads, "kv_heads": m.kv_heads, "ffn": m.ffn, "vocab": m.vocab, "seq_len": m.seq_len}
+        | ({"active_params": m.n_active_params, "experts": m.experts, "experts_per_token": m.experts_per_token}
+           if m.is_moe else {})
         for m in BUILTIN.values()]}
 
 

@@ -16,6 +16,12 @@ cp x tp) or "ring" (torch's ``context_parallel``, CUDA only: the sequence divisi
 Parameters are replicated over cp, so gradients and ZeRO shards span dp x cp ranks. Plans
 without the fields have cp 1.
 
+Expert parallelism (``ep``, mixture-of-experts models: docs/moe.md). Each data-parallel group
+is cut into groups of ``ep`` consecutive data-parallel indices (d = r * ep + i): rank i of an ep
+group holds experts i*E/ep .. (i+1)*E/ep - 1 of every block, tokens travel to their experts and
+back by all-to-all, and each expert's weights, gradients and optimizer state are sharded (ZeRO)
+over its dp/ep replicas only. ep divides dp and the experts. Plans without the field have ep 1.
+
 Per-layer choices (``LayerStrategy``):
   * ``tensor_parallel``: 1 (the layer is replicated across the stage's tensor group) or the
     stage's ``tp`` (Megatron-style: attention heads and MLP columns split, vocab split for
@@ -346,6 +352,7 @@ class Plan:
     pp: int
     cp: int = 1  # context-parallel degree: each sequence split over cp ranks (module docstring)
     cp_variant: str = "all_to_all"  # one of CP_VARIANTS; meaningful when cp > 1
+    ep: int = 1  # expert-parallel degree (module docstring); 1 for dense models
     schedule: str = "1f1b"
     stages: tuple[Stage, ...]
     prediction: Prediction | None = None
@@ -445,6 +452,8 @@ class Plan:
                 v = list(v)
             elif f.name in ("cp", "cp_variant") and self.cp == 1:
                 continue  # no context parallelism: plans read and write as before
+            elif f.name == "ep" and self.ep == 1:
+                continue  # no expert parallelism: plans read and write as before
             elif isinstance(v, Mapping):
                 v = dict(v)
             d[f.name] = v
@@ -470,6 +479,7 @@ class Plan:
         kwargs["schedule"] = specio.get_str(data, "schedule", where, default="1f1b", choices=SCHEDULES)
         kwargs["cp"] = specio.get_int(data, "cp", where, minimum=1, default=1)
         kwargs["cp_variant"] = specio.get_str(data, "cp_variant", where, default="all_to_all", choices=CP_VARIANTS)
+        kwargs["ep"] = specio.get_int(data, "ep", where, minimum=1, default=1)
         kwargs["batch_shares"] = _batch_shares(data.get("batch_shares"), where)
         kwargs["micro_batch_sizes"] = _batch_shares(data.get("micro_batch_sizes"), where, "micro_batch_sizes",
                                                     "micro-batch sizes")

@@ -20,6 +20,7 @@ def validate_plan(plan: Plan, model: ModelSpec, cluster: ClusterSpec) -> None:
     _check_ranks(plan, cluster)
     _check_layers(plan, model)
     _check_context_parallel(plan, model, cluster)
+    _check_expert_parallel(plan, model)
     _check_dtype(plan, cluster)
     _check_runtime_limits(plan, model)
 
@@ -42,6 +43,36 @@ def _check_context_parallel(plan: Plan, model: ModelSpec, cluster: ClusterSpec) 
     if sp and (plan.seq_len // plan.cp) % plan.tp:
         raise PartitaError(f"sequence parallelism splits each rank's {plan.seq_len // plan.cp} tokens (seq_len "
                            f"{plan.seq_len} / cp {plan.cp}) {plan.tp} ways: not divisible by tp {plan.tp}")
+
+
+def _check_expert_parallel(plan: Plan, model: ModelSpec) -> None:
+    """Expert parallelism (docs/moe.md): ep divides the experts and dp (``LayerKind.ep_divides``);
+    not with context parallelism (the load-balancing loss is per whole sequence) nor replicas on
+    several node groups; a mixture-of-experts block recomputes all or nothing (selective
+    recomputation's kept products are not priced for routed experts)."""
+    if model.is_moe:
+        for l in plan.layer_strategies():
+            if model.role_of(l.name) == "block" and l.recompute == "selective":
+                raise PartitaError(f"layer {l.name}: selective recomputation of a mixture-of-experts block is not "
+                                   "supported; use recompute none or full")
+        if plan.schedule in ("interleaved-zb", "zbv"):
+            raise PartitaError(f"schedule {plan.schedule}: zero-bubble schedules split the backward, which the "
+                               "experts' all-to-alls do not survive; use 1f1b or interleaved-1f1b for a "
+                               "mixture-of-experts model")
+        if plan.cp > 1:
+            raise PartitaError(f"context parallelism (cp {plan.cp}) of a mixture-of-experts model is not supported "
+                               "(its load-balancing loss is per whole sequence); use cp 1")
+    if plan.ep == 1:
+        return
+    why = model.kinds["block"].ep_divides(plan.ep, plan.dp)
+    if why:
+        raise PartitaError(f"ep {plan.ep}: {why}; choose ep dividing both, or ep 1")
+    if plan.mixed_replicas:
+        raise PartitaError(f"expert parallelism (ep {plan.ep}) with replicas on different node groups "
+                           "(replica_groups) is not supported; use ep 1 or one node group per stage")
+    if len(set(plan.replica_micro_batches())) > 1 or len(set(plan.replica_micro_batch_sizes())) > 1:
+        raise PartitaError(f"expert parallelism (ep {plan.ep}) needs equal batch shares on every replica: the ep "
+                           "group's all-to-alls pair their micro-batches; use equal shares or ep 1")
 
 
 def _check_runtime_limits(plan: Plan, model: ModelSpec) -> None:

@@ -335,7 +335,7 @@ def _report(profile: Profile, measurements: list, samples: list, elapsed: float,
         for a in profile.attention:
             flops = causal_attention_flops(a.micro_batch, a.heads, a.seq_len, a.head_dim)
             t.add_row(str(a.heads), str(a.head_dim), str(a.micro_batch), str(a.seq_len), fmt_seconds(a.forward_s),
-                      fmt_seconds(a.backward_s), f"{flops / a.forward_s / 1e12:.1f}")
+                      fmt_seconds(a.backward_s), f"{flops / a.forward_s / 1e12:.3g}")
         console.print(t)
     if profile.comm:
         t = Table(title="collectives: time = latency + bus bytes / bandwidth")

@@ -8,8 +8,11 @@ i.e. weights replicated over ``dp`` and gradients all-reduced, while ZeRO-1/2/3 
 over ``dp``. Under context parallelism (cp > 1) the parameters are replicated over cp as well
 and each cp rank's gradient covers its tokens only, so the data-parallel meshes are ``dp`` and
 ``cp`` flattened (``"dp_cp"``, torchtitan's ``dp_shard_cp``): gradients are averaged and ZeRO
-shards span dp x cp ranks. Every sub-mesh is a slice of this one mesh (FSDP2 over tensor
-parallelism requires that).
+shards span dp x cp ranks. Under expert parallelism (ep > 1) ``dp`` is itself the flattening of
+``("dp_rep", "ep")``: ``ep`` consecutive data-parallel indices form an ep group (the experts'
+all-to-alls) and ``dp_rep`` strides over the groups (each expert's replicas: its gradients are
+reduced and its ZeRO shards split there only). Every sub-mesh is a slice of this one mesh (FSDP2
+over tensor parallelism requires that).
 """
 
 from __future__ import annotations
@@ -82,6 +85,25 @@ class Meshes:
     def context_parallel(self) -> bool:
         return self.world["cp"].size() > 1
 
+    @property
+    def expert_parallel(self) -> bool:
+        return "ep" in (self.world.mesh_dim_names or ())
+
+    @property
+    def ep(self) -> DeviceMesh:
+        """The ep group: the ranks whose tokens meet in the experts' all-to-alls."""
+        return self.world["ep"]
+
+    @property
+    def expert_dp(self) -> DeviceMesh:
+        """The replicas of this rank's experts (``dp_rep``): their ZeRO shards and gradient reductions."""
+        return self.world["dp_rep"]
+
+    @property
+    def expert_dp_replicate(self) -> DeviceMesh:
+        """(``dp_rep``, ``dp_shard``): FSDP2's hybrid mode for ZeRO-0 experts (plain replication)."""
+        return self.world["dp_rep", "dp_shard"]
+
 
 def rank_grid(plan: Plan) -> torch.Tensor:
     """Global ranks laid out as [pp, dp, 1, cp, tp], from the plan's stage rank lists."""
@@ -92,6 +114,11 @@ def rank_grid(plan: Plan) -> torch.Tensor:
 def build_meshes(plan: Plan, device_type: str) -> Meshes:
     """Build the world mesh for an initialised default process group (and, under context
     parallelism, its flattened ``dp_cp`` dimension)."""
+    if plan.ep > 1:  # dp = (dp_rep, ep), ep innermost: an ep group is ep consecutive dp indices
+        grid = rank_grid(plan).view(plan.pp, plan.dp // plan.ep, plan.ep, 1, plan.cp, plan.tp)
+        world = DeviceMesh(device_type, grid, mesh_dim_names=("pp", "dp_rep", "ep", "dp_shard", "cp", "tp"))
+        world["dp_rep", "ep"]._flatten("dp")
+        return Meshes(world=world, place=RankPlace.of(plan, dist.get_rank()))
     world = DeviceMesh(device_type, rank_grid(plan), mesh_dim_names=MESH_DIMS)
     if plan.cp > 1:
         world["dp", "cp"]._flatten("dp_cp")

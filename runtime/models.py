@@ -115,6 +115,112 @@ class GeluMLP(nn.Module):
         return self.w2(F.gelu(self.w1(x), approximate="tanh"))
 
 
+# Weight of the load-balancing loss (Switch Transformer's alpha; Fedus et al. 2021, sec. 2.2).
+AUX_LOSS_COEF = 0.01
+
+
+class _AddAuxLoss(torch.autograd.Function):
+    """Returns ``x`` unchanged; its backward also sends ``factor`` into ``aux``, as if
+    ``factor * aux`` were added to the loss. So a block's balancing loss trains its router on any
+    pipeline stage without travelling to the loss (Megatron-LM's MoEAuxLossAutoScaler)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, aux: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        ctx.aux_shape = aux.shape
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, torch.full(ctx.aux_shape, ctx.factor, dtype=torch.float32, device=grad.device), None
+
+
+def load_balance_loss(probs: torch.Tensor, chosen: torch.Tensor, *, sequences: int) -> torch.Tensor:
+    """The balancing loss of each sequence: E x sum_e f_e P_e, with f_e the share of the
+    sequence's k x s routing slots that went to expert e and P_e the router's mean probability of
+    e over its tokens (Switch Transformer's loss, taken per sequence as DeepSeek-V2's
+    sequence-wise loss is). Per sequence so that a batch's loss is a mean over its sequences,
+    whichever ranks and micro-batches they are split over. ``probs`` [b*s, E] fp32, ``chosen``
+    [b*s, k]; returns [b]."""
+    experts = probs.shape[-1]
+    slots = chosen.view(sequences, -1)
+    share = torch.zeros(sequences, experts, device=probs.device).scatter_add_(
+        1, slots, torch.ones(slots.shape, device=probs.device)) / slots.shape[1]
+    return experts * (share * probs.view(sequences, -1, experts).mean(1)).sum(-1)
+
+
+class Experts(nn.ModuleDict):
+    """The routed experts, keyed by their global index (a rank under expert parallelism holds
+    some). Called on tokens grouped by expert (``counts[i]`` rows for expert ``ids[i]``); every
+    expert runs, on no rows if none came, so each has a gradient on every rank. A module with a
+    forward, so FSDP2 can gather it as a unit of its own."""
+
+    def forward(self, grouped: torch.Tensor, counts: list[int], ids: list[int]) -> torch.Tensor:
+        parts = grouped.split(counts)
+        return torch.cat([self[str(e)](part) for e, part in zip(ids, parts)])
+
+
+class MoE(nn.Module):
+    """A mixture-of-experts MLP: a router picks each token's top ``k`` of ``experts`` SwiGLU
+    experts (softmax over all logits, the chosen weights renormalised: Mixtral's routing), and
+    the token's output is their weighted sum, plus a gated shared expert if there is one
+    (qwen2_moe). Experts live in a ``ModuleDict`` keyed by their global index, so a rank under
+    expert parallelism deletes those it does not hold and the names stay the plan's
+    (``partita.runtime.experts``). Tokens go to their experts grouped by expert; ``dispatch``
+    runs the grouped tokens through the experts, locally or across the ep group.
+
+    Training adds the load-balancing loss (``load_balance_loss``) through the backward:
+    ``AUX_LOSS_COEF`` x the mean over the batch's sequences, each micro-batch's part scaled by
+    ``aux_loss_factor`` (what the runtime multiplies that micro-batch's loss by; 1 for one
+    forward of the whole batch)."""
+
+    def __init__(self, hidden: int, ffn: int, *, experts: int, top_k: int, shared_ffn: int = 0, device=None,
+                 dtype=None) -> None:
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        self.num_experts, self.top_k = experts, top_k
+        self.router = nn.Linear(hidden, experts, bias=False, **kw)
+        self.experts = Experts({str(e): SwiGLU(hidden, ffn, **kw) for e in range(experts)})
+        self.shared_expert = SwiGLU(hidden, shared_ffn, **kw) if shared_ffn else None
+        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False, **kw) if shared_ffn else None
+        self.aux_loss_factor = 1.0
+        self.dispatch = self.run_local  # replaced under expert parallelism (runtime/experts.py)
+
+    def route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(fp32 router probabilities [t, E], chosen experts [t, k], their weights [t, k])."""
+        probs = self.router(flat).float().softmax(dim=-1)
+        weights, chosen = probs.topk(self.top_k, dim=-1)  # ties go to the lower index: deterministic
+        return probs, chosen, (weights / weights.sum(-1, keepdim=True)).to(flat.dtype)
+
+    def run_local(self, grouped: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        return self.experts(grouped, counts.tolist(), list(range(self.num_experts)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        flat = x.reshape(-1, h)
+        probs, chosen, weights = self.route(flat)
+        slots = chosen.reshape(-1)  # token i's k choices are slots i*k .. i*k+k-1
+        order = torch.argsort(slots, stable=True)  # the slots grouped by expert
+        counts = torch.bincount(slots, minlength=self.num_experts)
+        out = self.dispatch(flat.index_select(0, order // self.top_k), counts)
+        out = out.new_zeros(out.shape).index_copy(0, order, out)  # back in slot order
+        y = (out.view(-1, self.top_k, h) * weights.unsqueeze(-1)).sum(1)
+        if self.shared_expert is not None:
+            y = y + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        if self.training and torch.is_grad_enabled():
+            aux = load_balance_loss(probs, chosen, sequences=b).sum()
+            y = _AddAuxLoss.apply(y, aux, AUX_LOSS_COEF * self.aux_loss_factor / b)
+        return y.view(b, s, h)
+
+
+def set_aux_loss_factor(model: nn.Module, factor: float) -> None:
+    """What every MoE block scales its load-balancing loss's gradient by: the factor the runtime
+    puts on each micro-batch's loss times the micro-batch's rows (``MoE``)."""
+    for module in model.modules():
+        if isinstance(module, MoE):
+            module.aux_loss_factor = factor
+
+
 def _norm(spec: ModelSpec, device, dtype) -> nn.Module:
     if spec.family == "llama":
         return RMSNorm(spec.hidden, spec.norm_eps, device=device, dtype=dtype)
@@ -150,8 +256,12 @@ class Block(nn.Module):
                                    bias=spec.qkv_bias or not llama, out_bias=not llama,
                                    rope_theta=spec.rope_theta if llama else None, device=device, dtype=dtype)
         self.ffn_norm = _norm(spec, device, dtype)
-        mlp = SwiGLU if llama else GeluMLP
-        self.feed_forward = mlp(spec.hidden, ffn, device=device, dtype=dtype)
+        if spec.is_moe:
+            self.feed_forward = MoE(spec.hidden, ffn, experts=spec.experts, top_k=spec.experts_per_token,
+                                    shared_ffn=spec.shared_expert_ffn, device=device, dtype=dtype)
+        else:
+            mlp = SwiGLU if llama else GeluMLP
+            self.feed_forward = mlp(spec.hidden, ffn, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x))
@@ -247,6 +357,7 @@ def init_layer(layer: nn.Module, layer_name: str, seed: int, *, n_layers: int) -
     output projections scaled by depth (GPT-2), zero biases, unit norms. Values are drawn on the
     CPU so every device type gets the same numbers."""
     gen = torch.Generator().manual_seed(layer_seed(seed, layer_name))
+    expert_gens: dict[str, torch.Generator] = {}
     for name, p in layer.named_parameters(remove_duplicate=True):
         leaf = name.rsplit(".", 1)[-1]
         owner = layer.get_submodule(name.rsplit(".", 1)[0]) if "." in name else layer
@@ -258,7 +369,13 @@ def init_layer(layer: nn.Module, layer_name: str, seed: int, *, n_layers: int) -
             std = INIT_STD
             if name.endswith(("wo.weight", "w2.weight")):
                 std = INIT_STD / math.sqrt(2 * n_layers)
-            value = torch.empty(p.shape).normal_(0.0, std, generator=gen)
+            draw = gen
+            if ".experts." in name:  # each expert from its own seed: a rank holding some experts gets the same
+                expert = name.split(".experts.", 1)[0] + ".experts." + name.split(".experts.", 1)[1].split(".")[0]
+                if expert not in expert_gens:
+                    expert_gens[expert] = torch.Generator().manual_seed(layer_seed(seed, f"{layer_name}.{expert}"))
+                draw = expert_gens[expert]
+            value = torch.empty(p.shape).normal_(0.0, std, generator=draw)
         p.copy_(value.to(dtype=p.dtype, device=p.device))
 
 

@@ -4,6 +4,9 @@
 
   1. keep the stage's layers, materialise them and initialise each from the seed;
   2. tensor / sequence parallelism per layer (``parallelize_module``, a dict of styles);
+  1b. expert parallelism (``apply_expert_parallel``, mixture-of-experts models with ep > 1):
+     each MoE block keeps its ep rank's experts (deleted on the meta device, before
+     materialising) and dispatches tokens over the ep group (``partita.runtime.experts``);
   2b. context parallelism (``apply_context_parallel``): each attention (and gpt2's position
      table) swapped in place for its sequence-shard class, all-to-all or ring
      (``partita.runtime.context``); names and parameters unchanged, so it must come before
@@ -13,7 +16,8 @@
      gain ``._checkpoint_wrapped_module``, which ``torch.distributed.checkpoint`` strips):
      full, or selective (the matrix products' outputs kept, ``selective_context``);
   4. FSDP2 per layer at the layer's ZeRO level (``fully_shard``), then the stage root; each
-     layer's backward prefetches the layer before it (``set_backward_prefetch``).
+     layer's backward prefetches the layer before it (``set_backward_prefetch``). Under expert
+     parallelism a block's experts are a unit of their own first, over the experts' replicas.
 
 Layouts between layers. Inside a tensor-parallel stage the hidden states between two layers
 are either replicated over the tensor group ("full") or split along the sequence ("seq", when
@@ -228,6 +232,8 @@ def apply_fsdp(model: Transformer, stage: Stage, meshes: Meshes, mp_policy: Mixe
         if tied and strategy.name in ("embed", "head"):
             continue  # the tied pair shares a weight: it lives in the root unit (checked before)
         layer = model.get_submodule(strategy.name)
+        if meshes.expert_parallel:
+            units += _shard_experts(layer, strategy, meshes, mp_policy)
         mesh = meshes.dp_replicate if strategy.zero == 0 else meshes.dp
         fully_shard(layer, mesh=mesh, reshard_after_forward=strategy.zero == 3, mp_policy=mp_policy)
         units.append(ShardedLayer(name=strategy.name, module=layer, zero=strategy.zero))
@@ -237,6 +243,25 @@ def apply_fsdp(model: Transformer, stage: Stage, meshes: Meshes, mp_policy: Mixe
     if meshes.pp.size() > 1 or len(stage.chunk_layers()) > 1:
         set_backward_prefetch(model, stage, units)
     units.append(ShardedLayer(name="", module=model, zero=root_zero))
+    return units
+
+
+def _shard_experts(layer: nn.Module, strategy: LayerStrategy, meshes: Meshes,
+                   mp_policy: MixedPrecisionPolicy) -> list[ShardedLayer]:
+    """A block's experts as their own FSDP2 unit over their replicas (``Meshes.expert_dp``) at the
+    block's ZeRO level. Each expert's gradient already sums its ep group's tokens, so the
+    reduction divides by the whole dp (as the dense parameters' average does), not by the
+    replicas only (torchtitan's expert FSDP does the same).""" 
+    from partita.runtime.models import MoE
+
+    units = []
+    for moe in [m for m in layer.modules() if isinstance(m, MoE)]:
+        mesh = meshes.expert_dp_replicate if strategy.zero == 0 else meshes.expert_dp
+        fully_shard(moe.experts, mesh=mesh, reshard_after_forward=strategy.zero == 3, mp_policy=mp_policy)
+        moe.experts.set_gradient_divide_factor(float(meshes.dp.size()))
+        if mesh.size() > 1:  # a sum, then the division (gloo has no PREMUL_SUM); on one rank torch divides
+            moe.experts.set_force_sum_reduction_for_comms(True)  # without a collective, and would divide twice
+        units.append(ShardedLayer(name=f"{strategy.name}.experts", module=moe.experts, zero=strategy.zero))
     return units
 
 
@@ -297,6 +322,10 @@ def parallelize_stage(model: Transformer, plan: Plan, meshes: Meshes, *, device:
     """Turn the full meta model into this rank's part of the plan. Returns the FSDP2 units."""
     stage = meshes.place.stage
     keep_stage_layers(model, stage)
+    if plan.ep > 1:
+        from partita.runtime.experts import apply_expert_parallel
+
+        apply_expert_parallel(model, meshes)
     materialize(model, device=device, seed=seed)  # full layers: identical on every rank of the stage
     if plan.tp > 1:
         apply_tensor_parallel(model, stage, meshes)

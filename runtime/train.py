@@ -38,7 +38,7 @@ from partita.runtime.data import TokenSource, check_data
 from partita.runtime.memory import StepMemory
 from partita.runtime.mesh import build_meshes
 from partita.runtime.metrics import MetricsWriter, RunSummary, peak_flops, peak_memory_bytes, summarize
-from partita.runtime.models import build_model
+from partita.runtime.models import build_model, set_aux_loss_factor
 from partita.runtime.parallelize import parallelize_stage
 from partita.runtime.phases import PhaseTimer
 from partita.runtime.schedule import MicroBatchRunner, PipelineRunner, loss_function, share_weight
@@ -132,26 +132,36 @@ def _dist_key(t: torch.Tensor) -> tuple:
 
 @torch.no_grad()
 def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, pp_group: dist.ProcessGroup | None,
-                   excluded: set[int] = frozenset()) -> float:
+                   excluded: set[int] = frozenset(), experts: set[int] = frozenset(),
+                   ep_group: dist.ProcessGroup | None = None) -> float:
     """Clip to a global L2 norm over every gradient of every stage; returns the norm before
     clipping. DTensor gradients are grouped by mesh and placements so each group's norm is one
     reduction; pipeline stages hold disjoint parameters, so their squares add over ``pp``. The
     parameters whose ids are ``excluded`` (a tied weight's second copy) are clipped but not
-    counted."""
+    counted. Under expert parallelism the ranks of an ep group hold different experts (ids
+    ``experts``): their squares add over ``ep_group``."""
     params = [p for p in params if p.grad is not None]
     grads = [p.grad for p in params if id(p) not in excluded]
     copies = [p.grad for p in params if id(p) in excluded]
     groups: dict[tuple, list[torch.Tensor]] = {}
-    for g in grads:
-        groups.setdefault(_dist_key(g), []).append(g)
+    for p in params:
+        if id(p) not in excluded:
+            groups.setdefault((id(p) in experts, *_dist_key(p.grad)), []).append(p.grad)
     device = grads[0].device if grads else torch.device("cpu")
     total_sq = torch.zeros((), device=device, dtype=torch.float32)
-    for group in groups.values():
+    expert_sq = torch.zeros((), device=device, dtype=torch.float32)
+    for key, group in groups.items():
         norms = torch.stack(torch._foreach_norm(group, 2.0))
         norm = torch.linalg.vector_norm(norms.float(), 2.0)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
-        total_sq += norm.to(device) ** 2
+        if key[0]:
+            expert_sq += norm.to(device) ** 2
+        else:
+            total_sq += norm.to(device) ** 2
+    if ep_group is not None:
+        dist.all_reduce(expert_sq, group=ep_group)
+    total_sq += expert_sq
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         dist.all_reduce(total_sq, group=pp_group)
     total = float(total_sq.sqrt())
@@ -202,6 +212,11 @@ class Trainer:
         units = parallelize_stage(self.model, plan, self.meshes, device=device, seed=cfg.seed, mp_policy=mp_policy,
                                   use_fsdp=use_fsdp)
         self.optimizer = make_optimizer(self.model, cfg)
+        # Expert parallelism: the experts' ids and the ep group, whose ranks hold different experts.
+        self._experts: tuple[set[int], dist.ProcessGroup | None] = (frozenset(), None)
+        if self.meshes.expert_parallel:
+            ids = {id(p) for n, p in self.model.named_parameters() if ".experts." in n}
+            self._experts = (ids, self.meshes.ep.get_group())
         # fp16 needs loss scaling; the scaler agrees on overflow across all ranks (all-reduce).
         self.scaler = ShardedGradScaler(device=device.type) if plan.dtype == "fp16" else None
         if self.scaler is not None:
@@ -223,6 +238,12 @@ class Trainer:
             else:
                 self.start_step = checkpoint.load(cfg.checkpoint_dir, resume_from, self.model, self.optimizer,
                                                   self.scaler)
+
+    def _loss_factor(self) -> float:
+        """What the runner multiplies each micro-batch's loss by (before any fp16 loss scale)."""
+        if isinstance(self.runner, PipelineRunner):
+            return self.runner.weight  # the runner divides the gradients by the micro-batch count after
+        return self.runner.loss_factor
 
     def fit(self) -> RunSummary | None:
         """Train to ``cfg.steps``. Returns the run summary on rank 0, None elsewhere."""
@@ -256,8 +277,11 @@ class Trainer:
                 group["lr"] = lr
             t0, delay0 = clock.now(), self.timer.delay.seconds()
             def one_step() -> tuple[torch.Tensor | None, float]:
+                scale = self.scaler.get_scale() if self.scaler else 1.0
+                if self.spec.is_moe:  # the balancing loss is scaled as the micro-batches' losses are
+                    set_aux_loss_factor(self.model, scale * self._loss_factor())
                 with self._ring_context(inputs, targets):
-                    loss_sum = self.runner.run(inputs, targets, self.scaler.get_scale() if self.scaler else 1.0)
+                    loss_sum = self.runner.run(inputs, targets, scale)
                 return loss_sum, self._update(pp_group)
 
             if step == tracked_step:
@@ -311,13 +335,15 @@ class Trainer:
         # pipeline's skew to it).
         if self.scaler is None:
             self.tied.sync_gradients()
-            grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.grad_clip, pp_group, self.tied.norm_excluded())
+            grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.grad_clip, pp_group, self.tied.norm_excluded(),
+                                       *self._experts)
             with self.timer.span("optimizer"):
                 self.optimizer.step()
         else:
             self.scaler.unscale_(self.optimizer)
             self.tied.sync_gradients()
-            grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.grad_clip, pp_group, self.tied.norm_excluded())
+            grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.grad_clip, pp_group, self.tied.norm_excluded(),
+                                       *self._experts)
             with self.timer.span("optimizer"):
                 self.scaler.step(self.optimizer)
             self.scaler.update()

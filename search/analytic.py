@@ -83,6 +83,13 @@ def forward_matmuls(kind: LayerKind, sh: Shard) -> list[tuple[str, int, int, int
     if kind.role == "head":
         return [("output", t, sh.vocab, h)]
     attention = [("wq", t, q, h), ("wk", t, kv, h), ("wv", t, kv, h), ("wo", t, h, q)]
+    if kind.is_moe:  # the router, the k expert rows of every token (balanced), the shared expert
+        routed = t * kind.experts_per_token
+        moe = [("router", t, kind.experts, h), ("w1", routed, f, h), ("w3", routed, f, h), ("w2", routed, h, f)]
+        if kind.shared_expert_ffn:
+            sf = kind.shared_expert_ffn
+            moe += [("shared w1", t, sf, h), ("shared w3", t, sf, h), ("shared w2", t, h, sf), ("shared gate", t, 1, h)]
+        return attention + moe
     if kind.family == "llama":
         return attention + [("w1", t, f, h), ("w3", t, f, h), ("w2", t, h, f)]
     return attention + [("w1", t, f, h), ("w2", t, h, f)]
@@ -117,12 +124,44 @@ def forward_elementwise(kind: LayerKind, sh: Shard) -> list[tuple[str, float]]:
     if sh.heads != sh.kv_heads:
         ops += [("repeat k", kv_bytes + q_bytes), ("repeat v", kv_bytes + q_bytes)]
     ops += [("residual add", 3 * act), ("ffn norm", 2 * act)]
+    if kind.is_moe:
+        return ops + moe_elementwise(kind, sh) + [("residual add", 3 * act)]
     mlp = t * sh.ffn * e
     if kind.family == "llama":
         ops += [("silu", 2 * mlp), ("gate mul", 3 * mlp)]
     else:
         ops += [("gelu", 2 * mlp)]
     return ops + [("residual add", 3 * act)]
+
+
+def moe_elementwise(kind: LayerKind, sh: Shard) -> list[tuple[str, float]]:
+    """A mixture-of-experts MLP's memory-bound kernels (``runtime.models.MoE``): the router's
+    fp32 softmax and top-k, the gather of each token's k rows grouped by expert and their
+    scatter back, SwiGLU's activation on the expert rows, the weighted sum of a token's k
+    outputs, and the shared expert's activation and gate."""
+    e, t, h, k = sh.elem, sh.tokens, sh.hidden, kind.experts_per_token
+    rows = t * k * h * e  # the k expert rows of every token
+    mlp = t * k * sh.ffn * e
+    ops = [("router softmax", t * kind.experts * (e + 8)), ("top-k", t * kind.experts * 4),
+           ("gather rows", 2 * rows), ("silu", 2 * mlp), ("gate mul", 3 * mlp), ("scatter rows", 2 * rows),
+           ("weighted sum", 2 * rows + t * h * e)]
+    if kind.shared_expert_ffn:
+        shared = t * kind.shared_expert_ffn * e
+        ops += [("shared silu", 2 * shared), ("shared gate mul", 3 * shared), ("shared sigmoid", 3 * t * h * e)]
+    return ops
+
+
+def moe_activation_bytes(kind: LayerKind, sh: Shard) -> int:
+    """What a mixture-of-experts MLP keeps for its backward beyond what a dense block keeps
+    before its MLP (its norm's output, counted there): the router's fp32 probabilities and the
+    chosen weights, the k gathered rows every token sends to its experts (each expert's w1 and
+    w3 input), SwiGLU's four ffn-wide tensors on those rows, the experts' outputs (the weighted
+    sum's input), and the shared expert's SwiGLU and gate."""
+    e, t, h, k = sh.elem, sh.tokens, sh.hidden, kind.experts_per_token
+    kept = t * kind.experts * 4 + t * k * (INDEX_BYTES + e) + 2 * t * k * h * e + 4 * t * k * sh.ffn * e
+    if kind.shared_expert_ffn:
+        kept += 4 * t * kind.shared_expert_ffn * e + 2 * t * e
+    return kept
 
 
 def backward_only_kernels(kind: LayerKind, sh: Shard) -> list[tuple[str, float]]:
@@ -300,7 +339,7 @@ def activation_bytes(kind: LayerKind, *, tp: int, micro_batch: int, seq_len: int
     attention = 4 * t * sh.heads * sh.head_dim * e + STAT_BYTES * sh.batch * sh.heads * seq_len
     if kind.family == "llama":
         rotary = 4 * seq_len * sh.head_dim * e
-        mlp = 4 * t * sh.ffn * e
+        mlp = moe_activation_bytes(kind, sh) if kind.is_moe else 4 * t * sh.ffn * e
     else:
         rotary = 0
         mlp = 2 * t * sh.ffn * e

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from partita.cluster import ClusterSpec
 from partita.errors import PartitaError
 from partita.model import LayerKind
+from partita.profile import attention_time_at
 from partita.search.analytic import Shard, activation_bytes, attention_s
 from partita.search.costs import CostModel, Link
 from partita.units import round_up_to_grain
@@ -364,6 +365,18 @@ def cluster_view(cluster: ClusterSpec, cp: int) -> ClusterSpec:
     return ClusterSpec(name=cluster.name, groups=groups, inter_group_gbps=cluster.inter_group_gbps)
 
 
+@dataclass(frozen=True)
+class AttentionTime:
+    """One block's attention core under context parallelism, seconds per micro-batch."""
+
+    forward_s: float  # the core's compute at cp (ring: cp steps)
+    backward_s: float
+    exposed_forward_s: float  # ring: K/V passes not hidden behind a step; 0 for the all-to-all
+    exposed_backward_s: float
+    local_forward_s: float  # what it replaces: the core at L = s/cp tokens over H/tp heads
+    local_backward_s: float
+
+
 class ContextCostModel(CostModel):
     """A ``CostModel`` at context-parallel degree cp, for the search's unchanged grid and
     CP-SAT code: its ``cluster`` is ``cluster_view`` (a rank is a cp group) and its
@@ -373,10 +386,13 @@ class ContextCostModel(CostModel):
 
     * the attention core's time is the variant's (``attention_time``): all-to-all, the whole
       sequence for H/cp heads; ring, cp steps of one causal L-token block with the K/V passes
-      overlapping them (``ring_forward_time_s``, ``ring_backward_time_s``);
+      overlapping them (``ring_forward_time_s``, ``ring_backward_time_s``); each core from the
+      profile's measured attention table where it covers the shape (``attention_core_s``);
     * the variant's collectives on the cp group's link (cp x tp consecutive devices):
-      4 all-to-alls a forward and 4 a backward (4 more when the block is recomputed);
-      counted with the tensor-parallel collectives (``tp_comm_s``), on the critical path;
+      4 all-to-alls a forward and 4 a backward (4 more when the block is recomputed), priced
+      by the profile's all-to-all fit where it has one (``collective_s``); they, and the
+      ring's passes its blocks do not hide, are ``cp_comm_s`` ("context parallel comm" in a
+      step's breakdown), on the critical path;
     * ZeRO shards, gradient reductions and the optimizer over dp x cp ranks, on the real
       cluster's links (parameters are replicated over cp);
     * memory: all-to-all without recomputation keeps b L H d e more a block
@@ -408,22 +424,36 @@ class ContextCostModel(CostModel):
         return super().tied_sync_s(group, dp=dp * self.cp, tp=tp, zero=zero)
 
     # -- attention and its collectives ---------------------------------------------------
-    def attention_time(self, group, tp: int, micro_batch: int) -> tuple[float, float, float, float]:
-        """(forward, backward) seconds of one block's attention core at cp, and what it
-        replaces: the same at L = s/cp tokens over H/tp heads, which the plain layer cost
-        at ``seq_len`` = L holds (forward and backward). Ring times include the exposed
-        part of its K/V passes."""
+    def attention_core_s(self, device: str, sh: Shard) -> tuple[float, float]:
+        """(forward, backward) seconds of the causal attention core on shard ``sh``: read from
+        the device's profile where its attention table covers the shape
+        (``profile.attention_time_at``; the runtime's SDPA is what it times), else the
+        roofline scaled by the device's compute scale, as the layer's other analytic terms."""
+        profile = self.profiles.get(device)
+        if profile is not None and profile.dtype == self.dtype and self.software.attention == "sdpa":
+            measured = attention_time_at(profile, batch=sh.batch, heads=sh.heads, seq_len=sh.seq,
+                                         head_dim=sh.head_dim)
+            if measured is not None:
+                return measured
         from partita.devices import get_device
 
+        scale = self.time_constants(device).compute_scale
+        fwd, bwd = attention_s(get_device(device), sh, self.dtype, self.software.attention)
+        return scale * fwd, scale * bwd
+
+    def attention_time(self, group, tp: int, micro_batch: int) -> "AttentionTime":
+        """One block's attention core at cp and what it replaces: the core at L = s/cp tokens
+        over H/tp heads, which the plain layer cost at ``seq_len`` = L holds. The ring's K/V
+        passes its blocks do not hide are apart (``exposed_*``)."""
         device = group.device
-        kind, dev = self.model.kinds["block"], get_device(device)
+        kind = self.model.kinds["block"]
         local = Shard.of(kind, tp=tp, micro_batch=micro_batch, seq_len=self.seq_len, dtype=self.dtype)
-        local_f, local_b = attention_s(dev, local, self.dtype, self.software.attention)
+        local_f, local_b = self.attention_core_s(device, local)
         if self.cp_variant == "all_to_all":
             whole = Shard.of(kind, tp=tp * self.cp, micro_batch=micro_batch, seq_len=self.plan_seq_len,
                              dtype=self.dtype)
-            fwd, bwd = attention_s(dev, whole, self.dtype, self.software.attention)
-            return fwd, bwd, local_f, local_b
+            fwd, bwd = self.attention_core_s(device, whole)
+            return AttentionTime(fwd, bwd, 0.0, 0.0, local_f, local_b)
         link = self.cp_link(group, tp)
         heads = ring_kv_heads(local.heads, local.heads)
         traffic = ring_traffic(batch=micro_batch, seq=self.plan_seq_len, kv_heads=heads, head_dim=local.head_dim,
@@ -432,7 +462,8 @@ class ContextCostModel(CostModel):
         grad = self.collective_s("p2p", traffic.backward_messages[-1], 2, link, device)
         fwd = ring_forward_time_s(step_compute_s=local_f, step_comm_s=kv, cp=self.cp)
         bwd = ring_backward_time_s(step_compute_s=local_b, kv_comm_s=kv, grad_comm_s=grad, cp=self.cp)
-        return fwd, bwd, local_f, local_b
+        return AttentionTime(self.cp * local_f, self.cp * local_b, fwd - self.cp * local_f, bwd - self.cp * local_b,
+                             local_f, local_b)
 
     def all_to_all_s(self, group, tp: int, micro_batch: int) -> float:
         """One attention forward's 4 all-to-alls (q, k, v, output) on the cp group's link;
@@ -453,17 +484,17 @@ class ContextCostModel(CostModel):
         if role != "block":
             return base
         group = self.cluster.group(group_name)
-        scale = self.time_constants(group.device).compute_scale
-        fwd, bwd, local_f, local_b = self.attention_time(group, tp, micro_batch)
-        extra_f, extra_b = scale * (fwd - local_f), scale * (bwd - local_b)
+        at = self.attention_time(group, tp, micro_batch)
+        extra_f, extra_b = at.forward_s - at.local_forward_s, at.backward_s - at.local_backward_s
+        all_to_all = self.all_to_all_s(group, tp, micro_batch)
+        comm_f, comm_b = all_to_all + at.exposed_forward_s, all_to_all + at.exposed_backward_s
         if recompute != "none":  # the recomputation runs the attention core (and its collectives) again
             extra_b += extra_f
-        comm = self.all_to_all_s(group, tp, micro_batch)
-        comm_f, comm_b = comm, comm * (2 if recompute != "none" else 1)
+            comm_b += comm_f
         return dataclasses.replace(base, forward_s=base.forward_s + extra_f + comm_f,
                                    backward_s=base.backward_s + extra_b + comm_b,
                                    compute_s=base.compute_s + extra_f + extra_b,
-                                   tp_comm_s=base.tp_comm_s + comm_f + comm_b)
+                                   cp_comm_s=base.cp_comm_s + comm_f + comm_b)
 
     def _layer_memory_uncached(self, role, device, tp, sp, zero, recompute, dp, micro_batch, num_micro_batches,
                                tied_copy=False):

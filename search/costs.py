@@ -205,6 +205,10 @@ class CostModel:
         # prices, and the whole sequence (``seq_len`` is then the s/cp tokens a rank holds).
         self.cp, self.cp_variant, self.plan_seq_len = 1, "all_to_all", seq_len
         self._cp_views: dict[tuple[int, str], CostModel] = {}
+        # Expert parallelism (``at_ep``; search/experts.py): the degree this model prices (1: a
+        # mixture of experts keeps every expert on every rank), and the routing's imbalance.
+        self.ep, self.moe_imbalance = 1, 1.0
+        self._ep_views: dict[tuple[int, float], CostModel] = {}
 
     def at_cp(self, cp: int, variant: str = "all_to_all") -> "CostModel":
         """This cost model under context parallelism of degree ``cp``: a view in which one
@@ -220,6 +224,19 @@ class CostModel:
 
             base._cp_views[(cp, variant)] = ContextCostModel(base, cp=cp, variant=variant)
         return base._cp_views[(cp, variant)]
+
+    def at_ep(self, ep: int, imbalance: float = 1.0) -> "CostModel":
+        """This cost model under expert parallelism of degree ``ep`` with the busiest expert
+        rank receiving ``imbalance`` x the balanced share of tokens (``experts.ExpertCostModel``):
+        a view the grid and CP-SAT search unchanged. Itself at ep 1 and balanced routing."""
+        base = getattr(self, "ep_base", self)
+        if ep == 1:  # every rank runs its own tokens through every expert: nothing to wait for
+            return base
+        if (ep, imbalance) not in base._ep_views:
+            from partita.search.experts import ExpertCostModel
+
+            base._ep_views[(ep, imbalance)] = ExpertCostModel(base, ep=ep, imbalance=imbalance)
+        return base._ep_views[(ep, imbalance)]
 
     def spanning(self, groups: Iterable[str]) -> "CostModel":
         """This cost model for stages whose data-parallel replicas sit on several node groups
@@ -448,19 +465,7 @@ class CostModel:
         # Parameters are gathered in the compute dtype; gradients are reduced in fp32
         # (FSDP2's reduce_dtype, the standard mixed-precision recipe).
         params = self._param_count(role, tp)
-        dlink = self.dp_link(group, dp, tp)
-        ag = self.collective_s("all_gather", params * self.elem, dp, dlink, device)
-        rs = self.collective_s("reduce_scatter", params * REDUCE_BYTES, dp, dlink, device)
-        zero_fwd, zero_bwd, dp_sync = 0.0, 0.0, 0.0
-        if dp > 1:
-            if zero == 0:
-                dp_sync = self.collective_s("all_reduce", params * REDUCE_BYTES, dp, dlink, device)
-            elif zero == 1:
-                dp_sync = ag + rs
-            elif zero == 2:
-                zero_fwd, zero_bwd = ag, rs
-            else:
-                zero_fwd, zero_bwd = ag, ag + rs
+        zero_fwd, zero_bwd, dp_sync = self._layer_zero_traffic(role, params, group, tp=tp, zero=zero, dp=dp)
         # Per-micro-batch ZeRO traffic runs beside the layer's compute (FSDP prefetch), which it
         # slows (``overlapped_s``); the stage's first gather and last reduce-scatter have nothing
         # to hide behind: the stage charges its largest layer's traffic once more, less what the
@@ -482,6 +487,32 @@ class CostModel:
         return LayerTime(forward_s=forward, backward_s=backward, compute_s=fwd_compute + bwd_compute,
                          tp_comm_s=tp_fwd + tp_bwd, zero_comm_s=zero_fwd + zero_bwd, dp_sync_s=dp_sync,
                          zero_edge_s=edge, overlap_window_s=window, optimizer_s=optimizer)
+
+    def _layer_zero_traffic(self, role: str, params: int, group: NodeGroup, *, tp: int, zero: int,
+                            dp: int) -> tuple[float, float, float]:
+        """A layer's ZeRO traffic: its ``params`` over dp (``_zero_traffic``). An expert-parallel
+        view adds its experts' over their replicas (search/experts.py)."""
+        return self._zero_traffic(params, group, tp=tp, zero=zero, dp=dp)
+
+    def _zero_traffic(self, params: int, group: NodeGroup, *, tp: int, zero: int, dp: int,
+                      dlink: Link | None = None) -> tuple[float, float, float]:
+        """(forward, backward per micro-batch, per step) ZeRO traffic of ``params`` parameters
+        replicated over ``dp`` ranks (on ``dlink``, by default the data-parallel link)."""
+        device = group.device
+        dlink = dlink or self.dp_link(group, dp, tp)
+        ag = self.collective_s("all_gather", params * self.elem, dp, dlink, device)
+        rs = self.collective_s("reduce_scatter", params * REDUCE_BYTES, dp, dlink, device)
+        zero_fwd, zero_bwd, dp_sync = 0.0, 0.0, 0.0
+        if dp > 1:
+            if zero == 0:
+                dp_sync = self.collective_s("all_reduce", params * REDUCE_BYTES, dp, dlink, device)
+            elif zero == 1:
+                dp_sync = ag + rs
+            elif zero == 2:
+                zero_fwd, zero_bwd = ag, rs
+            else:
+                zero_fwd, zero_bwd = ag, ag + rs
+        return zero_fwd, zero_bwd, dp_sync
 
     def tied_params(self, tp: int) -> int:
         """The weight a tied embedding and head share, per tp shard (vocab-parallel)."""
@@ -611,7 +642,8 @@ class CostModel:
         intermediates and the hidden-wide gradient it passes on (measured: exactly this on CPU
         ranks, for tp 1 and 2)."""
         t = micro_batch * self.seq_len
-        return 3 * t * (self.model.ffn // tp) * self.elem + t * self.model.hidden * self.elem
+        routed = t * max(1, self.model.experts_per_token)  # a mixture of experts: each token's k expert rows
+        return 3 * routed * (self.model.ffn // tp) * self.elem + t * self.model.hidden * self.elem
 
     def _loss_transient(self, tp: int, micro_batch: int) -> int:
         """The loss's backward on this rank's vocab/tp logits (t tokens): the gradient of the

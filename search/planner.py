@@ -64,6 +64,11 @@ class PlanRequest:
     # for long sequences every degree a node allows (``context_options``).
     context_parallel: tuple[int, ...] = ()
     cp_variant: str | None = None  # "all_to_all" or "ring"; None: all-to-all where the heads allow it
+    # Expert-parallel degrees to search for a mixture-of-experts model (1 included to compare);
+    # empty: every degree that divides the experts and fits a node (``expert_options``).
+    expert_parallel: tuple[int, ...] = ()
+    # The busiest expert-parallel rank's tokens over the balanced share (docs/moe.md); 1: balanced.
+    moe_imbalance: float = 1.0
 
 
 def check_request(req: PlanRequest) -> None:
@@ -81,6 +86,15 @@ def check_request(req: PlanRequest) -> None:
         raise PartitaError(f"--cp-variant {req.cp_variant!r}: choose {' or '.join(CP_VARIANTS)}")
     if any(cp < 1 for cp in req.context_parallel):
         raise PartitaError(f"--cp degrees must be >= 1, got {list(req.context_parallel)}")
+    if any(ep < 1 for ep in req.expert_parallel):
+        raise PartitaError(f"--ep degrees must be >= 1, got {list(req.expert_parallel)}")
+    if not req.moe_imbalance >= 1.0:
+        raise PartitaError(f"--moe-imbalance is the busiest rank's tokens over the mean: >= 1, got {req.moe_imbalance:g}")
+    if req.model.is_moe and any(cp > 1 for cp in req.context_parallel):
+        raise PartitaError(f"--cp: {req.model.name} is a mixture of experts, which runs at cp 1 (its load-balancing "
+                           "loss is per whole sequence); drop --cp")
+    if req.expert_parallel and req.expert_parallel != (1,) and not req.model.is_moe:
+        raise PartitaError(f"--ep: {req.model.name} is not a mixture-of-experts model; expert parallelism needs one")
     if req.work_limit is not None and req.work_limit <= 0:
         raise PartitaError(f"the work limit must be > 0, got {req.work_limit}")
 
@@ -118,7 +132,8 @@ def layout_to_plan(cm: CostModel, layout: Layout, *, global_batch: int, solver: 
                 cluster_fingerprint=cluster.fingerprint, profile_fingerprint=cm.profile_fingerprint,
                 cost_sources={}, dtype=cm.dtype, seq_len=cm.plan_seq_len, global_batch=global_batch,
                 micro_batch=layout.micro_batch, num_micro_batches=layout.num_micro_batches, dp=layout.dp,
-                tp=layout.tp, pp=layout.pp, cp=cp, cp_variant=cm.cp_variant, stages=tuple(stages), prediction=None,
+                tp=layout.tp, pp=layout.pp, cp=cp, cp_variant=cm.cp_variant, ep=cm.ep, stages=tuple(stages),
+                prediction=None,
                 solver=solver,
                 batch_shares=batch_shares(global_batch, layout.dp, layout.micro_batch, layout.num_micro_batches),
                 micro_batch_sizes=micro_batch_sizes(global_batch, layout.dp, layout.micro_batch,
@@ -214,6 +229,8 @@ def make_plan(req: PlanRequest, progress: Callable[[str], None] | None = None) -
     start = time.perf_counter()
     deadline = start + (req.time_limit_s if req.time_limit_s is not None else SAFETY_WALL_S)
     cm = CostModel(req.model, req.cluster, seq_len=req.seq_len, dtype=req.dtype, profiles=req.profiles)
+    if req.model.is_moe:
+        return _make_moe_plan(req, cm, deadline, progress)
     options = context_options(req, cm)
     if options == [(1, "all_to_all")]:
         plan, uni = _search(cm, req, deadline, progress)
@@ -245,6 +262,61 @@ def make_plan(req: PlanRequest, progress: Callable[[str], None] | None = None) -
     plan = dataclasses.replace(plan, solver=_over_cp(plan.solver, [p.solver for p, _ in found], compared))
     validate_plan(plan, req.model, req.cluster)
     return plan, uni
+
+
+def _make_moe_plan(req: PlanRequest, cm: CostModel, deadline: float,
+                   progress: Callable[[str], None] | None) -> tuple[Plan, UniformResult]:
+    """A mixture-of-experts model: the search runs once per expert-parallel degree on that
+    degree's view of the cost model (``CostModel.at_ep``, search/experts.py), as context
+    parallelism does per cp, and the fastest plan wins. Each search is exact for its degree, so
+    the winner is proven optimal over the degrees only if every degree's search was."""
+    from partita.validate import validate_plan
+
+    found: list[tuple[Plan, UniformResult]] = []
+    settled = True
+    failure: PartitaError | None = None
+    space = dataclasses.replace(req.space, recompute=tuple(r for r in req.space.recompute if r != "selective"))
+    for ep in expert_options(req):
+        if found and time.perf_counter() > deadline:
+            settled = False
+            break
+        view = cm.at_ep(ep, req.moe_imbalance)
+        sub = dataclasses.replace(req, space=space)
+        try:
+            plan, uni = _search(view, sub, deadline, (lambda what: progress(f"{what} (ep {ep})")) if progress else None)
+        except (InfeasibleError, SearchTimeout) as e:
+            settled = settled and isinstance(e, InfeasibleError)
+            failure = failure or e
+            continue
+        log.info("ep %d: %.3f s a step (%s)", ep, plan.prediction.step_time_s, plan.solver.status if plan.solver else "")
+        settled = settled and plan.solver is not None and plan.solver.status in ("optimal", "exhaustive")
+        found.append((plan, uni))
+    if not found:
+        assert failure is not None
+        raise failure
+    plan, uni = min(found, key=lambda t: t[0].prediction.step_time_s)
+    if plan.solver is not None:
+        bound = min([p.solver.bound_us for p, _ in found if p.solver is not None] + [plan.solver.objective_us])
+        objective = plan.solver.objective_us
+        plan = dataclasses.replace(plan, solver=dataclasses.replace(
+            plan.solver, status=plan.solver.status if settled else "feasible", bound_us=bound,
+            gap=round((objective - bound) / objective, 6) if objective else 0.0))
+    validate_plan(plan, req.model, req.cluster)
+    return plan, uni
+
+
+def expert_options(req: PlanRequest) -> list[int]:
+    """The expert-parallel degrees to search, 1 first: the request's (``--ep``), else every
+    degree that divides the experts and the smallest node group's GPUs per node (the ep group
+    inside a node: its all-to-alls on NVLink)."""
+    experts = req.model.experts
+    gpn = min(g.gpus_per_node for g in req.cluster.groups)
+    if req.expert_parallel:
+        for ep in req.expert_parallel:
+            if experts % ep:
+                raise PartitaError(f"--ep {ep}: the expert-parallel degree must divide the {experts} experts")
+        return sorted(set(req.expert_parallel))
+    return [ep for ep in range(1, min(experts, gpn) + 1) if experts % ep == 0 and gpn % ep == 0]
 
 
 # Sequences from this length on are long enough for context parallelism to pay (the
@@ -356,7 +428,7 @@ def _search(cm: CostModel, req: PlanRequest, deadline: float,
         if progress:
             progress("CP-SAT search")
         plan = solve_plan(cm, req, uni, deadline=deadline, work_limit=work_limit(req))
-    if time.perf_counter() < deadline:
+    if time.perf_counter() < deadline and not cm.model.is_moe:  # mixtures of experts: 1F1B (docs/moe.md)
         if progress:
             progress("interleaved pipelines")
         plan = _consider_interleaved(cm, req, plan, uni, deadline)

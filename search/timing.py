@@ -82,7 +82,17 @@ def layer_ops(kind: LayerKind) -> tuple[int, int]:
     fwd, bwd = _OPS[(kind.family, kind.role)]
     if kind.role == "block" and kind.heads != kind.kv_heads:
         fwd, bwd = fwd + GQA_EXTRA_OPS[0], bwd + GQA_EXTRA_OPS[1]
+    if kind.is_moe:  # routing and dispatch, and every expert's SwiGLU (runtime.models.MoE)
+        experts = MOE_OPS_PER_EXPERT * kind.experts
+        fwd, bwd = fwd + MOE_ROUTING_OPS + experts, bwd + 2 * (MOE_ROUTING_OPS + experts)
     return fwd, bwd
+
+
+# A mixture-of-experts MLP's eager ops beyond a dense block's (counted from runtime.models.MoE,
+# not measured): routing, sorting, gathers and scatters, the weighted sum and the balancing loss
+# (about 20), and per expert a split, three products, silu and the gate product (6).
+MOE_ROUTING_OPS = 20
+MOE_OPS_PER_EXPERT = 6
 
 
 def param_tensors(kind: LayerKind, tied_head: bool = False) -> int:
@@ -94,6 +104,8 @@ def param_tensors(kind: LayerKind, tied_head: bool = False) -> int:
         return norms + (0 if tied_head else 1)
     if kind.family == "gpt2":
         return 2 * 6 + 2 * norms
+    if kind.is_moe:  # attention, the router, 3 per expert, the shared expert and its gate
+        return 4 + 1 + 3 * kind.experts + (4 if kind.shared_expert_ffn else 0) + 2 * norms + (3 if kind.qkv_bias else 0)
     return 7 + 2 * norms + (3 if kind.qkv_bias else 0)
 
 

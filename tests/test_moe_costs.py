@@ -1,0 +1,97 @@
+"""Mixture-of-experts costs and search: the expert-parallel view of the cost model
+(search/experts.py) and the planner's search over ep (no torch)."""
+
+import dataclasses
+
+import pytest
+
+from partita.cluster import parse_short
+from partita.errors import PartitaError
+from partita.model import BUILTIN
+from partita.plan import LayerStrategy
+from partita.search.costs import CostModel, REDUCE_BYTES
+from partita.search.experts import UNRUNNABLE_BYTES, all_to_all_bytes
+from partita.search.planner import PlanRequest, expert_options, make_plan
+from partita.search.uniform import SearchSpace
+from partita.units import round_up_to_grain
+
+MIXTRAL = BUILTIN["mixtral-8x7b"]
+H100 = parse_short("4x8xH100")
+
+
+def block_memory(cm, *, dp, zero, m=4):
+    s = LayerStrategy(name="layers.0", zero=zero, recompute="full")
+    return cm.layer_memory("block", cm.cluster.groups[0].device, s, dp=dp, micro_batch=1, num_micro_batches=m)
+
+
+def test_expert_state_is_sharded_over_ep_and_zero_over_the_rest():
+    cm = CostModel(MIXTRAL, H100, seq_len=4096)
+    kind = MIXTRAL.kinds["block"]
+    dense = kind.params - kind.expert_params
+    for ep in (1, 2, 8):
+        view = cm.at_ep(ep)
+        m = block_memory(view, dp=16, zero=3)
+        # fp32 master weights: the dense part over dp, the experts' E/ep over their dp/ep replicas
+        expected = (round_up_to_grain(4 * dense // 16) if ep > 1 else round_up_to_grain(4 * kind.params // 16))
+        if ep > 1:
+            expected += round_up_to_grain(4 * (kind.expert_params // ep) // (16 // ep))
+        assert m.weights == expected
+    # With ZeRO over all of dp the experts' state per rank is the same whatever ep (sharded either
+    # way); at ZeRO 0 expert parallelism divides it by ep.
+    plain, ep8 = block_memory(cm, dp=16, zero=0), block_memory(cm.at_ep(8), dp=16, zero=0)
+    assert ep8.optimizer < plain.optimizer / 4
+
+
+def test_all_to_all_volume_formula():
+    view = CostModel(MIXTRAL, H100, seq_len=4096).at_ep(8)
+    rows = 1 * 4096 * 2 * 4096 * 2  # b s k h e
+    t = all_to_all_bytes(view, recompute="none", micro_batch=1)
+    assert t.forward == (8 * 8, rows, rows) and t.backward == (rows, rows)
+    assert t.buffer == 64 + 4 * rows and t.wire == pytest.approx(t.buffer * 7 / 8)
+    recomputed = all_to_all_bytes(view, recompute="full", micro_batch=1)
+    assert recomputed.buffer == t.buffer + sum(t.forward)
+    assert all_to_all_bytes(CostModel(MIXTRAL, H100, seq_len=4096), recompute="none", micro_batch=1).buffer == 0
+
+
+def test_all_to_all_and_imbalance_slow_the_block():
+    cm = CostModel(MIXTRAL, H100, seq_len=4096)
+    s = LayerStrategy(name="layers.0", zero=1)
+    g = cm.cluster.groups[0]
+    balanced = cm.at_ep(8).layer_time("block", g, s, dp=16, micro_batch=1)
+    skewed = cm.at_ep(8, 1.5).layer_time("block", g, s, dp=16, micro_batch=1)
+    assert balanced.tp_comm_s > 0  # the all-to-alls, on the critical path
+    assert skewed.compute_s > balanced.compute_s and skewed.forward_s > balanced.forward_s
+    assert cm.at_ep(1, 1.5) is cm  # without ep every rank runs its own tokens: no imbalance to wait for
+
+
+def test_a_dp_that_ep_does_not_divide_does_not_fit():
+    view = CostModel(MIXTRAL, H100, seq_len=4096).at_ep(8)
+    assert block_memory(view, dp=4, zero=1).weights == UNRUNNABLE_BYTES
+
+
+def test_ep_views_refuse_what_cannot_run():
+    with pytest.raises(PartitaError, match="mixture-of-experts"):
+        CostModel(BUILTIN["llama-2-7b"], H100, seq_len=4096).at_ep(2)
+    with pytest.raises(PartitaError, match="divide the 8 experts"):
+        CostModel(MIXTRAL, H100, seq_len=4096).at_ep(3)
+    with pytest.raises(PartitaError, match=">= 1"):
+        CostModel(MIXTRAL, H100, seq_len=4096).at_ep(2, 0.5)
+
+
+def test_mixtral_plans_with_expert_parallelism():
+    req = PlanRequest(model=MIXTRAL, cluster=H100, seq_len=4096, global_batch=1024, workers=1, seed=0)
+    assert expert_options(req) == [1, 2, 4, 8]
+    plan, _ = make_plan(req)
+    assert plan.ep > 1 and plan.dp % plan.ep == 0 and plan.tp == 1
+    assert all(l.recompute != "selective" for l in plan.layer_strategies())
+    assert plan.to_dict()["ep"] == plan.ep
+
+
+def test_ep_one_only_is_the_plain_search_and_dense_models_are_unchanged():
+    space = SearchSpace(pipeline=(1,))
+    small = parse_short("1x8xH100")
+    req = PlanRequest(model=BUILTIN["llama-2-7b"], cluster=small, seq_len=4096, global_batch=64, space=space)
+    dense, _ = make_plan(req)
+    assert dense.ep == 1 and "ep" not in dense.to_dict()
+    with pytest.raises(PartitaError, match="not a mixture-of-experts"):
+        make_plan(dataclasses.replace(req, expert_parallel=(2,)))
