@@ -804,9 +804,9 @@ def print_plan(p: Plan, notes: Sequence[str] = ()) -> None:
         line = f"search: {r.method}, {r.status}"
         if r.method == "cpsat":
             line += f", gap {100 * r.gap:.2f}% (bound {fmt_seconds(r.bound_us / 1e6)})"
-            if p.pp > 1 and p.schedule == "1f1b" and r.status == "optimal":
+            if r.status == "optimal" and r.proven_among == "1f1b":
                 # CP-SAT's proof covers 1F1B plans; the other schedules are priced after it on the
-                # uniform grid's candidates (docs/search.md), not proven.
+                # uniform grid's candidates (docs/search.md), and their bound did not rule them out.
                 line += " among 1F1B plans"
             if r.uniform_objective_us:
                 gain = r.uniform_objective_us / r.objective_us if r.objective_us else 1.0

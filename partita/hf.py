@@ -184,8 +184,7 @@ def _qwen2_moe(config: Mapping[str, Any], name: str, where: str) -> ModelSpec:
     return dataclasses.replace(spec, ffn=_size(config, "moe_intermediate_size", where),
                                experts=_size(config, "num_experts", where),
                                experts_per_token=_size(config, "num_experts_per_tok", where),
-                               shared_expert_ffn=_size(config, "shared_expert_intermediate_size", where, default=0)
-                               if config.get("shared_expert_intermediate_size") else 0)
+                               shared_expert_ffn=_size(config, "shared_expert_intermediate_size", where, default=0))
 
 
 MOE_MAPPERS = ("mixtral", "qwen2_moe")

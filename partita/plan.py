@@ -310,6 +310,10 @@ class SolverReport:
     # The best plan at each context-parallel degree searched (``planner.make_plan``); empty when
     # only cp 1 was (the field is then left out of the file).
     context_parallel: tuple[ContextOption, ...] = ()
+    # What an "optimal" proves, when less than every plan the search tried: "1f1b" when CP-SAT's
+    # proof covers 1F1B pipelines and the other schedules, priced after it, could not be ruled
+    # out (their bound is below the plan). Empty: the whole space (left out of the file).
+    proven_among: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -317,6 +321,8 @@ class SolverReport:
             d["context_parallel"] = [o.to_dict() for o in self.context_parallel]
         else:
             del d["context_parallel"]
+        if not self.proven_among:
+            del d["proven_among"]
         return d
 
     @classmethod

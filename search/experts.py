@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from partita.cluster import NodeGroup
 from partita.errors import PartitaError
 from partita.search.analytic import Shard, matmul_time_s
-from partita.search.costs import MASTER_BYTES, REDUCE_BYTES, ADAM_STATE_BYTES, CostModel, LayerMemory, LayerTime
+from partita.search.costs import ADAM_STATE_BYTES, MASTER_BYTES, REDUCE_BYTES, CostModel
 from partita.search.roofline import cpu_adam_s
 from partita.units import round_up_to_grain
 
@@ -187,11 +187,3 @@ class ExpertCostModel(CostModel):
             optimizer=base.optimizer + up(params * ADAM_STATE_BYTES // shard), params=base.params + params // shard,
             transient=base.transient + up(spike), backward_own=base.backward_own + up(params * REDUCE_BYTES),
             copy=base.copy + up(params * e))
-
-
-def ep_limit(model, ep: int, dp: int) -> str | None:
-    """Why ep cannot run at dp data-parallel ranks, or None (``LayerKind.ep_divides``)."""
-    return model.kinds["block"].ep_divides(ep, dp)
-
-
-__all__ = ["AllToAllBytes", "ExpertCostModel", "all_to_all_bytes", "ep_limit", "LayerMemory", "LayerTime"]

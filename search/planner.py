@@ -159,12 +159,15 @@ def _consider_interleaved(cm: CostModel, req: PlanRequest, plan: Plan, uni: Unif
     from partita.search.interleaved import interleaved_search
 
     if req.space.pipeline and max(req.space.pipeline) < 2:
-        return plan
-    if not uni.pipelined:
-        return plan
+        return plan  # no pipelines: every schedule is the same
     found = interleaved_search(cm, global_batch=req.global_batch, space=req.space, candidates=uni.pipelined,
                                deadline=deadline)
     if found.best is None or plan.prediction is None or found.best_eval.step_time_s >= plan.prediction.step_time_s:
+        old = plan.solver
+        if old is not None and old.status == "optimal" and found.bound_us < old.objective_us:
+            # CP-SAT proved the plan among 1F1B pipelines; a plan under another schedule might
+            # still be faster (their bound, m x W / pp, is below it): say what is proven.
+            return dataclasses.replace(plan, solver=dataclasses.replace(old, proven_among="1f1b"))
         return plan
     objective = to_us(found.best_eval.step_time_s)
     old = plan.solver
@@ -398,9 +401,10 @@ def _over_cp(chosen: SolverReport | None, reports: list[SolverReport | None],
     bound = min([r.bound_us for r in reports if r is not None] + [chosen.objective_us])
     objective = chosen.objective_us
     status = chosen.status if settled else "feasible"
+    among = "1f1b" if any(r is not None and r.proven_among for r in reports) else ""  # a degree's proof was 1F1B's
     return dataclasses.replace(chosen, status=status, bound_us=bound,
                                gap=round((objective - bound) / objective, 6) if objective else 0.0,
-                               context_parallel=tuple(compared))
+                               context_parallel=tuple(compared), proven_among=among)
 
 
 def _search(cm: CostModel, req: PlanRequest, deadline: float,

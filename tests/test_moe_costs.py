@@ -9,7 +9,7 @@ from partita.cluster import parse_short
 from partita.errors import PartitaError
 from partita.model import BUILTIN
 from partita.plan import LayerStrategy
-from partita.search.costs import CostModel, REDUCE_BYTES
+from partita.search.costs import CostModel
 from partita.search.experts import UNRUNNABLE_BYTES, all_to_all_bytes
 from partita.search.planner import PlanRequest, expert_options, make_plan
 from partita.search.uniform import SearchSpace
@@ -95,3 +95,29 @@ def test_ep_one_only_is_the_plain_search_and_dense_models_are_unchanged():
     assert dense.ep == 1 and "ep" not in dense.to_dict()
     with pytest.raises(PartitaError, match="not a mixture-of-experts"):
         make_plan(dataclasses.replace(req, expert_parallel=(2,)))
+
+
+def test_cli_plans_mixtral_and_prints_total_and_active_parameters(tmp_path, capsys):
+    from partita.cli import main
+    from partita.plan import Plan
+
+    out = tmp_path / "mixtral.yaml"
+    assert main(["plan", "--model", "mixtral-8x7b", "--cluster", "4x8xH100", "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "46.7 B parameters, 12.9 B active per token" in text
+    plan = Plan.load(out)
+    assert plan.ep > 1 and f"ep {plan.ep} inside dp" in text
+    assert main(["check", str(out), "--cluster", "4x8xH100"]) == 0
+
+
+@pytest.mark.parametrize("config,cluster", [("hf/mixtral-8x7b.json", "4x8xH100"),
+                                            ("hf/qwen1.5-moe-a2.7b.json", "1x8xH100"),
+                                            ("moe/tiny-mixtral.json", "4xcpu")])
+def test_moe_config_json_files_plan(config, cluster, tmp_path, capsys):
+    from pathlib import Path
+
+    from partita.cli import main
+
+    path = Path(__file__).parent / "data" / config
+    assert main(["plan", "--model", str(path), "--cluster", cluster, "-o", str(tmp_path / "p.yaml")]) == 0
+    assert "active per token" in capsys.readouterr().out

@@ -261,3 +261,22 @@ def test_a_zbv_layout_becomes_a_priced_plan():
     plan = interleaved_to_plan(cm, layout, global_batch=4, solver=None)
     assert plan.schedule == "zbv" and plan.virtual_stages == 2 and plan.prediction.step_time_s > 0
     assert "head" in plan.stages[0].layer_names
+
+
+def test_optimal_says_what_it_proves():
+    """CP-SAT proves 1F1B pipelines; when the other schedules' bound (m x W / pp) is below the
+    plan, 'optimal' is said among 1F1B plans only, and without pipelines it needs no such word."""
+    from partita.cluster import parse_short
+    from partita.model import load_model
+    from partita.search.planner import PlanRequest, make_plan
+    from partita.search.uniform import SearchSpace
+
+    model, cluster = load_model("llama-2-7b"), parse_short("1x8xH100")
+    req = PlanRequest(model=model, cluster=cluster, seq_len=model.seq_len, global_batch=64)
+    plan, _ = make_plan(req)
+    assert plan.solver.status == "optimal" and plan.solver.proven_among == "1f1b"
+    assert plan.solver.to_dict()["proven_among"] == "1f1b"
+    flat, _ = make_plan(PlanRequest(model=model, cluster=cluster, seq_len=model.seq_len, global_batch=64,
+                                    space=SearchSpace(pipeline=(1,))))
+    assert flat.solver.status == "optimal" and flat.solver.proven_among == ""
+    assert "proven_among" not in flat.solver.to_dict()
