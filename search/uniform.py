@@ -350,10 +350,14 @@ def work_bound_s(cm: CostModel, stage_groups: Sequence[NodeGroup], choice: dict[
     grid's candidates, the rebalanced splits and the interleaved and zero-bubble variants of a
     candidate are all such plans; tests/test_search_space.py checks the bound against the
     evaluator on every candidate of two grids.)"""
-    groups = set(stage_groups)
-    per_mb = sum(n * min(cm.layer_time_of(choice[role], g, dp=dp, micro_batch=micro_batch).total_s for g in groups)
-                 for role, n in (("embed", 1), ("block", cm.model.n_layers), ("head", 1)))
-    return num_micro_batches * per_mb / len(stage_groups)
+    groups = frozenset(g.name for g in stage_groups)
+    key = (groups, choice["embed"], choice["block"], choice["head"], dp, micro_batch)
+    cache = cm.__dict__.setdefault("_work_per_mb", {})  # one micro-batch's least work, by groups and choices
+    if key not in cache:
+        cache[key] = sum(n * min(cm.layer_time_of(choice[role], cm.cluster.group(g), dp=dp,
+                                                  micro_batch=micro_batch).total_s for g in groups)
+                         for role, n in (("embed", 1), ("block", cm.model.n_layers), ("head", 1)))
+    return num_micro_batches * cache[key] / len(stage_groups)
 
 
 REBALANCED = 8  # multi-stage candidates whose block split is rebalanced
