@@ -436,7 +436,9 @@ def _search(cm: CostModel, req: PlanRequest, deadline: float,
         if progress:
             progress("interleaved pipelines")
         plan = _consider_interleaved(cm, req, plan, uni, deadline)
-    if req.search == "cpsat" and cm.cp == 1 and time.perf_counter() < deadline:
+    if req.search == "cpsat" and cm.cp == 1 and not cm.model.is_moe and time.perf_counter() < deadline:
+        # (replicas on several device types are dense models' only: the runtime's experts
+        # assume one device type, and context parallelism's ranks are cp groups)
         if progress:
             progress("replicas on several device types")
         plan = _consider_replicas(cm, req, plan)

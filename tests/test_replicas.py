@@ -158,3 +158,12 @@ def test_a_mixed_replica_plan_prints_schema_valid_json(gpt2_mixed, tmp_path, cap
     out = json.loads(capsys.readouterr().out)
     jsonschema.validate(out, json.loads((Path(__file__).parent.parent / "docs" / "json-schema.json").read_text()))
     assert out["plan"]["stages"][0]["replica_groups"][:1] == ["h100"]
+
+
+def test_mixtures_of_experts_keep_one_device_type_per_stage():
+    """The replica search is dense models' only (experts assume one device type per replica
+    group): a mixture-of-experts plan on a mixed cluster stays a valid CP-SAT plan."""
+    model, cluster = load_model("mixtral-8x7b"), parse_short("2x8xH100+2x8xA100-80GB")
+    plan, _ = make_plan(PlanRequest(model=model, cluster=cluster, seq_len=model.seq_len, global_batch=1024))
+    assert not plan.mixed_replicas and plan.ep > 1
+    validate_plan(plan, model, cluster)
