@@ -192,3 +192,26 @@ def assert_trains_like_one_process(plan: Plan, cfg, metrics_dir) -> None:
     for key, ref in ref_params.items():
         torch.testing.assert_close(params[key], ref, rtol=1e-4, atol=5e-5, msg=lambda m: f"{key}: {m}")
     assert losses[-1] != losses[0]  # training moved
+
+
+def all_to_all_block_saved_bytes(rank: int, spec_dict: dict, batch: int, seq: int, layout: str = "contiguous") -> int:
+    """On one of the world's ranks (``run_ranks``): the bytes autograd keeps for one block's
+    backward when its attention runs all-to-all over the world (a cp group), the rank holding
+    ``seq / cp`` tokens of ``batch`` sequences."""
+    from partita.model import ModelSpec
+    from partita.profiler.memory import SavedTensors
+    from partita.runtime import context
+    from partita.runtime.models import build_layer, init_layer
+
+    spec = ModelSpec.from_dict(spec_dict)
+    holder = torch.nn.Module()
+    block = build_layer(spec, "block", device="cpu")
+    init_layer(block, "layers.0", seed=0, n_layers=spec.n_layers)
+    holder.block = block
+    context.apply_all_to_all(holder, dist.group.WORLD, layout=layout)
+    cp = dist.get_world_size()
+    x = torch.randn(batch, seq // cp, spec.hidden, generator=torch.Generator().manual_seed(rank)).requires_grad_()
+    with SavedTensors(exclude=list(block.parameters())) as saved:
+        y = block(x)
+    y.sum().backward()
+    return saved.nbytes

@@ -15,15 +15,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import torch.distributed as dist  # noqa: E402
-
 from partita.cluster import parse_short  # noqa: E402
 from partita.errors import PartitaError  # noqa: E402
 from partita.model import BUILTIN, ModelSpec  # noqa: E402
 from partita.plan import Plan  # noqa: E402
 from partita.runtime.train import TrainConfig  # noqa: E402
 from partita.validate import validate_plan  # noqa: E402
-from runtime_helpers import assert_trains_like_one_process, make_plan, run_ranks  # noqa: E402
+from runtime_helpers import all_to_all_block_saved_bytes, assert_trains_like_one_process, make_plan, run_ranks  # noqa: E402,E501
 
 CFG = TrainConfig(steps=2, warmup_steps=1, lr=1e-3)
 LLAMA = dataclasses.replace(BUILTIN["tiny-llama"], name="tiny-llama-cp", n_layers=2)  # 4 heads, 2 kv heads
@@ -93,25 +91,6 @@ def test_replicas_on_several_groups_refuse_cp():
 # ---- activation memory: the runtime against the plan's cost model --------------------------------
 
 
-def _block_saved_bytes(rank: int, spec_dict: dict, seq: int) -> int:
-    from partita.profiler.memory import SavedTensors
-    from partita.runtime import context
-    from partita.runtime.models import build_layer, init_layer
-
-    spec = ModelSpec.from_dict(spec_dict)
-    holder = torch.nn.Module()
-    block = build_layer(spec, "block", device="cpu")
-    init_layer(block, "layers.0", seed=0, n_layers=spec.n_layers)
-    holder.block = block
-    context.apply_all_to_all(holder, dist.group.WORLD)
-    cp = dist.get_world_size()
-    x = torch.randn(1, seq // cp, spec.hidden, generator=torch.Generator().manual_seed(rank)).requires_grad_()
-    with SavedTensors(exclude=list(block.parameters())) as saved:
-        y = block(x)
-    y.sum().backward()
-    return saved.nbytes
-
-
 @pytest.mark.parametrize("cp", [2, 4])
 def test_activation_memory_per_rank_matches_the_cost_model(cp):
     """The issue's check: within 10 % (it is exact but for the allocation grain)."""
@@ -122,7 +101,7 @@ def test_activation_memory_per_rank_matches_the_cost_model(cp):
     cm = CostModel(LLAMA_GQA, parse_short(f"{cp}xcpu"), seq_len=seq, dtype="fp32").at_cp(cp)
     want = cm.layer_memory("block", "cpu", LayerStrategy(name="layers.0"), dp=1, micro_batch=1,
                            num_micro_batches=1).activations
-    measured = run_ranks(_block_saved_bytes, cp, LLAMA_GQA.to_dict(), seq)
+    measured = run_ranks(all_to_all_block_saved_bytes, cp, LLAMA_GQA.to_dict(), 1, seq)
     assert len(set(measured)) == 1
     assert measured[0] == pytest.approx(want, rel=0.10)
     whole = CostModel(LLAMA_GQA, parse_short(f"{cp}xcpu"), seq_len=seq, dtype="fp32").layer_memory(

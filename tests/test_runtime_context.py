@@ -26,8 +26,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from partita.errors import PartitaError  # noqa: E402
 from partita.model import BUILTIN, ModelSpec  # noqa: E402
 from partita.runtime import context  # noqa: E402
-from partita.runtime.models import _rotary, build_layer, build_model, init_layer, materialize  # noqa: E402
-from runtime_helpers import free_port, run_ranks  # noqa: E402
+from partita.runtime.models import _rotary, build_model, materialize  # noqa: E402
+from runtime_helpers import all_to_all_block_saved_bytes, free_port, run_ranks  # noqa: E402
 
 BATCH, SEQ = 2, 16  # 16 tokens: 2 x cp chunks for cp 2 and 4
 GQA = dict(heads=8, kv_heads=4, head_dim=4)  # kv heads divisible by cp 4 and by cp x tp = 4
@@ -252,23 +252,6 @@ def test_ranks_refuse_what_cannot_run_with_a_clear_line():
 # ---- activation memory against the cost model ----------------------------------------------------------
 
 
-def _memory_rank(rank: int, spec_dict: dict, layout: str) -> int:
-    from partita.profiler.memory import SavedTensors
-
-    spec = ModelSpec.from_dict(spec_dict)
-    holder = torch.nn.Module()
-    block = build_layer(spec, "block", device="cpu")
-    init_layer(block, "layers.0", seed=0, n_layers=spec.n_layers)
-    holder.block = block
-    context.apply_all_to_all(holder, dist.group.WORLD, layout=layout)
-    cp = dist.get_world_size()
-    x = torch.randn(BATCH, SEQ // cp, spec.hidden, generator=torch.Generator().manual_seed(rank)).requires_grad_()
-    with SavedTensors(exclude=list(block.parameters())) as saved:
-        y = block(x)
-    y.sum().backward()
-    return saved.nbytes
-
-
 @pytest.mark.parametrize("spec", [LLAMA_GQA, GPT2], ids=["llama-gqa", "gpt2"])
 @pytest.mark.parametrize("cp", [2, 4])
 def test_a_blocks_saved_bytes_under_all_to_all_are_the_cost_models(spec, cp):
@@ -277,7 +260,7 @@ def test_a_blocks_saved_bytes_under_all_to_all_are_the_cost_models(spec, cp):
     want = cp_activation_bytes(spec.kinds["block"], variant="all_to_all", cp=cp, tp=1, micro_batch=BATCH, seq_len=SEQ,
                                dtype="fp32", on_cpu=True)
     for layout in context.LAYOUTS:
-        assert run_ranks(_memory_rank, cp, spec.to_dict(), layout) == [want] * cp, layout
+        assert run_ranks(all_to_all_block_saved_bytes, cp, spec.to_dict(), BATCH, SEQ, layout) == [want] * cp, layout
 
 
 # ---- the ring, on GPUs only --------------------------------------------------------------------------------
