@@ -51,8 +51,8 @@ EVALUATION_BUDGET = 2000
 @dataclass(frozen=True)
 class ReplicaCandidate:
     """Whole replicas on every group used: ``replicas[g]`` on ``groups[g]``, each running
-    ``num_micro_batches`` micro-batches of ``sizes[g]`` (its replicas' largest size; the first
-    ``smaller[g]`` replicas... take one row less), uniform layer choices."""
+    ``num_micro_batches`` micro-batches of ``sizes[g]`` rows, but for the group's last
+    ``smaller[g]`` replicas, which take one row less; every layer makes the same choice."""
 
     groups: tuple[NodeGroup, ...]
     replicas: tuple[int, ...]
