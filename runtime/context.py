@@ -44,12 +44,11 @@ from typing import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from partita.errors import PartitaError
-from partita.runtime.models import Attention, Embed
+from partita.runtime.models import Attention, Embed, causal_attention
 
 CONTIGUOUS, HEAD_TAIL = "contiguous", "head_tail"
 LAYOUTS = (CONTIGUOUS, HEAD_TAIL)
@@ -196,8 +195,8 @@ def all_to_all_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: 
     [b, s/cp, H, d] of this rank's tokens, exactly what full-sequence attention gives them.
 
     Each rank attends for H/cp query heads and their KV/cp kv heads over the whole sequence
-    (query head i uses kv head i // (H/KV) before and after the split), with the same SDPA call
-    as ``partita.runtime.models.Attention``."""
+    (query head i uses kv head i // (H/KV) before and after the split), with the model's own
+    core (``partita.runtime.models.causal_attention``)."""
     group = _group(cp)
     size = dist.get_world_size(group)
     heads, kv_heads = q.shape[2], k.shape[2]
@@ -206,10 +205,7 @@ def all_to_all_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: 
                            f"not divisible by cp {size}; choose cp x tp dividing the model's heads and kv heads")
     check_sequence(q.shape[1] * size, size, layout)
     q, k, v = (to_global_order(seq_to_heads(t, group), size, layout).transpose(1, 2) for t in (q, k, v))
-    if heads != kv_heads:  # as the model does: kv heads repeated for their query heads
-        k = k.repeat_interleave(heads // kv_heads, dim=1)
-        v = v.repeat_interleave(heads // kv_heads, dim=1)
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    out = causal_attention(q, k, v)  # the model's own core, on this rank's heads
     return heads_to_seq(to_shard_order(out.transpose(1, 2), size, layout), group)
 
 
@@ -259,10 +255,16 @@ class ShardEmbed(Embed):
         return h
 
 
-def _swap(module: nn.Module, cls: type, group: dist.ProcessGroup, layout: str) -> None:
-    module.__class__ = cls
-    module.cp_group = group
-    module.cp_layout = layout
+def _swap_all(model: nn.Module, attention: type, group: dist.ProcessGroup, layout: str) -> None:
+    """Every ``Attention`` of ``model`` becomes ``attention`` and every ``Embed`` a
+    ``ShardEmbed``, in place (a class swap: parameters and names unchanged), on ``group``'s
+    sequence shards in ``layout``."""
+    for module in model.modules():
+        cls = {Attention: attention, Embed: ShardEmbed}.get(type(module))
+        if cls is not None:
+            module.__class__ = cls
+            module.cp_group = group
+            module.cp_layout = layout
 
 
 def apply_all_to_all(model: nn.Module, cp: DeviceMesh | dist.ProcessGroup, *, tp: int = 1,
@@ -277,11 +279,7 @@ def apply_all_to_all(model: nn.Module, cp: DeviceMesh | dist.ProcessGroup, *, tp
     spec = getattr(model, "spec", None)
     if spec is not None:
         check_all_to_all(spec.heads, spec.kv_heads, cp=size, tp=tp)
-    for module in model.modules():
-        if type(module) is Attention:
-            _swap(module, AllToAllAttention, group, layout)
-        elif type(module) is Embed:
-            _swap(module, ShardEmbed, group, layout)
+    _swap_all(model, AllToAllAttention, group, layout)
     return model
 
 
@@ -290,8 +288,8 @@ def apply_all_to_all(model: nn.Module, cp: DeviceMesh | dist.ProcessGroup, *, tp
 
 class RingAttention(Attention):
     """``Attention`` on a head_tail shard under torch's ``context_parallel``: rotary at the
-    shard's global positions; the SDPA call (looked up on ``F`` at call time, which
-    ``context_parallel`` patches) becomes torch's ring attention."""
+    shard's global positions; the model's ``causal_attention``, whose SDPA call (looked up on
+    ``F`` at call time, which ``context_parallel`` patches) becomes torch's ring attention."""
 
     cp_group: dist.ProcessGroup
     cp_layout: str
@@ -299,11 +297,7 @@ class RingAttention(Attention):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s_local, _ = x.shape
         q, k, v = _shard_qkv(self, x, HEAD_TAIL)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if self.group > 1:
-            k = k.repeat_interleave(self.group, dim=1)
-            v = v.repeat_interleave(self.group, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.wo(out.transpose(1, 2).reshape(b, s_local, -1))
 
 
@@ -318,12 +312,7 @@ def apply_ring(model: nn.Module, cp_mesh: DeviceMesh) -> nn.Module:
     """Ring attention on every attention (and gpt2 position table) of ``model``, in place; each
     step must then run inside ``ring_attention``, which shards its batch head_tail."""
     check_ring_device(cp_mesh.device_type)
-    group = _group(cp_mesh)
-    for module in model.modules():
-        if type(module) is Attention:
-            _swap(module, RingAttention, group, HEAD_TAIL)
-        elif type(module) is Embed:
-            _swap(module, ShardEmbed, group, HEAD_TAIL)
+    _swap_all(model, RingAttention, _group(cp_mesh), HEAD_TAIL)
     return model
 
 

@@ -61,6 +61,17 @@ def _rotary(x: torch.Tensor, theta: float) -> torch.Tensor:
     return x * cos + rotated * sin
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal SDPA of q [b, H, s, d] over k, v [b, KV, s, d]: each kv head repeated for its
+    H / KV query heads (grouped-query attention). SDPA is looked up on ``F`` at call time, which
+    torch's ``context_parallel`` patches for the ring (``runtime.context``)."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 class Attention(nn.Module):
     """Causal self-attention with grouped-query heads; rotary positions for llama."""
 
@@ -69,7 +80,6 @@ class Attention(nn.Module):
         super().__init__()
         kw = dict(device=device, dtype=dtype)
         self.head_dim = head_dim
-        self.group = heads // kv_heads  # query heads per kv head (unchanged by tensor parallelism)
         self.rope_theta = rope_theta
         self.wq = nn.Linear(hidden, heads * head_dim, bias=bias, **kw)
         self.wk = nn.Linear(hidden, kv_heads * head_dim, bias=bias, **kw)
@@ -84,11 +94,7 @@ class Attention(nn.Module):
         v = self.wv(x).view(b, s, -1, self.head_dim)
         if self.rope_theta is not None:
             q, k = _rotary(q, self.rope_theta), _rotary(k, self.rope_theta)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if self.group > 1:
-            k = k.repeat_interleave(self.group, dim=1)
-            v = v.repeat_interleave(self.group, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
