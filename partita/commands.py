@@ -715,25 +715,26 @@ def replica_text(p: Plan) -> str:
     ("replicas: 16 on h100 (H100) x 2 micro-batches of 24 = 768 sequences, ..."); empty otherwise."""
     if not p.mixed_replicas:
         return ""
-    groups = {g["name"]: g.get("device", "?") for g in p.cluster.get("groups", [])}
-    counts, sizes = p.replica_micro_batches(), p.replica_micro_batch_sizes()
-    kinds: dict[tuple, int] = {}
-    for d in range(p.dp):
-        key = (p.replica_path(d), counts[d], sizes[d])
-        kinds[key] = kinds.get(key, 0) + 1
+    devices = _group_devices(p)
     parts = []
-    for (path, count, size), n in kinds.items():
-        where = " -> ".join(dict.fromkeys(f"{g} ({groups.get(g, '?')})" for g in path))
+    for (path, size, count), replicas in p.replica_kinds().items():
+        n = len(replicas)
+        where = " -> ".join(dict.fromkeys(f"{g} ({devices.get(g, '?')})" for g in path))
         parts.append(f"{n} on {where} x {count} micro-batch{'es' if count > 1 else ''} of {size} = {n * count * size} "
                      f"sequences")
     return "replicas: " + "; ".join(parts)
+
+
+def _group_devices(p: Plan) -> dict[str, str]:
+    """The device type of each node group of the plan's cluster, by group name."""
+    return {g["name"]: g.get("device", "?") for g in p.cluster.get("groups", [])}
 
 
 def _stage_devices_text(p: Plan, s) -> str:
     """'8x H100 (h100)', or per group for a stage whose replicas sit on several."""
     if not s.replica_groups:
         return f"{len(s.ranks)}x {s.device} ({s.group})"
-    devices = {g["name"]: g.get("device", "?") for g in p.cluster.get("groups", [])}
+    devices = _group_devices(p)
     return " + ".join(f"{s.replica_groups.count(g) * p.tp}x {devices.get(g, '?')} ({g})" for g in s.groups)
 
 

@@ -401,6 +401,15 @@ class Plan:
         """The node group of each stage of replica ``dp_index``, in pipeline order."""
         return tuple(s.replica_group(dp_index) for s in self.stages)
 
+    def replica_kinds(self) -> dict[tuple[tuple[str, ...], int, int], list[int]]:
+        """The replicas by kind: (node group of each stage, micro-batch size, micro-batch count)
+        -> dp indices, in order of first appearance. Replicas of one kind run alike."""
+        counts, sizes = self.replica_micro_batches(), self.replica_micro_batch_sizes()
+        kinds: dict[tuple[tuple[str, ...], int, int], list[int]] = {}
+        for d in range(self.dp):
+            kinds.setdefault((self.replica_path(d), sizes[d], counts[d]), []).append(d)
+        return kinds
+
     def rank_groups(self) -> list[tuple[int, str]]:
         """Every rank of the plan with the node group it is on, stage by stage."""
         width = self.cp * self.tp

@@ -85,25 +85,15 @@ def evaluate_plan(plan: Plan, cm: CostModel) -> Evaluation:
                            num_micro_batches=plan.num_micro_batches)
 
 
-def replica_kinds(plan: Plan) -> dict[tuple[tuple[str, ...], int, int], list[int]]:
-    """The plan's replicas by kind: (node group of each stage, micro-batch size, micro-batch
-    count) -> dp indices. Replicas of one kind run alike."""
-    counts, sizes = plan.replica_micro_batches(), plan.replica_micro_batch_sizes()
-    kinds: dict[tuple[tuple[str, ...], int, int], list[int]] = {}
-    for d in range(plan.dp):
-        kinds.setdefault((plan.replica_path(d), sizes[d], counts[d]), []).append(d)
-    return kinds
-
-
 def evaluate_replicas(plan: Plan, cm: CostModel) -> Evaluation:
     """A plan whose replicas sit on different device types (``Stage.replica_groups``): each
-    kind of replica (``replica_kinds``) is priced as a pipeline of its own groups, with its own
+    kind of replica (``Plan.replica_kinds``) is priced as a pipeline of its own groups, with its own
     micro-batch size and count, its collectives over dp at the pace of every group the
     replicas span (``CostModel.spanning``); the step is the slowest kind's, and every kind's
     devices must hold their memory."""
     span = cm.spanning(g for s in plan.stages for g in s.groups)
     kinds = []
-    for (path, size, count), _ in replica_kinds(plan).items():
+    for (path, size, count), _ in plan.replica_kinds().items():
         groups = [cm.cluster.group(g) for g in path]
         ev = evaluate_layout(span, [(g, s.layers) for g, s in zip(groups, plan.stages)], dp=plan.dp, tp=plan.tp,
                              micro_batch=size, num_micro_batches=count)

@@ -213,8 +213,7 @@ def attach_prediction(plan: Plan, cm: CostModel) -> Plan:
     import dataclasses
 
     ev = evaluate_plan(plan, cm)
-    devices = [cm.cluster.group(s.replica_group(d)).device for s in plan.stages for d in range(plan.dp)
-               for _ in range(plan.cp * plan.tp)]
+    devices = [cm.cluster.group(name).device for _, name in plan.rank_groups()]
     pred = prediction(cm, ev, devices=devices, global_batch=plan.global_batch)
     return dataclasses.replace(plan, prediction=pred, cost_sources=cm.cost_sources())
 

@@ -37,10 +37,11 @@ from typing import Sequence
 
 from partita.cluster import NodeGroup
 from partita.plan import Plan, Stage
-from partita.search.costs import CostModel, choice_of
+from partita.search.costs import CostModel
 from partita.search.evaluate import evaluate_counts
 from partita.search.uniform import (MAX_MICRO_BATCH, SearchSpace, device_price, divisors, sp_choices, split_blocks,
-                                    stage_counts, stage_layer_names, strategy, tp_allowed)
+                                    stage_counts, stage_layer_names, strategy, tp_allowed,
+                                    uniform_choices)
 
 # Micro-batch counts tried per (tp, pp): the smallest that give every replica a row.
 COUNTS_TRIED = 3
@@ -169,9 +170,7 @@ def _choice(cm: CostModel, tp: int, sp: bool, zero: int, recompute: str) -> dict
     key = (tp, sp, zero, recompute)
     cache = cm.__dict__.setdefault("_replica_choices", {})
     if key not in cache:
-        model = cm.model
-        cache[key] = {role: choice_of(model, strategy(model, role, tp=tp, sp=sp, zero=zero, recompute=recompute))
-                      for role in ("embed", "block", "head")}
+        cache[key] = uniform_choices(cm.model, tp=tp, sp=sp, zero=zero, recompute=recompute)
     return cache[key]
 
 

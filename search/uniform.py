@@ -149,6 +149,12 @@ def strategy(model: ModelSpec, name: str, *, tp: int, sp: bool, zero: int, recom
                          recompute=recompute if role == "block" else "none")
 
 
+def uniform_choices(model: ModelSpec, *, tp: int, sp: bool, zero: int, recompute: str) -> dict[str, LayerChoice]:
+    """The embedding's, every block's and the head's choice in a uniform candidate, by role."""
+    return {role: choice_of(model, strategy(model, role, tp=tp, sp=sp, zero=zero, recompute=recompute))
+            for role in ("embed", "block", "head")}
+
+
 def hosts(group: NodeGroup, stage_size: int, tp: int) -> bool:
     """Can this group hold stages of ``stage_size`` ranks with tensor groups of ``tp``? Stages
     align with nodes (the stage divides the node or the node divides the stage), so the cost
@@ -299,8 +305,7 @@ def uniform_search(cm: CostModel, *, global_batch: int, space: SearchSpace = Sea
         for zero in zero_levels(space, global_batch, dp, mb, m):
             for recompute in space.recompute:
                 for sp in sp_choices(cm, tp, space):
-                    choice = {role: choice_of(model, strategy(model, role, tp=tp, sp=sp, zero=zero, recompute=recompute))
-                              for role in ("embed", "block", "head")}
+                    choice = uniform_choices(model, tp=tp, sp=sp, zero=zero, recompute=recompute)
                     bound = work_bound_s(cm, stage_groups, choice, dp=dp, micro_batch=mb, num_micro_batches=m)
                     candidates.append((bound, len(candidates), (stage_groups, tp, dp, mb, m, sp, zero, recompute),
                                        choice))
@@ -375,8 +380,7 @@ def rebalance(cm: CostModel, lazy: tuple, deadline: float | None = None) -> tupl
     while the step (penalised for memory overflow) improves, or until ``deadline``."""
     stage_groups, blocks, tp, dp, mb, m, sp, zero, recompute = lazy
     model = cm.model
-    choice = {role: choice_of(model, strategy(model, role, tp=tp, sp=sp, zero=zero, recompute=recompute))
-              for role in ("embed", "block", "head")}
+    choice = uniform_choices(model, tp=tp, sp=sp, zero=zero, recompute=recompute)
 
     def evaluate(counts: Sequence[int]) -> Evaluation:
         return evaluate_counts(cm, list(zip(stage_groups, stage_counts(choice, counts))), dp=dp, tp=tp,

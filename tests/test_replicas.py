@@ -11,7 +11,7 @@ from partita.errors import PartitaError
 from partita.model import BUILTIN, load_model
 from partita.plan import Plan
 from partita.search.costs import CostModel
-from partita.search.evaluate import evaluate_layout, evaluate_plan, replica_kinds
+from partita.search.evaluate import evaluate_layout, evaluate_plan
 from partita.search.planner import PlanRequest, attach_prediction, make_plan
 from partita.search.replicas import replicas_on, throughput_bound_s
 from partita.validate import validate_plan
@@ -47,7 +47,7 @@ def test_the_step_is_the_slowest_kind_of_replica(gpt2_mixed):
     model, cluster, plan = gpt2_mixed
     cm = CostModel(model, cluster, seq_len=plan.seq_len, dtype=plan.dtype)
     ev = evaluate_plan(plan, cm)
-    kinds = replica_kinds(plan)
+    kinds = plan.replica_kinds()
     assert len(ev.replicas) == len(kinds) >= 2
     span = cm.spanning(["h100", "v100-32gb"])
     for (path, size, count), _ in kinds.items():
