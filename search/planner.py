@@ -14,7 +14,7 @@ from partita.model import ModelSpec
 from partita.plan import CP_VARIANTS, ContextOption, Plan, SolverReport, Stage
 from partita.profile import Profile
 from partita.search.costs import CostModel
-from partita.search.evaluate import evaluate_plan, prediction
+from partita.search.evaluate import Evaluation, evaluate_plan, prediction
 from partita.search.uniform import (Layout, SearchSpace, UniformResult, batch_shares, device_price, infeasible_error,
                                     micro_batch_sizes,
                                     uniform_search)
@@ -196,9 +196,10 @@ def _consider_replicas(cm: CostModel, req: PlanRequest, plan: Plan) -> Plan:
     if found.best is None:
         return plan
     candidate = replica_plan(cm, found.best, plan)
-    if not evaluate_plan(candidate, cm).fits:
+    ev = evaluate_plan(candidate, cm)
+    if not ev.fits:
         return plan
-    candidate = attach_prediction(candidate, cm)
+    candidate = attach_prediction(candidate, cm, ev)
     if candidate.prediction.step_time_s >= plan.prediction.step_time_s:
         return plan
     objective = to_us(candidate.prediction.step_time_s)
@@ -209,10 +210,9 @@ def _consider_replicas(cm: CostModel, req: PlanRequest, plan: Plan) -> Plan:
     return dataclasses.replace(candidate, solver=report)
 
 
-def attach_prediction(plan: Plan, cm: CostModel) -> Plan:
-    import dataclasses
-
-    ev = evaluate_plan(plan, cm)
+def attach_prediction(plan: Plan, cm: CostModel, ev: Evaluation | None = None) -> Plan:
+    """The plan with its prediction (``ev``: the plan's evaluation, when the caller has it)."""
+    ev = ev if ev is not None else evaluate_plan(plan, cm)
     devices = [cm.cluster.group(name).device for _, name in plan.rank_groups()]
     pred = prediction(cm, ev, devices=devices, global_batch=plan.global_batch)
     return dataclasses.replace(plan, prediction=pred, cost_sources=cm.cost_sources())
