@@ -12,6 +12,7 @@ from partita.plan import LayerStrategy, Plan, Prediction, StageMemory
 from partita.search.costs import (CostModel, LayerChoice, StageCost, boundary_s, choice_of, interleaved_stage_cost,
                                   stage_cost, stage_cost_counts, step_time_s, with_receives)
 from partita.search.schedules import ZERO_BUBBLE, in_flight_chunks, pending_weight_grads
+from partita.search.timing import layer_ops, split_backward_host_s, weight_groups
 
 
 @dataclass(frozen=True)
@@ -120,7 +121,9 @@ def evaluate_interleaved(cm: CostModel, stages: Sequence[tuple[NodeGroup, Sequen
         nexts = _next_groups(schedule, groups, i, v)
         cost = interleaved_stage_cost(cm, group, chunks, stage=i, pp=pp, dp=dp, tp=tp, micro_batch=micro_batch,
                                       num_micro_batches=num_micro_batches, next_groups=nexts)
-        if schedule == "zbv" and i == pp - 1:  # the V's turn stays on the rank: priced as a send, taken off
+        # The V's turn stays on the rank: its transfers, priced as a send, are taken off (the
+        # shards it hands over are still gathered where its end layers take whole hidden states).
+        if schedule == "zbv" and i == pp - 1:
             turn = boundary_s(cm, group, group, dp=dp, tp=tp, micro_batch=micro_batch)
             cost = dataclasses.replace(cost, time_s=cost.time_s - turn, p2p_s=cost.p2p_s - turn,
                                        send_s=cost.send_s - turn)
@@ -130,9 +133,9 @@ def evaluate_interleaved(cm: CostModel, stages: Sequence[tuple[NodeGroup, Sequen
     else:
         costs = with_receives(costs, wrap=True)  # each stage also pays its side of the boundaries before its chunks
     if schedule in ZERO_BUBBLE:
-        costs = [_split_backward(cm, cost, chunks, schedule=schedule, stage=i, pp=pp, micro_batch=micro_batch,
+        costs = [_split_backward(cm, cost, group, chunks, schedule=schedule, stage=i, pp=pp, micro_batch=micro_batch,
                                  num_micro_batches=num_micro_batches)
-                 for i, (cost, (_, chunks)) in enumerate(zip(costs, stages))]
+                 for i, (cost, (group, chunks)) in enumerate(zip(costs, stages))]
     step, breakdown = step_time_s(costs, num_micro_batches, schedule=schedule, virtual_stages=v,
                                   step_overhead_s=cm.step_overhead_s)
     return Evaluation(step_time_s=step, breakdown=breakdown, stages=tuple(costs))
@@ -159,18 +162,47 @@ def _zbv_receives(cm: CostModel, costs: list[StageCost], groups: Sequence[NodeGr
     return out
 
 
-def _split_backward(cm: CostModel, cost: StageCost, chunks: Sequence, *, schedule: str, stage: int, pp: int,
-                    micro_batch: int, num_micro_batches: int) -> StageCost:
+def _split_backward(cm: CostModel, cost: StageCost, group: NodeGroup, chunks: Sequence, *, schedule: str, stage: int,
+                    pp: int, micro_batch: int, num_micro_batches: int) -> StageCost:
     """A zero-bubble stage: its micro-batches stay in flight until their weight gradient
     (``schedules.in_flight_chunks``), those between I and W also keep the gradients at their
     weight products' outputs (``schedules.pending_weight_grads`` x the largest virtual
-    stage's ``weight_grad_bytes``, counted with the retained outputs), and the data-parallel
-    reduction runs after the step with nothing to hide behind (``runtime.schedule``)."""
+    stage's ``weight_grad_bytes``, counted with the retained outputs), the data-parallel
+    reduction runs after the step with nothing to hide behind (``runtime.schedule``), and each
+    backward costs the host the split's own work (``split_backward_host_s``)."""
     v = len(chunks)
     pending = pending_weight_grads(schedule, stage, pp, num_micro_batches)
     per_chunk = max(sum(n * weight_grad_bytes(cm, c, micro_batch) for c, n in _choices(cm, chunk)) for chunk in chunks)
+    extra = _split_host_s(cm, group, chunks, stage=stage, backward_s=cost.backward_s)
     return dataclasses.replace(cost, in_flight=in_flight_chunks(schedule, stage, pp, v, num_micro_batches),
-                               retained_output=cost.retained_output + pending * per_chunk, overlap_window_s=0.0)
+                               retained_output=cost.retained_output + pending * per_chunk, overlap_window_s=0.0,
+                               time_s=cost.time_s + extra, backward_s=cost.backward_s + extra,
+                               compute_s=cost.compute_s + extra)
+
+
+def _split_host_s(cm: CostModel, group: NodeGroup, chunks: Sequence, *, stage: int, backward_s: float) -> float:
+    """What splitting the backward adds to one micro-batch of a zero-bubble stage: every virtual
+    stage's ``timing.split_backward_host_s`` but torch's first (stage 0's chunk 0, whose W is a
+    whole backward: its input is the tokens), for the layers' parameter groups
+    (``timing.weight_groups``) and forward ops. The host does it: on a CPU rank it adds; on a GPU
+    it hides behind the backward's device time while the host's ops, with it, take less (the
+    stage's backward taken as a whole against its ops, an approximation when its virtual stages
+    differ)."""
+    k = cm.time_constants(group.device)
+    extra = host = 0.0
+    for c, chunk in enumerate(chunks):
+        groups = nodes = 0
+        for choice, n in _choices(cm, chunk):
+            kind = cm.model.kinds[choice[0]]
+            fwd_ops, bwd_ops = layer_ops(kind)
+            groups += n * weight_groups(kind, tied_head=choice[0] == "head" and cm.model.tie_embeddings)
+            nodes += n * fwd_ops
+            host += n * bwd_ops * k.op_overhead_s
+        if stage or c:
+            extra += split_backward_host_s(groups, nodes, k.op_overhead_s)
+    if get_device(group.device).is_cpu:
+        return extra
+    return max(0.0, host + extra - backward_s)
 
 
 def _choices(cm: CostModel, chunk) -> list[tuple[LayerChoice, int]]:

@@ -109,6 +109,39 @@ def param_tensors(kind: LayerKind, tied_head: bool = False) -> int:
     return 7 + 2 * norms + (3 if kind.qkv_bias else 0)
 
 
+# ---- the zero-bubble schedules' split backward ------------------------------------------------
+# Torch's zero-bubble schedules run a (virtual) stage's backward in two passes: I
+# (``stage_backward_input``: the parameters grouped by the graph's intermediates, then the input
+# gradient with the graph kept) and W (``stage_backward_weight``: one ``torch.autograd.grad`` per
+# parameter group, each a graph task whose engine first walks every node reachable from its
+# roots, most of the stage's graph). Beyond the same kernels (the same ops, counted) that costs
+# the host, per parameter group, a fixed part and a walk over the stage's graph, in op overheads:
+# measured on the development machine's CPU by benchmarks/split_backward.py (blocks shrunk until
+# their kernels take nothing; docs/search.md has the table and what the term leaves out).
+SPLIT_GROUP_OPS = 21.1
+SPLIT_NODE_OPS = 0.0124
+
+
+def weight_groups(kind: LayerKind, tied_head: bool = False) -> int:
+    """A layer's parameter groups as torch's split backward forms them (the parameters whose
+    gradients come from one intermediate: a module's weight and bias together): one weight
+    gradient call each. A block: its products and two norms; the head: its norm and (untied)
+    its product; the embedding: the token table and any learned positions."""
+    if kind.role == "embed":
+        return 1 + (1 if kind.learned_positions else 0)
+    if kind.role == "head":
+        return 1 + (0 if tied_head else 1)
+    if kind.is_moe:  # not run under zero-bubble schedules; at most one group a tensor
+        return param_tensors(kind)
+    return (7 if kind.family == "llama" else 6) + 2
+
+
+def split_backward_host_s(groups: int, nodes: int, op_overhead_s: float) -> float:
+    """Host time a split backward adds to one micro-batch of a (virtual) stage with ``groups``
+    parameter tensors and ``nodes`` forward ops."""
+    return groups * (SPLIT_GROUP_OPS + SPLIT_NODE_OPS * nodes) * op_overhead_s
+
+
 def host_bound_s(device_s: float, ops: int, op_overhead_s: float, on_cpu: bool) -> float:
     """A pass's time given its device time and its ops' host time: their sum on a CPU (the host
     does the work), the larger on a GPU (the host runs ahead of the device)."""

@@ -1,6 +1,10 @@
-"""partita calibrate: the fit on recorded runs (tests/data/calibration, recorded by
-benchmarks/calibrate_cpu.py on two CPU ranks), the profile it writes, and its bad inputs.
-Nothing here times anything: the runs' timings are data."""
+"""partita calibrate: the fit on recorded runs, the profile it writes, and its bad inputs.
+Nothing here times anything: the runs' timings are data.
+
+Two recordings of benchmarks/calibrate_cpu.py on two CPU ranks (docs/calibration.md), each the
+quietest run of every plan: tests/data/calibration (run B, 2026-12-01, loaded machine; the
+predicted plans ran interleaved 1F1B and 1F1B) and tests/data/calibration-f (run F, 2026-12-01
+23:29, load average 0.6-1.7; the predicted plans ran the interleaved zero-bubble schedule)."""
 
 import dataclasses
 import json
@@ -17,15 +21,31 @@ from partita.profile import Calibration, Profile, Provenance
 from partita.search.calibrate import calibrate, load_run, predictions, step_from_phases
 
 DATA = Path(__file__).parent / "data" / "calibration"
+RECORDINGS = {"run-b": DATA, "run-f": DATA.with_name("calibration-f")}
 HOST_BOUND = DATA / "tiny-pp2-mb1"  # tiny-llama: mostly the host's per-op overhead
 COMPUTE_BOUND = DATA / "calib-pp2-mb4"  # calib-llama, 16x wider: mostly its matrix products
 CALIBRATED_ON = [HOST_BOUND, COMPUTE_BOUND]
 OTHERS = [DATA / "calib-pp2-mb2", DATA / "calib-pp2-mb1"]  # never calibrated on
 
 
+def _calibrated_on(data: Path) -> list[Path]:
+    return [data / p.name for p in CALIBRATED_ON]
+
+
+def _others(data: Path) -> list[Path]:
+    return [data / p.name for p in OTHERS]
+
+
 @pytest.fixture(scope="module")
 def fitted():
     return calibrate([load_run(p) for p in CALIBRATED_ON])
+
+
+@pytest.fixture(scope="module", params=sorted(RECORDINGS))
+def recording(request):
+    """(data folder, profile fitted on its two calibration plans) for each recording."""
+    data = RECORDINGS[request.param]
+    return data, calibrate([load_run(p) for p in _calibrated_on(data)])
 
 
 def _step(run, profile) -> tuple[float, float]:
@@ -136,20 +156,31 @@ def test_the_weight_passes_add_on_cpu_ranks_only(fitted):
     assert gpu.weight_stream_gbps("H100") is None
 
 
-@pytest.mark.parametrize("other", OTHERS, ids=lambda p: p.name)
-def test_the_calibrated_profile_predicts_plans_it_was_not_fitted_on(fitted, other):
+@pytest.mark.parametrize("other", [p.name for p in OTHERS])
+def test_the_calibrated_profile_predicts_plans_it_was_not_fitted_on(recording, other):
     """The issue's bar: a different plan on the same machine within 15 % (recorded runs)."""
-    predicted, measured = _step(load_run(other), fitted[0])
+    data, (profile, _) = recording
+    predicted, measured = _step(load_run(data / other), profile)
     assert predicted == pytest.approx(measured, rel=0.15)
 
 
-@pytest.mark.parametrize("run_dir", CALIBRATED_ON + OTHERS, ids=lambda p: p.name)
-def test_the_schedule_makes_the_measured_step_of_the_measured_stages(fitted, run_dir):
-    """The pipeline's closed form (1F1B and interleaved), its sends and receives and the per-step
-    overhead turn each run's measured stage times into its measured step: what error is left
-    in a prediction is the stages' compute."""
-    run = load_run(run_dir)
-    assert step_from_phases(run, fitted[0]) == pytest.approx(run.step_s, rel=0.10)
+@pytest.mark.parametrize("run_dir", [p.name for p in CALIBRATED_ON + OTHERS])
+def test_the_schedule_makes_the_measured_step_of_the_measured_stages(recording, run_dir):
+    """The pipeline's closed form (1F1B, interleaved 1F1B and interleaved zero-bubble), its sends
+    and receives and the per-step overhead turn each run's measured stage times into its
+    measured step: what error is left in a prediction is the stages' compute."""
+    data, (profile, _) = recording
+    run = load_run(data / run_dir)
+    assert step_from_phases(run, profile) == pytest.approx(run.step_s, rel=0.10)
+
+
+def test_each_recording_fits_its_calibration_plans(recording):
+    data, (profile, table) = recording
+    assert set(profile.calibration.fitted) == {"compute_scale", "op_overhead_s", "step_overhead_s",
+                                               "weight_stream_gbps"}
+    for run_id in {r for r, *_ in table}:
+        predicted, measured = next((p, m) for r, what, p, m in table if r == run_id and what == "step")
+        assert predicted == pytest.approx(measured, rel=0.10)
 
 
 def test_calibrated_profiles_round_trip_and_old_ones_keep_their_fingerprint(tmp_path, fitted):
