@@ -2,9 +2,12 @@
 # Every GPU check in one run, for a session lent a GPU (one H200 here). Results land in
 # ${OUT:-gpu-results}: commit them (profiles to configs/profiles/, tables to docs/).
 #
-#   OUT=/tmp/gpu bash benchmarks/gpu_session.sh          # about 9-11 minutes on one H200
+#   OUT=/tmp/gpu bash benchmarks/gpu_session.sh          # about 11-13 minutes on one H200
 #
 # 1. runtime vs a plain PyTorch loop on the ~1.1B llama (issue: runtime performance);
+# 1b. the calibration loop on one GPU (benchmarks/calibrate_gpu.sh: launch, calibrate, predict two
+#    other plans; issue 10) and the zero-bubble split backward's host cost on this machine
+#    (benchmarks/split_backward.py --device cuda);
 # 2. the profiler on llama-3-8b and llama-2-70b shapes, measured vs analytic (profiler targets);
 # 3. the memory contract on the GPU: tracked bytes by category and the allocator's peak against
 #    the plan's breakdown (llama-1b, bf16, with and without recompute);
@@ -29,6 +32,9 @@ nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
 timeout 240 "$PY" benchmarks/runtime_vs_plain.py --model configs/models/llama-1b.yaml --device cuda \
     --seq-len 2048 --micro-batch 8 --num-micro-batches 1 --steps 12 --warmup 3 --repeats 2 \
     2>&1 | tee "$OUT/runtime_vs_plain.txt"
+OUT="$OUT" PYTHON="$PY" timeout 300 bash benchmarks/calibrate_gpu.sh 2>&1 | tee "$OUT/calibrate_gpu.txt"
+timeout 60 "$PY" benchmarks/split_backward.py --device cuda --repeats 20 --json "$OUT/split_backward_h200.json" \
+    2>&1 | tee "$OUT/split_backward.txt"
 PYTHON="$PY" timeout 300 bash benchmarks/profile_gpu.sh 2>&1 | tee "$OUT/profile_gpu.txt"
 cp configs/profiles/h200-*.yaml "$OUT/" 2>/dev/null
 timeout 120 "$PY" benchmarks/memory_gpu.py --out "$OUT/memory_gpu.json" 2>&1 | tee "$OUT/memory_gpu.txt"

@@ -232,6 +232,9 @@ def build_parser(with_torch_commands: bool = False) -> argparse.ArgumentParser:
     calibrate.add_argument("runs", nargs="+", metavar="RUN_DIR",
                            help="run directories (metrics.jsonl + summary.json), all on one device type")
     calibrate.add_argument("-o", "--output", required=True, help="the calibrated profile to write (YAML)")
+    calibrate.add_argument("--check", nargs="+", default=[], metavar="RUN_DIR",
+                           help="runs of other plans on the same device type, not fitted on: print what the new "
+                                "profile predicts for them against what they measured")
 
     launch = sub.add_parser("launch", help="train a plan with torch.distributed (torchrun)")
     profile = sub.add_parser("profile", help="measure layer and collective costs on this machine's devices")

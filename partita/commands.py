@@ -481,10 +481,16 @@ def cpu_oversubscription(p: Plan, cluster: ClusterSpec) -> str | None:
 # ---- partita calibrate -------------------------------------------------------------------
 def calibrate(args: argparse.Namespace) -> int:
     """Fit the device type's time constants to the runs, write the profile, print the fit."""
-    from partita.search.calibrate import calibrate as fit, load_run
+    from partita.search.calibrate import calibrate as fit, load_run, predictions
 
     output = writable_output(args.output)
     runs = [load_run(path) for path in args.runs]
+    held_out = [load_run(path) for path in args.check]
+    devices = {r.device for r in runs}
+    for path, run in zip(args.check, held_out):
+        if run.device not in devices:
+            raise PartitaError(f"--check {path}: a run on {run.device}, the profile is for {', '.join(devices)}; "
+                               f"check runs of the same device type")
     command = "partita calibrate " + " ".join(args.runs) + f" -o {args.output}"
     profile, table = fit(runs, command=command)
     try:
@@ -508,6 +514,15 @@ def calibrate(args: argparse.Namespace) -> int:
     for c in profile.comm:
         console.print(f"  {c.op} on {c.ranks} {c.link} ranks: {c.latency_s * 1e6:.0f} us + bytes / {c.bandwidth_gbps:.3g} GB/s")
     console.print(f"median |error| {cal.error:.1%}\nwrote {output}")
+    if held_out:
+        t = Table(title="not fitted on: predicted by the new profile", title_justify="left")
+        for col in ("run", "observation", "predicted", "measured", "error"):
+            t.add_column(col, justify="left" if col in ("run", "observation") else "right")
+        for path, run in zip(args.check, held_out):
+            for what, predicted, measured in predictions(run, profile):
+                t.add_row(path, what, fmt_seconds(predicted), fmt_seconds(measured),
+                          f"{(predicted / measured - 1) * 100:+.1f}%")
+        console.print(t)
     return 0
 
 

@@ -232,6 +232,26 @@ def test_calibrate_command_writes_the_profile_and_prints_the_fit(tmp_path, capsy
     assert Profile.load(out).calibration is not None
 
 
+def test_calibrate_checks_runs_it_does_not_fit_on(tmp_path, capsys):
+    """``--check``: the held-out runs' predictions by the new profile, and the profile is what
+    the fitted runs alone give."""
+    data = RECORDINGS["run-f"]
+    out = tmp_path / "cpu.yaml"
+    assert main(["calibrate", *map(str, _calibrated_on(data)), "-o", str(out),
+                 "--check", *map(str, _others(data))]) == 0
+    text = capsys.readouterr().out
+    assert "not fitted on" in text and "calib-pp2-mb1" in text.split("not fitted on")[1]
+    alone, _ = calibrate([load_run(p) for p in _calibrated_on(data)])
+    assert Profile.load(out).calibration == alone.calibration
+    other = _copy(tmp_path, "h100")
+    s = json.loads((other / "summary.json").read_text())
+    s["plan"]["cluster"] = {**s["plan"]["cluster"], "groups": [{**s["plan"]["cluster"]["groups"][0], "device": "H100"}]}
+    (other / "summary.json").write_text(json.dumps(s))
+    assert main(["calibrate", str(HOST_BOUND), "-o", str(out), "--check", str(other)]) == 2
+    err = capsys.readouterr().err
+    assert "--check" in err and "same device type" in err and len(err.strip().splitlines()) == 1
+
+
 def _copy(tmp_path: Path, name: str) -> Path:
     d = tmp_path / name
     shutil.copytree(HOST_BOUND, d)
