@@ -35,23 +35,13 @@ import numpy as np
 import torch
 from torch import nn
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from partita.model import load_model
+from partita.runtime.commprobe import OpCounter
 from partita.runtime.models import build_layer, init_layer
 from partita.runtime.phases import RunQueueDelay
 
 BLOCKS = (1, 2, 4, 8, 16)
-
-
-class _Count(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops += 1
-        return func(*args, **(kwargs or {}))
 
 
 def shrunk(spec):
@@ -103,12 +93,10 @@ def measure(spec, n_blocks: int, batch: int, device: torch.device, repeats: int)
     def whole():  # forward and plain backward, for the per-op overhead
         return timed(lambda: torch.autograd.backward([forward()[1]], [grad]))
 
-    counter = _Count()
-    with counter:
+    with OpCounter() as counter:
         forward()
     forward_ops = counter.ops
-    counter = _Count()
-    with counter:
+    with OpCounter() as counter:
         torch.autograd.backward([forward()[1]], [grad])
     all_ops = counter.ops
     for _ in range(3):

@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from partita.cluster import ClusterSpec
 from partita.model import ModelSpec
@@ -132,13 +133,24 @@ def _time(run: Callable[[], None], group, device: torch.device) -> float:
 
 
 # ---- the host's overhead per eager op --------------------------------------------------------
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops dispatched while it is active (``with OpCounter() as c: ...; c.ops``),
+    autograd's backward ops included."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
 def probe_op_overhead(plan: Plan, device: torch.device, iterations: int = 20) -> float:
     """Seconds of host time per dispatched op of this model's block, measured on a copy of the
     block shrunk until its kernels take next to nothing (the same modules, hence the same ops,
     autograd and Python around them): the median of ``iterations`` forward + backward passes
     divided by the ops they dispatch (counted once with a dispatch mode)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from partita.runtime.models import build_layer
 
     spec = ModelSpec.from_dict(plan.model)
@@ -155,14 +167,7 @@ def probe_op_overhead(plan: Plan, device: torch.device, iterations: int = 20) ->
     def once() -> None:
         block(x).sum().backward()
 
-    class Count(TorchDispatchMode):
-        ops = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Count.ops += 1
-            return func(*args, **(kwargs or {}))
-
-    with Count():
+    with OpCounter() as count:
         once()
     delay = RunQueueDelay()  # time spent waiting for a core is not the ops' (phases.py)
     times = []
@@ -174,4 +179,4 @@ def probe_op_overhead(plan: Plan, device: torch.device, iterations: int = 20) ->
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0 - (delay.seconds() - d0))
-    return max(0.0, statistics.median(times)) / max(1, Count.ops)
+    return max(0.0, statistics.median(times)) / max(1, count.ops)

@@ -7,26 +7,16 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from partita.cluster import parse_short
 from partita.model import load_model
 from partita.plan import LayerStrategy
 from partita.profile import Calibration, Profile, Provenance
+from partita.runtime.commprobe import OpCounter
 from partita.runtime.models import build_layer
 from partita.search.costs import CostModel
 from partita.search.evaluate import evaluate_layout
 from partita.search.timing import (GQA_EXTRA_OPS, host_bound_s, layer_ops, overlapped_s, param_tensors)
-
-
-class _Count(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.n += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _dispatched(model_name: str, role: str) -> tuple[int, int]:
@@ -36,14 +26,14 @@ def _dispatched(model_name: str, role: str) -> tuple[int, int]:
         for p in layer.parameters():
             p.normal_(0, 0.02)
     x = torch.randint(0, spec.vocab, (1, 8)) if role == "embed" else torch.randn(1, 8, spec.hidden, requires_grad=True)
-    with _Count() as fwd:
+    with OpCounter() as fwd:
         y = layer(x)
         if role == "head":
             y = F.cross_entropy(y.flatten(0, 1).float(), torch.randint(0, spec.vocab, (8,)))
     grad = torch.ones_like(y) if role != "head" else None
-    with _Count() as bwd:
+    with OpCounter() as bwd:
         y.backward(grad)
-    return fwd.n, bwd.n
+    return fwd.ops, bwd.ops
 
 
 @pytest.mark.parametrize("model_name", ["tiny-llama", "tiny-gpt2", "llama-2-7b"])
