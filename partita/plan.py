@@ -78,6 +78,15 @@ SCHEDULES = ("1f1b", "interleaved-1f1b", "interleaved-zb", "zbv")
 CP_VARIANTS = ("all_to_all", "ring")  # ``Plan.cp_variant``
 
 
+def boundary_split(tokens: int, tp: int) -> int:
+    """How many ways a pipeline stage boundary splits a micro-batch's hidden states: tp when
+    the ``tokens`` a rank holds of each sequence (seq_len / cp) split tp ways evenly (each rank
+    of the tensor group sends and receives its sequence shard, the split sequence parallelism
+    uses), else 1 (every rank sends the whole tensor). The runtime (``runtime.parallelize``,
+    ``runtime.schedule``) and the cost model (``search.costs``) both follow it."""
+    return tp if tp > 1 and tokens % tp == 0 else 1
+
+
 @dataclass(frozen=True, kw_only=True)
 class LayerStrategy:
     name: str
@@ -446,6 +455,11 @@ class Plan:
         if self.schedule == "zbv" and chunk == 1:
             return 2 * self.pp - 1 - stage
         return chunk * self.pp + stage
+
+    @property
+    def boundary_split(self) -> int:
+        """How many ways a stage boundary splits a micro-batch's hidden states (``boundary_split``)."""
+        return boundary_split(self.seq_len // self.cp, self.tp)
 
     def virtual_stage_layers(self) -> list[tuple[LayerStrategy, ...]]:
         """The layers of every virtual stage in pipeline order (``virtual_stage_index``)."""

@@ -15,6 +15,8 @@
      recomputation replays the block's tensor-parallel layout conversions too; module names
      gain ``._checkpoint_wrapped_module``, which ``torch.distributed.checkpoint`` strips):
      full, or selective (the matrix products' outputs kept, ``selective_context``);
+  3b. the (virtual) stages' ends (``apply_stage_ends``): a stage's first and last layer take
+     and give hidden states in the layout pipeline stages exchange, outside the recomputation;
   4. FSDP2 per layer at the layer's ZeRO level (``fully_shard``), then the stage root; each
      layer's backward prefetches the layer before it (``set_backward_prefetch``). Under expert
      parallelism a block's experts are a unit of their own first, over the experts' replicas.
@@ -22,8 +24,10 @@
 Layouts between layers. Inside a tensor-parallel stage the hidden states between two layers
 are either replicated over the tensor group ("full") or split along the sequence ("seq", when
 the layer uses sequence parallelism). Each layer converts what its predecessor produced into
-what it takes (an all-gather, or a free local slice), and the last layer of a stage hands on
-full hidden states, so pipeline stages exchange plain tensors.
+what it takes (an all-gather, or a free local slice). Pipeline stages exchange plain tensors:
+each rank's sequence shard (b, s/tp, h) when the sequence splits tp ways, else the whole
+hidden states (``boundary_layout``); a (virtual) stage's first layer takes, and its last layer
+gives, that layout (``apply_stage_ends``).
 """
 
 from __future__ import annotations
@@ -134,30 +138,39 @@ def _layer_styles(role: str, family: str, seq: bool) -> dict[str, object]:
     return _block_styles(family, seq)
 
 
+def boundary_layout(plan: Plan) -> str:
+    """The layout hidden states cross a stage boundary in under ``plan.tp > 1``: this rank's
+    sequence shard (SEQ) when the tokens a rank holds split tp ways (``Plan.boundary_split``),
+    else whole (FULL)."""
+    return SEQ if plan.boundary_split > 1 else FULL
+
+
+def _takes_gives(strategy: LayerStrategy, role: str) -> tuple[str, str]:
+    """The layout a layer takes its input in and gives its output in: the embedding takes
+    tokens, the head gives (vocab-split) logits."""
+    layout = _layout(strategy)
+    return (FULL if role == "embed" else layout), (FULL if role == "head" else layout)
+
+
 def apply_tensor_parallel(model: Transformer, stage: Stage, meshes: Meshes) -> None:
-    """Per-layer TP/SP styles, plus the layout conversions between neighbouring layers."""
+    """Per-layer TP/SP styles, plus the layout conversions between neighbouring layers of each
+    (virtual) stage. What a stage's ends take and give is ``apply_stage_ends``'s."""
     mesh = meshes.tp
     family = model.spec.family
-    # Each (virtual) stage receives tokens or whole hidden states and sends whole hidden states.
     for chunk in stage.chunk_layers():
-        previous = FULL
+        previous = None  # the chunk's first layer: converted at the stage's end (apply_stage_ends)
         for strategy in chunk:
             layer = model.get_submodule(strategy.name)
             role = model.spec.role_of(strategy.name)
-            layout = _layout(strategy)
-            takes = FULL if role == "embed" else layout
-            gives = FULL if role == "head" else layout
+            takes, gives = _takes_gives(strategy, role)
             if strategy.tensor_parallel > 1:
-                parallelize_module(layer, mesh, _layer_styles(role, family, layout == SEQ))
-            convert_in = _convert(previous, takes, inputs=True)
+                parallelize_module(layer, mesh, _layer_styles(role, family, _layout(strategy) == SEQ))
+            convert_in = _convert(previous, takes, inputs=True) if previous is not None else None
             if convert_in is not None:  # a hook on the layer itself, so recomputation replays it
                 parallelize_module(layer, mesh, convert_in)
             if role == "embed" and gives == SEQ and family != "llama":  # positions are added whole, then split
                 parallelize_module(layer, mesh, _convert(FULL, SEQ, inputs=False))
             previous = gives
-        if previous == SEQ:
-            last = model.get_submodule(chunk[-1].name)
-            parallelize_module(last, mesh, _convert(SEQ, FULL, inputs=False))
     if model.spec.tie_embeddings and model.embed is not None and model.head is not None:
         model.head.output.weight = model.embed.tok.weight  # TP replaced both; tie them again
 
@@ -212,6 +225,35 @@ def apply_recompute(model: Transformer, stage: Stage) -> None:
             products = sum(isinstance(m, nn.Linear) for m in layer.modules())
             kwargs["context_fn"] = partial(selective_context, products)
         setattr(owner, child, checkpoint_wrapper(layer, preserve_rng_state=False, **kwargs))
+
+
+# ---- 3b. the stage's ends --------------------------------------------------------------------
+
+
+def apply_stage_ends(model: Transformer, stage: Stage, meshes: Meshes, boundary: str) -> None:
+    """Each (virtual) stage takes hidden states in the ``boundary`` layout and hands them on in
+    it (``boundary_layout``): its first layer (not the embedding, which takes tokens) converts
+    what it receives, its last (not the head) what it gives.
+
+    Under SEQ a boundary carries this rank's 1/tp of the activation each way. A
+    sequence-parallel end converts nothing; a first layer that takes whole hidden states
+    all-gathers its input in forward (its input gradient, replicated over the tensor group, is
+    sliced for free), and a last layer that gives them slices its output for free (a copy: the
+    whole output is freed) and all-gathers the output gradient in backward. One gather a side
+    at most, as Megatron-LM's scatter/gather of pipeline sends; ``search.costs.boundary_gathers``
+    prices exactly these. After activation checkpointing, on the checkpoint wrapper: the
+    conversion runs once, outside the recomputed region, which keeps the gathered input as
+    the layer's input (what the memory model counts) rather than gathering it again."""
+    mesh = meshes.tp
+    for chunk in stage.chunk_layers():
+        first, last = chunk[0], chunk[-1]
+        first_role, last_role = model.spec.role_of(first.name), model.spec.role_of(last.name)
+        convert_in = _convert(boundary, _takes_gives(first, first_role)[0], inputs=True)
+        if first_role != "embed" and convert_in is not None:
+            parallelize_module(model.get_submodule(first.name), mesh, convert_in)
+        convert_out = _convert(_takes_gives(last, last_role)[1], boundary, inputs=False)
+        if last_role != "head" and convert_out is not None:
+            parallelize_module(model.get_submodule(last.name), mesh, convert_out)
 
 
 # ---- 4. FSDP2 per layer ----------------------------------------------------------------------
@@ -332,6 +374,8 @@ def parallelize_stage(model: Transformer, plan: Plan, meshes: Meshes, *, device:
     if plan.cp > 1:
         apply_context_parallel(model, plan, meshes)
     apply_recompute(model, stage)
+    if plan.tp > 1:
+        apply_stage_ends(model, stage, meshes, boundary_layout(plan))
     if not use_fsdp:
         return []
     return apply_fsdp(model, stage, meshes, mp_policy or MixedPrecisionPolicy())

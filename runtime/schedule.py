@@ -153,8 +153,9 @@ class _StageModule(nn.Module):
         out = self.model(x, only=self.only) if self.only is not None else self.model(x)
         if self.split_backward and out._is_view():
             # A zero-bubble schedule's input-gradient pass detaches the stage output in place,
-            # which torch refuses for a view (a tensor-parallel stage hands on ``to_local()``'s
-            # view of its gathered hidden states): one copy of the output, the view then freed.
+            # which torch refuses for a view (a tensor-parallel stage whose last layer is not
+            # sequence-parallel hands on ``to_local()``'s view of its shard, or of its whole
+            # hidden states when the sequence does not split): one copy of the output.
             out = out.clone()
         if self.units and out.requires_grad:
             index = self.forwards
@@ -195,8 +196,11 @@ class PipelineRunner:
         self.loss = loss
         spec_hidden = int(plan.model["hidden"])
         vocab = int(plan.model["vocab"]) // (loss.vocab_mesh.size() if loss.vocab_mesh is not None else 1)
-        # this replica's size; under context parallelism a rank holds s/cp tokens of each sequence
+        # this replica's size; under context parallelism a rank holds s/cp tokens of each sequence,
+        # and under tensor parallelism it sends and receives its 1/tp shard of them between stages
+        # when they split evenly (``Plan.boundary_split``, ``parallelize.boundary_layout``)
         b, s = plan.replica_micro_batch_sizes()[meshes.place.dp_index], plan.seq_len // plan.cp
+        shard = s // plan.boundary_split
         # Static shapes: the schedule needs no shape-inference pass (which would run the stage
         # once more on empty tensors).
         def meta(*shape: int, dtype: torch.dtype = activation_dtype) -> torch.Tensor:
@@ -228,8 +232,8 @@ class PipelineRunner:
                 module = _StageModule(model, units, self.n)
             index = indices[c]
             first, last = index == 0, index == n_stages - 1
-            inputs = meta(b, s, dtype=torch.int64) if first else meta(b, s, spec_hidden)
-            outputs = meta(b, s, vocab) if last else meta(b, s, spec_hidden)
+            inputs = meta(b, s, dtype=torch.int64) if first else meta(b, shard, spec_hidden)
+            outputs = meta(b, s, vocab) if last else meta(b, shard, spec_hidden)
             self.modules.append(module)
             self.stages.append(PipelineStage(module, index, n_stages, device, input_args=inputs, output_args=outputs,
                                              group=meshes.pp.get_group()))
@@ -268,8 +272,8 @@ class PipelineRunner:
 
     def receive_buffers(self) -> list[torch.Tensor]:
         """The schedule's receive buffers (one per micro-batch for activations on every stage but
-        the first, and for gradients on every stage but the last), allocated at the first step
-        and kept."""
+        the first, and for gradients on every stage but the last, each b x s/tp x h under tensor
+        parallelism: ``Plan.boundary_split``), allocated at the first step and kept."""
         infos = [info for stage in self.stages
                  for info in (*stage.args_recv_info.values(), *stage.grad_recv_info.values())]
         return [i.buffer for info in infos for i in info if isinstance(getattr(i, "buffer", None), torch.Tensor)]

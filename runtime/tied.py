@@ -49,6 +49,10 @@ class TiedWeights:
         if self.param is None or self.param.grad is None:
             return
         grad = self.param.grad
+        if isinstance(grad, DTensor) and grad.placements != self.param.placements:
+            # A vocab-parallel embedding's gradient comes back whole on every tensor rank
+            # (Replicate); the head's copy is split (Shard(0)): take this rank's rows (a free slice).
+            grad = self.param.grad = grad.redistribute(grad.device_mesh, self.param.placements)
         local = grad.to_local() if isinstance(grad, DTensor) else grad
         dist.all_reduce(local, group=self.group)
 

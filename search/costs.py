@@ -50,8 +50,10 @@ Conventions (all per device of a stage, per micro-batch unless said otherwise):
   fragmentation: ``RESERVE_GPU_BYTES`` (3 GiB) on GPUs, ``RESERVE_CPU_BYTES`` on CPU ranks.
 * Pipeline: 1F1B step time = (m - 1) * max_s T_s + sum_s T_s, with T_s one micro-batch's
   forward + backward at stage s including its TP/ZeRO collectives and its side of each stage
-  boundary (sender and receiver both pay; under TP each rank sends its 1/tp shard, priced
-  only), then the exposed ZeRO edge, data-parallel sync, optimizer and a fixed per-step overhead.
+  boundary: the transfers (sender and receiver both pay; under TP each rank sends and receives
+  its 1/tp sequence shard, ``boundary_split``) and the all-gathers its end layers run when they
+  are not sequence-parallel (``boundary_gathers``); then the exposed ZeRO edge, data-parallel
+  sync, optimizer and a fixed per-step overhead.
 * Software: the runtime's attention kernel and overlapped gradient reductions unless the cost
   model is told otherwise (``timing.Software``: published runs of other frameworks).
 * Host overhead: an analytic layer pass takes max(device time, ops x per-op overhead) on a GPU
@@ -81,7 +83,7 @@ from partita.cluster import ClusterSpec, NodeGroup
 from partita.devices import get_device
 from partita.errors import PartitaError
 from partita.model import LayerKind, ModelSpec
-from partita.plan import LayerStrategy
+from partita.plan import LayerStrategy, boundary_split
 from partita.profile import LayerCost, Profile, bus_bytes, layer_cost_at
 from partita.search.roofline import cpu_adam_s, cpu_weight_stream_s
 from partita.search.timing import (LINK_EFFICIENCY, OPTIMIZER_OPS_PER_TENSOR, Software, TimeConstants,
@@ -664,7 +666,7 @@ class StageCost:
     compute_s: float
     tp_comm_s: float
     zero_comm_s: float
-    p2p_s: float
+    p2p_s: float  # its sides of its stage boundaries: transfers and the all-gathers of its end layers
     dp_sync_s: float  # per step
     optimizer_s: float  # per step
     weights: int
@@ -688,8 +690,9 @@ class StageCost:
     # time (search/timing.py, docs/search.md): per micro-batch, the exposed first gather / last
     # reduce-scatter (the largest of the stage's layers' ZeRO traffic, charged once per
     # micro-batch in step_time_s); per step, the largest layer's data-parallel reduction (it ends
-    # the backward, nothing left to hide it) and the backward the others can hide behind; this
-    # stage's side of the boundary to the next stage (in p2p_s; the next stage pays its side).
+    # the backward, nothing left to hide it) and the backward the others can hide behind; the
+    # transfers of this stage's side of the boundary to the next stage (in p2p_s; the next stage
+    # pays as much on its side).
     zero_edge_s: float = 0.0
     dp_edge_s: float = 0.0
     overlap_window_s: float = 0.0
@@ -834,10 +837,11 @@ def _stage_cost(cm: CostModel, group: NodeGroup, runs: Runs, *, dp: int, tp: int
             memories.append((m, n, name))
         if peak is None or acts + m.transient > peak[0]:
             peak = (acts + m.transient, acts, m, name)
-    # This stage's side of the boundary to the next (the next stage pays its own side of it:
-    # ``with_receives``).
+    # This stage's side of the boundary to the next: the transfers (the next stage pays the same
+    # on its side: ``with_receives``), and the all-gathers at its own ends (``boundary_gathers``).
     send = boundary_s(cm, group, next_group, dp=dp, tp=tp, micro_batch=micro_batch) if next_group is not None else 0.0
-    p2p = send
+    gathers = sum(boundary_gathers(cm, runs, tp=tp, sends=next_group is not None))
+    p2p = send + (gathers * boundary_gather_s(cm, group, tp=tp, micro_batch=micro_batch) if gathers else 0.0)
     # Reported by what holds the bytes: the peak layer's gathered parameters with the gathered
     # weights, the rest of its transient (recompute, working set, loss) as transient.
     assert peak is not None
@@ -849,7 +853,7 @@ def _stage_cost(cm: CostModel, group: NodeGroup, runs: Runs, *, dp: int, tp: int
         if aware.bytes <= moment.bytes:
             moment = aware
     gathered_weights += moment.gathered - moment.released
-    buffers, output, retained = pipeline_memory(cm, {r[0]: r[1] for r in runs}, micro_batch=micro_batch,
+    buffers, output, retained = pipeline_memory(cm, {r[0]: r[1] for r in runs}, tp=tp, micro_batch=micro_batch,
                                                 num_micro_batches=num_micro_batches, is_last=next_group is None)
     reserve = cm.reserve_bytes(group)
     return StageCost(time_s=fwd + bwd + p2p, forward_s=fwd, backward_s=bwd, compute_s=compute, tp_comm_s=tp_comm,
@@ -923,20 +927,49 @@ def _neighbour_peak(layers: Sequence[tuple[LayerMemory, int, str]]) -> Moment:
 
 
 def boundary_s(cm: CostModel, group: NodeGroup, other: NodeGroup, *, dp: int, tp: int, micro_batch: int) -> float:
-    """One side's time at a stage boundary per micro-batch: the activation one way in forward,
-    its gradient the other way in backward. Under tensor parallelism each rank sends only its
-    1/tp shard of the activation and the receiving tensor group all-gathers it (Megatron-LM's
-    scatter/gather); both sides are charged the gather, once each (in forward on one side, in
-    backward on the other). Priced only: the runtime still sends the whole activation."""
-    act_msg = activation_message_bytes(cm, micro_batch)
+    """One side's transfers at a stage boundary per micro-batch, which sender and receiver
+    both pay (each waits on its blocking send or receive): the activation one way in forward,
+    its gradient the other way in backward. Under tensor parallelism each rank sends and
+    receives its 1/tp sequence shard (``boundary_split``; the runtime's stages exchange
+    (b, s/tp, h) tensors); the all-gathers back to whole hidden states are the end layers'
+    (``boundary_gathers``)."""
+    msg = activation_message_bytes(cm, micro_batch, tp)
     link = cm.pp_link(group, other, dp * tp)
     # A transfer goes at the slower side's pace: each device's measured fit, and between node
     # groups the link that joins them (a fit measured inside one group knows nothing of it).
-    shard = max(cm.collective_s("p2p", act_msg / tp, 2, link, d) for d in {group.device, other.device})
+    one_way = max(cm.collective_s("p2p", msg, 2, link, d) for d in {group.device, other.device})
     if group.name != other.name:
-        shard = max(shard, cm.collective_s("p2p", act_msg / tp, 2, link))
-    gather = cm.collective_s("all_gather", act_msg, tp, cm.tp_link(group, tp), group.device)
-    return 2 * shard + gather
+        one_way = max(one_way, cm.collective_s("p2p", msg, 2, link))
+    return 2 * one_way
+
+
+def boundary_gather_s(cm: CostModel, group: NodeGroup, *, tp: int, micro_batch: int) -> float:
+    """One all-gather of a split boundary's sequence shards back to the whole activation, over
+    the stage's tensor group (``boundary_gathers`` says how many a stage runs)."""
+    return cm.collective_s("all_gather", activation_message_bytes(cm, micro_batch), tp, cm.tp_link(group, tp),
+                           group.device)
+
+
+def gives_whole(tensor_parallel: int, sequence_parallel: bool) -> bool:
+    """Whether a layer takes and gives whole hidden states (it is not sequence-parallel, or not
+    tensor-parallel at all) rather than this rank's sequence shard."""
+    return not (tensor_parallel > 1 and sequence_parallel)
+
+
+def boundary_gathers(cm: CostModel, runs: Runs, *, tp: int, sends: bool) -> tuple[int, int]:
+    """(forward, backward) all-gathers per micro-batch at a (virtual) stage's boundaries, as the
+    runtime runs them (``runtime.parallelize.apply_tensor_parallel``): when a boundary carries
+    sequence shards (``boundary_split``), a first layer that takes whole hidden states gathers
+    what it receives (in forward; the gradient it returns is sliced for free), and a last layer
+    that gives whole hidden states gathers the gradient it gets back (in backward; its output
+    is sliced for free). A sequence-parallel end gathers nothing. The embedding receives tokens
+    and the head sends nothing. ``runs`` are the stage's layers in order."""
+    if boundary_split(cm.seq_len, tp) == 1:
+        return 0, 0
+    first, last = runs[0][0], runs[-1][0]
+    forward = first[0] != "embed" and gives_whole(first[1], first[2])
+    backward = sends and last[0] != "head" and gives_whole(last[1], last[2])
+    return int(forward), int(backward)
 
 
 def with_receives(stages: Sequence[StageCost], *, wrap: bool = False) -> list[StageCost]:
@@ -985,7 +1018,7 @@ def interleaved_stage_cost(cm: CostModel, group: NodeGroup,
         peak_released=running.peak_released,
         gradients=add("gradients"), optimizer=add("optimizer"),
         activations_per_mb=max(p.activations_per_mb for p in parts), current_activations=running.current_activations,
-        output_per_mb=activation_message_bytes(cm, micro_batch), retained_output=add("retained_output"),
+        output_per_mb=activation_message_bytes(cm, micro_batch, tp), retained_output=add("retained_output"),
         in_flight=in_flight_chunks("interleaved-1f1b", stage, pp, len(chunks), num_micro_batches),
         transient=running.transient, pipeline_buffers=add("pipeline_buffers"), peak_layer=running.peak_layer,
         peak_phase=running.peak_phase, tied_sync_s=add("tied_sync_s"),
@@ -993,29 +1026,33 @@ def interleaved_stage_cost(cm: CostModel, group: NodeGroup,
         overlap_window_s=add("overlap_window_s"), send_s=add("send_s"), cp_comm_s=add("cp_comm_s"))
 
 
-def activation_message_bytes(cm: CostModel, micro_batch: int) -> int:
-    """One micro-batch's hidden states, b x s x h in the compute dtype (in whole allocation
-    grains): what a stage sends on, gets a gradient of, and keeps per micro-batch in flight."""
-    return round_up_to_grain(micro_batch * cm.seq_len * cm.model.hidden * cm.elem)
+def activation_message_bytes(cm: CostModel, micro_batch: int, tp: int = 1) -> int:
+    """One micro-batch's hidden states on one rank, in the compute dtype (in whole allocation
+    grains): b x s x h, or with ``tp`` the rank's b x s/tp x h sequence shard where a stage
+    boundary splits them (``boundary_split``): what a stage sends on, gets a gradient of, and
+    keeps per micro-batch in flight."""
+    tokens = cm.seq_len // boundary_split(cm.seq_len, tp)
+    return round_up_to_grain(micro_batch * tokens * cm.model.hidden * cm.elem)
 
 
-def pipeline_memory(cm: CostModel, counts: Mapping[LayerChoice, int], *, micro_batch: int, num_micro_batches: int,
-                    is_last: bool) -> tuple[int, int, int]:
+def pipeline_memory(cm: CostModel, counts: Mapping[LayerChoice, int], *, tp: int, micro_batch: int,
+                    num_micro_batches: int, is_last: bool) -> tuple[int, int, int]:
     """(receive buffers, output kept per micro-batch in flight, retained logits) of a pipeline
     stage, in bytes.
 
     ``torch.distributed.pipelining`` allocates, once and for good, one receive buffer per
     micro-batch for the activations a stage takes (every stage but the first) and one for the
     gradients it gets back (every stage but the last), each ``micro_batch * seq * hidden``
-    elements. The schedule also keeps each micro-batch's stage output until that micro-batch's
-    backward: the hidden states for every micro-batch in flight on the other stages, the logits
-    on the last (one at a time under 1F1B). A stage that is both first and last (no pipeline)
+    elements, or the rank's 1/tp sequence shard of them (``activation_message_bytes``). The
+    schedule also keeps each micro-batch's stage output (the same shard) until that
+    micro-batch's backward: for every micro-batch in flight on the other stages, the logits on
+    the last (one at a time under 1F1B). A stage that is both first and last (no pipeline)
     holds none of these."""
     roles = {choice[0] for choice in counts}
     is_first = "embed" in roles
     if is_first and is_last:
         return 0, 0, 0
-    act_msg = activation_message_bytes(cm, micro_batch)
+    act_msg = activation_message_bytes(cm, micro_batch, tp)
     buffers = num_micro_batches * act_msg * ((not is_first) + (not is_last))
     if is_last:
         head_tp = next(choice[1] for choice in counts if choice[0] == "head")

@@ -13,10 +13,14 @@ them by a proven lower bound. For each shape worth solving, one CP-SAT model dec
 Identical blocks are one kind, so the model counts blocks per (stage, group, strategy)
 instead of assigning each block: its size grows with stages x groups x strategies, not with
 layers (``c[r, g, k]`` integer counts, one per slot, group and strategy). Blocks of a stage
-are then laid out in strategy order; the cost model is additive over a stage's blocks, so the
-order inside a stage changes nothing to it (the runtime's layout conversions between
-sequence-parallel and replicated layers, one activation-sized all-gather each, are not priced;
-docs/search.md lists this approximation).
+are then laid out in the canonical order (``costs.canonical_order``); the cost model is
+additive over a stage's blocks, so the order inside a stage changes nothing to it but at its
+ends: under tensor parallelism a stage boundary carries sequence shards, and an end block
+that is not sequence-parallel all-gathers them (``costs.boundary_gathers``), which the model
+reads from the first and last strategy a slot uses in that order (``PlanModel._end_gathers``).
+(The runtime's layout conversions between sequence-parallel and replicated layers inside a
+stage, one activation-sized all-gather each, are not priced; docs/search.md lists this
+approximation.)
 
 Slots are indexed from the *end* of the pipeline (r = 0 is the last stage, holding the head),
 so the micro-batches a 1F1B stage keeps in flight, ``min(r + 1, m)``, are constants and the
@@ -28,7 +32,8 @@ Objective (the cost model's step time, integer microseconds; ``partita.units`` r
 fixed per-step overhead, with Z the largest stage's exposed ZeRO edge. The solver's objective
 equals the evaluator's prediction of the returned plan up to that rounding: each per-layer term
 is rounded to the nearest microsecond, so they differ by at most
-``(m - 1 + pp) * (layers per stage + 3) / 2 + m / 2 + 1`` microseconds. Memory is in whole allocation
+``(m - 1 + pp) * (layers per stage + 5) / 2 + m / 2 + 1`` microseconds (a stage's layers, its
+two boundaries' transfers and its two end gathers). Memory is in whole allocation
 grains (``partita.units``: the cost model's byte counts are whole grains), summed as the
 evaluator sums them, so the solver accepts exactly the plans that fit.
 
@@ -331,10 +336,11 @@ def _report(req, best: Incumbent, results: list[ShapeResult], uniform_us: int, c
     objective = to_us(best.evaluation.step_time_s)
     exact = all(r.status in ("optimal", "infeasible", "pruned") for r in results)  # every shape settled
     lay = best.layout
-    # Each layer's time is rounded to a microsecond (half of one off at most), counted once per
-    # micro-batch the schedule's formula takes it, and its per-step terms (data-parallel sync,
+    # Each layer's time is rounded to a microsecond (half of one off at most), and so are a
+    # stage's boundary terms (up to two transfers and two end gathers), counted once per
+    # micro-batch the schedule's formula takes them, and its per-step terms (data-parallel sync,
     # the window that hides it, optimizer step) are rounded apart: three more.
-    slack = (lay.num_micro_batches - 1 + lay.pp + 3) * (max(len(l) for l in lay.stage_layers) + 1) / 2
+    slack = (lay.num_micro_batches - 1 + lay.pp + 3) * (max(len(l) for l in lay.stage_layers) + 3) / 2
     if exact and objective - bound > slack + req.gap * objective:
         # A shape proven better than the plan returned means the solver and the evaluator
         # disagree on a cost; never call that optimal.

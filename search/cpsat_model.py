@@ -10,6 +10,7 @@ import numpy as np
 from ortools.sat.python import cp_model
 
 from partita.plan import LayerStrategy
+from partita.search.costs import gives_whole
 from partita.search.cpsat_fit import StageFit, _hull_cuts
 from partita.search.cpsat_problem import Problem
 from partita.search.uniform import Layout
@@ -38,9 +39,11 @@ class PlanModel:
             m.add_bool_and([self.e[r][g][k].Not() for r in range(K) for k in range(ne) if not p.embed.allows(g, k)])
             m.add_bool_and([self.h[g][k].Not() for k in range(nh) if not p.head.allows(g, k)])
         self.u = [[m.new_bool_var(f"u[{r},{k}]") for k in range(nb)] for r in range(K)]  # strategy k used in slot r
-        # The longest a stage can take: every layer at its slowest choice, plus a send.
+        # The longest a stage can take: every layer at its slowest choice, plus its sides of two
+        # boundaries (transfers and end gathers).
         most = lambda t: max(max(row) for row in t.time_us)  # noqa: E731
-        horizon = p.n_blocks * most(p.block) + most(p.embed) + most(p.head) + 2 * max(max(r) for r in p.p2p_us)
+        horizon = (p.n_blocks * most(p.block) + most(p.embed) + most(p.head) + 2 * max(max(r) for r in p.p2p_us)
+                   + 2 * max(p.gather_us, default=0))
         self.T = [m.new_int_var(0, horizon, f"T[{r}]") for r in range(K)]
         self.T_max = m.new_int_var(0, horizon, "T_max")
         self.E = m.new_int_var(0, horizon, "exposed_dp")
@@ -134,7 +137,8 @@ class PlanModel:
                            for g, price in enumerate(self.p.stage_price)) <= self.p.price_cap)
 
     # (B) every block is in exactly one stage; counts only on the slot's group; each used stage
-    # holds at least one block; u marks strategies present in a slot.
+    # holds at least one block; u marks exactly the strategies present in a slot (the boundary
+    # gathers read a slot's end blocks from it).
     def add_block_cover(self) -> None:
         p = self.p
         G, nb = len(p.groups), len(p.block.strategies)
@@ -145,6 +149,7 @@ class PlanModel:
             self.m.add(sum(self.c[r][g][k] for g in range(G) for k in range(nb)) >= self.used[r])
             for k in range(nb):
                 self.m.add(sum(self.c[r][g][k] for g in range(G)) <= p.n_blocks * self.u[r][k])
+                self.m.add(sum(self.c[r][g][k] for g in range(G)) >= self.u[r][k])
 
     # (E) the embedding sits on the first stage (the highest used slot), the head on the last.
     def add_embed_and_head(self) -> None:
@@ -171,7 +176,8 @@ class PlanModel:
                 self.m.add(sum(embed) == sum(head))
 
     # (T) stage time: its layers and its side of each boundary: the send to the next stage (slot
-    # r - 1) and the gradient back, the receive from the stage before (slot r + 1) and its gradient.
+    # r - 1) and the gradient back, the receive from the stage before (slot r + 1) and its
+    # gradient, and the all-gathers of its end blocks at split boundaries.
     def add_stage_time(self) -> None:
         p = self.p
         boundary = [self._p2p(r) if r > 0 else 0 for r in range(p.slots)]
@@ -181,8 +187,41 @@ class PlanModel:
                 expr += boundary[r]
             if r + 1 < p.slots:  # ... and of the one from the stage before (nothing when that slot is unused)
                 expr += boundary[r + 1]
+            expr += self._end_gathers(r)
             self.m.add(self.T[r] == expr)
             self.m.add(self.T_max >= self.T[r])
+
+    def _end_gathers(self, r: int) -> cp_model.LinearExprT:
+        """The all-gathers slot r's end blocks run at split boundaries (``costs.boundary_gathers``):
+        its first block when it receives (the slot after it is used), its last when it sends
+        (r > 0), each when that block is not sequence-parallel. A slot's blocks are in the
+        canonical order of its group (``LayerTable.order``), so its first block is the earliest
+        strategy it uses in that order and its last the latest: a boolean per end and group,
+        forced to 1 when a whole-layout strategy is used and none before it (after it) is."""
+        p = self.p
+        G = len(p.groups)
+        whole = {k for k, s in enumerate(p.block.strategies) if gives_whole(s.tensor_parallel, s.sequence_parallel)}
+        if not whole or not any(p.gather_us):
+            return 0
+        ends = []
+        if r + 1 < p.slots:
+            ends.append(("first", self.used[r + 1]))
+        if r > 0:
+            ends.append(("last", self.used[r]))
+        terms = []
+        for g in range(G):
+            if not p.gather_us[g]:
+                continue
+            order = list(p.block.order[g]) if p.block.order else list(range(len(p.block.strategies)))
+            for end, active in ends:
+                seq = order if end == "first" else order[::-1]
+                gathers = self.m.new_bool_var(f"gather_{end}[{r},{g}]")
+                for i, k in enumerate(seq):
+                    if k in whole:
+                        self.m.add(gathers + sum(self.u[r][j] for j in seq[:i]) >= 1).only_enforce_if(
+                            [self.u[r][k], self.y[r][g], active])
+                terms.append(p.gather_us[g] * gathers)
+        return sum(terms)
 
     def _at_least_each_layer(self, var: cp_model.IntVar, r: int, field: str) -> None:
         """var >= ``field`` of every layer slot r holds, on the group it sits on (the objective

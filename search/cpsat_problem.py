@@ -10,8 +10,8 @@ from typing import Sequence
 
 from partita.cluster import NodeGroup
 from partita.plan import LayerStrategy
-from partita.search.costs import (CostModel, activation_message_bytes, boundary_s, canonical_order, choice_of,
-                                  stage_cost_counts)
+from partita.search.costs import (CostModel, activation_message_bytes, boundary_gather_s, boundary_s, boundary_split,
+                                  canonical_order, choice_of, gives_whole, stage_cost_counts)
 from partita.search.uniform import (SearchSpace, batch_shares, batch_splits, divisors, hosts, device_price, layer_tp,
                                     max_stages, sp_choices, stage_sizes, tp_allowed)
 from partita.units import capacity_grains, to_grains, to_us
@@ -76,7 +76,7 @@ class Problem:
     block: LayerTable
     embed: LayerTable
     head: LayerTable
-    p2p_us: tuple[tuple[int, ...], ...]  # [g][h] send + receive between a stage on g and the next on h
+    p2p_us: tuple[tuple[int, ...], ...]  # [g][h] the transfers of one side of a boundary from a stage on g to one on h
     capacity_bytes: tuple[int, ...]  # per group, minus the reserve
     lower_bound_us: int
     tied: bool = False  # embedding and head share one weight
@@ -88,7 +88,11 @@ class Problem:
     extra_middle: tuple[int, ...] = ()
     extra_last: tuple[tuple[int, ...], ...] = ()
     extra_alone: tuple[tuple[int, ...], ...] = ()
-    output_bytes: int = 0  # a stage's output (micro_batch x seq x hidden), kept per micro-batch in flight
+    output_bytes: int = 0  # a stage's output (micro_batch x seq x hidden, or its 1/tp shard), kept per micro-batch in flight
+    # [g]: one all-gather of a split boundary's shards on group g (0: boundaries carry whole
+    # hidden states), paid by a stage for each end block that is not sequence-parallel
+    # (``costs.boundary_gathers``): its first if it receives, its last if it sends.
+    gather_us: tuple[int, ...] = ()
     step_overhead_us: int = 0  # the fixed per-step overhead (CostModel.step_overhead_s)
     # A subproblem of the shape (``edge_levels``): only the choices whose exposed ZeRO edge is
     # at most the ceiling, and the edge term Z at least the floor; None: the whole shape.
@@ -147,8 +151,12 @@ def layer_table(cm: CostModel, role: str, shape: Shape, groups: Sequence[NodeGro
                 cols["tied"].append(to_us(cm.tied_sync_s(g, dp=shape.dp, tp=s.tensor_parallel, zero=s.zero)))
         for k in rows:
             rows[k].append(cols[k])
+    # A block at a stage's end that gives whole hidden states adds an all-gather at a split
+    # boundary (``costs.boundary_gathers``): it dominates no sequence-parallel block.
+    split = role == "block" and boundary_split(cm.seq_len, shape.tp) > 1
+    whole = [int(split and gives_whole(s.tensor_parallel, s.sequence_parallel)) for s in strategies]
     keep = list(range(len(strategies))) if cm.model.tie_embeddings and role != "block" else undominated([[rows[k][g][j] for k in ("time", "opt", "static", "act", "gath", "edge", "sync") for g in range(len(groups))]
-                        + [-rows["win"][g][j] for g in range(len(groups))]
+                        + [-rows["win"][g][j] for g in range(len(groups))] + [whole[j]]
                         for j in range(len(strategies))])
     strategies = [strategies[j] for j in keep]
     tup = lambda k: tuple(tuple(r[j] for j in keep) for r in rows[k])  # noqa: E731
@@ -221,7 +229,8 @@ def build_problem(cm: CostModel, shape: Shape, space: SearchSpace) -> Problem | 
                    extra_middle=tuple(extra(g, False, False) for g in range(len(groups))),
                    extra_last=tuple(tuple(extra(g, False, True, k) for k in heads) for g in range(len(groups))),
                    extra_alone=tuple(tuple(extra(g, True, True, k) for k in heads) for g in range(len(groups))),
-                   output_bytes=to_grains(activation_message_bytes(cm, shape.micro_batch)),
+                   output_bytes=to_grains(activation_message_bytes(cm, shape.micro_batch, shape.tp)),
+                   gather_us=tuple(_gather_us(cm, g, shape) for g in groups),
                    step_overhead_us=to_us(cm.step_overhead_s), price_cap=space.price_cap,
                    stage_price=tuple(shape.stage_size * device_price(g) for g in groups)
                    if space.price_cap is not None else ())
@@ -289,8 +298,16 @@ def _stage_extra_bytes(cm: CostModel, shape: Shape, groups: Sequence[NodeGroup],
 
 
 def _p2p_us(cm: CostModel, a: NodeGroup, b: NodeGroup, shape: Shape) -> int:
-    """One side of the boundary between a stage on ``a`` and the next on ``b`` (each side pays it)."""
+    """The transfers of one side of the boundary between a stage on ``a`` and the next on ``b``
+    (each side pays them)."""
     return to_us(boundary_s(cm, a, b, dp=shape.dp, tp=shape.tp, micro_batch=shape.micro_batch))
+
+
+def _gather_us(cm: CostModel, g: NodeGroup, shape: Shape) -> int:
+    """One all-gather at a split boundary by a stage on ``g`` (0 where boundaries do not split)."""
+    if boundary_split(cm.seq_len, shape.tp) == 1:
+        return 0
+    return to_us(boundary_gather_s(cm, g, tp=shape.tp, micro_batch=shape.micro_batch))
 
 
 def _slots(cm: CostModel, shape: Shape, space: SearchSpace, per_group: Sequence[int]) -> int:

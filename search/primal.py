@@ -20,8 +20,8 @@ plans, in three steps, each a lower-level function here:
    depth and some placement of slots on groups (each within its number of stages) holds every
    block: a dynamic programme over slots and the stages used per group
    (``cpsat_fit.pipeline_reach``), inside a 32-way search over the curves' values. Each
-   stage's time counts its boundaries at the dearest partner group, so it holds wherever its
-   neighbours are.
+   stage's time counts its boundaries' transfers at the dearest partner group, so it holds
+   wherever its neighbours are, and the all-gathers of its mix's end blocks.
 3. **blocks** (``deal_blocks``): with the slots placed, the blocks are dealt for the least total
    time with every stage within tau (a min-plus pass over the slots).
 
@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from partita.plan import LayerStrategy
+from partita.search.costs import gives_whole
 from partita.search.cpsat_fit import pipeline_reach
 from partita.search.cpsat_problem import Problem
 from partita.search.uniform import Layout
@@ -203,8 +204,11 @@ def _undominated(p: Problem, g: int, order: list[int]) -> list[int]:
     term on group g (fewer pairs to try; of ties the first is kept). With the edge among them, a
     subproblem that allows a choice allows the choices that dominate it."""
     b = p.block
+    # A block that gives whole hidden states may add an all-gather at a stage's end (``_end_gathers_us``).
+    whole = lambda j: int(any(p.gather_us) and gives_whole(b.strategies[j].tensor_parallel,  # noqa: E731
+                                                             b.strategies[j].sequence_parallel))
     vec = {j: (b.time_us[g][j], b.static_bytes[g][j], b.act_bytes[g][j], b.transient_bytes[g][j],
-               b.edge_us[g][j] if b.edge_us else 0) for j in order}
+               b.edge_us[g][j] if b.edge_us else 0, whole(j)) for j in order}
     return _pareto(vec)
 
 
@@ -337,7 +341,8 @@ def _plans_for(p: Problem, curves: list, caps: tuple[int, ...]) -> list[Layout]:
         for g in range(G):
             for place in (0, 1):
                 boundary = (send[g] if r > 0 else 0) + (receive[g] if place == 0 and r + 1 < K else 0)
-                times[r, g, place] = curves[r][g][place].time_us + boundary
+                gathers = _end_gathers_us(p, g, curves[r][g][place], receives=place == 0, sends=r > 0)
+                times[r, g, place] = curves[r][g][place].time_us + boundary + gathers
     times[K - 1, :, 0] = INF  # the deepest slot can only be the first stage
     depths = sorted(set(p.pipeline) if p.pipeline else range(1, K + 1))
     found = pipeline_slots(times, caps, p.n_blocks, depths)
@@ -355,6 +360,19 @@ def _plans_for(p: Problem, curves: list, caps: tuple[int, ...]) -> list[Layout]:
         out.append(_layout(p, [(g, curves[r][g][place], n)
                                for r, (g, place, n) in enumerate(zip(groups, places, counts))]))
     return out
+
+
+def _end_gathers_us(p: Problem, g: int, curve: SlotCurve, *, receives: bool, sends: bool) -> np.ndarray | int:
+    """[n]: the all-gathers a stage's end blocks run at split boundaries (``costs.boundary_gathers``),
+    for the mix the curve takes at each n: its first choice starts the stage (its second when it
+    has none of the first), its second ends it (its first when it has none of the second)."""
+    if not p.gather_us or not p.gather_us[g]:
+        return 0
+    whole = np.array([gives_whole(s.tensor_parallel, s.sequence_parallel) for s in p.block.strategies] + [False])
+    n = np.arange(len(curve.time_us))
+    first = np.where(curve.first_count > 0, curve.first, curve.second)  # index -1: the pad
+    last = np.where((curve.second >= 0) & (curve.first_count < n), curve.second, curve.first)
+    return p.gather_us[g] * (receives * whole[first].astype(int) + sends * whole[last].astype(int))
 
 
 def _layout(p: Problem, slots: list[tuple[int, SlotCurve, int]]) -> Layout:

@@ -31,7 +31,12 @@ CFG = TrainConfig(steps=2, warmup_steps=1, lr=1e-3, memory_report=True)
 MEMORY_PLANS = PLANS | {"bf16-zero1": make_plan(SMALL, dp=2, layer=dict(zero=1), dtype="bf16"),
                         "bf16-pp-tp": make_plan(SMALL, pp=2, tp=2, boundaries=[2], num_micro_batches=3,
                                                 layer=dict(tensor_parallel=2, sequence_parallel=True), dtype="bf16"),
-                        "interleaved": interleaved(make_plan(SMALL, pp=2, num_micro_batches=4), [[2, 1], [1, 2]])}
+                        "interleaved": interleaved(make_plan(SMALL, pp=2, num_micro_batches=4), [[2, 1], [1, 2]]),
+                        # stage ends without sequence parallelism: the boundary's shards gathered
+                        # (the receiver's gathered input is its first block's), its receive buffers
+                        # and kept outputs 1/tp of the hidden states
+                        "pp-tp-whole-ends": make_plan(SMALL, pp=2, tp=2, boundaries=[2], num_micro_batches=3,
+                                                      layer=dict(tensor_parallel=2))}
 
 
 def _measure_rank(rank: int, plan_dict: dict, cfg: TrainConfig) -> dict:
