@@ -74,7 +74,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections import Counter
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Iterable, Mapping, NamedTuple, Sequence

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 from partita.cluster import ClusterSpec
 from partita.errors import InfeasibleError, PartitaError
@@ -218,7 +220,30 @@ def attach_prediction(plan: Plan, cm: CostModel, ev: Evaluation | None = None) -
     return dataclasses.replace(plan, prediction=pred, cost_sources=cm.cost_sources())
 
 
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector paused (and resumed after): a search allocates millions
+    of short-lived objects that reference counting frees, and the collector's passes over them
+    find little but cost 15-25 % of a large search's CPU (benchmarks/search_targets.py, median of
+    three runs each: the mixed-cluster instance 10.7 -> 9.0 s, gpt3-175b 3.4 -> 2.6 s; peak
+    memory +220 MB)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def make_plan(req: PlanRequest, progress: Callable[[str], None] | None = None) -> tuple[Plan, UniformResult]:
+    """Run the search the request asks for and return a validated plan and the uniform result
+    (with the garbage collector paused: ``collector_paused``)."""
+    with collector_paused():
+        return _make_plan(req, progress)
+
+
+def _make_plan(req: PlanRequest, progress: Callable[[str], None] | None = None) -> tuple[Plan, UniformResult]:
     """Run the search the request asks for and return a validated plan and the uniform result.
 
     Context parallelism is searched degree by degree (``context_options``): the search runs on

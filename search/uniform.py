@@ -11,6 +11,7 @@ warm start, fallback and yardstick.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import time
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
@@ -19,7 +20,7 @@ from partita.cluster import ClusterSpec, NodeGroup
 from partita.errors import InfeasibleError, PartitaError
 from partita.model import ModelSpec
 from partita.plan import LayerStrategy
-from partita.search.costs import CostModel, LayerChoice, choice_of
+from partita.search.costs import CostModel, LayerChoice, choice_of, in_flight
 from partita.search.evaluate import Evaluation, evaluate_counts
 from partita.units import fmt_bytes
 
@@ -76,7 +77,7 @@ class UniformResult:
     best_eval: Evaluation | None
     evaluated: int
     wall_s: float
-    # The candidate closest to fitting, for the infeasibility message.
+    # The candidate closest to fitting, for the infeasibility message: kept while none fits.
     closest: Layout | None = None
     closest_eval: Evaluation | None = None
     # The best plan after rebalancing blocks between stages (a warm start for CP-SAT; the
@@ -87,6 +88,9 @@ class UniformResult:
     # Candidates not evaluated because their work bound (``work_bound_s``) could not beat the
     # best plan so far: neither could any split of their blocks or any pipeline schedule.
     skipped: int = 0
+    # Could not fit, nor be the closest to fitting (while none fits) or a split to rebalance:
+    # not evaluated.
+    skipped_memory: int = 0
 
     # The fastest pipelined candidates that fit, as (step time, candidate), for the interleaved
     # schedule's search (search/interleaved.py).
@@ -318,20 +322,39 @@ def uniform_search(cm: CostModel, *, global_batch: int, space: SearchSpace = Sea
             result.skipped += len(candidates) - i
             break
         blocks = split_blocks(model.n_layers, len(stage_groups))
+        # A candidate whose static state alone overflows a device cannot fit; it is evaluated
+        # only if it could still be the closest to fitting while nothing fits, or among the
+        # splits to rebalance (judged by lower bounds: ``static_over`` on its memory, the work
+        # bound on its step).
+        over = static_over(cm, stage_groups, choice, blocks, dp=dp, micro_batch=mb, num_micro_batches=m)
+        if over > 1 and not (
+                (result.best_eval is None
+                 and (result.closest_eval is None or over < result.closest_eval.peak_over_capacity))
+                or (len(stage_groups) > 1 and (len(promising) < REBALANCED
+                                               or bound * over ** 4 < -promising[0][0]))):
+            result.skipped_memory += 1
+            continue
         ev = evaluate_counts(cm, list(zip(stage_groups, stage_counts(choice, blocks))), dp=dp, tp=tp,
                              micro_batch=mb, num_micro_batches=m)
         result.evaluated += 1
         lazy = (stage_groups, blocks, tp, dp, mb, m, sp, zero, recompute)
         if len(stage_groups) > 1:
-            promising.append((_penalised(ev), lazy))
+            # The REBALANCED least penalised so far, in a heap keyed by minus the penalty (the
+            # worst kept on top); ties keep the earlier candidate, as a stable sort would.
+            item = (-_penalised(ev), -i, lazy)
+            if len(promising) < REBALANCED:
+                heapq.heappush(promising, item)
+            elif item[:2] > promising[0][:2]:
+                heapq.heapreplace(promising, item)
             if ev.fits:
                 result.pipelined.append((ev.step_time_s, lazy))
         if ev.fits:
             if result.best_eval is None or ev.step_time_s < result.best_eval.step_time_s:
                 result.best, result.best_eval = lazy, ev
-        elif result.closest_eval is None or ev.peak_over_capacity < result.closest_eval.peak_over_capacity:
+        elif result.best_eval is None and (result.closest_eval is None
+                                           or ev.peak_over_capacity < result.closest_eval.peak_over_capacity):
             result.closest, result.closest_eval = lazy, ev
-    promising.sort(key=lambda t: t[0])
+    promising = [(-neg, lazy) for neg, _, lazy in sorted(promising, key=lambda t: (-t[0], -t[1]))]
     result.pipelined = sorted(result.pipelined, key=lambda t: t[0])[:PIPELINED_KEPT]
     for _, lazy in promising[:REBALANCED]:
         if deadline is not None and time.perf_counter() > deadline:
@@ -344,6 +367,22 @@ def uniform_search(cm: CostModel, *, global_batch: int, space: SearchSpace = Sea
     result.balanced = _layout(model, *result.balanced) if result.balanced else None
     result.wall_s = time.perf_counter() - start
     return result
+
+
+def static_over(cm: CostModel, stage_groups: Sequence[NodeGroup], choice: dict[str, LayerChoice],
+                blocks: Sequence[int], *, dp: int, micro_batch: int, num_micro_batches: int) -> float:
+    """A lower bound on the candidate's ``Evaluation.peak_over_capacity``: every stage holds
+    its blocks' weights, gradients and optimizer state through the step, its device's reserve,
+    and at its 1F1B peak all the activations of the micro-batches in flight but the running
+    one (tests/test_search_space.py checks it against the evaluator on whole grids)."""
+    worst, pp = 0.0, len(stage_groups)
+    for i, (group, n) in enumerate(zip(stage_groups, blocks)):
+        mem = cm.layer_memory_of(choice["block"], group.device, dp=dp, micro_batch=micro_batch,
+                                 num_micro_batches=num_micro_batches)
+        waiting = in_flight(i, pp, num_micro_batches) - 1
+        held = n * (mem.weights + mem.gradients + mem.optimizer + waiting * mem.activations) + cm.reserve_bytes(group)
+        worst = max(worst, held / group.memory_bytes)
+    return worst
 
 
 def work_bound_s(cm: CostModel, stage_groups: Sequence[NodeGroup], choice: dict[str, LayerChoice], *, dp: int,

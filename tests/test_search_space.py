@@ -107,9 +107,10 @@ def test_twenty_nodes_are_never_worse_than_sixteen():
     validate_plan(big, model, parse_short("20x4xA100-40GB"))
 
 
-@pytest.mark.parametrize("model_name,cluster_text,global_batch", [("llama-2-7b", "1x8xH100+1x8xA100-40GB", 64),
-                                                                  ("gpt2-medium", "3x4xA100-40GB", 48)])
-def test_the_work_bound_the_grid_skips_by_is_below_every_candidates_step(model_name, cluster_text, global_batch):
+@pytest.mark.parametrize("model_name,cluster_text,global_batch,overflows",
+                         [("llama-2-7b", "1x8xH100+1x8xA100-40GB", 64, True), ("gpt2-medium", "3x4xA100-40GB", 48, False)])
+def test_the_work_bound_the_grid_skips_by_is_below_every_candidates_step(model_name, cluster_text, global_batch,
+                                                                          overflows):
     """The uniform grid skips a candidate whose work bound cannot beat its best plan so far
     (``uniform.work_bound_s``): a bound on every split of its blocks and every schedule, so in
     particular on the candidate itself, as evaluated."""
@@ -119,7 +120,7 @@ def test_the_work_bound_the_grid_skips_by_is_below_every_candidates_step(model_n
 
     model = load_model(model_name)
     cm = CostModel(model, parse_short(cluster_text), seq_len=model.seq_len)
-    space, checked = SearchSpace(), 0
+    space, checked, overflowing = SearchSpace(), 0, 0
     for stage_groups, tp, dp, mb, m in u.grid(cm, global_batch, space):
         blocks = u.split_blocks(model.n_layers, len(stage_groups))
         for zero in u.zero_levels(space, global_batch, dp, mb, m):
@@ -132,8 +133,22 @@ def test_the_work_bound_the_grid_skips_by_is_below_every_candidates_step(model_n
                                          micro_batch=mb, num_micro_batches=m)
                     bound = u.work_bound_s(cm, stage_groups, choice, dp=dp, micro_batch=mb, num_micro_batches=m)
                     assert bound <= ev.step_time_s * (1 + 1e-12), (stage_groups, tp, dp, mb, m, zero, recompute, sp)
+                    # ... and the static-memory bound below every candidate's peak over capacity
+                    over = u.static_over(cm, stage_groups, choice, blocks, dp=dp, micro_batch=mb,
+                                         num_micro_batches=m)
+                    assert over <= ev.peak_over_capacity * (1 + 1e-12), (stage_groups, tp, dp, mb, m, zero, sp)
                     checked += 1
-    assert checked > 100
-    # ... and skipping by it changes nothing the grid reports.
+                    overflowing += over > 1
+    assert checked > 100 and (overflowing > 0) == overflows
+    # ... and skipping by them changes nothing the grid reports.
     result = u.uniform_search(cm, global_batch=global_batch, space=space)
-    assert result.skipped > 0 and result.evaluated + result.skipped == checked
+    assert result.skipped > 0 and result.evaluated + result.skipped + result.skipped_memory == checked
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(u, "static_over", lambda *a, **k: 0.0)  # nothing skipped for its memory
+        every = u.uniform_search(cm, global_batch=global_batch, space=space)
+    assert every.skipped_memory == 0
+    for field in ("best", "balanced"):
+        assert getattr(result, field) == getattr(every, field), field
+        a, b = getattr(result, field + "_eval"), getattr(every, field + "_eval")
+        assert (a and a.step_time_s) == (b and b.step_time_s), field
+    assert result.pipelined == every.pipelined
