@@ -16,7 +16,7 @@ import types
 import pytest
 
 from partita.cli import main
-from partita.export import blocks_per_stage, export_plan, uniform
+from partita.export import blocks_per_stage, export_plan, resplit, uniform
 from partita.export_megatron import arguments, layout
 from partita.model import load_model
 from partita.plan import Plan
@@ -98,8 +98,10 @@ def test_megatron_arguments_are_flags_megatron_declares(plans, tmp_path):
 
 
 def _selective(path, zero: int):
-    """The plan with every block selectively recomputed, one SP setting and ZeRO level for all."""
+    """The plan as 1F1B (whatever schedule the search gave it: the zero-bubble ones take no
+    recomputation), every block selectively recomputed, one SP setting and ZeRO level for all."""
     p = Plan.load(path)
+    p = resplit(p, blocks_per_stage(p))
     return uniform(p, load_model("llama-3-8b"), sequence_parallel=p.tp > 1, zero=zero,
                    recompute=lambda s, b: "selective")
 
