@@ -173,17 +173,25 @@ def assert_trains_like_one_process(plan: Plan, cfg, metrics_dir) -> None:
     losses, rank 0's gradient norms (before clipping) and every parameter agree, and training
     moved. ``cfg`` gets its metrics file in ``metrics_dir``."""
     import dataclasses
-    import json
-
-    import pytest
 
     path = Path(metrics_dir) / "metrics.jsonl"
     cfg = dataclasses.replace(cfg, metrics=str(path))
     losses, params = run_parallel(plan, cfg)
+    assert_matches_one_process(plan, cfg, losses, params)
+
+
+def assert_matches_one_process(plan: Plan, cfg, losses: list[float], params: dict) -> None:
+    """What a parallel run of ``plan`` gave (its losses, every parameter by name, rank 0's
+    gradient norms in ``cfg.metrics``) against one process (``run_reference``): they agree, and
+    training moved."""
+    import json
+
+    import pytest
+
     ref_norms: list[float] = []
     ref_losses, ref_params = run_reference(plan, cfg, ref_norms)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-5)
-    records = [json.loads(line) for line in path.read_text().splitlines()]
+    records = [json.loads(line) for line in Path(cfg.metrics).read_text().splitlines()]
     norms = [r["grad_norm"] for r in sorted(records, key=lambda r: r["step"]) if r["rank"] == 0]
     assert norms == pytest.approx(ref_norms, rel=1e-4)
     if "head.output.weight" in params and "head.output.weight" not in ref_params:  # a tied head's copy
