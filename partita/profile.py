@@ -242,6 +242,10 @@ class Profile:
     comm: tuple[CommCost, ...] = ()
     calibration: Calibration | None = None
     attention: tuple[AttentionCost, ...] = ()  # long-sequence attention cores; absent from the file when empty
+    # Host time per dispatched eager op, as `partita profile` measured it on the device
+    # (``runtime.commprobe.op_overhead_of``); the per-op floor of analytic layers when the
+    # profile has no calibration. Absent from the file when None.
+    op_overhead_s: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = {"schema_version": self.schema_version, "device": self.device, "dtype": self.dtype,
@@ -251,6 +255,8 @@ class Profile:
             d["calibration"] = self.calibration.to_dict()
         if self.attention:  # likewise
             d["attention"] = [a.to_dict() for a in self.attention]
+        if self.op_overhead_s is not None:  # likewise
+            d["op_overhead_s"] = self.op_overhead_s
         return d
 
     @classmethod
@@ -273,7 +279,9 @@ class Profile:
                    calibration=Calibration.from_dict(data["calibration"], f"{where}: calibration")
                    if data.get("calibration") is not None else None,
                    attention=tuple(AttentionCost.from_dict(a, f"{where}: attention[{i}]")
-                                   for i, a in enumerate(attention)))
+                                   for i, a in enumerate(attention)),
+                   op_overhead_s=specio.get_float(data, "op_overhead_s", where)
+                   if data.get("op_overhead_s") is not None else None)
 
     def save(self, path: str | Path) -> None:
         specio.save_yaml(self.to_dict(), path)

@@ -100,6 +100,7 @@ def profile_command(args: argparse.Namespace) -> int:
             return 0  # a torchrun rank other than 0: rank 0 measures the layers and writes the file
         measurements = _measure_layers(spec, layer_opts) if layer_opts else []
         attention = _measure_attention(spec, attention_opts) if attention_opts else []
+        op_overhead = _measure_op_overhead(spec, device) if layer_opts else None
     finally:
         torch.set_num_threads(threads_before)
     elapsed = time.perf_counter() - started
@@ -109,10 +110,20 @@ def profile_command(args: argparse.Namespace) -> int:
 
     profile = Profile(device=catalog, dtype=dtype,
                       provenance=provenance(device, dtype=dtype, command=_command_line(args), threads=threads),
-                      layers=tuple(m.cost for m in measurements), comm=fit_comm(samples), attention=tuple(attention))
+                      layers=tuple(m.cost for m in measurements), comm=fit_comm(samples), attention=tuple(attention),
+                      op_overhead_s=op_overhead)
     profile.save(output)
     _report(profile, measurements, samples, elapsed, args.output)
     return 0
+
+
+def _measure_op_overhead(spec: ModelSpec, device) -> float:
+    """The host's time per dispatched eager op on this device, on the model's block shrunk
+    until its kernels take next to nothing (``runtime.commprobe.op_overhead_of``): the per-op
+    floor the cost model puts under analytic layers (``search/timing.py``)."""
+    from partita.runtime.commprobe import op_overhead_of
+
+    return op_overhead_of(spec, device)
 
 
 def _measure_comm(opts, nproc: int, threads: int | None) -> list | None:
@@ -344,6 +355,8 @@ def _report(profile: Profile, measurements: list, samples: list, elapsed: float,
         for c in profile.comm:
             t.add_row(c.op, c.link, str(c.ranks), fmt_seconds(c.latency_s), f"{c.bandwidth_gbps:.2f} GB/s")
         console.print(t)
+    if profile.op_overhead_s is not None:
+        console.print(f"host time per eager op: {fmt_seconds(profile.op_overhead_s)} (the per-op floor of analytic layers)")
     console.print(f"wrote {output}: {len(profile.layers)} layer points, {len(profile.attention)} attention points, "
                   f"{len(profile.comm)} collective fits "
                   f"({len(samples)} sizes measured); profiling took {elapsed:.1f} s")

@@ -147,13 +147,17 @@ class OpCounter(TorchDispatchMode):
 
 
 def probe_op_overhead(plan: Plan, device: torch.device, iterations: int = 20) -> float:
+    """``op_overhead_of`` the plan's model."""
+    return op_overhead_of(ModelSpec.from_dict(plan.model), device, iterations)
+
+
+def op_overhead_of(spec: ModelSpec, device: torch.device, iterations: int = 20) -> float:
     """Seconds of host time per dispatched op of this model's block, measured on a copy of the
     block shrunk until its kernels take next to nothing (the same modules, hence the same ops,
     autograd and Python around them): the median of ``iterations`` forward + backward passes
     divided by the ops they dispatch (counted once with a dispatch mode)."""
     from partita.runtime.models import build_layer
 
-    spec = ModelSpec.from_dict(plan.model)
     group = spec.heads // spec.kv_heads
     small = dataclasses.replace(spec, name=f"{spec.name}-probe", hidden=4 * 2 * group, heads=2 * group, kv_heads=2,
                                 ffn=16, vocab=32, seq_len=8)

@@ -321,12 +321,17 @@ class CostModel:
         return profile is not None and profile.calibration is not None and profile.dtype == self.dtype
 
     def time_constants(self, device: str) -> TimeConstants:
-        """The device type's time constants: its profile's calibration, else the defaults."""
+        """The device type's time constants: its profile's calibration, else the defaults, with
+        the per-op overhead its profile measured (``Profile.op_overhead_s``) if it did."""
         if self._calibrated(device):
             cal = self.profiles[device].calibration
             return TimeConstants(compute_scale=cal.compute_scale, op_overhead_s=cal.op_overhead_s,
                                  overlap_slowdown=cal.overlap_slowdown, step_overhead_s=cal.step_overhead_s)
-        return default_constants(get_device(device).is_cpu)
+        defaults = default_constants(get_device(device).is_cpu)
+        profile = self.profiles.get(device)
+        if profile is not None and profile.op_overhead_s is not None:
+            return dataclasses.replace(defaults, op_overhead_s=profile.op_overhead_s)
+        return defaults
 
     def weight_stream_gbps(self, device: str) -> float | None:
         """The bandwidth passes over the weights and the optimizer's state stream at on a CPU

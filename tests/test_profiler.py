@@ -193,3 +193,28 @@ def test_missing_output_directory_is_one_line_exit_2(capsys, tmp_path):
     out = tmp_path / "no" / "p.yaml"
     assert partita_main(["profile", "--model", "tiny-llama", "--device", "cpu", "-o", str(out)]) == 2
     assert "no such directory" in one_error_line(capsys)
+
+
+def test_the_host_time_per_op_is_measured_and_floors_analytic_layers(tiny_llama_profile):
+    """`partita profile` measures the host's time per eager op on the device; a cost model with
+    the profile puts it under the layers the profile did not measure, and a profile without it
+    (older, or --comm-only) keeps its file and fingerprint as they were."""
+    import dataclasses
+
+    from partita.cluster import parse_short
+    from partita.model import load_model
+    from partita.search.costs import CostModel
+    from partita.search.timing import default_constants
+
+    profile, path = tiny_llama_profile
+    assert profile.op_overhead_s is not None and 1e-7 < profile.op_overhead_s < 1e-3
+    assert Profile.load(path).op_overhead_s == profile.op_overhead_s
+    # Another model on the same device: every layer analytic, floored by the measured overhead.
+    cm = CostModel(load_model("tiny-gpt2"), parse_short("2xcpu"), seq_len=64, dtype=profile.dtype,
+                   profiles=(profile,))
+    assert cm.time_constants("cpu").op_overhead_s == profile.op_overhead_s
+    plain = CostModel(load_model("tiny-gpt2"), parse_short("2xcpu"), seq_len=64, dtype=profile.dtype)
+    assert plain.time_constants("cpu") == default_constants(on_cpu=True)
+    older = dataclasses.replace(profile, op_overhead_s=None)
+    assert "op_overhead_s" not in older.to_dict()
+    assert Profile.from_dict(older.to_dict()).fingerprint == older.fingerprint
