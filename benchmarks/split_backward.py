@@ -13,8 +13,8 @@ start) and a walk over the stage's nodes: ``groups x (A + B x nodes)`` op overhe
 ``groups`` the parameter tensors of the (virtual) stage and ``nodes`` its forward's eager ops.
 
 This script measures it on the host alone: a stack of L blocks shrunk until their kernels take
-next to nothing (the same modules, hence the same ops and autograd graph, as
-``runtime.commprobe.probe_op_overhead`` measures the per-op overhead on), L = 1, 2, 4, 8, 16; for
+next to nothing (the same modules, hence the same ops and autograd graph; the shrunk model the
+per-op overhead is measured on, ``runtime.commprobe.probe_spec``), L = 1, 2, 4, 8, 16; for
 each, the median over interleaved repeats of one plain backward and one split backward (time
 spent waiting for a core taken off, ``runtime.phases.RunQueueDelay``); the per-op overhead of the
 same stacks' plain forward and backward; and the least-squares A and B. ``--full`` also times
@@ -25,7 +25,6 @@ to show what the host term does not cover there.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import sys
@@ -37,18 +36,11 @@ from torch import nn
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from partita.model import load_model
-from partita.runtime.commprobe import OpCounter
+from partita.runtime.commprobe import OpCounter, probe_spec
 from partita.runtime.models import build_layer, init_layer
 from partita.runtime.phases import RunQueueDelay
 
 BLOCKS = (1, 2, 4, 8, 16)
-
-
-def shrunk(spec):
-    """The model's block shrunk as ``probe_op_overhead`` shrinks it."""
-    group = spec.heads // spec.kv_heads
-    return dataclasses.replace(spec, name=f"{spec.name}-probe", hidden=4 * 2 * group, heads=2 * group, kv_heads=2,
-                               ffn=16, vocab=32, seq_len=8)
 
 
 def measure(spec, n_blocks: int, batch: int, device: torch.device, repeats: int) -> dict:
@@ -133,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cpu":
         torch.set_num_threads(1)  # as a CPU rank runs
     torch.manual_seed(0)
-    spec = shrunk(load_model(args.model))
+    spec = probe_spec(load_model(args.model))
     rows = [measure(spec, n, 1, device, args.repeats) for n in BLOCKS]
     overhead = statistics.median(r["op_overhead_s"] for r in rows)
     a, b = fit(rows, overhead)

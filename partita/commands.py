@@ -499,12 +499,8 @@ def calibrate(args: argparse.Namespace) -> int:
         raise PartitaError(f"-o {output}: cannot write the profile ({e.strerror or e})") from None
     cal = profile.calibration
     assert cal is not None
-    t = Table(title=f"calibration of {profile.device} ({profile.dtype}) on {len(runs)} run(s)", title_justify="left")
-    for col in ("run", "observation", "predicted", "measured", "error"):
-        t.add_column(col, justify="left" if col in ("run", "observation") else "right")
-    for run_id, what, predicted, measured in table:
-        t.add_row(run_id, what, fmt_seconds(predicted), fmt_seconds(measured), f"{(predicted / measured - 1) * 100:+.1f}%")
-    console.print(t)
+    console.print(_prediction_table(f"calibration of {profile.device} ({profile.dtype}) on {len(runs)} run(s)",
+                                    table))
     for name in cal.CONSTANTS + cal.OPTIONAL:
         value = getattr(cal, name)
         if value is None:
@@ -515,15 +511,20 @@ def calibrate(args: argparse.Namespace) -> int:
         console.print(f"  {c.op} on {c.ranks} {c.link} ranks: {c.latency_s * 1e6:.0f} us + bytes / {c.bandwidth_gbps:.3g} GB/s")
     console.print(f"median |error| {cal.error:.1%}\nwrote {output}")
     if held_out:
-        t = Table(title="not fitted on: predicted by the new profile", title_justify="left")
-        for col in ("run", "observation", "predicted", "measured", "error"):
-            t.add_column(col, justify="left" if col in ("run", "observation") else "right")
-        for path, run in zip(args.check, held_out):
-            for what, predicted, measured in predictions(run, profile):
-                t.add_row(path, what, fmt_seconds(predicted), fmt_seconds(measured),
-                          f"{(predicted / measured - 1) * 100:+.1f}%")
-        console.print(t)
+        console.print(_prediction_table("not fitted on: predicted by the new profile",
+                                        [(path, *row) for path, run in zip(args.check, held_out)
+                                         for row in predictions(run, profile)]))
     return 0
+
+
+def _prediction_table(title: str, rows) -> Table:
+    """(run, observation, predicted s, measured s) rows, with each prediction's error."""
+    t = Table(title=title, title_justify="left")
+    for col in ("run", "observation", "predicted", "measured", "error"):
+        t.add_column(col, justify="left" if col in ("run", "observation") else "right")
+    for run, what, predicted, measured in rows:
+        t.add_row(run, what, fmt_seconds(predicted), fmt_seconds(measured), f"{(predicted / measured - 1) * 100:+.1f}%")
+    return t
 
 
 # ---- partita check / show ------------------------------------------------------------------

@@ -87,6 +87,13 @@ def boundary_split(tokens: int, tp: int) -> int:
     return tp if tp > 1 and tokens % tp == 0 else 1
 
 
+def gives_whole(tensor_parallel: int, sequence_parallel: bool) -> bool:
+    """Whether a layer takes and gives whole hidden states (it is not sequence-parallel, or not
+    tensor-parallel at all) rather than this rank's sequence shard: the runtime's layouts
+    (``runtime.parallelize``) and the cost model's boundary gathers (``search.costs``)."""
+    return not (tensor_parallel > 1 and sequence_parallel)
+
+
 @dataclass(frozen=True, kw_only=True)
 class LayerStrategy:
     name: str

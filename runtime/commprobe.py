@@ -151,6 +151,14 @@ def probe_op_overhead(plan: Plan, device: torch.device, iterations: int = 20) ->
     return op_overhead_of(ModelSpec.from_dict(plan.model), device, iterations)
 
 
+def probe_spec(spec: ModelSpec) -> ModelSpec:
+    """The model shrunk until its block's kernels take next to nothing, with the same modules,
+    ops, grouped-query ratio and autograd graph: what host time per op is measured on."""
+    group = spec.heads // spec.kv_heads
+    return dataclasses.replace(spec, name=f"{spec.name}-probe", hidden=4 * 2 * group, heads=2 * group, kv_heads=2,
+                               ffn=16, vocab=32, seq_len=8)
+
+
 def op_overhead_of(spec: ModelSpec, device: torch.device, iterations: int = 20) -> float:
     """Seconds of host time per dispatched op of this model's block, measured on a copy of the
     block shrunk until its kernels take next to nothing (the same modules, hence the same ops,
@@ -158,9 +166,7 @@ def op_overhead_of(spec: ModelSpec, device: torch.device, iterations: int = 20) 
     divided by the ops they dispatch (counted once with a dispatch mode)."""
     from partita.runtime.models import build_layer
 
-    group = spec.heads // spec.kv_heads
-    small = dataclasses.replace(spec, name=f"{spec.name}-probe", hidden=4 * 2 * group, heads=2 * group, kv_heads=2,
-                                ffn=16, vocab=32, seq_len=8)
+    small = probe_spec(spec)
     block = build_layer(small, "block", device=device)
     block = block.to_empty(device=device)
     with torch.no_grad():

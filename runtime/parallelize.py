@@ -44,7 +44,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                RowwiseParallel, SequenceParallel, parallelize_module)
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from partita.plan import LayerStrategy, Plan, Stage
+from partita.plan import LayerStrategy, Plan, Stage, gives_whole
 from partita.runtime.mesh import Meshes
 from partita.runtime.models import Transformer, materialize
 
@@ -81,7 +81,7 @@ def keep_stage_layers(model: Transformer, stage: Stage) -> Transformer:
 
 
 def _layout(strategy: LayerStrategy) -> str:
-    return SEQ if strategy.tensor_parallel > 1 and strategy.sequence_parallel else FULL
+    return FULL if gives_whole(strategy.tensor_parallel, strategy.sequence_parallel) else SEQ
 
 
 def _block_styles(family: str, seq: bool) -> dict[str, object]:

@@ -82,7 +82,7 @@ from partita.cluster import ClusterSpec, NodeGroup
 from partita.devices import get_device
 from partita.errors import PartitaError
 from partita.model import LayerKind, ModelSpec
-from partita.plan import LayerStrategy, boundary_split
+from partita.plan import LayerStrategy, boundary_split, gives_whole
 from partita.profile import LayerCost, Profile, bus_bytes, layer_cost_at
 from partita.search.roofline import cpu_adam_s, cpu_weight_stream_s
 from partita.search.timing import (LINK_EFFICIENCY, OPTIMIZER_OPS_PER_TENSOR, Software, TimeConstants,
@@ -952,12 +952,6 @@ def boundary_gather_s(cm: CostModel, group: NodeGroup, *, tp: int, micro_batch: 
     the stage's tensor group (``boundary_gathers`` says how many a stage runs)."""
     return cm.collective_s("all_gather", activation_message_bytes(cm, micro_batch), tp, cm.tp_link(group, tp),
                            group.device)
-
-
-def gives_whole(tensor_parallel: int, sequence_parallel: bool) -> bool:
-    """Whether a layer takes and gives whole hidden states (it is not sequence-parallel, or not
-    tensor-parallel at all) rather than this rank's sequence shard."""
-    return not (tensor_parallel > 1 and sequence_parallel)
 
 
 def boundary_gathers(cm: CostModel, runs: Runs, *, tp: int, sends: bool) -> tuple[int, int]:

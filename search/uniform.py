@@ -322,11 +322,11 @@ def uniform_search(cm: CostModel, *, global_batch: int, space: SearchSpace = Sea
             result.skipped += len(candidates) - i
             break
         blocks = split_blocks(model.n_layers, len(stage_groups))
-        # A candidate whose static state alone overflows a device cannot fit; it is evaluated
-        # only if it could still be the closest to fitting while nothing fits, or among the
-        # splits to rebalance (judged by lower bounds: ``static_over`` on its memory, the work
-        # bound on its step).
-        over = static_over(cm, stage_groups, choice, blocks, dp=dp, micro_batch=mb, num_micro_batches=m)
+        # A candidate whose state and waiting activations alone overflow a device cannot fit;
+        # it is evaluated only if it could still be the closest to fitting while nothing fits,
+        # or among the splits to rebalance (judged by lower bounds: ``least_peak_over`` on its
+        # memory, the work bound on its step).
+        over = least_peak_over(cm, stage_groups, choice, blocks, dp=dp, micro_batch=mb, num_micro_batches=m)
         if over > 1 and not (
                 (result.best_eval is None
                  and (result.closest_eval is None or over < result.closest_eval.peak_over_capacity))
@@ -369,7 +369,7 @@ def uniform_search(cm: CostModel, *, global_batch: int, space: SearchSpace = Sea
     return result
 
 
-def static_over(cm: CostModel, stage_groups: Sequence[NodeGroup], choice: dict[str, LayerChoice],
+def least_peak_over(cm: CostModel, stage_groups: Sequence[NodeGroup], choice: dict[str, LayerChoice],
                 blocks: Sequence[int], *, dp: int, micro_batch: int, num_micro_batches: int) -> float:
     """A lower bound on the candidate's ``Evaluation.peak_over_capacity``: every stage holds
     its blocks' weights, gradients and optimizer state through the step, its device's reserve,

@@ -133,8 +133,8 @@ def test_the_work_bound_the_grid_skips_by_is_below_every_candidates_step(model_n
                                          micro_batch=mb, num_micro_batches=m)
                     bound = u.work_bound_s(cm, stage_groups, choice, dp=dp, micro_batch=mb, num_micro_batches=m)
                     assert bound <= ev.step_time_s * (1 + 1e-12), (stage_groups, tp, dp, mb, m, zero, recompute, sp)
-                    # ... and the static-memory bound below every candidate's peak over capacity
-                    over = u.static_over(cm, stage_groups, choice, blocks, dp=dp, micro_batch=mb,
+                    # ... and the memory bound (state and waiting activations) below every candidate's peak over capacity
+                    over = u.least_peak_over(cm, stage_groups, choice, blocks, dp=dp, micro_batch=mb,
                                          num_micro_batches=m)
                     assert over <= ev.peak_over_capacity * (1 + 1e-12), (stage_groups, tp, dp, mb, m, zero, sp)
                     checked += 1
@@ -144,7 +144,7 @@ def test_the_work_bound_the_grid_skips_by_is_below_every_candidates_step(model_n
     result = u.uniform_search(cm, global_batch=global_batch, space=space)
     assert result.skipped > 0 and result.evaluated + result.skipped + result.skipped_memory == checked
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(u, "static_over", lambda *a, **k: 0.0)  # nothing skipped for its memory
+        mp.setattr(u, "least_peak_over", lambda *a, **k: 0.0)  # nothing skipped for its memory
         every = u.uniform_search(cm, global_batch=global_batch, space=space)
     assert every.skipped_memory == 0
     for field in ("best", "balanced"):
