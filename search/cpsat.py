@@ -111,9 +111,9 @@ def solve_shape(p: Problem, *, upper_bound_us: int | None, hint: Layout | None, 
     solver.parameters.random_seed = seed
     solver.parameters.log_search_progress = False
     # One presolve pass: these models come out of it as small after one pass as after CP-SAT's
-    # default many, and the later passes cost more than the search they save (on the benchmark's
-    # mixed-cluster instance, 2.4 -> 1.6 s of solver CPU over its ten subproblems, the same
-    # statuses and bounds; benchmarks/search_targets.py).
+    # default many, and the later passes cost more than the search they save (the ten subproblems
+    # the mixed-cluster instance of benchmarks/search_targets.py solves, re-solved both ways by a
+    # one-off script not kept: 2.4 -> 1.6 s of solver CPU, the same statuses and bounds).
     solver.parameters.max_presolve_iterations = 1
     if p.slots <= FULL_LP_SLOTS:
         # The LP relaxation with every constraint's linearization from the start: on the

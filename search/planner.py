@@ -224,9 +224,9 @@ def attach_prediction(plan: Plan, cm: CostModel, ev: Evaluation | None = None) -
 def collector_paused() -> Iterator[None]:
     """Python's cyclic garbage collector paused (and resumed after): a search allocates millions
     of short-lived objects that reference counting frees, and the collector's passes over them
-    find little but cost 15-25 % of a large search's CPU (benchmarks/search_targets.py, median of
-    three runs each: the mixed-cluster instance 10.7 -> 9.0 s, gpt3-175b 3.4 -> 2.6 s; peak
-    memory +220 MB)."""
+    find little but cost 15-25 % of a large search's CPU (the benchmark's instances, timed with
+    and without it by a one-off script not kept, median of three runs each: the mixed-cluster
+    instance 10.7 -> 9.0 s, gpt3-175b 3.4 -> 2.6 s; peak memory +220 MB)."""
     was = gc.isenabled()
     gc.disable()
     try:
