@@ -70,12 +70,12 @@ from typing import Any, Mapping
 
 from partita import specio
 from partita.errors import PartitaError
+from partita.mesh import Mesh
+from partita.parallel import CP_VARIANTS, SCHEDULES
 
 SCHEMA_VERSION = 1
 ZERO_LEVELS = (0, 1, 2, 3)
 RECOMPUTE = ("none", "selective", "full")  # ``LayerStrategy.recompute``, least recomputed first
-SCHEDULES = ("1f1b", "interleaved-1f1b", "interleaved-zb", "zbv")
-CP_VARIANTS = ("all_to_all", "ring")  # ``Plan.cp_variant``
 
 
 def boundary_split(tokens: int, tp: int) -> int:
@@ -381,8 +381,13 @@ class Plan:
     solver: SolverReport | None = None
 
     @property
+    def mesh(self) -> Mesh:
+        """The plan's degrees as a ``Mesh``: the one thing that multiplies or spells them."""
+        return Mesh(pp=self.pp, dp=self.dp, cp=self.cp, tp=self.tp, ep=self.ep)
+
+    @property
     def world_size(self) -> int:
-        return self.dp * self.cp * self.tp * self.pp
+        return self.mesh.world_size
 
     @property
     def ranks(self) -> list[int]:

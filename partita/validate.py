@@ -7,6 +7,7 @@ with the cost model). Every failure is one PartitaError that names the numbers.
 
 from __future__ import annotations
 
+from partita import parallel
 from partita.cluster import ClusterSpec
 from partita.errors import PartitaError
 from partita.model import ModelSpec
@@ -26,27 +27,27 @@ def validate_plan(plan: Plan, model: ModelSpec, cluster: ClusterSpec) -> None:
 
 
 def _check_context_parallel(plan: Plan, model: ModelSpec, cluster: ClusterSpec) -> None:
-    """Context parallelism: the limits of its variant for every layer (``LayerKind.cp_divides``),
+    """Context parallelism: the limits of its variant for every layer (``parallel.cp_rule``),
     the ring on CUDA ranks only, sequence parallelism on each rank's shard. (With replicas on
     different node groups it is refused in ``_check_degrees``: not priced, not run.)"""
     if plan.cp == 1:
         return
     for l in plan.layer_strategies():
-        why = model.kind_of(l.name).cp_divides(plan.cp, tp=l.tensor_parallel, variant=plan.cp_variant,
-                                               seq_len=plan.seq_len)
+        why = parallel.cp_rule(model.kind_of(l.name), plan.cp, tp=l.tensor_parallel, variant=plan.cp_variant,
+                               seq_len=plan.seq_len)
         if why:
             raise PartitaError(f"layer {l.name}: {why}; choose another cp (or cp_variant), or cp 1")
     if plan.cp_variant == "ring" and any(cluster.group(s.group).device_type.is_cpu for s in plan.stages):
         raise PartitaError("ring context parallelism (torch's context_parallel) runs on CUDA ranks only; use "
                            "cp_variant all_to_all on CPU ranks")
     sp = [l for l in plan.layer_strategies() if l.sequence_parallel]
-    if sp and (plan.seq_len // plan.cp) % plan.tp:
-        raise PartitaError(f"sequence parallelism splits each rank's {plan.seq_len // plan.cp} tokens (seq_len "
-                           f"{plan.seq_len} / cp {plan.cp}) {plan.tp} ways: not divisible by tp {plan.tp}")
+    why = parallel.sequence_parallel_rule(plan.seq_len // plan.cp, plan.tp) if sp else None
+    if why:
+        raise PartitaError(f"{why} (seq_len {plan.seq_len} / cp {plan.cp})")
 
 
 def _check_expert_parallel(plan: Plan, model: ModelSpec) -> None:
-    """Expert parallelism (docs/moe.md): ep divides the experts and dp (``LayerKind.ep_divides``);
+    """Expert parallelism (docs/moe.md): ep divides the experts and dp (``parallel.ep_rule``);
     not with context parallelism (the load-balancing loss is per whole sequence) nor replicas on
     several node groups; a mixture-of-experts block recomputes all or nothing (selective
     recomputation's kept products are not priced for routed experts)."""
@@ -55,16 +56,15 @@ def _check_expert_parallel(plan: Plan, model: ModelSpec) -> None:
             if model.role_of(l.name) == "block" and l.recompute == "selective":
                 raise PartitaError(f"layer {l.name}: selective recomputation of a mixture-of-experts block is not "
                                    "supported; use recompute none or full")
-        if plan.schedule in ("interleaved-zb", "zbv"):
-            raise PartitaError(f"schedule {plan.schedule}: zero-bubble schedules split the backward, which the "
-                               "experts' all-to-alls do not survive; use 1f1b or interleaved-1f1b for a "
-                               "mixture-of-experts model")
+        why = parallel.schedule_model_rule(plan.schedule, model)
+        if why:
+            raise PartitaError(why)
         if plan.cp > 1:
             raise PartitaError(f"context parallelism (cp {plan.cp}) of a mixture-of-experts model is not supported "
                                "(its load-balancing loss is per whole sequence); use cp 1")
     if plan.ep == 1:
         return
-    why = model.kinds["block"].ep_divides(plan.ep, plan.dp)
+    why = parallel.ep_rule(model.kinds["block"], plan.ep, plan.dp)
     if why:
         raise PartitaError(f"ep {plan.ep}: {why}; choose ep dividing both, or ep 1")
     if plan.mixed_replicas:
@@ -76,15 +76,9 @@ def _check_expert_parallel(plan: Plan, model: ModelSpec) -> None:
 
 
 def _check_runtime_limits(plan: Plan, model: ModelSpec) -> None:
-    """What the runtime does not run (the search never offers these either)."""
-    fewest = min(plan.replica_micro_batches())
-    if plan.pp > 1 and fewest < plan.pp:
-        what = f"batch share {fewest}" if plan.batch_shares else f"num_micro_batches {fewest}"
-        raise PartitaError(f"the 1F1B schedule needs at least as many micro-batches as stages: {what} < pp "
-                           f"{plan.pp}; use a smaller micro-batch or fewer stages")
-    from partita.search.schedules import check_layers
-
-    why = check_layers(plan.schedule, ((l.name, l.zero, l.recompute) for l in plan.layer_strategies()))
+    """What the runtime does not run (the search asks the same rules, ``partita.parallel``)."""
+    why = parallel.schedule_layers_rule(plan.schedule,
+                                        ((l.name, l.zero, l.recompute) for l in plan.layer_strategies()))
     if why:
         raise PartitaError(why)
     if any(l.sequence_parallel for l in plan.layer_strategies()) and plan.seq_len % plan.tp:
@@ -238,8 +232,6 @@ def _check_replica_ranks(plan: Plan, s, d: int, group, cluster: ClusterSpec) -> 
 
 
 def _check_layers(plan: Plan, model: ModelSpec) -> None:
-    from partita.search.schedules import check
-
     v = plan.virtual_stages
     counts = {len(s.chunks) for s in plan.stages}
     if plan.schedule == "1f1b" and not counts <= {0, 1}:
@@ -248,11 +240,9 @@ def _check_layers(plan: Plan, model: ModelSpec) -> None:
     if plan.schedule != "1f1b" and (len(counts) != 1 or v < 2):
         raise PartitaError(f"schedule {plan.schedule} needs every stage split into the same number (>= 2) of "
                            f"chunks; the plan has {[list(s.chunks) for s in plan.stages]}")
-    for m in sorted(set(plan.replica_micro_batches())):
-        why = check(plan.schedule, plan.pp, v, m)
-        if why:
-            where = f" (batch share {m})" if plan.batch_shares else ""
-            raise PartitaError(f"{why}{where}; choose another schedule or number of micro-batches")
+    why = parallel.schedule_counts_rule(plan.schedule, plan.pp, v, plan.replica_micro_batches())
+    if why:
+        raise PartitaError(f"{why}; choose another schedule or number of micro-batches")
     names = [l.name for l in plan.layer_strategies()]
     expected = model.layer_names()
     if names != expected:
@@ -266,7 +256,7 @@ def _check_layers(plan: Plan, model: ModelSpec) -> None:
             where = f"stage {s.index} layer {l.name}"
             if l.tensor_parallel not in (1, plan.tp):
                 raise PartitaError(f"{where}: tensor_parallel {l.tensor_parallel} must be 1 or the stage's tp {plan.tp}")
-            why = model.kind_of(l.name).tp_divides(l.tensor_parallel)
+            why = parallel.tp_rule(model.kind_of(l.name), l.tensor_parallel)
             if why:
                 raise PartitaError(f"{where}: {why}")
             if l.sequence_parallel and l.tensor_parallel == 1:

@@ -313,7 +313,7 @@ def _gather_us(cm: CostModel, g: NodeGroup, shape: Shape) -> int:
 def _slots(cm: CostModel, shape: Shape, space: SearchSpace, per_group: Sequence[int]) -> int:
     """The most stages a plan of this shape can have: its groups' room, the micro-batches (1F1B
     needs one per stage) and ``--pp``."""
-    slots = min(sum(per_group), max_stages(cm, shape.num_micro_batches))
+    slots = min(sum(per_group), max_stages(cm, shape.num_micro_batches - shape.uneven))  # the fewest share
     return min(slots, max(space.pipeline)) if space.pipeline else slots
 
 

@@ -8,10 +8,11 @@ from typing import Mapping, Sequence
 
 from partita.cluster import NodeGroup
 from partita.devices import get_device
+from partita.parallel import ZERO_BUBBLE
 from partita.plan import LayerStrategy, Plan, Prediction, StageMemory
 from partita.search.costs import (CostModel, LayerChoice, StageCost, boundary_s, choice_of, interleaved_stage_cost,
                                   stage_cost, stage_cost_counts, step_time_s, with_receives)
-from partita.search.schedules import ZERO_BUBBLE, in_flight_chunks, pending_weight_grads
+from partita.search.schedules import in_flight_chunks, pending_weight_grads
 from partita.search.timing import layer_ops, split_backward_host_s, weight_groups
 
 

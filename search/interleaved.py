@@ -3,8 +3,9 @@ interleaved and zero-bubble schedules.
 
 The uniform grid's fastest pipelined candidates that fit (``UniformResult.pipelined``, 16) are
 tried under interleaved 1F1B and interleaved zero-bubble with v = 2 and 4 virtual stages per
-rank, and under ZB-V (v = 2), where torch's schedule runs them (``schedules.check``), the
-runtime runs their layer choices (``schedules.check_layers``: the zero-bubble schedules take
+rank, and under ZB-V (v = 2), where torch's schedule runs them for every replica's micro-batch
+count (``parallel.schedule_counts_rule``), the runtime runs their layer choices
+(``parallel.schedule_layers_rule``: the zero-bubble schedules take
 ZeRO 0/1 without recomputation) and every virtual stage holds at least one block: the blocks
 split as evenly as possible over the pp * v virtual stages (in the schedule's order: virtual
 stage c of stage i is the model's (c * pp + i)-th slice, under ZB-V the V), every layer making
@@ -20,10 +21,10 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
+from partita.parallel import schedule_counts_rule, schedule_layers_rule, schedules_for
 from partita.search.costs import CostModel, choice_of
 from partita.search.evaluate import Evaluation, evaluate_interleaved
-from partita.search.schedules import check, check_layers
-from partita.search.uniform import Layout, SearchSpace, grid, sp_choices, split_blocks, strategy
+from partita.search.uniform import Layout, SearchSpace, grid, replica_counts, sp_choices, split_blocks, strategy
 
 # The (schedule, virtual stages per rank) pairs tried.
 VARIANTS = (("interleaved-1f1b", 2), ("interleaved-1f1b", 4), ("interleaved-zb", 2), ("interleaved-zb", 4),
@@ -91,9 +92,12 @@ def interleaved_search(cm: CostModel, *, global_batch: int, space: SearchSpace, 
     ``VARIANTS``, and a lower bound on every such plan of the grid's shapes."""
     result = InterleavedResult()
     model = cm.model
+    variants = [(schedule, v) for schedule, v in VARIANTS if schedule in schedules_for(model, space.schedules)]
     for stage_groups, tp, dp, mb, m in grid(cm, global_batch, space):
         pp = len(stage_groups)
-        if pp < 2 or not any(pp * v <= model.n_layers and not check(schedule, pp, v, m) for schedule, v in VARIANTS):
+        shares = replica_counts(global_batch, dp, mb, m)
+        if pp < 2 or not any(pp * v <= model.n_layers and not schedule_counts_rule(schedule, pp, v, shares)
+                             for schedule, v in variants):
             continue
         # Whatever the schedule and v and however the layers split, the step is at least m x
         # the busiest rank's time (every closed form in ``schedules.closed_form_s`` is at least
@@ -114,9 +118,10 @@ def interleaved_search(cm: CostModel, *, global_batch: int, space: SearchSpace, 
         kinds = {n: strategy(model, n, tp=tp, sp=sp, zero=zero, recompute=recompute)
                  for n in ("embed", "layers.0", "head")}
         choice = {n: choice_of(model, s) for n, s in kinds.items()}
-        for schedule, v in VARIANTS:
-            if (pp * v > model.n_layers or check(schedule, pp, v, m)
-                    or check_layers(schedule, ((n, s.zero, s.recompute) for n, s in kinds.items()))):
+        shares = replica_counts(global_batch, dp, mb, m)
+        for schedule, v in variants:
+            if (pp * v > model.n_layers or schedule_counts_rule(schedule, pp, v, shares)
+                    or schedule_layers_rule(schedule, ((n, s.zero, s.recompute) for n, s in kinds.items()))):
                 continue
             names = chunk_names(model.n_layers, pp, v, schedule)
             counts = [[_counts(chunk, choice) for chunk in stage] for stage in names]

@@ -10,10 +10,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
+from partita import parallel
 from partita.cluster import ClusterSpec
 from partita.errors import InfeasibleError, PartitaError
 from partita.model import ModelSpec
-from partita.plan import CP_VARIANTS, ContextOption, Plan, SolverReport, Stage
+from partita.parallel import CP_VARIANTS
+from partita.plan import ContextOption, Plan, SolverReport, Stage
 from partita.profile import Profile
 from partita.search.costs import CostModel
 from partita.search.evaluate import Evaluation, evaluate_plan, prediction
@@ -95,6 +97,15 @@ def check_request(req: PlanRequest) -> None:
     if req.model.is_moe and any(cp > 1 for cp in req.context_parallel):
         raise PartitaError(f"--cp: {req.model.name} is a mixture of experts, which runs at cp 1 (its load-balancing "
                            "loss is per whole sequence); drop --cp")
+    for schedule in req.space.schedules:
+        if schedule not in parallel.SCHEDULES:
+            raise PartitaError(f"--schedule {schedule!r}: choose from {', '.join(parallel.SCHEDULES)}")
+        why = parallel.schedule_model_rule(schedule, req.model)
+        if why:
+            raise PartitaError(f"--schedule {schedule}: {why}")
+    if req.model.is_moe and req.space.schedules and "1f1b" not in req.space.schedules:
+        raise PartitaError(f"--schedule {','.join(req.space.schedules)}: the search plans mixture-of-experts models "
+                           "under 1f1b (docs/moe.md); add 1f1b")
     if req.expert_parallel and req.expert_parallel != (1,) and not req.model.is_moe:
         raise PartitaError(f"--ep: {req.model.name} is not a mixture-of-experts model; expert parallelism needs one")
     if req.work_limit is not None and req.work_limit <= 0:
@@ -160,11 +171,18 @@ def _consider_interleaved(cm: CostModel, req: PlanRequest, plan: Plan, uni: Unif
     schedule it tries)."""
     from partita.search.interleaved import interleaved_search
 
-    if req.space.pipeline and max(req.space.pipeline) < 2:
-        return plan  # no pipelines: every schedule is the same
+    pinned = req.space.schedules
+    if (req.space.pipeline and max(req.space.pipeline) < 2) or pinned == ("1f1b",):
+        return plan  # no pipelines (every schedule is the same), or 1F1B alone asked for
     found = interleaved_search(cm, global_batch=req.global_batch, space=req.space, candidates=uni.pipelined,
                                deadline=deadline)
-    if found.best is None or plan.prediction is None or found.best_eval.step_time_s >= plan.prediction.step_time_s:
+    forced = bool(pinned) and "1f1b" not in pinned  # the 1F1B plan is no answer
+    if forced and found.best is None:
+        raise InfeasibleError(f"no pipeline of {cm.model.name} on {req.cluster.short} runs under --schedule "
+                              f"{','.join(pinned)} and fits (tried the {len(uni.pipelined)} fastest uniform "
+                              f"pipelines); add 1f1b to --schedule, or allow more stages or micro-batches")
+    if not forced and (found.best is None or plan.prediction is None
+                       or found.best_eval.step_time_s >= plan.prediction.step_time_s):
         old = plan.solver
         if old is not None and old.status == "optimal" and found.bound_us < old.objective_us:
             # CP-SAT proved the plan among 1F1B pipelines; a plan under another schedule might
@@ -208,7 +226,7 @@ def _consider_replicas(cm: CostModel, req: PlanRequest, plan: Plan) -> Plan:
     bound = min(plan.solver.bound_us, objective, int(throughput_bound_s(cm, req.global_batch) * 1e6))
     report = dataclasses.replace(plan.solver, status="feasible", objective_us=objective, bound_us=bound,
                                  gap=round((objective - bound) / objective, 6) if objective else 0.0,
-                                 candidates=plan.solver.candidates + found.evaluated)
+                                 candidates=plan.solver.candidates + found.evaluated, proven_among="")
     return dataclasses.replace(candidate, solver=report)
 
 
@@ -269,8 +287,13 @@ def _make_plan(req: PlanRequest, progress: Callable[[str], None] | None = None) 
     for cp, variant in options:
         if found and time.perf_counter() > deadline:
             break
+        space = _cp_space(req, cp, variant)
+        if space is None:  # no tensor-parallel degree fits beside cp in a node: nothing to search
+            compared.append(ContextOption(cp=cp, variant=variant, fits=False, status="infeasible"))
+            failure = failure or InfeasibleError(_no_cp_layout(req, cp, variant))
+            continue
         view = cm.at_cp(cp, variant)
-        sub = dataclasses.replace(req, space=_cp_space(req, cp, variant))
+        sub = dataclasses.replace(req, space=space)
         tag = f" (cp {cp}, {variant.replace('_', '-')})" if cp > 1 else " (cp 1)"
         try:
             plan, uni = _search(view, sub, deadline, (lambda what: progress(what + tag)) if progress else None)
@@ -391,17 +414,30 @@ def context_options(req: PlanRequest, cm: CostModel) -> list[tuple[int, str]]:
     return out
 
 
-def _cp_space(req: PlanRequest, cp: int, variant: str):
+def _cp_space(req: PlanRequest, cp: int, variant: str) -> SearchSpace | None:
     """The search space at cp: tensor-parallel degrees whose blocks the variant can split cp x tp
-    ways (``LayerKind.cp_divides``)."""
+    ways (``parallel.cp_rule``) and whose cp x tp group fits a node (``parallel.cp_locality_rule``);
+    None when no degree is left."""
     if cp == 1:
         return req.space
     block = req.model.kinds["block"]
-    widest = min(g.gpus_per_node for g in req.cluster.groups) // cp
-    allowed = tuple(t for t in range(1, widest + 1) if widest % t == 0
-                    and block.cp_divides(cp, tp=t, variant=variant, seq_len=req.seq_len) is None
+    gpn = min(g.gpus_per_node for g in req.cluster.groups)
+    allowed = tuple(t for t in range(1, gpn + 1)
+                    if all(parallel.cp_locality_rule(cp, t, g.gpus_per_node) is None for g in req.cluster.groups)
+                    and parallel.cp_rule(block, cp, tp=t, variant=variant, seq_len=req.seq_len) is None
                     and (not req.space.tensor_parallel or t in req.space.tensor_parallel))
-    return dataclasses.replace(req.space, tensor_parallel=allowed or (0,))  # (0,): no degree allowed
+    return dataclasses.replace(req.space, tensor_parallel=allowed) if allowed else None
+
+
+def _no_cp_layout(req: PlanRequest, cp: int, variant: str) -> str:
+    """Why no tensor-parallel degree runs beside context parallelism of degree cp."""
+    gpn = min(g.gpus_per_node for g in req.cluster.groups)
+    tps = req.space.tensor_parallel or (1,)
+    why = (parallel.cp_locality_rule(cp, min(tps), gpn)
+           or parallel.cp_rule(req.model.kinds["block"], cp, tp=min(tps), variant=variant, seq_len=req.seq_len)
+           or f"no tensor-parallel degree of --tp {','.join(map(str, tps))} runs beside it")
+    return (f"no plan of {req.model.name} at cp {cp} ({variant.replace('_', '-')}) on {req.cluster.short}: {why}; "
+            f"choose a smaller --cp or --tp")
 
 
 def _context_option(plan: Plan) -> ContextOption:
@@ -425,7 +461,8 @@ def _over_cp(chosen: SolverReport | None, reports: list[SolverReport | None],
     bound = min([r.bound_us for r in reports if r is not None] + [chosen.objective_us])
     objective = chosen.objective_us
     status = chosen.status if settled else "feasible"
-    among = "1f1b" if any(r is not None and r.proven_among for r in reports) else ""  # a degree's proof was 1F1B's
+    # A degree's proof was 1F1B's: so is the whole's (said of an optimum only).
+    among = "1f1b" if status == "optimal" and any(r is not None and r.proven_among for r in reports) else ""
     return dataclasses.replace(chosen, status=status, bound_us=bound,
                                gap=round((objective - bound) / objective, 6) if objective else 0.0,
                                context_parallel=tuple(compared), proven_among=among)

@@ -20,25 +20,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Sequence
 
 from partita.errors import PartitaError
+from partita.parallel import rounds, schedule_rule
 
-# The plan's names of the schedules and torch's classes for them.
-SCHEDULES = {
+# Torch's classes for the plan's schedules (``partita.parallel.SCHEDULES``).
+TORCH_CLASSES = {
     "1f1b": "Schedule1F1B",
     "interleaved-1f1b": "ScheduleInterleaved1F1B",
     "interleaved-zb": "ScheduleInterleavedZeroBubble",
     "zbv": "ScheduleZBVZeroBubble",
 }
-# The schedules that split a backward into I and W.
-ZERO_BUBBLE = ("interleaved-zb", "zbv")
 # The split the closed forms assume for one micro-batch through one stage: forward F, input
 # gradient I and weight gradient W a third of it each. A matrix product's backward is two
 # products of its size (one for the input gradient, one for the weight's), so backward = 2 x
 # forward and I = W = backward / 2 for layers whose time is their matrix products (Qi et al.,
 # "Zero Bubble Pipeline Parallelism", ICLR 2024, §2: T_F ~ T_B ~ T_W, B the input gradient).
-FORWARD_SHARE = WEIGHT_SHARE = 1 / 3
+FORWARD_SHARE = 1 / 3
 
 
 @dataclass(frozen=True)
@@ -60,75 +59,18 @@ class Simulation:
         return self.makespan_s - max(self.busy_s)
 
 
-def stages_of_rank(schedule: str, rank: int, pp: int, v: int) -> tuple[int, ...]:
-    """The stages rank ``rank`` holds, in torch's numbering."""
-    if schedule == "zbv":
-        return (rank, 2 * pp - 1 - rank)
-    return tuple(rank + i * pp for i in range(v))
-
-
-def check_layers(schedule: str, layers: Iterable[tuple[str, int, str]]) -> str | None:
-    """Why the runtime does not run layers given as (name, zero, recompute) under this
-    schedule, or None. The zero-bubble schedules' weight gradients run outside the backward
-    passes that FSDP2 and activation checkpointing hook into (``runtime/schedule.py``):
-
-    * ZeRO 2/3: FSDP2 reduce-scatters (and at 3 reshards) when a micro-batch's backward ends,
-      before its weight gradient exists; the weight pass then finds the resharded parameters
-      (an error at 2, and gradients silently missing at 3 on CPU ranks). ZeRO 0/1 keep their
-      gathered weights and reduce once after the step.
-    * recompute: the input-gradient pass recomputes a checkpointed layer's forward and the
-      weight pass recomputes it again (torch's checkpoint frees the recomputed activations after
-      the first), a third forward no plan prices."""
-    if schedule not in ZERO_BUBBLE:
-        return None
-    layers = list(layers)
-    sharded = [name for name, zero, _ in layers if zero >= 2]
-    if sharded:
-        return (f"schedule {schedule} splits the backward, which FSDP2's ZeRO 2/3 reduce before the weight gradients "
-                f"exist; {_some(sharded)} have zero >= 2: use zero 0 or 1, or interleaved-1f1b")
-    recomputed = [name for name, _, recompute in layers if recompute != "none"]
-    if recomputed:
-        return (f"schedule {schedule} splits the backward, and the weight gradient would recompute a checkpointed "
-                f"layer's forward a second time; {_some(recomputed)} recompute: use recompute none, or "
-                f"interleaved-1f1b")
-    return None
-
-
-def _some(names: list[str]) -> str:
-    return f"{len(names)} layers ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
-
-
-def check(schedule: str, pp: int, v: int, m: int) -> str | None:
-    """Why torch's schedule does not run this (pp, v, m), or None."""
-    if schedule not in SCHEDULES:
-        return f"unknown pipeline schedule {schedule!r}; valid: {', '.join(SCHEDULES)}"
-    if schedule == "1f1b" and v != 1:
-        return "1f1b runs one stage per rank (virtual_stages 1)"
-    if schedule == "zbv" and v != 2:
-        return "zbv runs two stages per rank, in a V (virtual_stages 2)"
-    if schedule in ("interleaved-1f1b", "interleaved-zb") and v < 2:
-        return f"{schedule} needs at least two stages per rank (virtual_stages >= 2)"
-    if m < pp and schedule != "1f1b":
-        return f"{schedule} needs at least as many micro-batches as ranks: {m} < {pp}"
-    if schedule in ("interleaved-1f1b", "interleaved-zb"):
-        rounds = max(1, m // pp)
-        if m % rounds:
-            return f"{schedule} needs the micro-batches ({m}) to be a multiple of the rounds ({rounds} = m // pp)"
-    return None
-
-
 @lru_cache(maxsize=256)
 def torch_actions(schedule: str, pp: int, v: int, m: int) -> tuple[tuple[Action, ...], ...]:
     """Each rank's compute actions, in order, as torch's schedule class emits them."""
-    why = check(schedule, pp, v, m)
+    if schedule == "1f1b" and v == 1:
+        return tuple(_one_f_one_b(r, pp, m) for r in range(pp))  # written out: any m
+    why = schedule_rule(schedule, pp, v, m)
     if why:
         raise PartitaError(why)
-    if schedule == "1f1b":
-        return tuple(_one_f_one_b(r, pp, m) for r in range(pp))
     from torch.distributed.pipelining import _schedule_visualizer as visualizer
     from torch.distributed.pipelining import schedules as torch_schedules
 
-    cls = getattr(torch_schedules, SCHEDULES[schedule])
+    cls = getattr(torch_schedules, TORCH_CLASSES[schedule])
     ops = visualizer.get_schedule_ops(cls, pp, m, num_stages_per_rank=v if v > 1 else None)
     out = []
     for row in ops:
@@ -282,13 +224,6 @@ def closed_form_s(schedule: str, rank_times: Sequence[float], m: int, v: int) ->
             return (m - 1) * slowest + total * part + (1 - part) * slowest
         return m * slowest + max(pp - 1, 2 * (2 * pp - 1 - m)) * part * slowest
     raise PartitaError(f"no closed form for {schedule!r}")
-
-
-def rounds(pp: int, m: int) -> tuple[int, int]:
-    """Torch's interleaved schedules take the micro-batches in rounds: (rounds, micro-batches
-    per round) = (max(1, m // pp), m // rounds)."""
-    n = max(1, m // pp)
-    return n, m // n
 
 
 def in_flight_chunks(schedule: str, rank: int, pp: int, v: int, m: int) -> int:

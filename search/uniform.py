@@ -37,6 +37,9 @@ class SearchSpace:
     micro_batches: tuple[int, ...] | None = None  # None: every divisor up to MAX_MICRO_BATCH
     tensor_parallel: tuple[int, ...] | None = None  # None: every degree that fits a node
     pipeline: tuple[int, ...] | None = None  # None: any
+    # The pipeline schedules a plan may run (``parallel.SCHEDULES``); empty: any the model trains
+    # under. The grid and CP-SAT price 1F1B; the others come from the interleaved pass.
+    schedules: tuple[str, ...] = ()
     # The most the devices a plan runs on may cost, in micro-dollars per hour (``device_price``);
     # None: no bound. The cost objective (``planner.make_plan``) walks the time/price frontier with it.
     price_cap: int | None = None
@@ -201,7 +204,7 @@ def grid(cm: CostModel, global_batch: int, space: SearchSpace) -> Iterator[tuple
                     continue
                 dp = stage_size // tp
                 for mb, m in batch_splits(global_batch, dp, space):
-                    pp = min(len(all_stages), max_stages(cm, m))
+                    pp = min(len(all_stages), max_stages(cm, fewest_micro_batches(global_batch, dp, mb, m)))
                     if not space.pipeline or pp in space.pipeline:
                         yield all_stages[:pp], tp, dp, mb, m
 
@@ -212,10 +215,21 @@ def sp_choices(cm: CostModel, tp: int, space: SearchSpace) -> tuple[bool, ...]:
     return space.sequence_parallel if tp > 1 and cm.seq_len % tp == 0 else (False,)
 
 
-def max_stages(cm: CostModel, num_micro_batches: int) -> int:
-    """The deepest pipeline the runtime runs: 1F1B needs at least as many micro-batches as
-    stages."""
-    return max(1, min(cm.model.n_layers, num_micro_batches))
+def max_stages(cm: CostModel, fewest_micro_batches: int) -> int:
+    """The deepest pipeline the runtime runs: every replica needs at least as many micro-batches
+    as stages (``parallel.schedule_rule``), so the replica with the fewest sets it."""
+    return max(1, min(cm.model.n_layers, fewest_micro_batches))
+
+
+def fewest_micro_batches(global_batch: int, dp: int, micro_batch: int, num_micro_batches: int) -> int:
+    """The fewest micro-batches a replica runs: one less than the largest share when the shares
+    differ (``batch_shares``), else every replica's count."""
+    return min(batch_shares(global_batch, dp, micro_batch, num_micro_batches) or (num_micro_batches,))
+
+
+def replica_counts(global_batch: int, dp: int, micro_batch: int, num_micro_batches: int) -> tuple[int, ...]:
+    """Every replica's micro-batch count (the shares, or the count on each)."""
+    return batch_shares(global_batch, dp, micro_batch, num_micro_batches) or (num_micro_batches,) * dp
 
 
 def tp_allowed(model: ModelSpec, tp: int, space: SearchSpace) -> bool:

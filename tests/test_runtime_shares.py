@@ -120,7 +120,7 @@ def test_malformed_shares_are_refused_when_read(value):
     (dataclasses.replace(SHARED["dp2-3:1"], num_micro_batches=2),
      r"num_micro_batches 2 must be the largest of batch_shares \[3, 1\] \(3\)"),
     (with_shares(make_plan(SMALL, pp=2, dp=2, **ZERO01), [3, 1]),
-     r"needs at least as many micro-batches as stages: batch share 1 < pp 2"),
+     r"1f1b needs at least as many micro-batches as ranks: 1 < 2 \(a replica's batch share of 1\)"),
 ])
 def test_validator_refuses_bad_shares(plan, message):
     with pytest.raises(PartitaError, match=message):
@@ -179,7 +179,7 @@ def test_a_plan_with_sizes_is_priced_at_its_largest_size():
 
 
 def test_the_summary_shows_the_shares():
-    from partita.commands import batch_text
+    from partita.cli.printing import batch_text
 
     assert "1 micro-batch per replica, of sizes [2, 1, 1]" in batch_text(SHARED["sizes-dp3-2:1:1"])
     eighty = dataclasses.replace(make_plan(SMALL, dp=2), dp=80, micro_batch=13, num_micro_batches=1,
@@ -190,7 +190,7 @@ def test_the_summary_shows_the_shares():
 
 
 def test_export_refuses_uneven_shares():
-    from partita.export import export_plan
+    from partita.cli.export import export_plan
 
     with pytest.raises(PartitaError, match=r"--to megatron: .* uneven batch shares \[3, 1\]; megatron runs one "
                                            r"micro-batch count on every replica"):

@@ -8,10 +8,18 @@ import random
 import pytest
 
 from partita.errors import PartitaError
-from partita.search.schedules import (check, check_layers, closed_form_s, in_flight_chunks, pending_weight_grads,
-                                      simulate, stages_of_rank, torch_actions)
+from partita.parallel import schedule_layers_rule as check_layers, schedule_rule as check
+from partita.search.schedules import (closed_form_s, in_flight_chunks, pending_weight_grads,
+                                      simulate, torch_actions)
 
 pytest.importorskip("torch")
+
+
+def stages_of_rank(schedule: str, rank: int, pp: int, v: int) -> tuple[int, ...]:
+    """The stages rank ``rank`` holds, in torch's numbering (a V under zbv, a loop otherwise)."""
+    if schedule == "zbv":
+        return (rank, 2 * pp - 1 - rank)
+    return tuple(rank + i * pp for i in range(v))
 
 
 
@@ -195,7 +203,7 @@ def test_the_planner_takes_an_interleaved_pipeline_when_it_is_faster():
     virtual stages per rank beat the 1F1B optimum. The proof covers 1F1B only, so the plan says
     feasible, with a bound below it that holds for both schedules."""
     from partita.cluster import parse_short
-    from partita.model import load_model
+    from partita.model_io import load_model
     from partita.search.costs import CostModel
     from partita.search.evaluate import evaluate_plan
     from partita.search.planner import PlanRequest, make_plan
@@ -219,12 +227,12 @@ def test_the_planner_takes_a_zero_bubble_pipeline_when_it_is_faster():
     and interleaved zero-bubble beats both 1F1B and interleaved 1F1B. Its bound (m W / pp)
     still holds below it, and the summary line says the schedule, v and the bubble's share."""
     from partita.cluster import parse_short
-    from partita.commands import bubble_text
-    from partita.model import load_model
+    from partita.cli.printing import bubble_text
+    from partita.model_io import load_model
     from partita.search.costs import CostModel
     from partita.search.evaluate import evaluate_plan
     from partita.search.planner import PlanRequest, make_plan
-    from partita.search.schedules import ZERO_BUBBLE
+    from partita.parallel import ZERO_BUBBLE
     from partita.search.uniform import SearchSpace
 
     model, cluster = load_model("llama-2-7b"), parse_short("1x8xH100")
@@ -244,7 +252,7 @@ def test_a_zbv_layout_becomes_a_priced_plan():
     """A ZB-V layout is priced once, as ZB-V: priced first as a 1F1B plan, its last stage (which
     holds the middle of the model, not the head) made the memory model fail."""
     from partita.cluster import parse_short
-    from partita.model import load_model
+    from partita.model_io import load_model
     from partita.search.costs import CostModel
     from partita.search.interleaved import InterleavedLayout, chunk_names
     from partita.search.planner import interleaved_to_plan
@@ -267,7 +275,7 @@ def test_optimal_says_what_it_proves():
     """CP-SAT proves 1F1B pipelines; when the other schedules' bound (m x W / pp) is below the
     plan, 'optimal' is said among 1F1B plans only, and without pipelines it needs no such word."""
     from partita.cluster import parse_short
-    from partita.model import load_model
+    from partita.model_io import load_model
     from partita.search.planner import PlanRequest, make_plan
     from partita.search.uniform import SearchSpace
 

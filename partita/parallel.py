@@ -1,0 +1,194 @@
+"""The rule book: every rule on degrees, divisibility, node locality and pipeline schedules.
+
+Each rule is a function that returns why a choice cannot run (one sentence naming the numbers)
+or None when it can. The search asks before it proposes, the validator before it accepts
+(``partita.validate``), and the runtime before it builds (``partita launch`` validates), so a
+plan the search returns always validates. Nothing here prices anything.
+
+Rules on one layer kind take a ``partita.model.LayerKind`` (its shapes); rules on a plan's
+layout take plain degrees, so the search can ask them of candidates before any plan exists.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterable
+
+if TYPE_CHECKING:
+    from partita.model import LayerKind, ModelSpec
+
+# The pipeline schedules a plan may name (``Plan.schedule``), and their families.
+SCHEDULES = ("1f1b", "interleaved-1f1b", "interleaved-zb", "zbv")
+INTERLEAVED = ("interleaved-1f1b", "interleaved-zb")  # v >= 2 stages per rank, in rounds
+ZERO_BUBBLE = ("interleaved-zb", "zbv")  # the backward split into input (I) and weight (W) gradients
+CP_VARIANTS = ("all_to_all", "ring")
+
+
+# ---- degrees of one layer kind ---------------------------------------------------------------
+
+def tp_rule(kind: "LayerKind", tp: int) -> str | None:
+    """Why ``kind`` cannot be split ``tp`` ways by tensor parallelism (heads, kv heads and ffn
+    columns of a block, the vocabulary of the embedding and head), or None."""
+    if tp == 1:
+        return None
+    if tp < 1:
+        return f"tensor-parallel degree must be >= 1, got {tp}"
+    if kind.role == "block" and kind.is_moe:
+        return (f"a mixture-of-experts block is not split by tensor parallelism (tp {tp}); its experts are "
+                f"split by expert parallelism (ep)")
+    if kind.role == "block":
+        for what, n in (("heads", kind.heads), ("kv_heads", kind.kv_heads), ("ffn", kind.ffn)):
+            if n % tp:
+                return f"{what} {n} is not divisible by tensor-parallel degree {tp}"
+    elif kind.vocab % tp:
+        return f"vocab {kind.vocab} is not divisible by tensor-parallel degree {tp}"
+    return None
+
+
+def cp_rule(kind: "LayerKind", cp: int, *, tp: int = 1, variant: str = "all_to_all", seq_len: int) -> str | None:
+    """Why context parallelism of degree ``cp`` (``variant`` "all_to_all" or "ring") cannot run
+    ``kind`` at tensor-parallel degree ``tp`` on ``seq_len`` tokens, or None. Every layer needs
+    equal sequence shards; a block under all-to-all gives each of the cp x tp ranks whole query
+    and kv heads, and under the ring the head-tail load balancing cuts the sequence into 2 x cp
+    equal chunks (docs/context-parallel.md)."""
+    if cp < 1:
+        return f"context-parallel degree must be >= 1, got {cp}"
+    if seq_len % cp:
+        return f"sequence length {seq_len} is not divisible by context-parallel degree {cp}"
+    if cp == 1 or kind.role != "block":
+        return None
+    if variant == "all_to_all":
+        for what, n in (("heads", kind.heads), ("kv_heads", kind.kv_heads)):
+            if n % (cp * tp):
+                return (f"all-to-all context parallelism needs {what} ({n}) divisible by cp x tp = {cp} x {tp} = "
+                        f"{cp * tp}")
+        return None
+    if seq_len % (2 * cp):
+        return f"ring attention needs the sequence length ({seq_len}) divisible by 2 x cp = {2 * cp}"
+    return None
+
+
+def ep_rule(kind: "LayerKind", ep: int, dp: int) -> str | None:
+    """Why expert parallelism of degree ``ep`` cannot run with ``dp`` data-parallel ranks, or
+    None: each of the ep ranks holds experts/ep whole experts, and the ep group sits inside the
+    data-parallel group (dp = ep x the replicas of each expert)."""
+    if ep < 1:
+        return f"expert-parallel degree must be >= 1, got {ep}"
+    if ep == 1:
+        return None
+    if not kind.is_moe:
+        return f"expert parallelism (ep {ep}) needs a mixture-of-experts model"
+    if kind.experts % ep:
+        return f"experts ({kind.experts}) are not divisible by expert-parallel degree {ep}"
+    if dp % ep:
+        return f"the data-parallel degree {dp} is not divisible by expert-parallel degree {ep}"
+    return None
+
+
+def sequence_parallel_rule(tokens: int, tp: int) -> str | None:
+    """Why sequence parallelism cannot split a rank's ``tokens`` of each sequence (seq_len / cp)
+    ``tp`` ways, or None."""
+    if tp > 1 and tokens % tp:
+        return f"sequence parallelism splits each rank's {tokens} tokens {tp} ways: not divisible by tp {tp}"
+    return None
+
+
+# ---- node locality ---------------------------------------------------------------------------
+
+def tp_locality_rule(tp: int, gpus_per_node: int) -> str | None:
+    """A tensor-parallel group runs inside one node (its collectives are on the critical path)."""
+    if gpus_per_node % tp:
+        return f"tp {tp} must fit in one node of {gpus_per_node} (and divide it)"
+    return None
+
+
+def cp_locality_rule(cp: int, tp: int, gpus_per_node: int) -> str | None:
+    """A context-parallel group of cp x tp ranks stays inside one node (``docs/context-parallel.md``)."""
+    if cp > 1 and gpus_per_node % (cp * tp):
+        return (f"a context-parallel group of cp x tp = {cp} x {tp} = {cp * tp} ranks must fit in one node of "
+                f"{gpus_per_node}")
+    return None
+
+
+# ---- pipeline schedules ----------------------------------------------------------------------
+
+def rounds(pp: int, m: int) -> tuple[int, int]:
+    """Torch's interleaved schedules take the micro-batches in rounds: (rounds, micro-batches
+    per round) = (max(1, m // pp), m // rounds)."""
+    n = max(1, m // pp)
+    return n, m // n
+
+
+def schedule_rule(schedule: str, pp: int, v: int, m: int) -> str | None:
+    """Why torch's schedule does not run ``pp`` ranks of ``v`` stages each over ``m``
+    micro-batches (one replica's count), or None."""
+    if schedule not in SCHEDULES:
+        return f"unknown pipeline schedule {schedule!r}; valid: {', '.join(SCHEDULES)}"
+    if schedule == "1f1b" and v != 1:
+        return "1f1b runs one stage per rank (virtual_stages 1)"
+    if schedule == "zbv" and v != 2:
+        return "zbv runs two stages per rank, in a V (virtual_stages 2)"
+    if schedule in INTERLEAVED and v < 2:
+        return f"{schedule} needs at least two stages per rank (virtual_stages >= 2)"
+    if pp > 1 and m < pp:
+        return f"{schedule} needs at least as many micro-batches as ranks: {m} < {pp}"
+    if schedule in INTERLEAVED:
+        n, _ = rounds(pp, m)
+        if m % n:
+            return f"{schedule} needs the micro-batches ({m}) to be a multiple of the rounds ({n} = m // pp)"
+    return None
+
+
+def schedule_counts_rule(schedule: str, pp: int, v: int, counts: Iterable[int]) -> str | None:
+    """``schedule_rule`` for every replica's micro-batch count (a plan's batch shares differ)."""
+    distinct = sorted(set(counts))
+    for m in distinct:
+        why = schedule_rule(schedule, pp, v, m)
+        if why:
+            return why + (f" (a replica's batch share of {m})" if len(distinct) > 1 else "")
+    return None
+
+
+def schedule_layers_rule(schedule: str, layers: Iterable[tuple[str, int, str]]) -> str | None:
+    """Why the runtime does not run layers given as (name, zero, recompute) under this
+    schedule, or None. The zero-bubble schedules' weight gradients run outside the backward
+    passes that FSDP2 and activation checkpointing hook into (``runtime/schedule.py``):
+
+    * ZeRO 2/3: FSDP2 reduce-scatters (and at 3 reshards) when a micro-batch's backward ends,
+      before its weight gradient exists; the weight pass then finds the resharded parameters.
+      ZeRO 0/1 keep their gathered weights and reduce once after the step.
+    * recompute: the input-gradient pass recomputes a checkpointed layer's forward and the
+      weight pass recomputes it again (torch's checkpoint frees the recomputed activations after
+      the first), a third forward no plan prices."""
+    if schedule not in ZERO_BUBBLE:
+        return None
+    layers = list(layers)
+    sharded = [name for name, zero, _ in layers if zero >= 2]
+    if sharded:
+        return (f"schedule {schedule} splits the backward, which FSDP2's ZeRO 2/3 reduce before the weight gradients "
+                f"exist; {_some(sharded)} have zero >= 2: use zero 0 or 1, or interleaved-1f1b")
+    recomputed = [name for name, _, recompute in layers if recompute != "none"]
+    if recomputed:
+        return (f"schedule {schedule} splits the backward, and the weight gradient would recompute a checkpointed "
+                f"layer's forward a second time; {_some(recomputed)} recompute: use recompute none, or "
+                f"interleaved-1f1b")
+    return None
+
+
+def schedule_model_rule(schedule: str, model: "ModelSpec") -> str | None:
+    """Why ``model`` does not train under ``schedule``, or None: a mixture of experts not under
+    the zero-bubble schedules, whose split backward the experts' all-to-alls do not survive."""
+    if model.is_moe and schedule in ZERO_BUBBLE:
+        return (f"schedule {schedule}: zero-bubble schedules split the backward, which the experts' all-to-alls do "
+                "not survive; use 1f1b or interleaved-1f1b for a mixture-of-experts model")
+    return None
+
+
+def schedules_for(model: "ModelSpec", pinned: Iterable[str] = ()) -> tuple[str, ...]:
+    """The schedules the search may try for ``model``: those pinned (all when none is), less
+    those the model does not train under."""
+    chosen = tuple(pinned) or SCHEDULES
+    return tuple(s for s in chosen if schedule_model_rule(s, model) is None)
+
+
+def _some(names: list[str]) -> str:
+    return f"{len(names)} layers ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
