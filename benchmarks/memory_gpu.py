@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from partita.cluster import parse_short
-from partita.model import load_model
+from partita.model_io import load_model
 from partita.plan import LayerStrategy, Plan, Stage
 from partita.runtime.train import TrainConfig, Trainer
 from partita.search.costs import CostModel

@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 
 from partita.cluster import parse_short
-from partita.model import ModelSpec, load_model
+from partita.model import ModelSpec
+from partita.model_io import load_model
 from partita.plan import LayerStrategy, Plan, Stage
 from partita.runtime.data import TokenSource
 from partita.runtime.models import build_model, materialize

@@ -21,7 +21,7 @@ import time
 
 from partita.cluster import parse_short
 from partita.errors import InfeasibleError
-from partita.model import load_model
+from partita.model_io import load_model
 from partita.search.planner import PlanRequest, make_plan
 
 # (model, cluster, target, global batch (None: the model's), the gap the search may stop at).

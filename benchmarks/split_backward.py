@@ -35,7 +35,7 @@ import torch
 from torch import nn
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
-from partita.model import load_model
+from partita.model_io import load_model
 from partita.runtime.commprobe import OpCounter, probe_spec
 from partita.runtime.models import build_layer, init_layer
 from partita.runtime.phases import RunQueueDelay

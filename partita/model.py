@@ -6,7 +6,8 @@ three kinds however deep the model is. Layer names are the runtime's module name
 ``embed``, ``layers.0`` ... ``layers.{n-1}``, ``head``.
 
 Specs come from built-in names (``partita models``), YAML files, or Hugging Face
-``config.json`` files (see ``partita.hf``); all become the same frozen ``ModelSpec``.
+``config.json`` files (see ``partita.hf``); all become the same frozen ``ModelSpec``
+(``partita.model_io.load_model`` reads any of them).
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from functools import cached_property
-from pathlib import Path
 from typing import Any, Mapping
 
 from partita.errors import PartitaError
@@ -356,37 +356,6 @@ BUILTIN: dict[str, ModelSpec] = {
     ]
 }
 BUILTIN_ALIASES = {"gpt2-small": "gpt2", "gpt-3-175b": "gpt3-175b", "gpt3": "gpt3-175b"}
-
-
-def load_model(ref: str) -> ModelSpec:
-    """A built-in name, a Partita model YAML file, a Hugging Face config.json or the model
-    folder that holds it."""
-    if not isinstance(ref, str) or not ref:
-        raise PartitaError("model: give a built-in name (see `partita models`), a YAML file or a config.json")
-    name = BUILTIN_ALIASES.get(ref, ref)
-    if name in BUILTIN:
-        return BUILTIN[name]
-    path = Path(ref)
-    try:
-        is_dir = path.is_dir()
-        is_file = not is_dir and (path.suffix in (".yaml", ".yml", ".json") or path.exists())
-    except (OSError, ValueError):  # a name no file can have (too long, a NUL byte)
-        is_dir = is_file = False
-    if is_dir:  # a Hugging Face model folder: its config.json
-        if not (path / "config.json").is_file():
-            raise PartitaError(f"{ref}: a folder without a config.json; give a Hugging Face model folder, "
-                               f"a config.json, a model YAML or a built-in name")
-        from partita.hf import load_hf_config
-
-        return load_hf_config(path / "config.json")
-    if is_file:
-        if path.suffix == ".json":
-            from partita.hf import load_hf_config
-
-            return load_hf_config(path)
-        data = specio.load_yaml(path)
-        return ModelSpec.from_dict(data, where=str(path))
-    raise PartitaError(f"unknown model {ref!r}; {specio.nearest(ref, list(BUILTIN))}")
 
 
 def model_difference(a: ModelSpec, b: ModelSpec) -> str:

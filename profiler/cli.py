@@ -21,7 +21,8 @@ import time
 from pathlib import Path
 
 from partita.errors import PartitaError
-from partita.model import ModelSpec, load_model
+from partita.model import ModelSpec
+from partita.model_io import load_model
 from partita.profile import Profile
 from partita.units import KiB, MiB, GiB, fmt_bytes, fmt_seconds
 

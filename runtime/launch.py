@@ -7,11 +7,10 @@ under ``torchrun``.
 
 On one node the ranks are started here (``torchrun --standalone``) and the table of measured
 against predicted step time and memory is printed at the end (and kept as ``summary.json``
-beside ``metrics.jsonl``, with a picture of it per stage, ``measured_vs_predicted.png``). A plan
-for several nodes is not
-started: the exact ``torchrun`` command for every node is printed instead (static rendezvous,
-so node ranks, hence global ranks, are the plan's), each running the same entry point,
-``python -m partita.runtime.worker``.
+beside ``metrics.jsonl``; ``partita launch`` draws it per stage beside them, ``RUN_CHART``). A
+plan for several nodes is not started: the exact ``torchrun`` command for every node is printed
+instead (static rendezvous, so node ranks, hence global ranks, are the plan's), each running the
+same entry point, ``python -m partita.runtime.worker``.
 
 Everything the launcher can check is checked before a rank starts (``check_launch``): the plan,
 the numbers, ``--data``'s length, that ``--metrics`` and ``--checkpoint-dir`` can be written, and
@@ -34,18 +33,20 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 from partita.cluster import ClusterSpec, load_cluster, recorded_cluster, same_hardware
 from partita.errors import PartitaError
-from partita.model import ModelSpec, load_model
+from partita.model import ModelSpec
+from partita.model_io import load_model
 from partita.plan import Plan
-from partita.report import RUN_CHART
 from partita.runtime import checkpoint
 from partita.runtime.data import check_data
 from partita.runtime.train import TrainConfig, check_config, checkpoint_record
 
 log = logging.getLogger(__name__)
 WORKER = "partita.runtime.worker"
+RUN_CHART = "measured_vs_predicted.png"  # the run's picture, drawn by the caller's ``draw_chart``
 
 
 def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
@@ -72,7 +73,11 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--master-port", type=int, default=29500, help="rendezvous port for multi-node commands")
 
 
-def launch_command(args: argparse.Namespace) -> int:
+def launch_command(args: argparse.Namespace,
+                   draw_chart: Callable[[Plan, dict, str, Path], bool] | None = None) -> int:
+    """Run the plan; on one node, print the run's summary and, with ``draw_chart`` (the CLI
+    passes ``partita.cli.launch.draw_run_chart``), draw it into the run directory as
+    ``RUN_CHART``: ``draw_chart(plan, summary, metrics, path)`` says whether it drew it."""
     plan = Plan.load(args.plan)
     metrics = args.metrics or str(Path("runs") / Path(args.plan).stem / "metrics.jsonl")
     args.run_id = args.run_id or f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
@@ -112,7 +117,7 @@ def launch_command(args: argparse.Namespace) -> int:
 
             print("memory at the peak of one step, by category (torch's memory trackers):")
             print(memory_table(summary))
-        if draw_run_chart(plan, recorded, metrics, chart_path):
+        if draw_chart is not None and draw_chart(plan, recorded, metrics, chart_path):
             print(f"measured against predicted, per stage: {chart_path}")
         analytic = sorted(d for d, src in plan.cost_sources.items() if src != "measured")
         predicted = summary.predicted_step_time_s
@@ -120,23 +125,6 @@ def launch_command(args: argparse.Namespace) -> int:
             print(f"the prediction used datasheet (analytic) costs for {', '.join(analytic)}; measure this machine "
                   f"with `partita profile` and plan with --profile for a closer one")
     return 0
-
-
-def draw_run_chart(plan: Plan, summary: dict, metrics: str, path: Path) -> bool:
-    """Draw the run's measured-against-predicted picture (``partita.report.run_figure``) from its
-    summary and metrics records. The run has trained by now: a picture that cannot be drawn is a
-    one-line warning, and False."""
-    try:
-        from partita.report import write_run_chart
-        from partita.runtime.metrics import read_metrics
-
-        write_run_chart(plan, plan_cluster(plan), summary, read_metrics(metrics, summary.get("run_id")), path)
-    except Exception as e:  # noqa: BLE001 -- whatever drawing raises, the run stands
-        reason = (str(e).strip().splitlines() or [""])[0]
-        print(f"partita: warning: no chart of the run ({type(e).__name__}{': ' + reason if reason else ''}); "
-              f"{path.with_name('summary.json')} holds its numbers", file=sys.stderr)
-        return False
-    return True
 
 
 def run_until_done(cmd: list[str], env: dict[str, str]) -> int:

@@ -1,6 +1,6 @@
 """Torch models built from a ``ModelSpec``: the llama family and the gpt2 family.
 
-    from partita.model import load_model
+    from partita.model_io import load_model
     from partita.runtime.models import build_model, build_layer, init_layer
     model = build_model(load_model("tiny-llama"), device="cpu")   # meta by default
     logits = model(tokens)                                         # [b, s] -> [b, s, vocab]

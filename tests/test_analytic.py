@@ -6,7 +6,8 @@ import pytest
 
 from partita.devices import get_device
 from partita.errors import PartitaError
-from partita.model import ModelSpec, load_model
+from partita.model import ModelSpec
+from partita.model_io import load_model
 from partita.profile import Profile
 from partita.search.analytic import (Shard, activation_bytes, analytic_profile, attention_s, forward_matmuls, layer_cost,
                                      param_bytes)

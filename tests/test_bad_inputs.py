@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from partita.cli import main
-from partita.model import load_model
+from partita.model_io import load_model
 from partita.profile import LayerCost, Profile, Provenance
 
 TINY = ["--model", "tiny-llama", "--cluster", "4xcpu"]

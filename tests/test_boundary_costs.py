@@ -17,7 +17,8 @@ import pytest
 
 from partita.cluster import ClusterSpec, make_group, parse_short
 from partita.devices import get_device
-from partita.model import ModelSpec, load_model
+from partita.model import ModelSpec
+from partita.model_io import load_model
 from partita.plan import LayerStrategy, boundary_split
 from partita.search.costs import (CostModel, activation_message_bytes, boundary_gather_s, boundary_gathers, boundary_s,
                                   choice_of)

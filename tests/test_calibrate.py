@@ -129,7 +129,7 @@ def test_the_weight_passes_add_on_cpu_ranks_only(fitted):
     accumulation; a calibration without the constant (written before it) prices as it did;
     GPUs have no such term."""
     from partita.cluster import load_cluster
-    from partita.model import load_model
+    from partita.model_io import load_model
     from partita.search.analytic import layer_cost
     from partita.devices import get_device
     from partita.search.costs import CostModel

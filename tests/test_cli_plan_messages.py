@@ -7,10 +7,10 @@ from pathlib import Path
 
 import yaml
 
-from partita import commands
+from partita.cli import plan as commands
 from partita.cli import main
 from partita.cluster import parse_short
-from partita.model import load_model
+from partita.model_io import load_model
 from partita.plan import Plan
 from partita.profile import LayerCost, Profile, Provenance
 

@@ -11,7 +11,8 @@ import sys
 import pytest
 
 from partita.errors import PartitaError
-from partita.model import ModelSpec, load_model
+from partita.model import ModelSpec
+from partita.model_io import load_model
 from partita.search.analytic import activation_bytes
 from partita.search.context import (all_to_all_limit, all_to_all_time_s, all_to_all_traffic, attention_flops,
                                     causal_attention_flops, cp_activation_bytes, cp_limit, ring_backward_time_s,

@@ -14,8 +14,8 @@ import pytest
 from partita.cli import main
 from partita.cluster import parse_short
 from partita.errors import PartitaError
-from partita.export import describe_changes, export_plan
-from partita.export_megatron import arguments
+from partita.cli.export import describe_changes, export_plan
+from partita.cli.export_megatron import arguments
 from partita.model import BUILTIN
 from partita.plan import LayerStrategy, Plan, Stage
 

@@ -5,7 +5,7 @@ import pytest
 from partita.units import round_up_to_grain
 
 from partita.cluster import parse_short
-from partita.model import load_model
+from partita.model_io import load_model
 from partita.plan import LayerStrategy
 from partita.profile import bus_bytes
 from partita.search.costs import CostModel, Link, pipeline_time_s
@@ -203,7 +203,7 @@ def test_a_send_between_groups_goes_at_the_slower_side_and_the_link_between_them
     0.001 GB/s link between the groups was priced by the fit (2 ms for 100 MB)."""
     from partita.cluster import ClusterSpec, make_group
     from partita.devices import get_device
-    from partita.model import load_model
+    from partita.model_io import load_model
     from partita.profile import CommCost, Profile, Provenance
     from partita.search.costs import CostModel, activation_message_bytes, boundary_s
 

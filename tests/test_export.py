@@ -16,9 +16,9 @@ import types
 import pytest
 
 from partita.cli import main
-from partita.export import blocks_per_stage, export_plan, resplit, uniform
-from partita.export_megatron import arguments, layout
-from partita.model import load_model
+from partita.cli.export import blocks_per_stage, export_plan, resplit, uniform
+from partita.cli.export_megatron import arguments, layout
+from partita.model_io import load_model
 from partita.plan import Plan
 
 MIXED = "2x8xH100+2x8xA100-80GB"

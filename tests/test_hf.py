@@ -8,7 +8,7 @@ import pytest
 
 from partita.errors import PartitaError
 from partita.hf import MAX_DEFAULT_SEQ_LEN, load_hf_config, spec_from_hf
-from partita.model import load_model
+from partita.model_io import load_model
 
 DATA = Path(__file__).parent / "data" / "hf"
 

@@ -11,7 +11,7 @@ from partita.cli import main
 from partita.cluster import load_cluster
 from partita.errors import PartitaError
 from partita.plan import Plan
-from partita.pricing import parse_tokens, training_cost
+from partita.cli.pricing import parse_tokens, training_cost
 from torch_blocker import BLOCK_TORCH  # noqa: E402
 
 jsonschema = pytest.importorskip("jsonschema")
@@ -140,8 +140,8 @@ def test_export_pricing_json_and_top_k_need_no_torch(tmp_path):
     import sys
 
     code = (BLOCK_TORCH +
-            "import partita.export, partita.export_megatron, partita.export_torchtitan, partita.export_deepspeed\n"
-            "import partita.pricing, partita.jsonout, partita.slurm, partita.search.topk\n"
+            "import partita.cli.export, partita.cli.export_megatron, partita.cli.export_torchtitan, partita.cli.export_deepspeed\n"
+            "import partita.cli.pricing, partita.cli.jsonout, partita.cli.slurm, partita.search.topk\n"
             "from partita.cli import main\n"
             "plan = sys.argv[1]\n"
             "assert main(['plan', '--model', 'gpt2', '--cluster', '8xH100', '-o', plan, '--tokens', '1B', '--top', '2',"
@@ -159,7 +159,7 @@ def test_cost_objective_picks_the_cheapest_plan_per_token_which_is_not_the_faste
     frontier starts at the fastest plan, each next point is the fastest plan of strictly lower
     price, and the chosen plan is the frontier's cheapest; no plan of the A100 group alone (a
     sub-cluster the frontier must cover) is cheaper."""
-    from partita.model import load_model
+    from partita.model_io import load_model
     from partita.search.planner import PlanRequest, make_cost_plan, make_plan, plan_price, usd_per_million_tokens
 
     model = load_model("gpt2")

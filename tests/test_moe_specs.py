@@ -6,7 +6,8 @@ import pytest
 
 from partita.errors import PartitaError
 from partita.hf import spec_from_hf
-from partita.model import BUILTIN, LayerKind, ModelSpec, load_model
+from partita.model import BUILTIN, LayerKind, ModelSpec
+from partita.model_io import load_model
 
 DATA = Path(__file__).parent / "data"
 

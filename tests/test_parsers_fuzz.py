@@ -22,7 +22,8 @@ from partita.cluster import ClusterSpec, load_cluster, parse_short
 from partita.devices import ALIASES, CATALOG
 from partita.errors import PartitaError
 from partita.hf import load_hf_config, spec_from_hf
-from partita.model import BUILTIN, ModelSpec, load_model
+from partita.model import BUILTIN, ModelSpec
+from partita.model_io import load_model
 from partita.plan import Plan
 from partita.profile import Profile
 from test_specs import hand_plan, hand_profile  # hand-built valid plan and profile

@@ -10,7 +10,7 @@ import pytest
 from ortools.sat.python import cp_model
 
 from partita.cluster import parse_short
-from partita.model import load_model
+from partita.model_io import load_model
 from partita.search import cpsat
 from partita.search.costs import CostModel
 from partita.search.cpsat_fit import StageFit, pipeline_reach

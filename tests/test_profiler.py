@@ -15,7 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from partita.cli import main as partita_main  # noqa: E402
-from partita.model import load_model  # noqa: E402
+from partita.model_io import load_model  # noqa: E402
 from partita.profile import Profile  # noqa: E402
 from partita.profiler.__main__ import main as profiler_main  # noqa: E402
 
@@ -202,7 +202,7 @@ def test_the_host_time_per_op_is_measured_and_floors_analytic_layers(tiny_llama_
     import dataclasses
 
     from partita.cluster import parse_short
-    from partita.model import load_model
+    from partita.model_io import load_model
     from partita.search.costs import CostModel
     from partita.search.timing import default_constants
 

@@ -8,7 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from partita.model import load_model  # noqa: E402
+from partita.model_io import load_model  # noqa: E402
 from partita.profiler.provenance import catalog_name_for_gpu  # noqa: E402
 
 

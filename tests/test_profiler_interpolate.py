@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from partita.model import load_model
+from partita.model_io import load_model
 from partita.profile import LayerCost, Profile, Provenance
 from partita.profile import bus_bytes
 from partita.profiler.fit import fit_latency_bandwidth, relative_errors

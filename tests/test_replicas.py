@@ -8,7 +8,8 @@ import pytest
 
 from partita.cluster import parse_short
 from partita.errors import PartitaError
-from partita.model import BUILTIN, load_model
+from partita.model import BUILTIN
+from partita.model_io import load_model
 from partita.plan import Plan
 from partita.search.costs import CostModel
 from partita.search.evaluate import evaluate_layout, evaluate_plan

@@ -69,7 +69,7 @@ def test_timeline_png(plans, tmp_path):
 
 def test_timeline_plays_the_schedule():
     """The boxes follow the schedule's dependencies and end where schedules.simulate ends."""
-    from partita.report import timeline
+    from partita.cli.report import timeline
     from partita.search.schedules import simulate, torch_actions
 
     acts = torch_actions("1f1b", 3, 1, 5)
@@ -178,7 +178,7 @@ def _summary(plan, *, memory=False):
 
 
 def test_measured_parts_are_the_median_step_split_by_the_phases_the_ranks_timed():
-    from partita.report import measured_step_parts
+    from partita.cli.runchart import measured_step_parts
 
     # Step 1 warms up and is left out; each step is averaged over the stage's two ranks first.
     records = [_record(0, r, s, t) for r in (0, 1) for s, t in ((1, 9.0), (2, 0.2), (3, 0.3))]
@@ -197,7 +197,7 @@ def test_measured_parts_are_the_median_step_split_by_the_phases_the_ranks_timed(
 
 
 def test_run_chart_holds_every_stage_measured_beside_predicted(plans):
-    from partita.report import predicted_step_parts, run_figure
+    from partita.cli.runchart import predicted_step_parts, run_figure
 
     plan = Plan.load(plans["1f1b"])
     cluster = ClusterSpec.from_dict(plan.cluster)
@@ -226,7 +226,7 @@ def test_run_chart_holds_every_stage_measured_beside_predicted(plans):
 
 
 def test_run_chart_says_what_was_not_measured_or_predicted(plans):
-    from partita.report import run_figure
+    from partita.cli.runchart import run_figure
 
     plan = Plan.load(plans["1f1b"])
     cluster = ClusterSpec.from_dict(plan.cluster)

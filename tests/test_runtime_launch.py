@@ -19,7 +19,7 @@ mp = pytest.importorskip("torch.multiprocessing")
 from partita.errors import PartitaError  # noqa: E402
 from partita.runtime.data import TokenSource  # noqa: E402
 from partita.runtime import checkpoint  # noqa: E402
-from partita.report import RUN_CHART  # noqa: E402
+from partita.runtime.launch import RUN_CHART  # noqa: E402
 from partita.runtime.launch import add_launch_arguments, check_launch, launch_command  # noqa: E402
 from partita.runtime.metrics import RunSummary, read_metrics  # noqa: E402
 from partita.runtime.train import TrainConfig, lr_at  # noqa: E402
@@ -200,7 +200,7 @@ def test_launch_draws_the_run_measured_against_predicted_per_stage(tmp_path, cap
     stage with its measured and predicted bars, the step's parts, peak memory, the categories."""
     import io
 
-    import partita.report as report
+    import partita.cli.runchart as report
     from partita.cli import main
     from partita.plan import Plan
 
@@ -239,8 +239,8 @@ def test_launch_draws_the_run_measured_against_predicted_per_stage(tmp_path, cap
 
 def test_a_chart_that_cannot_be_drawn_is_one_warning(tmp_path, capsys, monkeypatch):
     """The run has trained by then: drawing that fails says so in one line and the launch goes on."""
-    import partita.report as report
-    from partita.runtime.launch import draw_run_chart
+    import partita.cli.runchart as report
+    from partita.cli.launch import draw_run_chart
 
     def broken(*args, **kwargs):
         raise RuntimeError("no backend\nand more")
@@ -412,7 +412,7 @@ def test_a_plan_on_part_of_a_cluster_launches(tmp_path):
     """The search may leave node groups idle: a plan on the second group alone (ranks 2 and 3)
     runs with torchrun ranks 0 and 1."""
     from partita.cluster import parse_short
-    from partita.model import load_model
+    from partita.model_io import load_model
     from partita.plan import LayerStrategy
     from partita.search.costs import CostModel
     from partita.search.planner import layout_to_plan

@@ -9,7 +9,8 @@ from hypothesis import HealthCheck, example, given, settings, strategies as st
 from partita.cluster import ClusterSpec, make_group, parse_short
 from partita.devices import get_device
 from partita.errors import InfeasibleError
-from partita.model import ModelSpec, load_model
+from partita.model import ModelSpec
+from partita.model_io import load_model
 from partita.search import cpsat
 from partita.search.costs import CostModel, choice_of
 from partita.search.evaluate import evaluate_counts, evaluate_layout, evaluate_plan

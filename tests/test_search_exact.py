@@ -9,7 +9,8 @@ import pytest
 
 from partita.cluster import parse_short
 from partita.errors import InfeasibleError
-from partita.model import ModelSpec, load_model
+from partita.model import ModelSpec
+from partita.model_io import load_model
 from partita.search.costs import CostModel
 from partita.search.planner import PlanRequest, SearchTimeout, make_plan
 from partita.search.uniform import uniform_search

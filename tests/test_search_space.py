@@ -8,7 +8,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from partita.cluster import ClusterSpec, make_group, parse_short
 from partita.devices import get_device
-from partita.model import ModelSpec, load_model
+from partita.model import ModelSpec
+from partita.model_io import load_model
 from partita.search.planner import PlanRequest, make_plan
 from partita.search.uniform import SearchSpace, batch_shares, batch_splits, micro_batch_sizes
 from partita.units import GiB

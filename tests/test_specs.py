@@ -11,7 +11,8 @@ from partita import specio
 from partita.cluster import ClusterSpec, load_cluster, parse_short
 from partita.devices import CATALOG, get_device
 from partita.errors import PartitaError
-from partita.model import BUILTIN, LayerKind, ModelSpec, load_model
+from partita.model import BUILTIN, LayerKind, ModelSpec
+from partita.model_io import load_model
 from partita.plan import LayerStrategy, Plan, Prediction, SolverReport, Stage, StageMemory
 from partita.profile import CommCost, LayerCost, Profile, Provenance
 from partita.units import GiB

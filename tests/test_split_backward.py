@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from partita.cluster import load_cluster
-from partita.model import load_model
+from partita.model_io import load_model
 from partita.search import timing
 from partita.search.costs import CostModel, choice_of
 from partita.search.evaluate import evaluate_interleaved

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from partita.cluster import parse_short
-from partita.model import load_model
+from partita.model_io import load_model
 from partita.plan import LayerStrategy
 from partita.profile import Calibration, Profile, Provenance
 from partita.runtime.commprobe import OpCounter

@@ -17,7 +17,7 @@ from typing import Any, Sequence
 from partita.devices import CATALOG, PRICE_SOURCE
 from partita.model import BUILTIN
 from partita.plan import Plan
-from partita.pricing import TrainingCost
+from partita.cli.pricing import TrainingCost
 
 SCHEMA_VERSION = 1
 

@@ -49,7 +49,7 @@ import json
 from typing import Iterator
 
 from partita.cluster import ClusterSpec
-from partita.export import blocks_per_stage, context_variant, is_block, uniform
+from partita.cli.export import blocks_per_stage, context_variant, is_block, uniform
 from partita.model import ModelSpec
 from partita.plan import Plan
 

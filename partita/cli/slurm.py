@@ -65,8 +65,8 @@ def sbatch_script(plan: Plan, cluster: ClusterSpec, worker_args: list[str], *, j
     nnodes = sum(c.nodes for c in comps)
     het = len(comps) > 1
     lines = ["#!/bin/bash",
-             f"# {plan.model.get('name', '?')} on {cluster.short}: {plan.world_size} ranks (dp {plan.dp} x tp {plan.tp} "
-             f"x pp {plan.pp}) on {nnodes} node{'s' if nnodes > 1 else ''}"
+             f"# {plan.model.get('name', '?')} on {cluster.short}: {plan.mesh.describe()} on {nnodes} "
+             f"node{'s' if nnodes > 1 else ''}"
              + (f", a heterogeneous job of {len(comps)} components (one per node group)" if het else ""),
              "# written by `partita launch --emit slurm`; submit with: sbatch THIS_FILE"]
     for i, c in enumerate(comps):
@@ -113,12 +113,13 @@ def sbatch_script(plan: Plan, cluster: ClusterSpec, worker_args: list[str], *, j
 
 def emit_command(args: argparse.Namespace) -> int:
     """Check what ``partita launch`` checks that does not need this machine's devices, then write."""
-    from partita.commands import writable_output
-    from partita.export import plan_cluster
+    from partita.cli.export import plan_cluster
+    from partita.cli.output import writable_output
+    from partita.cluster import load_cluster, same_hardware
+    from partita.model import ModelSpec
+    from partita.model_io import load_model
     from partita.runtime.launch import check_plan, train_config, worker_arguments
     from partita.runtime.train import check_config
-    from partita.cluster import load_cluster, same_hardware
-    from partita.model import ModelSpec, load_model
 
     output = writable_output(args.output or "job.sbatch")
     if args.walltime is not None and (not args.walltime or any(ch not in _WALLTIME for ch in args.walltime)):

@@ -11,8 +11,7 @@ holds its sender and delays its receiver (drawn under the action that sends); ea
 step with its gradient sync, optimizer and the step's fixed overhead. The dashed line is the
 plan's predicted step (the search's closed form, ``schedules.closed_form_s``).
 
-After a run, ``partita launch`` draws ``run_figure`` into the run directory (``RUN_CHART``): per
-stage, the measured step by part and memory beside the plan's prediction, from the run's files.
+A run's picture against its plan is ``partita.cli.runchart``'s.
 
 matplotlib is imported inside the functions that draw, so ``import partita`` stays light.
 """
@@ -23,14 +22,13 @@ import base64
 import html
 import io
 import os
-import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 from partita.errors import PartitaError
 from partita.plan import Plan, StageMemory
-from partita.units import GiB, MiB, fmt_bytes, fmt_seconds
+from partita.units import GiB, fmt_seconds
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -68,7 +66,7 @@ def output_path(flag: str, text: str, formats: Sequence[str]) -> Path:
     return path
 
 
-def _pyplot():
+def pyplot():
     try:
         import matplotlib
     except ImportError:
@@ -134,7 +132,7 @@ def plan_timeline(plan: Plan, cluster: "ClusterSpec") -> Timeline:
     except ImportError:
         raise PartitaError(f"the {plan.schedule} schedule's actions come from torch.distributed.pipelining, and torch "
                            f"is not installed; install torch to draw this plan's timeline") from None
-    cm, ev = _costed(plan, cluster)
+    cm, ev = costed(plan, cluster)
     forward, backward, send = [0.0] * (pp * v), [0.0] * (pp * v), [0.0] * (pp * v)
     for i, s in enumerate(plan.stages):
         group = cluster.group(s.group)
@@ -161,7 +159,7 @@ def plan_timeline(plan: Plan, cluster: "ClusterSpec") -> Timeline:
             # A boundary's two messages (activations on, their gradient back), each way one.
             send[k] = scale * cost.send_s / (2 * hops) if hops and k + 1 not in own else 0.0
     boxes = timeline(actions, forward, backward, send)
-    tails = [sum(parts.values()) for parts in _tail_parts(plan, ev)]
+    tails = [sum(parts.values()) for parts in tail_parts(plan, ev)]
     for r in range(pp):
         end = max(b.end_s for b in boxes if b.rank == r and b.kind != "send")
         boxes.append(Box(r, r, "sync", -1, end, end + tails[r]))
@@ -169,7 +167,7 @@ def plan_timeline(plan: Plan, cluster: "ClusterSpec") -> Timeline:
                     predicted_step_s=plan.prediction.step_time_s if plan.prediction else None)
 
 
-def _costed(plan: Plan, cluster: "ClusterSpec") -> tuple:
+def costed(plan: Plan, cluster: "ClusterSpec") -> tuple:
     """The cost model for the plan's model on ``cluster``, and the plan evaluated under it."""
     from partita.model import ModelSpec
     from partita.search.costs import CostModel
@@ -180,7 +178,7 @@ def _costed(plan: Plan, cluster: "ClusterSpec") -> tuple:
     return cm, evaluate_plan(plan, cm)
 
 
-def _tail_parts(plan: Plan, ev) -> list[dict[str, float]]:
+def tail_parts(plan: Plan, ev) -> list[dict[str, float]]:
     """Each rank's end of the step after its last backward, by part: its gradient sync (data
     parallel, and a tied embedding's), its optimizer, and the step's fixed overhead. Scaled so
     that the longest matches what the plan's prediction records for them."""
@@ -200,14 +198,14 @@ def title_of(plan: Plan) -> str:
     schedule = plan.schedule + (f" ({plan.virtual_stages} virtual stages per rank)" if plan.virtual_stages > 1 else "")
     step = f", predicted step {fmt_seconds(plan.prediction.step_time_s)}" if plan.prediction else ""
     m = plan.num_micro_batches
-    return (f"{plan.model.get('name', '?')} on {plan.cluster.get('name', '?')}: dp {plan.dp} x tp {plan.tp} x pp "
-            f"{plan.pp}, {m} micro-batch{'es' if m > 1 else ''}, {schedule}{step}")
+    return (f"{plan.model.get('name', '?')} on {plan.cluster.get('name', '?')}: {plan.mesh.factors()}, "
+            f"{m} micro-batch{'es' if m > 1 else ''}, {schedule}{step}")
 
 
 def timeline_figure(plan: Plan, tl: Timeline) -> "Figure":
     """One row per stage: forward and backward boxes (numbered by micro-batch when there is
     room), sends under them, the gradient sync and optimizer at the end, idle in grey."""
-    plt = _pyplot()
+    plt = pyplot()
     from matplotlib.patches import Patch, Rectangle
 
     scale, unit = (1.0, "s") if tl.end_s >= 2 else (1e3, "ms")
@@ -252,7 +250,7 @@ def timeline_figure(plan: Plan, tl: Timeline) -> "Figure":
 # ---- memory and the cluster ----------------------------------------------------------------
 def memory_figure(plan: Plan) -> "Figure":
     """Each stage's peak on one device, stacked by what holds it, against the device's capacity."""
-    plt = _pyplot()
+    plt = pyplot()
     memory = plan.prediction.memory
     used = [c for c in StageMemory.CATEGORIES if any(m.category_bytes()[c] for m in memory)]
     fig, ax = plt.subplots(figsize=(max(6.0, 1.0 + 0.7 * len(memory)), 4.5), layout="constrained")
@@ -280,7 +278,7 @@ def stage_of_ranks(plan: Plan) -> dict[int, int]:
 
 def cluster_figure(plan: Plan, cluster: "ClusterSpec") -> "Figure":
     """Every device of the cluster, one row per node, coloured and numbered by the stage it runs."""
-    plt = _pyplot()
+    plt = pyplot()
     from matplotlib.patches import Rectangle
 
     owner = stage_of_ranks(plan)
@@ -308,267 +306,8 @@ def cluster_figure(plan: Plan, cluster: "ClusterSpec") -> "Figure":
     return fig
 
 
-# ---- a run: measured against predicted -----------------------------------------------------
-RUN_CHART = "measured_vs_predicted.png"  # the picture `partita launch` leaves in the run directory
-# A step's parts, in the order they are stacked; the colours follow the timeline's.
-PART_COLOURS = {"forward": COLOURS["F"], "backward": COLOURS["B"], "sends": COLOURS["send"],
-                "gradient sync": "#D4A6C8", "optimizer": COLOURS["sync"], "overhead": "#BAB0AC",
-                "waiting for a core": "#79706E", "rest": "#D9D9D9", "idle": COLOURS["idle"], "unsplit": "#A0A0A0"}
-PART_NAMES = {"forward": "forward (with the loss)", "backward": "backward", "sends": "pipeline sends",
-              "gradient sync": "gradient sync", "optimizer": "optimizer", "overhead": "step overhead",
-              "waiting for a core": "waiting for a core (CPU ranks)",
-              "rest": "sends, gradient sync, idle (measured together)", "idle": "idle (pipeline bubble)",
-              "unsplit": "step (its parts not recorded)"}
-MEASURED, PREDICTED = "#3B4B5C", "#A0B4C8"  # the peak-memory bars
-_PAIR = 0.2  # a stage's measured bar sits this far left of its centre, the predicted one right
-
-
-@dataclass(frozen=True)
-class StepParts:
-    """One stage's step: its length and where it went, in seconds by part (``PART_NAMES``);
-    ``parts`` is empty where the run did not record them."""
-
-    step_s: float
-    parts: dict[str, float]
-
-
-def measured_step_parts(records: Sequence[dict], pp: int, *, cpu: bool) -> list[StepParts | None]:
-    """Per stage, from one run's ``metrics.jsonl`` records: the median step and the median of each
-    of its parts, each step averaged over the stage's ranks first (the first step is left out when
-    there are others: it warms up, as in the run summary); None where no rank of the stage
-    recorded a step. The parts are the phases a rank times (``runtime/phases.py``: forward with
-    the loss, backward, optimizer), on CPU ranks the time spent waiting for a core, and the rest
-    of the median step (pipeline sends and waits, gradient sync), which the run does not split."""
-    out: list[StepParts | None] = []
-    for stage in range(pp):
-        rows = [r for r in records if r.get("stage") == stage and "step_time_s" in r]
-        steps = sorted({r["step"] for r in rows})
-        if not steps:
-            out.append(None)
-            continue
-        step_s, parts = [], []
-        for step in steps[1:] or steps:
-            ranks = [r for r in rows if r["step"] == step]
-            step_s.append(statistics.fmean(r["step_time_s"] for r in ranks))
-            timed = [_record_parts(r, cpu) for r in ranks]
-            # A rank from a run that did not time its phases leaves the step unsplit.
-            keys = list(timed[0]) if all(t and list(t) == list(timed[0]) for t in timed) else []
-            parts.append({k: statistics.fmean(t[k] for t in timed) for k in keys})
-        median = statistics.median(step_s)
-        keys = list(parts[0]) if all(p and list(p) == list(parts[0]) for p in parts) else []
-        split = {k: statistics.median(p[k] for p in parts) for k in keys}
-        if split:
-            split["rest"] = max(0.0, median - sum(split.values()))
-        out.append(StepParts(median, split))
-    return out
-
-
-def _record_parts(record: dict, cpu: bool) -> dict[str, float]:
-    """The parts of one rank's step its record times; empty for a record without them."""
-    if not all(f"{phase}_s" in record for phase in ("forward", "backward", "optimizer")):
-        return {}
-    parts = {"forward": sum(record["forward_s"]) + sum(record.get("loss_s", ())),
-             "backward": sum(record["backward_s"]), "optimizer": sum(record["optimizer_s"])}
-    # A CPU rank's phases leave out the time it waited for a core (phases.RunQueueDelay); a GPU's
-    # are device time, so the host's waits are not theirs to subtract.
-    if cpu and "run_delay_s" in record:
-        parts["waiting for a core"] = max(0.0, record["run_delay_s"])
-    return parts
-
-
-def predicted_step_parts(plan: Plan, cluster: "ClusterSpec") -> list[StepParts] | None:
-    """Per stage, one step as the plan's timeline plays it (``plan_timeline``): forward, backward
-    (input and weight gradients alike), pipeline sends, gradient sync, optimizer and the step's
-    fixed overhead, and idle for the rest of the predicted step. None for a plan without a
-    prediction (there is nothing to compare against)."""
-    if plan.prediction is None:
-        return None
-    tl = plan_timeline(plan, cluster)
-    tails = _tail_parts(plan, _costed(plan, cluster)[1])
-    step = plan.prediction.step_time_s
-
-    def spent(rank: int, kinds: tuple[str, ...]) -> float:
-        return sum(b.end_s - b.start_s for b in tl.boxes if b.rank == rank and b.kind in kinds)
-
-    out = []
-    for r in range(plan.pp):
-        parts = {"forward": spent(r, ("F",)), "backward": spent(r, ("B", "I", "W")), "sends": spent(r, ("send",)),
-                 **tails[r]}
-        parts["idle"] = max(0.0, step - sum(parts.values()))
-        out.append(StepParts(step, parts))
-    return out
-
-
-def run_figure(plan: Plan, cluster: "ClusterSpec", summary: dict, records: Sequence[dict]) -> "Figure":
-    """A finished run against its plan, per stage, each stage's measured bar beside its predicted
-    one: the step by part; the peak memory of a device against its capacity; and, where the run
-    measured it (``--memory-report``), the memory at the peak by category. ``summary`` is the run's
-    ``summary.json``, ``records`` its ``metrics.jsonl`` lines. What the run did not measure, or the
-    plan does not predict, is said in place of its bar, never drawn as zero."""
-    plt = _pyplot()
-    by_category = bool(summary.get("memory"))
-    rows = 3 if by_category else 2
-    fig, axes = plt.subplots(rows, 1, figsize=(max(9.0, 3.5 + 1.4 * plan.pp), 1.0 + 3.0 * rows),
-                             layout="constrained")
-    _time_panel(axes[0], plan, measured_step_parts(records, plan.pp, cpu=cluster.is_cpu),
-                predicted_step_parts(plan, cluster))
-    _peak_panel(axes[1], plan, cluster, summary, by_category)
-    if by_category:
-        _category_panel(axes[2], plan, summary)
-    for ax in axes:
-        _stage_ticks(ax, plan)
-    steps = summary.get("steps")
-    fig.suptitle(f"{plan.model.get('name', '?')} on {cluster.short} (dp {plan.dp} x tp {plan.tp} x pp {plan.pp}): "
-                 f"run {summary.get('run_id') or '?'}, {steps if steps is not None else '?'} steps, "
-                 f"measured against predicted", fontsize=10, x=0.01, ha="left")
-    return fig
-
-
-def write_run_chart(plan: Plan, cluster: "ClusterSpec", summary: dict, records: Sequence[dict], path: Path) -> None:
-    _save(run_figure(plan, cluster, summary, records), path, "run chart")
-
-
-def _stage_ticks(ax, plan: Plan) -> None:
-    """Each bar named "measured" or "predicted", and its stage's name under the pair."""
-    ax.set_xticks([s + d for s in range(plan.pp) for d in (-_PAIR, _PAIR)], ["measured", "predicted"] * plan.pp,
-                  fontsize=7)
-    ax.set_xlim(-0.6, plan.pp - 0.4)
-    for s in plan.stages:
-        ax.text(s.index, -0.12, f"stage {s.index}\n{s.device}, ranks {_ranges(s.ranks)}", transform=_data_x(ax),
-                ha="center", va="top", fontsize=8)
-
-
-def _absent(ax, x: float, text: str, gid: str) -> None:
-    """A bar that is not there, said where it would stand."""
-    ax.text(x, 0.02, text, transform=_data_x(ax), rotation=90, ha="center", va="bottom", fontsize=7, color="#555555",
-            gid=gid)
-
-
-def _data_x(ax):
-    """Coordinates with x in the data's units and y in the axes' (0 bottom, 1 top)."""
-    from matplotlib.transforms import blended_transform_factory
-
-    return blended_transform_factory(ax.transData, ax.transAxes)
-
-
-def _time_panel(ax, plan: Plan, measured: list[StepParts | None], predicted: list[StepParts] | None) -> None:
-    known = [sp for sp in measured + (predicted or []) if sp is not None]
-    longest = max((max(sp.step_s, sum(sp.parts.values())) for sp in known), default=0.0)
-    scale, unit = (1.0, "s") if longest >= 2 else (1e3, "ms")
-    used: set[str] = set()
-    for s in range(plan.pp):
-        for who, x, sp in (("measured", s - _PAIR, measured[s]),
-                           ("predicted", s + _PAIR, predicted[s] if predicted else None)):
-            if sp is None:
-                _absent(ax, x, "not measured" if who == "measured" else "no prediction in the plan",
-                        f"time-{who}-absent-s{s}")
-                continue
-            parts = sp.parts or {"unsplit": sp.step_s}
-            bottom = 0.0
-            for part in PART_COLOURS:
-                seconds = parts.get(part, 0.0)
-                if seconds <= 0:
-                    continue
-                used.add(part)
-                ax.bar(x, seconds * scale, bottom=bottom, width=2 * _PAIR * 0.9, color=PART_COLOURS[part],
-                       edgecolor="#999999" if part == "idle" else "white", linewidth=0.4,
-                       hatch="//" if part in ("rest", "unsplit") else None, gid=f"time-{who}-{part}-s{s}")
-                bottom += seconds * scale
-            ax.text(x, max(bottom, sp.step_s * scale), fmt_seconds(sp.step_s), ha="center", va="bottom", fontsize=7)
-    from matplotlib.patches import Patch
-
-    handles = [Patch(facecolor=PART_COLOURS[p], edgecolor="#999999" if p == "idle" else "none",
-                     hatch="//" if p in ("rest", "unsplit") else None, label=PART_NAMES[p])
-               for p in PART_COLOURS if p in used]
-    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7, frameon=False)
-    ax.set_ylim(0, longest * scale * 1.15 or 1.0)
-    ax.set_ylabel(f"step time ({unit})")
-    ax.set_title("step time by part: measured (the stage's median step, its ranks averaged) against predicted "
-                 "(the plan's timeline)", fontsize=9, loc="left")
-
-
-def _peak_panel(ax, plan: Plan, cluster: "ClusterSpec", summary: dict, by_category: bool) -> None:
-    measured = summary.get("measured_stage_peak_bytes") or []
-    predicted = summary.get("predicted_stage_peak_bytes") or (
-        [m.peak_bytes for m in sorted(plan.prediction.memory, key=lambda m: m.stage)] if plan.prediction else [])
-    capacity = {m.stage: m.capacity_bytes for m in plan.prediction.memory} if plan.prediction else {}
-    capacity = [capacity.get(s.index, cluster.group(s.group).memory_bytes) for s in plan.stages]
-    shown = [b for b in measured + predicted if b]
-    top = max(shown, default=0)
-    unit, name = (GiB, "GiB") if top >= GiB else (MiB, "MiB")
-    kind = summary.get("memory_kind") or "peak"
-    kind_name = {"peak RSS": "peak RSS: the whole process, Python and torch included",
-                 "allocated": "torch.cuda.max_memory_allocated"}.get(kind, kind)
-    sides = {"measured": (-_PAIR, measured, MEASURED, f"measured ({kind_name})"),
-             "predicted": (_PAIR, predicted, PREDICTED, "predicted peak (with reserve)")}
-    for s in range(plan.pp):
-        for who, (offset, values, colour, label) in sides.items():
-            value = values[s] if s < len(values) else None
-            if value is None:
-                _absent(ax, s + offset, "not measured" if who == "measured" else "no prediction in the plan",
-                        f"peak-{who}-absent-s{s}")
-                continue
-            ax.bar(s + offset, value / unit, width=2 * _PAIR * 0.9, color=colour, gid=f"peak-{who}-s{s}",
-                   label=label if s == 0 else None)
-            ax.text(s + offset, value / unit, fmt_bytes(value), ha="center", va="bottom", fontsize=7)
-        # The capacity as a line where it fits beside the bars; a device far larger is only named.
-        if capacity[s] <= 3 * max(top, 1):
-            ax.hlines(capacity[s] / unit, s - 0.45, s + 0.45, colors="black", linewidth=1.5,
-                      label="capacity" if s == 0 else None, gid=f"capacity-s{s}")
-        else:
-            ax.text(s, 0.97, f"capacity {fmt_bytes(capacity[s])} (above the chart)", transform=_data_x(ax),
-                    ha="center", va="top", fontsize=7, gid=f"capacity-s{s}")
-    limit = max([top] + [c for c in capacity if c <= 3 * max(top, 1)]) / unit
-    ax.set_ylim(0, limit * 1.2 or 1.0)
-    ax.set_ylabel(f"{name} per device")
-    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7, frameon=False)
-    note = "" if by_category else "; by category: not measured (run with --memory-report)"
-    ax.set_title(f"peak memory per device (measured: the stage's largest){note}", fontsize=9, loc="left")
-
-
-def _category_panel(ax, plan: Plan, summary: dict) -> None:
-    """The memory report: each stage's rank with the largest tracked peak, by category, beside
-    the plan's breakdown. Reserve is predicted but is no tensor, so neither side shows it."""
-    predicted = summary.get("predicted_memory") or (
-        [m.category_bytes() for m in sorted(plan.prediction.memory, key=lambda m: m.stage)] if plan.prediction else [])
-    worst = {}
-    for m in summary.get("memory") or []:
-        if m["stage"] not in worst or sum(m["bytes"].values()) > sum(worst[m["stage"]]["bytes"].values()):
-            worst[m["stage"]] = m
-    sides = []  # (stage, "measured" or "predicted", x, bytes by category or None)
-    for s in range(plan.pp):
-        sides.append((s, "measured", s - _PAIR, dict(worst[s]["bytes"]) if s in worst else None))
-        sides.append((s, "predicted", s + _PAIR,
-                      {c: b for c, b in predicted[s].items() if c != "reserve"} if s < len(predicted) else None))
-    top = max((sum(b.values()) for *_, b in sides if b), default=0)
-    unit, name = (GiB, "GiB") if top >= GiB else (MiB, "MiB")
-    used = [c for c in StageMemory.CATEGORIES if any(b and b.get(c) for *_, b in sides)]
-    for s, who, x, held in sides:
-        if held is None:
-            _absent(ax, x, "not measured" if who == "measured" else "no prediction in the plan",
-                    f"category-{who}-absent-s{s}")
-            continue
-        bottom = 0.0
-        for c in used:
-            height = held.get(c, 0) / unit
-            ax.bar(x, height, bottom=bottom, width=2 * _PAIR * 0.9, color=MEMORY_COLOURS[c], edgecolor="white",
-                   linewidth=0.4, gid=f"category-{who}-{c}-s{s}")
-            bottom += height
-        ax.text(x, bottom, fmt_bytes(sum(held.values())), ha="center", va="bottom", fontsize=7)
-    from matplotlib.patches import Patch
-
-    handles = [Patch(color=MEMORY_COLOURS[c], label=c.replace("_", " ")) for c in used]
-    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7, frameon=False)
-    ax.set_ylim(0, top / unit * 1.2 or 1.0)
-    ax.set_ylabel(f"{name} per device")
-    reserve = [p.get("reserve", 0) for p in predicted]
-    aside = f"\nreserve (predicted {fmt_bytes(max(reserve))}) is no tensor, so it is left out" if any(reserve) else ""
-    ax.set_title(f"memory at the peak of one step, by category (torch's memory trackers, the stage's largest rank)"
-                 f"{aside}", fontsize=9, loc="left")
-
-
 # ---- files ---------------------------------------------------------------------------------
-def _save(fig: "Figure", path: Path, flag: str) -> None:
+def save_figure(fig: "Figure", path: Path, flag: str) -> None:
     import matplotlib.pyplot as plt
 
     try:
@@ -613,7 +352,7 @@ def with_prediction(plan: Plan, cluster: "ClusterSpec") -> tuple[Plan, str]:
 
 def write_timeline(plan: Plan, cluster: "ClusterSpec", path: Path) -> None:
     plan, _ = with_prediction(plan, cluster)
-    _save(timeline_figure(plan, plan_timeline(plan, cluster)), path, "--timeline")
+    save_figure(timeline_figure(plan, plan_timeline(plan, cluster)), path, "--timeline")
 
 
 def write_report(plan: Plan, cluster: "ClusterSpec", path: Path, *, source: str) -> None:
@@ -623,7 +362,7 @@ def write_report(plan: Plan, cluster: "ClusterSpec", path: Path, *, source: str)
     tl = plan_timeline(plan, cluster)
     e = html.escape
     summary = [("model", plan.model.get("name", "?")), ("cluster", cluster.short),
-               ("degrees", f"dp {plan.dp} x tp {plan.tp} x pp {plan.pp} = {plan.world_size} ranks"),
+               ("degrees", plan.mesh.describe()),
                ("batch", f"global {plan.global_batch} = dp {plan.dp} x micro-batch {plan.micro_batch} x "
                          f"{plan.num_micro_batches} micro-batches; sequence {plan.seq_len}; {plan.dtype}"),
                ("schedule", plan.schedule + (f", {plan.virtual_stages} virtual stages per rank"
@@ -638,11 +377,11 @@ def write_report(plan: Plan, cluster: "ClusterSpec", path: Path, *, source: str)
         f"<tr><td>stage {m.stage}</td>" + "".join(f"<td>{m.category_bytes()[c] / GiB:.2f}</td>" for c in used)
         + f"<td><b>{m.peak_bytes / GiB:.2f}</b></td><td>{m.capacity_bytes / GiB:.2f}</td></tr>" for m in pred.memory)
     stage_rows = "".join(
-        f"<tr><td>stage {s.index}</td><td>{e(' + '.join(s.groups))}</td><td>{e(s.device)}</td><td>{_ranges(s.ranks)}</td>"
+        f"<tr><td>stage {s.index}</td><td>{e(' + '.join(s.groups))}</td><td>{e(s.device)}</td><td>{rank_ranges(s.ranks)}</td>"
         f"<td>{sum(1 for l in s.layers if l.name.startswith('layers.'))} blocks</td>"
         f"<td>{fmt_seconds(pred.stage_time_s[s.index])}</td></tr>" for s in plan.stages)
     group_rows = "".join(
-        f"<tr><td>{e(g.name)}</td><td>{g.nodes} x {g.gpus_per_node} {e(g.device)}</td><td>{_ranges(ranks)}</td>"
+        f"<tr><td>{e(g.name)}</td><td>{g.nodes} x {g.gpus_per_node} {e(g.device)}</td><td>{rank_ranges(ranks)}</td>"
         f"<td>{', '.join(f'stage {i}' for i in stages) or 'idle'}</td></tr>"
         for g, ranks, stages in _groups(plan, cluster))
     page = f"""<!DOCTYPE html>
@@ -690,7 +429,7 @@ def _groups(plan: Plan, cluster: "ClusterSpec") -> list[tuple]:
     return out
 
 
-def _ranges(ranks: Sequence[int]) -> str:
+def rank_ranges(ranks: Sequence[int]) -> str:
     """Ranks as runs: 0-7, 16-23."""
     ranks = sorted(ranks)
     runs: list[list[int]] = []

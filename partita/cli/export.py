@@ -36,8 +36,8 @@ from partita.model import ModelSpec
 from partita.plan import LayerStrategy, Plan
 from partita.units import fmt_bytes, fmt_seconds
 
-TARGETS = {"megatron": "partita.export_megatron", "torchtitan": "partita.export_torchtitan",
-           "deepspeed": "partita.export_deepspeed"}
+TARGETS = {"megatron": "partita.cli.export_megatron", "torchtitan": "partita.cli.export_torchtitan",
+           "deepspeed": "partita.cli.export_deepspeed"}
 
 
 @dataclass(frozen=True)
@@ -263,7 +263,8 @@ def mixed_device_notes(plan: Plan, cluster: ClusterSpec) -> list[str]:
 
 # ---- the command ------------------------------------------------------------------------
 def export_command(args: argparse.Namespace) -> int:
-    from partita.commands import console, usable_profiles, writable_output
+    from partita.cli.output import console, writable_output
+    from partita.cli.plan import usable_profiles
     from partita.validate import validate_plan
 
     mod = target_module(args.to)

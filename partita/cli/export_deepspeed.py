@@ -44,7 +44,7 @@ from typing import Iterator
 
 from partita.cluster import ClusterSpec
 from partita.errors import PartitaError
-from partita.export import blocks_per_stage, context_variant, resplit, uniform
+from partita.cli.export import blocks_per_stage, context_variant, resplit, uniform
 from partita.model import ModelSpec
 from partita.plan import Plan
 

@@ -1,16 +1,4 @@
-"""The `partita` command.
-
-    partita plan --model llama-2-70b --cluster 8x8xH100 -o plan.yaml
-    partita plan --model config.json --cluster 4x8xA100-80GB+2x8xH100 --profile h100.yaml
-    partita check plan.yaml --cluster 8x8xH100
-    partita show plan.yaml --tokens 2T
-    partita show plan.yaml --timeline step.svg --report plan.html
-    partita export plan.yaml --to megatron -o megatron.args
-    partita launch plan.yaml --emit slurm -o job.sbatch
-    partita models | partita devices
-    partita launch plan.yaml --steps 20          (needs torch)
-    partita profile --model tiny-llama --device cpu -o prof.yaml   (needs torch)
-    partita calibrate runs/plan -o cpu-calibrated.yaml
+"""The ``partita`` command's arguments and its dispatch to the commands (``partita.cli``).
 
 Exit codes: 0 ok; 2 bad input (one line on stderr); 3 no plan fits (with the reason).
 """
@@ -299,45 +287,30 @@ def _silence_stdout() -> None:
 
 
 def _dispatch(args: argparse.Namespace) -> int:
-    from partita import commands
-
     if getattr(args, "_missing", None):
         raise PartitaError(args._missing)
     if args.command == "plan":
-        return commands.plan(args)
-    if args.command == "check":
-        return commands.check(args)
-    if args.command == "show":
-        return commands.show(args)
-    if args.command == "models":
-        return commands.models(args)
-    if args.command == "devices":
-        return commands.devices(args)
+        from partita.cli.plan import plan
+
+        return plan(args)
+    if args.command in ("check", "show", "models", "devices"):
+        from partita.cli import check
+
+        return getattr(check, args.command)(args)
     if args.command == "export":
-        from partita.export import export_command
+        from partita.cli.export import export_command
 
         return export_command(args)
     if args.command == "calibrate":
-        return commands.calibrate(args)
-    if args.command == "launch" and getattr(args, "emit", None):
-        from partita.slurm import emit_command
+        from partita.cli.calibrate import calibrate
 
-        return emit_command(args)
+        return calibrate(args)
     if args.command == "launch":
-        given = [f for f, v in (("-o", getattr(args, "output", None)), ("--partition", getattr(args, "partition", None)),
-                                ("--walltime", getattr(args, "walltime", None))) if v is not None]
-        if given:
-            raise PartitaError(f"{' and '.join(given)} only apply with --emit slurm; add it, or drop them to train here")
-    if args.command == "launch":
-        from partita.runtime.launch import launch_command
+        from partita.cli.launch import launch
 
-        return launch_command(args)
+        return launch(args)
     if args.command == "profile":
         from partita.profiler.cli import profile_command
 
         return profile_command(args)
     raise PartitaError(f"unknown command {args.command!r}")
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -65,7 +65,7 @@ from typing import Iterator
 
 from partita.cluster import ClusterSpec
 from partita.errors import PartitaError
-from partita.export import blocks_per_stage, context_variant, is_block, recompute_counts, resplit, uniform, virtual_stages
+from partita.cli.export import blocks_per_stage, context_variant, is_block, recompute_counts, resplit, uniform, virtual_stages
 from partita.model import ModelSpec
 from partita.plan import Plan
 

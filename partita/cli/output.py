@@ -1,0 +1,68 @@
+"""Where the commands' results go: the console people read, warnings on stderr, and the files
+they write, each checked before any work (a missing output folder is refused before a search,
+not after). Files are written before anything is printed, so a closed pipe loses nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+from partita.errors import PartitaError
+from partita.plan import Plan
+
+
+class _Console(Console):
+    def on_broken_pipe(self) -> None:
+        # rich exits with status 1 here; the CLI's handler decides (the work is done: exit 0)
+        raise BrokenPipeError
+
+
+# Wide enough for the plan table when output is piped to a file or a log.
+console = _Console(highlight=False, width=None if sys.stdout.isatty() else 150)
+
+
+def warn(message: str) -> None:
+    """Something the user should know that does not stop the command: one line on stderr."""
+    print(f"partita: warning: {message}", file=sys.stderr)
+
+
+class Quiet:
+    """A stand-in for the progress spinner when stdout carries JSON."""
+
+    def __enter__(self) -> "Quiet":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def update(self, what: str) -> None:
+        pass
+
+
+def writable_output(text: str) -> Path:
+    """The -o path, refused before any work if the plan could not be written there."""
+    path = Path(text)
+    try:
+        if path.is_dir():
+            raise PartitaError(f"-o {text}: is a directory; give a file name, e.g. -o {path / 'plan.yaml'}")
+        parent = path.parent
+        if not parent.exists():
+            raise PartitaError(f"-o {text}: no such directory {str(parent)!r}; create it first or write elsewhere")
+        if not parent.is_dir():
+            raise PartitaError(f"-o {text}: {str(parent)!r} is not a directory")
+        if not os.access(parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+            raise PartitaError(f"-o {text}: no permission to write there; choose another path")
+    except (OSError, ValueError):  # a name no file can have (too long, a NUL byte)
+        raise PartitaError(f"-o {text!r}: not a path a file can be written to") from None
+    return path
+
+
+def save_plan(p: Plan, path: Path) -> None:
+    try:
+        p.save(path)
+    except OSError as e:
+        raise PartitaError(f"-o {path}: cannot write the plan ({e.strerror or e})") from None
