@@ -25,7 +25,7 @@ from partita.search.costs import (CostModel, activation_message_bytes, boundary_
 from partita.search.evaluate import evaluate_layout, evaluate_plan
 from partita.search.uniform import SearchSpace
 from partita.units import GiB
-from test_search import _plan, brute_force_best
+from search_helpers import brute_force_best, plan_small as _plan
 
 
 def two_stages(model: ModelSpec, group, *, tp: int, sp_last: bool, sp_first: bool):

@@ -26,7 +26,7 @@ from partita.model import BUILTIN, ModelSpec
 from partita.model_io import load_model
 from partita.plan import Plan
 from partita.profile import Profile
-from test_specs import hand_plan, hand_profile  # hand-built valid plan and profile
+from spec_helpers import hand_plan, hand_profile  # hand-built valid plan and profile
 
 # 200 examples a parser keeps the file under 30 s; PARTITA_FUZZ_EXAMPLES=5000 for a deeper run.
 FUZZ = settings(max_examples=int(os.environ.get("PARTITA_FUZZ_EXAMPLES", 200)), deadline=None,

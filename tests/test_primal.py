@@ -17,7 +17,7 @@ from partita.search.cpsat_fit import StageFit, pipeline_reach
 from partita.search.evaluate import evaluate_layout
 from partita.search.primal import shape_plans
 from partita.search.uniform import SearchSpace
-from test_search import SMALL, SPACE, brute_force_best, two_type_cluster
+from search_helpers import SMALL, SPACE, brute_force_best, two_type_cluster
 
 
 def _brute_reach(most: np.ndarray, caps: tuple[int, ...]) -> list[int]:

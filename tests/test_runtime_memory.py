@@ -25,7 +25,7 @@ from partita.runtime.train import TrainConfig  # noqa: E402
 from partita.search.costs import CostModel  # noqa: E402
 from partita.search.planner import attach_prediction  # noqa: E402
 from runtime_helpers import interleaved, make_plan, run_ranks  # noqa: E402
-from test_runtime_parallel import PLANS, SMALL  # noqa: E402
+from runtime_plans import PLANS, SMALL  # noqa: E402
 
 CFG = TrainConfig(steps=2, warmup_steps=1, lr=1e-3, memory_report=True)
 MEMORY_PLANS = PLANS | {"bf16-zero1": make_plan(SMALL, dp=2, layer=dict(zero=1), dtype="bf16"),

@@ -16,14 +16,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from partita.model import BUILTIN  # noqa: E402
-from partita.runtime.train import TrainConfig  # noqa: E402
 from runtime_helpers import interleaved, make_plan, run_parallel, run_reference  # noqa: E402
-from test_runtime_parallel import assert_same_training  # noqa: E402
-
-CFG = TrainConfig(steps=2, warmup_steps=1, lr=1e-3)
-SMALL = dataclasses.replace(BUILTIN["tiny-llama"], name="tiny-llama-4", n_layers=4)
-TP2 = dict(tensor_parallel=2)
+from runtime_plans import CFG, SMALL, TP2, assert_same_training  # noqa: E402
 
 PLANS = {
     # two virtual stages per rank, uneven

@@ -1,8 +1,5 @@
 """The uniform grid and the CP-SAT search: against a brute-force oracle, the evaluator and each other."""
 
-import itertools
-from collections import Counter
-
 import pytest
 from hypothesis import HealthCheck, example, given, settings, strategies as st
 
@@ -12,72 +9,13 @@ from partita.errors import InfeasibleError
 from partita.model import ModelSpec
 from partita.model_io import load_model
 from partita.search import cpsat
-from partita.search.costs import CostModel, choice_of
-from partita.search.evaluate import evaluate_counts, evaluate_layout, evaluate_plan
+from partita.search.costs import CostModel
+from partita.search.evaluate import evaluate_layout, evaluate_plan
 from partita.search.planner import PlanRequest, make_plan
 from partita.search.uniform import SearchSpace
 from partita.units import GiB, to_us
 from partita.validate import validate_plan
-
-SMALL = ModelSpec(name="small", family="llama", hidden=1024, n_layers=2, heads=8, kv_heads=4, ffn=4096, vocab=1024,
-                  seq_len=512, default_global_batch=4)
-SPACE = SearchSpace(zero_levels=(0, 3), sequence_parallel=(False,))
-
-
-def two_type_cluster(mem_a_gib: float, mem_b_gib: float, n_a: int = 2, n_b: int = 2) -> ClusterSpec:
-    return ClusterSpec(name="test", groups=(
-        make_group(name="h100", device=get_device("H100"), nodes=1, gpus_per_node=n_a, memory_bytes=int(mem_a_gib * GiB)),
-        make_group(name="a100", device=get_device("A100-80GB"), nodes=1, gpus_per_node=n_b, memory_bytes=int(mem_b_gib * GiB))))
-
-
-def brute_force_best(cm: CostModel, global_batch: int, space: SearchSpace) -> float | None:
-    """The fastest plan that fits, by enumerating every shape, pipeline degree, stage
-    placement, block split and multiset of per-block choices (blocks are identical)."""
-    best = None
-    for shape in cpsat.shapes(cm, global_batch, space):
-        groups = [g for g in cm.cluster.groups if g.gpus_per_node % shape.tp == 0 and g.size >= shape.stage_size]
-        if not groups:
-            continue
-        cap = {g.name: g.size // shape.stage_size for g in groups}
-        choices = {r: [choice_of(cm.model, s.__class__(**{**s.to_dict(), "name": {"block": "layers.0"}.get(r, r)}))
-                       for s in cpsat.strategies_for(cm, r, shape, space)] for r in ("embed", "block", "head")}
-        n = cm.model.n_layers
-        for pp in range(1, min(n, sum(cap.values()), shape.num_micro_batches) + 1):  # 1F1B: m >= pp
-            for seq in itertools.product(groups, repeat=pp):
-                if any(Counter(g.name for g in seq)[k] > v for k, v in cap.items()):
-                    continue
-                for split in _compositions(n, pp):
-                    per_stage = [list(itertools.combinations_with_replacement(choices["block"], k)) for k in split]
-                    for blocks in itertools.product(*per_stage):
-                        for e in choices["embed"]:
-                            for h in choices["head"]:
-                                stages = []
-                                for i, (g, bl) in enumerate(zip(seq, blocks)):
-                                    c = Counter(bl)
-                                    if i == 0:
-                                        c[e] += 1
-                                    if i == pp - 1:
-                                        c[h] += 1
-                                    stages.append((g, c))
-                                ev = evaluate_counts(cm, stages, dp=shape.dp, tp=shape.tp, micro_batch=shape.micro_batch,
-                                                     num_micro_batches=shape.num_micro_batches)
-                                if ev.fits and (best is None or ev.step_time_s < best):
-                                    best = ev.step_time_s
-    return best
-
-
-def _compositions(n: int, k: int):
-    """Ways to split n blocks into k stages of at least one block each."""
-    for cuts in itertools.combinations(range(1, n), k - 1):
-        bounds = (0,) + cuts + (n,)
-        yield [bounds[i + 1] - bounds[i] for i in range(k)]
-
-
-def _plan(cm_model, cluster, space=SPACE, global_batch=4, search="cpsat"):
-    req = PlanRequest(model=cm_model, cluster=cluster, seq_len=cm_model.seq_len, global_batch=global_batch,
-                      search=search, space=space)
-    return make_plan(req)
-
+from search_helpers import SMALL, SPACE, assert_matches_oracle, plan_small, two_type_cluster
 
 # Oracle tests: derandomized (CI is deterministic); every combination they can draw is also
 # swept when the search changes (see docs/benchmarks.md).
@@ -87,27 +25,6 @@ def _plan(cm_model, cluster, space=SPACE, global_batch=4, search="cpsat"):
 def test_cpsat_matches_brute_force_oracle(mem_a, mem_b, global_batch):
     plan = assert_matches_oracle(SMALL, two_type_cluster(mem_a, mem_b), SPACE, global_batch)
     assert plan is None or plan.solver.status == "optimal"
-
-
-def assert_matches_oracle(model, cluster, space, global_batch):
-    """The search's plan is as fast as the brute-force optimum (or both find nothing). Both
-    judge memory by the evaluator."""
-    cm = CostModel(model, cluster, seq_len=model.seq_len)
-    best = brute_force_best(cm, global_batch, space)
-    try:
-        plan, _ = _plan(model, cluster, space=space, global_batch=global_batch)
-    except InfeasibleError:
-        assert best is None
-        return None
-    assert best is not None
-    got = evaluate_plan(plan, CostModel(model, cluster, seq_len=model.seq_len)).step_time_s
-    # The solver optimises integer microseconds: per-layer rounding, at most
-    # (m - 1 + pp) * (layers per stage + 1) / 2 us in all.
-    tol = (plan.num_micro_batches - 1 + plan.pp) * (model.n_layers + 3) * 0.5e-6
-    assert best - 1e-12 <= got <= best + tol
-    # "optimal" is a proof: the bound meets the plan (no other shape's optimum beats it)
-    assert plan.solver.status != "optimal" or plan.solver.gap <= tol / got
-    return plan
 
 
 def test_an_optimal_deep_pipeline_has_no_gap():
@@ -164,7 +81,7 @@ def test_plan_validates_and_is_never_worse_than_uniform(name, cluster, global_ba
 def test_uniform_plan_for_cpu_cluster_validates():
     model = load_model("tiny-llama")
     cluster = parse_short("4xcpu")
-    plan, uni = _plan(model, cluster, space=SearchSpace(), global_batch=8, search="uniform")
+    plan, uni = plan_small(model, cluster, space=SearchSpace(), global_batch=8, search="uniform")
     validate_plan(plan, model, cluster)
     assert plan.dtype == "fp32" and plan.world_size <= 4 and uni.evaluated > 10
 

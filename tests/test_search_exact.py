@@ -15,7 +15,7 @@ from partita.search.costs import CostModel
 from partita.search.planner import PlanRequest, SearchTimeout, make_plan
 from partita.search.uniform import uniform_search
 
-from test_search import SPACE, assert_matches_oracle, two_type_cluster
+from search_helpers import SPACE, assert_matches_oracle, two_type_cluster
 
 SMALL4 = ModelSpec(name="small4", family="llama", hidden=1024, n_layers=4, heads=8, kv_heads=4, ffn=4096, vocab=1024,
                    seq_len=512, default_global_batch=4)
