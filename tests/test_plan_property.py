@@ -122,9 +122,9 @@ def valid_flags(model: ModelSpec, node_sizes: list[int], world: int, global_batc
     """The values of each degree flag that a user could give this request on their own: a value
     the command refuses by itself (a tp that does not divide the heads or any node, more stages
     than blocks, devices or micro-batches, a cp that does not divide every node and the sequence,
-    cp on a mixture of experts) is bad input (exit 2 by design), not the planner's failure."""
-    tp = [d for d in (1, 2, 4, 8) if all(x % d == 0 for x in (model.heads, model.kv_heads, model.ffn))
-          and any(n % d == 0 for n in node_sizes)]
+    tp or cp on a mixture of experts) is bad input (exit 2 by design), not the planner's failure."""
+    tp = [1] if model.experts else [d for d in (1, 2, 4, 8) if any(n % d == 0 for n in node_sizes)
+                                    and all(x % d == 0 for x in (model.heads, model.kv_heads, model.ffn))]
     pp = [d for d in (1, 2, 3, 4, 5, 8, 16) if d <= min(model.n_layers, world, global_batch)]
     cp = [1] if model.experts else [d for d in (1, 2, 4, 8) if all(n % d == 0 for n in node_sizes)
                                     and seq_len % (2 * d) == 0]
