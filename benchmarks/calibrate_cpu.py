@@ -44,7 +44,7 @@ from partita.cluster import ClusterSpec
 from partita.model import ModelSpec
 from partita.plan import Plan
 from partita.profile import Profile
-from partita.search.costs import CostModel
+from partita.search.costs.model import CostModel
 from partita.search.calibrate import load_run, step_from_phases
 from partita.search.evaluate import evaluate_plan
 

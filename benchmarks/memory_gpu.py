@@ -26,7 +26,7 @@ from partita.cluster import parse_short
 from partita.model_io import load_model
 from partita.plan import LayerStrategy, Plan, Stage
 from partita.runtime.train import TrainConfig, Trainer
-from partita.search.costs import CostModel
+from partita.search.costs.model import CostModel
 from partita.search.planner import attach_prediction
 from partita.units import fmt_bytes
 

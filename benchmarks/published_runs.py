@@ -56,7 +56,7 @@ from partita.devices import CATALOG, DeviceType, get_device
 from partita.errors import PartitaError
 from partita.model import BUILTIN, ModelSpec
 from partita.plan import Plan
-from partita.search.costs import CostModel
+from partita.search.costs.model import CostModel
 from partita.search.evaluate import Evaluation, evaluate_layout, evaluate_plan
 from partita.search.timing import Software
 from partita.search.uniform import split_blocks, stage_layer_names, strategy

@@ -55,7 +55,8 @@ from partita.errors import PartitaError
 from partita.model import ModelSpec
 from partita.plan import Plan
 from partita.profile import Calibration, CommCost, Profile, Provenance, bus_bytes
-from partita.search.costs import CostModel, step_time_s
+from partita.search.costs.model import CostModel
+from partita.search.costs.step import step_time_s
 from partita.search.evaluate import Evaluation, evaluate_plan
 from partita.search.timing import default_constants
 

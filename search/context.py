@@ -43,14 +43,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from partita.cluster import ClusterSpec
+from partita.cluster import ClusterSpec, NodeGroup
+from partita.devices import get_device
 from partita.errors import PartitaError
 from partita.model import LayerKind
 from partita.profile import attention_time_at
 from partita.search.analytic import Shard, activation_bytes, attention_s
-from partita.search.costs import CostModel, Link
-from partita.units import round_up_to_grain
-from partita.search.roofline import ATTENTION_BWD_FLOPS_RATIO
+from partita.search.costs.links import Link, link_within
 
 VARIANTS = ("all_to_all", "ring")
 ROTATES = ("alltoall", "allgather")
@@ -77,20 +76,6 @@ def all_to_all_limit(heads: int, kv_heads: int, *, cp: int, tp: int = 1) -> str 
             return (f"all-to-all context parallelism needs {what} ({n}) divisible by cp x tp = {cp} x {tp} = "
                     f"{cp * tp}")
     return None
-
-
-def ring_limit(seq_len: int, *, cp: int) -> str | None:
-    """The ring's head-tail load balancing splits the sequence into 2 x cp equal chunks."""
-    if seq_len % (2 * cp):
-        return f"ring attention needs the sequence length ({seq_len}) divisible by 2 x cp = {2 * cp}"
-    return None
-
-
-def cp_limit(kind: LayerKind, *, variant: str, seq_len: int, cp: int, tp: int = 1) -> str | None:
-    """Why ``variant`` at degree cp cannot run this layer kind, or None. Layers without
-    attention (embed, head) only need the sequence split."""
-    _check_variant(variant)
-    return kind.cp_divides(cp, tp=tp, variant=variant, seq_len=seq_len)
 
 
 def _check_variant(variant: str) -> None:
@@ -155,10 +140,6 @@ def ring_step_flops(*, batch: int, seq: int, heads: int, head_dim: int, cp: int)
     return causal_attention_flops(batch, heads, local, local, head_dim)
 
 
-def attention_backward_flops(forward_flops: float) -> float:
-    return ATTENTION_BWD_FLOPS_RATIO * forward_flops
-
-
 # ---- communication ----------------------------------------------------------------------------
 
 
@@ -167,7 +148,7 @@ class Traffic:
     """One rank's communication for one attention layer's forward and backward: the messages
     (each a collective the cost model prices on the cp group's link) and the bytes that leave
     the rank. ``*_messages`` hold the buffer size of each collective, as
-    ``CostModel.collective_s`` takes it."""
+    ``costs.links.collective_s`` takes it."""
 
     op: str  # "all_to_all", "p2p" (one ring step) or "all_gather"
     forward_messages: tuple[int, ...]
@@ -182,20 +163,11 @@ class Traffic:
 
 def all_to_all_bus_bytes(buffer_bytes: float, cp: int) -> float:
     """Bytes one rank sends in an all-to-all of a ``buffer_bytes`` buffer over cp ranks: all of
-    it but the 1/cp it keeps. (For ``partita.profile.bus_bytes`` and ``costs.ring_steps``: an
+    it but the 1/cp it keeps. (For ``partita.profile.bus_bytes`` and ``costs.links.ring_steps``: an
     all-to-all is cp-1 pairwise exchanges of buffer/cp.)"""
     if cp <= 1:
         return 0.0
     return (cp - 1) / cp * buffer_bytes
-
-
-def all_to_all_time_s(buffer_bytes: float, cp: int, *, gbps: float, latency_s: float, efficiency: float = 1.0) -> float:
-    """Datasheet time of one all-to-all, priced like the other collectives
-    (``CostModel.collective_s``): cp-1 exchange latencies plus the bytes sent at the link's
-    achieved bandwidth. A profile's measured all-to-all fit replaces it."""
-    if cp <= 1 or buffer_bytes <= 0:
-        return 0.0
-    return (cp - 1) * latency_s + all_to_all_bus_bytes(buffer_bytes, cp) / (efficiency * gbps * 1e9)
 
 
 def all_to_all_traffic(*, batch: int, seq: int, heads: int, kv_heads: int, head_dim: int, elem: int,
@@ -303,7 +275,8 @@ def cp_activation_bytes(kind: LayerKind, *, variant: str, cp: int, tp: int, micr
       tokens, as the local SDPA does: nothing added (GPU-only; not measured here).
     * recompute "selective" or "full": the kept tensors are products' outputs or the layer
       input, all sequence shards: nothing added.
-    Embed and head layers keep per-token tensors only; cp divides them."""
+    Embed and head layers keep per-token tensors only; cp divides them. At cp 1, the plain count.
+    The cost model's count of a layer's activations (``costs.memory.dense_memory``)."""
     _check_variant(variant)
     local = _local_tokens(seq_len, cp)
     base = activation_bytes(kind, tp=tp, micro_batch=micro_batch, seq_len=local, dtype=dtype,
@@ -346,7 +319,38 @@ def ring_transient_bytes(*, batch: int, seq: int, heads: int, kv_heads: int, hea
                          backward=in_flight + 3 * grad + out32)
 
 
-# ---- the cost model under context parallelism ----------------------------------------------------
+# ---- the cost model's terms at cp > 1 (``costs.model.CostModel``) ---------------------------------
+#
+# Under context parallelism the cost model prices a "rank" that is a cp group of devices holding
+# s/cp tokens each (``cluster_view``, ``CostModel.seq_len``), so every per-token term of a layer
+# (the TP collectives, activations, working sets, pipeline messages, the loss) is priced at s/cp
+# and the grid and CP-SAT search it unchanged. On top of them, for a block:
+#
+# * the attention core's time is the variant's (``attention_time``): all-to-all, the whole
+#   sequence for H/cp heads; ring, cp steps of one causal L-token block with the K/V passes
+#   overlapping them (``ring_forward_time_s``, ``ring_backward_time_s``); each core from the
+#   profile's measured attention table where it covers the shape (``attention_core_s``);
+# * the variant's collectives on the cp group's link (cp x tp consecutive devices): 4 all-to-alls
+#   a forward and 4 a backward (4 more when the block is recomputed), priced by the profile's
+#   all-to-all fit where it has one; they, and the ring's passes its blocks do not hide, are
+#   ``cp_comm_s`` ("context parallel comm" in a step's breakdown), on the critical path
+#   (``with_cp_time``);
+# * ZeRO shards, gradient reductions and the optimizer run over dp x cp ranks on the real
+#   cluster's links (parameters are replicated over cp): ``CostModel.dp_link``;
+# * memory (``costs.memory``): ``cp_activation_bytes``, and the ring's blocks in flight as a
+#   transient (``ring_transient_bytes``).
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterView(ClusterSpec):
+    """The cluster as the search sees it under context parallelism (``cluster_view``): its ranks
+    are cp groups of the devices of ``devices``, which is the cluster messages name."""
+
+    devices: ClusterSpec
+
+    @property
+    def short(self) -> str:
+        return self.devices.short
 
 
 def cluster_view(cluster: ClusterSpec, cp: int) -> ClusterSpec:
@@ -359,10 +363,21 @@ def cluster_view(cluster: ClusterSpec, cp: int) -> ClusterSpec:
             raise PartitaError(f"context-parallel degree {cp} does not divide the {g.gpus_per_node} GPUs per node of "
                                f"group {g.name!r}; cp groups stay inside a node: choose cp dividing "
                                f"{g.gpus_per_node}")
+    if cp == 1:
+        return cluster
     groups = tuple(dataclasses.replace(g, gpus_per_node=g.gpus_per_node // cp,
                                        price_per_gpu_hour=g.price * cp if g.price is not None else None)
                    for g in cluster.groups)
-    return ClusterSpec(name=cluster.name, groups=groups, inter_group_gbps=cluster.inter_group_gbps)
+    return ClusterView(name=cluster.name, groups=groups, inter_group_gbps=cluster.inter_group_gbps, devices=cluster)
+
+
+def check_layout(seq_len: int, cp: int, variant: str) -> None:
+    """Raise unless the cost model can price context parallelism of degree ``cp`` (``variant``)
+    on ``seq_len`` tokens."""
+    _check_variant(variant)
+    why = sequence_limit(seq_len, cp)
+    if why:
+        raise PartitaError(why)
 
 
 @dataclass(frozen=True)
@@ -377,140 +392,73 @@ class AttentionTime:
     local_backward_s: float
 
 
-class ContextCostModel(CostModel):
-    """A ``CostModel`` at context-parallel degree cp, for the search's unchanged grid and
-    CP-SAT code: its ``cluster`` is ``cluster_view`` (a rank is a cp group) and its
-    ``seq_len`` the s/cp tokens one device holds, so every per-token term of a layer (the
-    TP collectives, activations, working sets, pipeline messages, the loss) is priced at
-    s/cp. On top of the plain model's layer terms:
+def cp_link(cm, group: NodeGroup, tp: int) -> Link:
+    """A cp group of the cost model ``cm``: cp x tp consecutive devices (inside a node,
+    ``cluster_view``)."""
+    return link_within(cm.real_cluster.group(group.name), cm.cp * tp)
 
-    * the attention core's time is the variant's (``attention_time``): all-to-all, the whole
-      sequence for H/cp heads; ring, cp steps of one causal L-token block with the K/V passes
-      overlapping them (``ring_forward_time_s``, ``ring_backward_time_s``); each core from the
-      profile's measured attention table where it covers the shape (``attention_core_s``);
-    * the variant's collectives on the cp group's link (cp x tp consecutive devices):
-      4 all-to-alls a forward and 4 a backward (4 more when the block is recomputed), priced
-      by the profile's all-to-all fit where it has one (``collective_s``); they, and the
-      ring's passes its blocks do not hide, are ``cp_comm_s`` ("context parallel comm" in a
-      step's breakdown), on the critical path;
-    * ZeRO shards, gradient reductions and the optimizer over dp x cp ranks, on the real
-      cluster's links (parameters are replicated over cp);
-    * memory: all-to-all without recomputation keeps b L H d e more a block
-      (``cp_activation_bytes``); the ring's blocks in flight are a block's transient
-      (``ring_transient_bytes``)."""
 
-    def __init__(self, base: CostModel, *, cp: int, variant: str) -> None:
-        _check_variant(variant)
-        if cp < 2:
-            raise PartitaError(f"a context-parallel cost model needs cp >= 2, got {cp}")
-        why = sequence_limit(base.plan_seq_len, cp)
-        if why:
-            raise PartitaError(why)
-        super().__init__(base.model, cluster_view(base.cluster, cp), seq_len=base.plan_seq_len // cp,
-                         dtype=base.dtype, profiles=base.profiles.values(), software=base.software)
-        self.cp, self.cp_variant, self.plan_seq_len = cp, variant, base.plan_seq_len
-        self.cp_base, self.real_cluster = base, base.cluster
+def attention_core_s(cm, device: str, sh: Shard) -> tuple[float, float]:
+    """(forward, backward) seconds of the causal attention core on shard ``sh``: read from the
+    device's profile where its attention table covers the shape (``profile.attention_time_at``;
+    the runtime's SDPA is what it times), else the roofline scaled by the device's compute
+    scale, as the layer's other analytic terms."""
+    profile = cm.profiles.get(device)
+    if profile is not None and profile.dtype == cm.dtype and cm.software.attention == "sdpa":
+        measured = attention_time_at(profile, batch=sh.batch, heads=sh.heads, seq_len=sh.seq, head_dim=sh.head_dim)
+        if measured is not None:
+            return measured
+    scale = cm.time_constants(device).compute_scale
+    fwd, bwd = attention_s(get_device(device), sh, cm.dtype, cm.software.attention)
+    return scale * fwd, scale * bwd
 
-    # -- links: the real devices' ------------------------------------------------------
-    def dp_link(self, group, dp, tp):
-        """``dp`` here already counts the cp ranks (gradients and ZeRO span dp x cp)."""
-        return CostModel.dp_link(self.cp_base, self.real_cluster.group(group.name), dp, tp)
 
-    def cp_link(self, group, tp: int) -> Link:
-        """A cp group: cp x tp consecutive devices (inside a node, ``cluster_view``)."""
-        return self.cp_base._link(self.real_cluster.group(group.name), self.cp * tp)
+def attention_time(cm, group: NodeGroup, tp: int, micro_batch: int) -> AttentionTime:
+    """One block's attention core at the cost model's cp and what it replaces: the core at
+    L = s/cp tokens over H/tp heads, which the plain layer cost at ``seq_len`` = L holds. The
+    ring's K/V passes its blocks do not hide are apart (``exposed_*``)."""
+    device = group.device
+    kind = cm.model.kinds["block"]
+    local = Shard.of(kind, tp=tp, micro_batch=micro_batch, seq_len=cm.seq_len, dtype=cm.dtype)
+    local_f, local_b = attention_core_s(cm, device, local)
+    if cm.cp_variant == "all_to_all":
+        whole = Shard.of(kind, tp=tp * cm.cp, micro_batch=micro_batch, seq_len=cm.plan_seq_len, dtype=cm.dtype)
+        fwd, bwd = attention_core_s(cm, device, whole)
+        return AttentionTime(fwd, bwd, 0.0, 0.0, local_f, local_b)
+    link = cp_link(cm, group, tp)
+    heads = ring_kv_heads(local.heads, local.heads)
+    traffic = ring_traffic(batch=micro_batch, seq=cm.plan_seq_len, kv_heads=heads, head_dim=local.head_dim,
+                           elem=cm.elem, cp=cm.cp)
+    kv = cm.collective_s("p2p", traffic.forward_messages[0], 2, link, device)
+    grad = cm.collective_s("p2p", traffic.backward_messages[-1], 2, link, device)
+    fwd = ring_forward_time_s(step_compute_s=local_f, step_comm_s=kv, cp=cm.cp)
+    bwd = ring_backward_time_s(step_compute_s=local_b, kv_comm_s=kv, grad_comm_s=grad, cp=cm.cp)
+    return AttentionTime(cm.cp * local_f, cm.cp * local_b, fwd - cm.cp * local_f, bwd - cm.cp * local_b,
+                         local_f, local_b)
 
-    def tied_sync_s(self, group, *, dp: int, tp: int, zero: int) -> float:
-        return super().tied_sync_s(group, dp=dp * self.cp, tp=tp, zero=zero)
 
-    # -- attention and its collectives ---------------------------------------------------
-    def attention_core_s(self, device: str, sh: Shard) -> tuple[float, float]:
-        """(forward, backward) seconds of the causal attention core on shard ``sh``: read from
-        the device's profile where its attention table covers the shape
-        (``profile.attention_time_at``; the runtime's SDPA is what it times), else the
-        roofline scaled by the device's compute scale, as the layer's other analytic terms."""
-        profile = self.profiles.get(device)
-        if profile is not None and profile.dtype == self.dtype and self.software.attention == "sdpa":
-            measured = attention_time_at(profile, batch=sh.batch, heads=sh.heads, seq_len=sh.seq,
-                                         head_dim=sh.head_dim)
-            if measured is not None:
-                return measured
-        from partita.devices import get_device
+def all_to_all_s(cm, group: NodeGroup, tp: int, micro_batch: int) -> float:
+    """One attention forward's 4 all-to-alls (q, k, v, output) on the cp group's link; the
+    backward runs the same 4 on the gradients. 0 for the ring."""
+    if cm.cp_variant != "all_to_all":
+        return 0.0
+    kind = cm.model.kinds["block"]
+    sh = Shard.of(kind, tp=tp, micro_batch=micro_batch, seq_len=cm.seq_len, dtype=cm.dtype)
+    traffic = all_to_all_traffic(batch=micro_batch, seq=cm.plan_seq_len, heads=sh.heads,
+                                 kv_heads=max(1, kind.kv_heads // tp), head_dim=sh.head_dim, elem=cm.elem, cp=cm.cp)
+    link = cp_link(cm, group, tp)
+    return sum(cm.collective_s("all_to_all", m, cm.cp, link, group.device) for m in traffic.forward_messages)
 
-        scale = self.time_constants(device).compute_scale
-        fwd, bwd = attention_s(get_device(device), sh, self.dtype, self.software.attention)
-        return scale * fwd, scale * bwd
 
-    def attention_time(self, group, tp: int, micro_batch: int) -> "AttentionTime":
-        """One block's attention core at cp and what it replaces: the core at L = s/cp tokens
-        over H/tp heads, which the plain layer cost at ``seq_len`` = L holds. The ring's K/V
-        passes its blocks do not hide are apart (``exposed_*``)."""
-        device = group.device
-        kind = self.model.kinds["block"]
-        local = Shard.of(kind, tp=tp, micro_batch=micro_batch, seq_len=self.seq_len, dtype=self.dtype)
-        local_f, local_b = self.attention_core_s(device, local)
-        if self.cp_variant == "all_to_all":
-            whole = Shard.of(kind, tp=tp * self.cp, micro_batch=micro_batch, seq_len=self.plan_seq_len,
-                             dtype=self.dtype)
-            fwd, bwd = self.attention_core_s(device, whole)
-            return AttentionTime(fwd, bwd, 0.0, 0.0, local_f, local_b)
-        link = self.cp_link(group, tp)
-        heads = ring_kv_heads(local.heads, local.heads)
-        traffic = ring_traffic(batch=micro_batch, seq=self.plan_seq_len, kv_heads=heads, head_dim=local.head_dim,
-                               elem=self.elem, cp=self.cp)
-        kv = self.collective_s("p2p", traffic.forward_messages[0], 2, link, device)
-        grad = self.collective_s("p2p", traffic.backward_messages[-1], 2, link, device)
-        fwd = ring_forward_time_s(step_compute_s=local_f, step_comm_s=kv, cp=self.cp)
-        bwd = ring_backward_time_s(step_compute_s=local_b, kv_comm_s=kv, grad_comm_s=grad, cp=self.cp)
-        return AttentionTime(self.cp * local_f, self.cp * local_b, fwd - self.cp * local_f, bwd - self.cp * local_b,
-                             local_f, local_b)
-
-    def all_to_all_s(self, group, tp: int, micro_batch: int) -> float:
-        """One attention forward's 4 all-to-alls (q, k, v, output) on the cp group's link;
-        the backward runs the same 4 on the gradients. 0 for the ring."""
-        if self.cp_variant != "all_to_all":
-            return 0.0
-        kind = self.model.kinds["block"]
-        sh = Shard.of(kind, tp=tp, micro_batch=micro_batch, seq_len=self.seq_len, dtype=self.dtype)
-        traffic = all_to_all_traffic(batch=micro_batch, seq=self.plan_seq_len, heads=sh.heads,
-                                     kv_heads=max(1, kind.kv_heads // tp), head_dim=sh.head_dim, elem=self.elem,
-                                     cp=self.cp)
-        link = self.cp_link(group, tp)
-        return sum(self.collective_s("all_to_all", m, self.cp, link, group.device) for m in traffic.forward_messages)
-
-    # -- one layer ----------------------------------------------------------------------
-    def _layer_time_uncached(self, role, group_name, tp, sp, zero, recompute, dp, micro_batch):
-        base = super()._layer_time_uncached(role, group_name, tp, sp, zero, recompute, dp * self.cp, micro_batch)
-        if role != "block":
-            return base
-        group = self.cluster.group(group_name)
-        at = self.attention_time(group, tp, micro_batch)
-        extra_f, extra_b = at.forward_s - at.local_forward_s, at.backward_s - at.local_backward_s
-        all_to_all = self.all_to_all_s(group, tp, micro_batch)
-        comm_f, comm_b = all_to_all + at.exposed_forward_s, all_to_all + at.exposed_backward_s
-        if recompute != "none":  # the recomputation runs the attention core (and its collectives) again
-            extra_b += extra_f
-            comm_b += comm_f
-        return dataclasses.replace(base, forward_s=base.forward_s + extra_f + comm_f,
-                                   backward_s=base.backward_s + extra_b + comm_b,
-                                   compute_s=base.compute_s + extra_f + extra_b,
-                                   cp_comm_s=base.cp_comm_s + comm_f + comm_b)
-
-    def _layer_memory_uncached(self, role, device, tp, sp, zero, recompute, dp, micro_batch, num_micro_batches,
-                               tied_copy=False):
-        base = super()._layer_memory_uncached(role, device, tp, sp, zero, recompute, dp * self.cp, micro_batch,
-                                              num_micro_batches, tied_copy)
-        if role != "block":
-            return base
-        kind = self.model.kinds["block"]
-        sh = Shard.of(kind, tp=tp, micro_batch=micro_batch, seq_len=self.seq_len, dtype=self.dtype)
-        if self.cp_variant == "all_to_all":
-            if recompute != "none":
-                return base
-            extra = round_up_to_grain(sh.tokens * sh.heads * sh.head_dim * sh.elem)  # wo's input, its own storage
-            return dataclasses.replace(base, activations=base.activations + extra)
-        ring = ring_transient_bytes(batch=micro_batch, seq=self.plan_seq_len, heads=sh.heads,
-                                    kv_heads=ring_kv_heads(sh.heads, sh.heads), head_dim=sh.head_dim,
-                                    elem=self.elem, cp=self.cp)
-        extra = round_up_to_grain(max(ring.forward, ring.backward))
-        return dataclasses.replace(base, transient=base.transient + extra, backward_own=base.backward_own + extra)
+def with_cp_time(cm, t, group: NodeGroup, *, tp: int, recompute: str, micro_batch: int):
+    """A block's ``costs.layer_time.LayerTime`` ``t`` (its dense terms at s/cp tokens) with the
+    attention core at cp in place of the local one and the variant's communication added."""
+    at = attention_time(cm, group, tp, micro_batch)
+    extra_f, extra_b = at.forward_s - at.local_forward_s, at.backward_s - at.local_backward_s
+    all_to_all = all_to_all_s(cm, group, tp, micro_batch)
+    comm_f, comm_b = all_to_all + at.exposed_forward_s, all_to_all + at.exposed_backward_s
+    if recompute != "none":  # the recomputation runs the attention core (and its collectives) again
+        extra_b += extra_f
+        comm_b += comm_f
+    return dataclasses.replace(t, forward_s=t.forward_s + extra_f + comm_f, backward_s=t.backward_s + extra_b + comm_b,
+                               compute_s=t.compute_s + extra_f + extra_b, cp_comm_s=t.cp_comm_s + comm_f + comm_b)

@@ -59,7 +59,7 @@ from ortools.sat.python import cp_model
 
 import ortools
 from partita.plan import Plan, SolverReport
-from partita.search.costs import CostModel
+from partita.search.costs.model import CostModel
 from partita.search.cpsat_fit import StageFit
 from partita.search.cpsat_model import PlanModel
 # The problem's names, where the planner's callers and tests have always found them.

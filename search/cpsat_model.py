@@ -9,8 +9,7 @@ import math
 import numpy as np
 from ortools.sat.python import cp_model
 
-from partita.plan import LayerStrategy
-from partita.search.costs import gives_whole
+from partita.plan import LayerStrategy, gives_whole
 from partita.search.cpsat_fit import StageFit, _hull_cuts
 from partita.search.cpsat_problem import Problem
 from partita.search.uniform import Layout
@@ -192,7 +191,7 @@ class PlanModel:
             self.m.add(self.T_max >= self.T[r])
 
     def _end_gathers(self, r: int) -> cp_model.LinearExprT:
-        """The all-gathers slot r's end blocks run at split boundaries (``costs.boundary_gathers``):
+        """The all-gathers slot r's end blocks run at split boundaries (``costs.stage.boundary_gathers``):
         its first block when it receives (the slot after it is used), its last when it sends
         (r > 0), each when that block is not sequence-parallel. A slot's blocks are in the
         canonical order of its group (``LayerTable.order``), so its first block is the earliest
@@ -256,7 +255,7 @@ class PlanModel:
                 terms.append(p.p2p_us[g][h] * w)
         return sum(terms)
 
-    # (M) per device memory, in grains as the evaluator counts it (``costs._stage_cost``): static
+    # (M) per device memory, in grains as the evaluator counts it (``costs.stage._stage_cost``): static
     # state + k - 1 micro-batches' activations + the stage outputs kept + the schedule's extra +
     # the running micro-batch at each of its layers (the activations of the layers up to it, in
     # the canonical order, plus its transient), within the group's capacity less the reserve.

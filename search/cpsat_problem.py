@@ -9,9 +9,10 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from partita.cluster import NodeGroup
-from partita.plan import LayerStrategy
-from partita.search.costs import (CostModel, activation_message_bytes, boundary_gather_s, boundary_s, boundary_split,
-                                  canonical_order, choice_of, gives_whole, stage_cost_counts)
+from partita.plan import LayerStrategy, boundary_split, gives_whole
+from partita.search.costs.memory import activation_message_bytes
+from partita.search.costs.model import CostModel
+from partita.search.costs.stage import boundary_gather_s, boundary_s, canonical_order, choice_of, stage_cost_counts
 from partita.search.uniform import (SearchSpace, batch_shares, batch_splits, divisors, hosts, device_price, layer_tp,
                                     max_stages, sp_choices, stage_sizes, tp_allowed)
 from partita.units import capacity_grains, to_grains, to_us
@@ -46,7 +47,7 @@ class LayerTable:
     # A tied head on another stage than the embedding (its own copy of the shared weight):
     copy_transient_bytes: tuple[tuple[int, ...], ...] = ()
     tied_us: tuple[tuple[int, ...], ...] = ()  # per step: the copies' gradient sum and the copy's update
-    # Time terms a stage takes as the largest over its layers, or sums (costs.StageCost):
+    # Time terms a stage takes as the largest over its layers, or sums (costs.stage.StageCost):
     edge_us: tuple[tuple[int, ...], ...] = ()  # exposed ZeRO traffic if it is the stage's edge layer
     window_us: tuple[tuple[int, ...], ...] = ()  # backward the data-parallel sync can hide behind
     order: tuple[tuple[int, ...], ...] = ()  # [g]: the strategies in a stage's canonical order
@@ -91,7 +92,7 @@ class Problem:
     output_bytes: int = 0  # a stage's output (micro_batch x seq x hidden, or its 1/tp shard), kept per micro-batch in flight
     # [g]: one all-gather of a split boundary's shards on group g (0: boundaries carry whole
     # hidden states), paid by a stage for each end block that is not sequence-parallel
-    # (``costs.boundary_gathers``): its first if it receives, its last if it sends.
+    # (``costs.stage.boundary_gathers``): its first if it receives, its last if it sends.
     gather_us: tuple[int, ...] = ()
     step_overhead_us: int = 0  # the fixed per-step overhead (CostModel.step_overhead_s)
     # A subproblem of the shape (``edge_levels``): only the choices whose exposed ZeRO edge is
@@ -152,7 +153,7 @@ def layer_table(cm: CostModel, role: str, shape: Shape, groups: Sequence[NodeGro
         for k in rows:
             rows[k].append(cols[k])
     # A block at a stage's end that gives whole hidden states adds an all-gather at a split
-    # boundary (``costs.boundary_gathers``): it dominates no sequence-parallel block.
+    # boundary (``costs.stage.boundary_gathers``): it dominates no sequence-parallel block.
     split = role == "block" and boundary_split(cm.seq_len, shape.tp) > 1
     whole = [int(split and gives_whole(s.tensor_parallel, s.sequence_parallel)) for s in strategies]
     keep = list(range(len(strategies))) if cm.model.tie_embeddings and role != "block" else undominated([[rows[k][g][j] for k in ("time", "opt", "static", "act", "gath", "edge", "sync") for g in range(len(groups))]
@@ -161,7 +162,7 @@ def layer_table(cm: CostModel, role: str, shape: Shape, groups: Sequence[NodeGro
     strategies = [strategies[j] for j in keep]
     tup = lambda k: tuple(tuple(r[j] for j in keep) for r in rows[k])  # noqa: E731
     # The order the evaluator prices a stage's layers in and the plan writes them in
-    # (``costs.canonical_order``), per group, as indices into ``strategies``.
+    # (``costs.stage.canonical_order``), per group, as indices into ``strategies``.
     choices = [choice_of(cm.model, dataclasses.replace(s, name="layers.0" if role == "block" else role))
                for s in strategies]
     order = tuple(tuple(choices.index(c) for c in canonical_order(

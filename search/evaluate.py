@@ -10,8 +10,10 @@ from partita.cluster import NodeGroup
 from partita.devices import get_device
 from partita.parallel import ZERO_BUBBLE
 from partita.plan import LayerStrategy, Plan, Prediction, StageMemory
-from partita.search.costs import (CostModel, LayerChoice, StageCost, boundary_s, choice_of, interleaved_stage_cost,
-                                  stage_cost, stage_cost_counts, step_time_s, with_receives)
+from partita.search.costs.model import CostModel
+from partita.search.costs.stage import (LayerChoice, StageCost, boundary_s, choice_of, interleaved_stage_cost,
+                                        stage_cost, stage_cost_counts, with_receives)
+from partita.search.costs.step import step_time_s
 from partita.search.schedules import in_flight_chunks, pending_weight_grads
 from partita.search.timing import layer_ops, split_backward_host_s, weight_groups
 
@@ -153,7 +155,7 @@ def _next_groups(schedule: str, groups: Sequence[NodeGroup], stage: int, v: int)
 def _zbv_receives(cm: CostModel, costs: list[StageCost], groups: Sequence[NodeGroup], *, dp: int, tp: int,
                   micro_batch: int) -> list[StageCost]:
     """Under zbv each stage also pays its side of the boundaries it receives across: chunk 0's
-    from the stage before it, chunk 1's from the stage after it (``costs.with_receives`` for
+    from the stage before it, chunk 1's from the stage after it (``costs.stage.with_receives`` for
     the V)."""
     out = []
     for i, cost in enumerate(costs):

@@ -1,6 +1,6 @@
 """Expert parallelism's costs: the all-to-alls, the experts' sharded state, and routing imbalance.
 
-    from partita.search.costs import CostModel
+    from partita.search.costs.model import CostModel
     view = CostModel(model, cluster, seq_len=4096).at_ep(8)      # ep 8, balanced routing
     all_to_all_bytes(view, recompute="none", micro_batch=1)      # one block's bytes per micro-batch
 
@@ -19,11 +19,13 @@ bytes an element (``runtime.experts`` runs exactly this):
 * State: the rank holds E/ep experts: their weights, gradients and Adam state are sharded
   (ZeRO) over the dp/ep replicas of each expert only, and their ZeRO traffic runs over those
   replicas (on the data-parallel group's link). Everything else of the block (attention, norms,
-  router, shared expert) is sharded over dp as before. The expert part's transient terms (its
+  router, shared expert) is sharded over dp. The expert part's transient terms (its
   ZeRO gathers, its unsharded gradient) add to the dense part's (an upper bound).
 
-ep must divide the experts and dp. The grid and CP-SAT search the view unchanged; a layout
-whose dp ep does not divide is priced as not fitting (``UNRUNNABLE_BYTES``).
+ep must divide the experts and dp. The cost model (``costs.model.CostModel``) adds these terms to
+a block when its layout has ep > 1: its time here (``with_ep_time``, ``zero_traffic``), its memory
+in ``costs.memory.expert_memory``, where a layout whose dp ep does not divide is priced as not
+fitting (``costs.memory.UNRUNNABLE_BYTES``). The grid and CP-SAT search it unchanged.
 """
 
 from __future__ import annotations
@@ -32,16 +34,16 @@ import dataclasses
 from dataclasses import dataclass
 
 from partita.cluster import NodeGroup
+from partita.devices import get_device
 from partita.errors import PartitaError
+from partita.model import ModelSpec
 from partita.search.analytic import Shard, matmul_time_s
-from partita.search.costs import ADAM_STATE_BYTES, MASTER_BYTES, REDUCE_BYTES, CostModel
+from partita.search.costs.compute import optimizer_s
+from partita.search.costs.layer_time import zero_traffic as params_zero_traffic
+from partita.search.costs.links import Link, link_within
 from partita.search.roofline import cpu_adam_s
-from partita.units import round_up_to_grain
 
 COUNT_BYTES = 8  # the routing counts are int64
-# What a layout whose data-parallel degree the ep degree does not divide is priced at: more than
-# any device holds, so every search discards it.
-UNRUNNABLE_BYTES = 1 << 50
 
 
 @dataclass(frozen=True)
@@ -63,9 +65,20 @@ class AllToAllBytes:
         return AllToAllBytes(self.buffer * n, self.wire * n, self.forward * n, self.backward * n)
 
 
-def all_to_all_bytes(cm: CostModel, *, recompute: str, micro_batch: int) -> AllToAllBytes:
-    """The all-to-alls of one MoE block per rank and micro-batch at the cost model's ep (none at
-    ep 1): module docstring."""
+def check_layout(model: ModelSpec, ep: int, imbalance: float) -> None:
+    """Raise unless the cost model can price expert parallelism of degree ``ep`` with the busiest
+    expert rank receiving ``imbalance`` x the balanced share of tokens."""
+    if not model.is_moe and ep > 1:
+        raise PartitaError(f"expert parallelism (ep {ep}) needs a mixture-of-experts model; {model.name} is dense")
+    if ep < 1 or (model.is_moe and model.experts % ep):
+        raise PartitaError(f"expert-parallel degree {ep} must divide the {model.experts} experts")
+    if not imbalance >= 1.0:
+        raise PartitaError(f"the routing imbalance is the busiest rank's tokens over the mean: >= 1, got {imbalance}")
+
+
+def all_to_all_bytes(cm, *, recompute: str, micro_batch: int) -> AllToAllBytes:
+    """The all-to-alls of one MoE block per rank and micro-batch at the cost model ``cm``'s ep
+    (none at ep 1): module docstring."""
     ep, model = cm.ep, cm.model
     if ep == 1 or not model.is_moe:
         return AllToAllBytes(0, 0.0, (), ())
@@ -76,114 +89,59 @@ def all_to_all_bytes(cm: CostModel, *, recompute: str, micro_batch: int) -> AllT
     return AllToAllBytes(buffer, buffer * (ep - 1) / ep, forward, backward)
 
 
-class ExpertCostModel(CostModel):
-    """A ``CostModel`` at expert-parallel degree ep (``CostModel.at_ep``): blocks are priced as
-    in the plain model with the routed experts taken out of their parameters (``_param_count``),
-    plus the experts' own state, ZeRO traffic and optimizer over their replicas, the
-    all-to-alls, and the routing imbalance's extra expert compute (module docstring)."""
+def ep_link(cm, group: NodeGroup, tp: int) -> Link:
+    """An ep group: ep consecutive data-parallel ranks, tp devices apart (x cp under context
+    parallelism)."""
+    return link_within(cm.real_cluster.group(group.name), cm.ep * cm.cp * tp)
 
-    def __init__(self, base: CostModel, *, ep: int, imbalance: float) -> None:
-        if not base.model.is_moe and ep > 1:
-            raise PartitaError(f"expert parallelism (ep {ep}) needs a mixture-of-experts model; "
-                               f"{base.model.name} is dense")
-        if ep < 1 or (base.model.is_moe and base.model.experts % ep):
-            raise PartitaError(f"expert-parallel degree {ep} must divide the {base.model.experts} experts")
-        if not imbalance >= 1.0:
-            raise PartitaError(f"the routing imbalance is the busiest rank's tokens over the mean: >= 1, got {imbalance}")
-        super().__init__(base.model, base.cluster, seq_len=base.seq_len, dtype=base.dtype,
-                         profiles=base.profiles.values(), software=base.software)
-        self.ep, self.moe_imbalance, self.ep_base = ep, imbalance, base
 
-    # -- the routed experts' share of a block ------------------------------------------------
-    def _param_count(self, role: str, tp: int) -> int:
-        """The block's parameters sharded over dp: all but the routed experts."""
-        params = super()._param_count(role, tp)
-        return params - self.model.kinds["block"].expert_params if role == "block" else params
+def all_to_all_s(cm, group: NodeGroup, tp: int, micro_batch: int, recompute: str) -> tuple[float, float]:
+    """(forward, backward) seconds of one block's all-to-alls on the ep group's link."""
+    traffic = all_to_all_bytes(cm, recompute=recompute, micro_batch=micro_batch)
+    link = ep_link(cm, group, tp)
+    price = lambda sizes: sum(cm.collective_s("all_to_all", b, cm.ep, link, group.device)  # noqa: E731
+                              for b in sizes)
+    return price(traffic.forward), price(traffic.backward)
 
-    def expert_params(self) -> int:
-        """The routed experts' parameters on one rank: E/ep of them."""
-        return self.model.kinds["block"].expert_params // self.ep
 
-    def ep_link(self, group: NodeGroup, tp: int):
-        """An ep group: ep consecutive data-parallel ranks, tp devices apart."""
-        return self._link(group, self.ep * tp)
+def imbalance_s(cm, group: NodeGroup, tp: int, micro_batch: int, recompute: str) -> tuple[float, float]:
+    """(forward, backward) extra seconds of the busiest rank's expert products: (imbalance - 1)
+    x the balanced rows' products (the backward's two products a forward one, and the forward
+    again when recomputed)."""
+    if cm.moe_imbalance == 1.0:
+        return 0.0, 0.0
+    kind = cm.model.kinds["block"]
+    dev = get_device(group.device)
+    sh = Shard.of(kind, tp=tp, micro_batch=micro_batch, seq_len=cm.seq_len, dtype=cm.dtype)
+    rows = sh.tokens * kind.experts_per_token
+    f, h = sh.ffn, sh.hidden
+    products = 2 * matmul_time_s(dev, rows, f, h, cm.dtype) + matmul_time_s(dev, rows, h, f, cm.dtype)
+    extra = (cm.moe_imbalance - 1.0) * cm.time_constants(group.device).compute_scale * products
+    return extra, 2 * extra + (extra if recompute != "none" else 0.0)
 
-    def all_to_all_s(self, group: NodeGroup, tp: int, micro_batch: int, recompute: str) -> tuple[float, float]:
-        """(forward, backward) seconds of one block's all-to-alls on the ep group's link."""
-        traffic = all_to_all_bytes(self, recompute=recompute, micro_batch=micro_batch)
-        link = self.ep_link(group, tp)
-        price = lambda sizes: sum(self.collective_s("all_to_all", b, self.ep, link, group.device)  # noqa: E731
-                                  for b in sizes)
-        return price(traffic.forward), price(traffic.backward)
 
-    def imbalance_s(self, group: NodeGroup, tp: int, micro_batch: int, recompute: str) -> tuple[float, float]:
-        """(forward, backward) extra seconds of the busiest rank's expert products: (imbalance - 1)
-        x the balanced rows' products (the backward's two products a forward one, and the
-        forward again when recomputed)."""
-        if self.moe_imbalance == 1.0:
-            return 0.0, 0.0
-        kind = self.model.kinds["block"]
-        from partita.devices import get_device
+def zero_traffic(cm, group: NodeGroup, *, tp: int, zero: int, dp: int) -> tuple[float, float, float]:
+    """The block's experts' ZeRO traffic (``layer_time.zero_traffic``) over their dp/ep replicas
+    (x cp), on the data-parallel group's link."""
+    replicas = dp * cm.cp
+    return params_zero_traffic(cm, cm.expert_params(), group, tp=tp, zero=zero, replicas=replicas // cm.ep,
+                               dlink=cm.dp_link(group, replicas, tp))
 
-        dev = get_device(group.device)
-        sh = Shard.of(kind, tp=tp, micro_batch=micro_batch, seq_len=self.seq_len, dtype=self.dtype)
-        rows = sh.tokens * kind.experts_per_token
-        f, h = sh.ffn, sh.hidden
-        products = 2 * matmul_time_s(dev, rows, f, h, self.dtype) + matmul_time_s(dev, rows, h, f, self.dtype)
-        extra = (self.moe_imbalance - 1.0) * self.time_constants(group.device).compute_scale * products
-        return extra, 2 * extra + (extra if recompute != "none" else 0.0)
 
-    # -- one layer -----------------------------------------------------------------------------
-    def _layer_time_uncached(self, role, group_name, tp, sp, zero, recompute, dp, micro_batch):
-        base = super()._layer_time_uncached(role, group_name, tp, sp, zero, recompute, dp, micro_batch)
-        if role != "block" or dp % self.ep:
-            return base
-        group = self.cluster.group(group_name)
-        replicas = dp // self.ep
-        a2a_f, a2a_b = self.all_to_all_s(group, tp, micro_batch, recompute)
-        imb_f, imb_b = self.imbalance_s(group, tp, micro_batch, recompute)
-        k = self.time_constants(group.device)
-        shard = replicas if zero >= 1 and replicas > 1 else 1
-        local = self.expert_params() // shard
-        stream = self.weight_stream_gbps(group.device)
-        optimizer = cpu_adam_s(local, stream) if stream is not None else k.compute_scale * self.optimizer_s(group, local)
-        # The all-to-alls are on the critical path (counted with tp's collectives); the experts'
-        # ZeRO traffic is in the base's, beside the compute (``_layer_zero_traffic``).
-        return dataclasses.replace(
-            base, forward_s=base.forward_s + a2a_f + imb_f, backward_s=base.backward_s + a2a_b + imb_b,
-            compute_s=base.compute_s + imb_f + imb_b, tp_comm_s=base.tp_comm_s + a2a_f + a2a_b,
-            optimizer_s=base.optimizer_s + optimizer)
-
-    def _layer_zero_traffic(self, role, params, group, *, tp, zero, dp):
-        """The dense part's over dp, and a block's experts' over their dp/ep replicas (on the
-        data-parallel group's link)."""
-        dense = super()._layer_zero_traffic(role, params, group, tp=tp, zero=zero, dp=dp)
-        if role != "block" or dp % self.ep:
-            return dense
-        experts = self._zero_traffic(self.expert_params(), group, tp=tp, zero=zero, dp=dp // self.ep,
-                                     dlink=self.dp_link(group, dp, tp))
-        return tuple(a + b for a, b in zip(dense, experts))
-
-    def _layer_memory_uncached(self, role, device, tp, sp, zero, recompute, dp, micro_batch, num_micro_batches,
-                               tied_copy=False):
-        base = super()._layer_memory_uncached(role, device, tp, sp, zero, recompute, dp, micro_batch,
-                                              num_micro_batches, tied_copy)
-        if role != "block":
-            return base
-        if dp % self.ep:
-            return dataclasses.replace(base, weights=UNRUNNABLE_BYTES)
-        params, e, replicas = self.expert_params(), self.elem, dp // self.ep
-        z = zero if replicas > 1 else 0
-        shard = replicas if z >= 1 else 1
-        # The experts are an FSDP2 unit whenever dp > 1 (always, at ep > 1): a compute-dtype copy
-        # at ZeRO 0-2, gradients accumulated unsharded over micro-batches at ZeRO 0-1.
-        gathered = params * e if z < 3 else 0
-        gradients = params * REDUCE_BYTES if z < 2 and num_micro_batches > 1 else params * REDUCE_BYTES // shard
-        spike = {2: params * e, 3: 2 * params * e}.get(z, 0) + params * REDUCE_BYTES  # a gather, the unsharded gradient
-        up = round_up_to_grain
-        return dataclasses.replace(
-            base, weights=base.weights + up(params * MASTER_BYTES // shard),
-            gathered_weights=base.gathered_weights + up(gathered), gradients=base.gradients + up(gradients),
-            optimizer=base.optimizer + up(params * ADAM_STATE_BYTES // shard), params=base.params + params // shard,
-            transient=base.transient + up(spike), backward_own=base.backward_own + up(params * REDUCE_BYTES),
-            copy=base.copy + up(params * e))
+def with_ep_time(cm, t, group: NodeGroup, *, tp: int, zero: int, recompute: str, dp: int, micro_batch: int):
+    """A block's ``costs.layer_time.LayerTime`` ``t`` (the dense part's, with the experts' ZeRO
+    traffic beside its compute: ``zero_traffic``) with the all-to-alls, the imbalance's extra
+    expert compute and the experts' optimizer update added."""
+    replicas = dp * cm.cp // cm.ep
+    a2a_f, a2a_b = all_to_all_s(cm, group, tp, micro_batch, recompute)
+    imb_f, imb_b = imbalance_s(cm, group, tp, micro_batch, recompute)
+    k = cm.time_constants(group.device)
+    shard = replicas if zero >= 1 and replicas > 1 else 1
+    local = cm.expert_params() // shard
+    stream = cm.weight_stream_gbps(group.device)
+    optimizer = cpu_adam_s(local, stream) if stream is not None else k.compute_scale * optimizer_s(group, local)
+    # The all-to-alls are on the critical path (counted with tp's collectives).
+    return dataclasses.replace(
+        t, forward_s=t.forward_s + a2a_f + imb_f, backward_s=t.backward_s + a2a_b + imb_b,
+        compute_s=t.compute_s + imb_f + imb_b, tp_comm_s=t.tp_comm_s + a2a_f + a2a_b,
+        optimizer_s=t.optimizer_s + optimizer)

@@ -22,7 +22,8 @@ from collections import Counter
 from dataclasses import dataclass
 
 from partita.parallel import schedule_counts_rule, schedule_layers_rule, schedules_for
-from partita.search.costs import CostModel, choice_of
+from partita.search.costs.model import CostModel
+from partita.search.costs.stage import choice_of
 from partita.search.evaluate import Evaluation, evaluate_interleaved
 from partita.search.uniform import Layout, SearchSpace, grid, replica_counts, sp_choices, split_blocks, strategy
 

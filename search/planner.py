@@ -17,7 +17,7 @@ from partita.model import ModelSpec
 from partita.parallel import CP_VARIANTS
 from partita.plan import ContextOption, Plan, SolverReport, Stage
 from partita.profile import Profile
-from partita.search.costs import CostModel
+from partita.search.costs.model import CostModel
 from partita.search.evaluate import Evaluation, evaluate_plan, prediction
 from partita.search.uniform import (Layout, SearchSpace, UniformResult, batch_shares, device_price, infeasible_error,
                                     micro_batch_sizes,

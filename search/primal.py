@@ -38,8 +38,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from partita.plan import LayerStrategy
-from partita.search.costs import gives_whole
+from partita.plan import LayerStrategy, gives_whole
 from partita.search.cpsat_fit import pipeline_reach
 from partita.search.cpsat_problem import Problem
 from partita.search.uniform import Layout
@@ -363,7 +362,7 @@ def _plans_for(p: Problem, curves: list, caps: tuple[int, ...]) -> list[Layout]:
 
 
 def _end_gathers_us(p: Problem, g: int, curve: SlotCurve, *, receives: bool, sends: bool) -> np.ndarray | int:
-    """[n]: the all-gathers a stage's end blocks run at split boundaries (``costs.boundary_gathers``),
+    """[n]: the all-gathers a stage's end blocks run at split boundaries (``costs.stage.boundary_gathers``),
     for the mix the curve takes at each n: its first choice starts the stage (its second when it
     has none of the first), its second ends it (its first when it has none of the second)."""
     if not p.gather_us or not p.gather_us[g]:

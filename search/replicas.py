@@ -37,7 +37,7 @@ from typing import Sequence
 
 from partita.cluster import NodeGroup
 from partita.plan import Plan, Stage
-from partita.search.costs import CostModel
+from partita.search.costs.model import CostModel
 from partita.search.evaluate import evaluate_counts
 from partita.search.uniform import (MAX_MICRO_BATCH, SearchSpace, device_price, divisors, sp_choices, split_blocks,
                                     stage_counts, stage_layer_names, strategy, tp_allowed,

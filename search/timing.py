@@ -1,6 +1,6 @@
 """The time side's constants and small formulas: achieved collective bandwidth, the host's
 per-op overhead, the overlap slowdown, the fixed per-step overhead, and what the training
-software does (``Software``). ``search/costs.py`` prices with them; ``partita calibrate``
+software does (``Software``). The cost model (``search/costs/``) prices with them; ``partita calibrate``
 (``search/calibrate.py``) replaces the constants with fitted values.
 
 Where each default comes from is stated beside it (and in docs/search.md): cited, measured on
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from partita.errors import PartitaError
 from partita.model import LayerKind
+from partita.search.analytic import ATTENTION
 
 # ---- achieved bus bandwidth --------------------------------------------------------------
 # NCCL reaches a fraction of the link's line rate (protocol overhead): on NVLink "~20 %", an
@@ -22,7 +23,7 @@ from partita.model import LayerKind
 # InfiniBand NICs come closer to their line rate: "24GB/s is the peak performance per 200G NIC
 # (12 GB/s for 100G NICs)" (S. Jeaugey, nccl-tests#119, 2022) and "46-48GB/s per NIC" at 400 Gb/s
 # (NVIDIA's AddyLaddy in nccl-tests#290, 2025): 0.96. The message-size dependence comes from the
-# per-step latency (``LINK_LATENCY_S`` in costs.py):
+# per-step latency (``costs.links.LINK_LATENCY_S``):
 # achieved busbw(S) = S / (steps x latency + S / (efficiency x line rate)).
 # gloo between CPU ranks is not NCCL; its figures come from a calibration or `partita profile
 # --comm` (efficiency 1: the catalog's nominal loopback rate stands as is).
@@ -169,8 +170,6 @@ class Software:
     grad_sync: str = "overlapped"
 
     def __post_init__(self) -> None:
-        from partita.search.analytic import ATTENTION  # analytic prices them; imported late, as costs.py does
-
         if self.attention not in ATTENTION:
             raise PartitaError(f"unknown attention {self.attention!r}; valid: {', '.join(ATTENTION)}")
         if self.grad_sync not in GRAD_SYNCS:

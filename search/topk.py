@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 
 from partita.plan import Plan, SolverReport
-from partita.search.costs import CostModel
+from partita.search.costs.model import CostModel
 from partita.search.cpsat import (MIN_WORK, NEVER, Shape, StageFit, build_problem, memory_infeasible, shapes,
                                   solve_shape)
 from partita.search.evaluate import Evaluation, evaluate_layout

@@ -20,7 +20,8 @@ from partita.cluster import ClusterSpec, NodeGroup
 from partita.errors import InfeasibleError, PartitaError
 from partita.model import ModelSpec
 from partita.plan import LayerStrategy
-from partita.search.costs import CostModel, LayerChoice, choice_of, in_flight
+from partita.search.costs.model import CostModel
+from partita.search.costs.stage import LayerChoice, choice_of, in_flight
 from partita.search.evaluate import Evaluation, evaluate_counts
 from partita.units import fmt_bytes
 

@@ -20,8 +20,9 @@ from partita.devices import get_device
 from partita.model import ModelSpec
 from partita.model_io import load_model
 from partita.plan import LayerStrategy, boundary_split
-from partita.search.costs import (CostModel, activation_message_bytes, boundary_gather_s, boundary_gathers, boundary_s,
-                                  choice_of)
+from partita.search.costs.memory import activation_message_bytes
+from partita.search.costs.model import CostModel
+from partita.search.costs.stage import boundary_gather_s, boundary_gathers, boundary_s, choice_of
 from partita.search.evaluate import evaluate_layout, evaluate_plan
 from partita.search.uniform import SearchSpace
 from partita.units import GiB

@@ -132,7 +132,7 @@ def test_the_weight_passes_add_on_cpu_ranks_only(fitted):
     from partita.model_io import load_model
     from partita.search.analytic import layer_cost
     from partita.devices import get_device
-    from partita.search.costs import CostModel
+    from partita.search.costs.model import CostModel
     from partita.search.timing import layer_ops
 
     profile = fitted[0]

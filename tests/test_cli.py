@@ -65,7 +65,7 @@ def test_models_and_devices_list():
 def test_search_imports_without_torch(tmp_path):
     code = (BLOCK_TORCH +
             "import partita, partita.cli, partita.cli.plan, partita.validate\n"
-            "import partita.search.costs, partita.search.cpsat, partita.search.uniform, partita.search.planner\n"
+            "import partita.search.costs.model, partita.search.cpsat, partita.search.uniform, partita.search.planner\n"
             "from partita.cli import main\n"
             "sys.exit(main(['plan', '--model', 'gpt2', '--cluster', '8xA100-80GB', '-o', sys.argv[1]]))\n")
     r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "p.yaml")], capture_output=True, text=True, timeout=300)

@@ -14,10 +14,10 @@ from partita.errors import PartitaError
 from partita.model import ModelSpec
 from partita.model_io import load_model
 from partita.search.analytic import activation_bytes
-from partita.search.context import (all_to_all_limit, all_to_all_time_s, all_to_all_traffic, attention_flops,
-                                    causal_attention_flops, cp_activation_bytes, cp_limit, ring_backward_time_s,
-                                    ring_block_bytes, ring_forward_time_s, ring_kv_heads, ring_limit, ring_step_flops,
-                                    ring_traffic, ring_transient_bytes, sequence_limit)
+from partita.search.context import (all_to_all_limit, all_to_all_traffic, attention_flops, causal_attention_flops,
+                                    cp_activation_bytes, ring_backward_time_s, ring_block_bytes, ring_forward_time_s,
+                                    ring_kv_heads, ring_step_flops, ring_traffic, ring_transient_bytes, sequence_limit)
+from partita.search.costs.links import Link, collective_s
 from torch_blocker import BLOCK_TORCH
 
 SMALL = dict(batch=1, seq=8, head_dim=2, elem=2)  # L = 4 tokens a rank at cp 2
@@ -78,8 +78,10 @@ def test_cp_1_communicates_nothing(traffic):
 
 
 def test_all_to_all_time_is_latencies_plus_the_bytes_sent():
-    assert all_to_all_time_s(1e9, 4, gbps=100, latency_s=1e-5) == pytest.approx(3e-5 + 0.75e9 / 100e9)
-    assert all_to_all_time_s(1e9, 1, gbps=100, latency_s=1e-5) == 0.0
+    """As the cost model prices it: cp - 1 exchange latencies and (cp - 1)/cp of the buffer sent."""
+    link = Link("loopback", 100, 1e-5)  # efficiency 1: the nominal rate
+    assert collective_s({}, "all_to_all", 1e9, 4, link) == pytest.approx(3e-5 + 0.75e9 / 100e9)
+    assert collective_s({}, "all_to_all", 1e9, 1, link) == 0.0
 
 
 def test_ring_overlap_hides_what_fits_behind_each_step():
@@ -183,22 +185,23 @@ def test_limits_say_what_does_not_divide():
     assert all_to_all_limit(32, 8, cp=4, tp=4) == \
         "all-to-all context parallelism needs kv_heads (8) divisible by cp x tp = 4 x 4 = 16"
     assert "heads (6)" in all_to_all_limit(6, 6, cp=4)
-    assert ring_limit(131072, cp=8) is None
-    assert ring_limit(100, cp=4) == "ring attention needs the sequence length (100) divisible by 2 x cp = 8"
+    assert BLOCK.cp_divides(8, variant="ring", seq_len=131072) is None
+    assert BLOCK.cp_divides(4, variant="ring", seq_len=100) == \
+        "ring attention needs the sequence length (100) divisible by 2 x cp = 8"
     assert sequence_limit(100, 3) == "sequence length 100 is not divisible by context-parallel degree 3"
     assert sequence_limit(100, 0) == "context-parallel degree must be >= 1, got 0"
 
 
-def test_cp_limit_per_layer_kind():
+def test_cp_limits_per_layer_kind():
     block, embed = BLOCK, LLAMA_8B.kinds["embed"]  # 32 heads, 8 kv heads
-    assert cp_limit(block, variant="all_to_all", seq_len=8192, cp=8) is None
-    assert "kv_heads (8)" in cp_limit(block, variant="all_to_all", seq_len=8192, cp=4, tp=4)
-    assert cp_limit(block, variant="ring", seq_len=8192, cp=16, tp=8) is None  # the ring has no head limit
-    assert "2 x cp = 32" in cp_limit(block, variant="ring", seq_len=8208, cp=16)
-    assert cp_limit(embed, variant="ring", seq_len=8208, cp=16) is None  # no attention: the shards suffice
-    assert cp_limit(block, variant="ring", seq_len=8, cp=1) is None
+    assert block.cp_divides(8, variant="all_to_all", seq_len=8192) is None
+    assert "kv_heads (8)" in block.cp_divides(4, variant="all_to_all", seq_len=8192, tp=4)
+    assert block.cp_divides(16, variant="ring", seq_len=8192, tp=8) is None  # the ring has no head limit
+    assert "2 x cp = 32" in block.cp_divides(16, variant="ring", seq_len=8208)
+    assert embed.cp_divides(16, variant="ring", seq_len=8208) is None  # no attention: the shards suffice
+    assert block.cp_divides(1, variant="ring", seq_len=8) is None
     with pytest.raises(PartitaError, match="unknown context-parallel variant 'ulysses'; valid: all_to_all, ring"):
-        cp_limit(block, variant="ulysses", seq_len=8192, cp=2)
+        cp_activation_bytes(block, variant="ulysses", cp=2, tp=1, micro_batch=1, seq_len=8192, dtype="bf16")
 
 
 def test_formulas_refuse_shapes_that_do_not_split():
@@ -217,5 +220,5 @@ def test_the_cost_module_imports_without_torch():
 
 def test_a_spec_with_gqa_heads_is_checked_like_the_runtime():
     spec = ModelSpec.from_dict(dict(load_model("tiny-llama").to_dict(), name="t", heads=8, kv_heads=4))
-    assert cp_limit(spec.kinds["block"], variant="all_to_all", seq_len=16, cp=2, tp=2) is None
-    assert cp_limit(spec.kinds["block"], variant="all_to_all", seq_len=16, cp=4, tp=2) is not None
+    assert spec.kinds["block"].cp_divides(2, variant="all_to_all", seq_len=16, tp=2) is None
+    assert spec.kinds["block"].cp_divides(4, variant="all_to_all", seq_len=16, tp=2) is not None

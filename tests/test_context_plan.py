@@ -95,7 +95,7 @@ def test_replicas_on_several_groups_refuse_cp():
 def test_activation_memory_per_rank_matches_the_cost_model(cp):
     """The issue's check: within 10 % (it is exact but for the allocation grain)."""
     from partita.plan import LayerStrategy
-    from partita.search.costs import CostModel
+    from partita.search.costs.model import CostModel
 
     seq = 512
     cm = CostModel(LLAMA_GQA, parse_short(f"{cp}xcpu"), seq_len=seq, dtype="fp32").at_cp(cp)
@@ -143,7 +143,7 @@ def test_short_sequences_plan_as_before():
 
 
 def test_a_cp_plan_on_cpu_ranks_prices_as_its_view_and_validates():
-    from partita.search.costs import CostModel
+    from partita.search.costs.model import CostModel
     from partita.search.evaluate import evaluate_plan
     from partita.search.planner import make_plan
 
@@ -167,7 +167,7 @@ def test_cp_requests_that_cannot_work_fail_in_one_line():
 def test_the_cost_model_prices_cp_at_s_over_cp():
     """Per-token terms at s/cp; all-to-all adds its collectives; ZeRO over dp x cp."""
     from partita.plan import LayerStrategy
-    from partita.search.costs import CostModel
+    from partita.search.costs.model import CostModel
 
     model, cluster = BUILTIN["llama-3-8b"], parse_short("8xH100")
     base = CostModel(model, cluster, seq_len=65536)

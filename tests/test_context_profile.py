@@ -18,7 +18,10 @@ from partita.plan import LayerStrategy
 from partita.profile import (AttentionCost, CommCost, Profile, Provenance, attention_time_at, bus_bytes,
                              causal_attention_flops)
 from partita.search.analytic import Shard
-from partita.search.costs import CostModel, stage_cost, step_time_s
+from partita.search.context import all_to_all_s, attention_time
+from partita.search.costs.model import CostModel
+from partita.search.costs.stage import stage_cost
+from partita.search.costs.step import step_time_s
 
 LLAMA8 = BUILTIN["llama-3-8b"]  # 32 heads, 8 kv heads, head_dim 128
 
@@ -100,7 +103,7 @@ def test_all_to_all_attention_is_read_from_the_profile_where_it_covers_the_shape
     """All s positions for H/cp heads, and the L-token core it replaces (H heads over s/cp)."""
     whole, local = _point(4, 65536, 500.0), _point(32, 8192, 450.0)
     view = _view(8, profiles=[_profile(attention=(whole, local))])
-    at = view.attention_time(view.cluster.groups[0], 1, 1)
+    at = attention_time(view, view.cluster.groups[0], 1, 1)
     assert (at.forward_s, at.backward_s) == pytest.approx((whole.forward_s, whole.backward_s))
     assert (at.local_forward_s, at.local_backward_s) == pytest.approx((local.forward_s, local.backward_s))
     assert at.exposed_forward_s == at.exposed_backward_s == 0.0
@@ -111,7 +114,7 @@ def test_without_attention_points_cp_prices_the_roofline_as_before():
     from partita.search.analytic import attention_s
 
     view = _view(8, profiles=[_profile()])
-    at = view.attention_time(view.cluster.groups[0], 1, 1)
+    at = attention_time(view, view.cluster.groups[0], 1, 1)
     whole = Shard.of(LLAMA8.kinds["block"], tp=8, micro_batch=1, seq_len=65536, dtype="bf16")
     assert (at.forward_s, at.backward_s) == pytest.approx(attention_s(get_device("H100"), whole, "bf16", "sdpa"))
 
@@ -133,9 +136,9 @@ def test_the_all_to_alls_are_priced_by_the_profiles_fit():
     q = sh.tokens * 32 * sh.head_dim * 2
     kv = sh.tokens * 8 * sh.head_dim * 2
     expected = sum(fit.time_s(bus_bytes("all_to_all", m, 8)) for m in (q, kv, kv, q))
-    assert view.all_to_all_s(view.cluster.groups[0], 1, 1) == pytest.approx(expected)
+    assert all_to_all_s(view, view.cluster.groups[0], 1, 1) == pytest.approx(expected)
     datasheet = _view(8)
-    assert datasheet.all_to_all_s(datasheet.cluster.groups[0], 1, 1) != pytest.approx(expected)
+    assert all_to_all_s(datasheet, datasheet.cluster.groups[0], 1, 1) != pytest.approx(expected)
 
 
 def test_a_cpu_profiles_all_to_all_fit_prices_cp_on_cpu_ranks():
@@ -146,7 +149,7 @@ def test_a_cpu_profiles_all_to_all_fit_prices_cp_on_cpu_ranks():
     sh = Shard.of(small.kinds["block"], tp=1, micro_batch=1, seq_len=32, dtype="fp32")
     q, kv = (sh.tokens * h * sh.head_dim * 4 for h in (small.heads, small.kv_heads))
     expected = sum(fit.time_s(bus_bytes("all_to_all", m, 2)) for m in (q, kv, kv, q))
-    assert view.all_to_all_s(view.cluster.groups[0], 1, 1) == pytest.approx(expected)
+    assert all_to_all_s(view, view.cluster.groups[0], 1, 1) == pytest.approx(expected)
 
 
 # ---- the step's breakdown ------------------------------------------------------------------

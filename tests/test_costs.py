@@ -8,8 +8,11 @@ from partita.cluster import parse_short
 from partita.model_io import load_model
 from partita.plan import LayerStrategy
 from partita.profile import bus_bytes
-from partita.search.costs import CostModel, Link, pipeline_time_s
+from partita.search.costs.links import Link
+from partita.search.costs.memory import block_backward_transient
+from partita.search.costs.model import CostModel
 from partita.search.evaluate import evaluate_layout
+from partita.search.schedules import closed_form_s
 from partita.units import GB
 
 
@@ -54,7 +57,7 @@ def test_zero_levels_shard_what_they_should():
     # ZeRO-3's backward holds the layer gathered again and the one before it, prefetched; at
     # either ZeRO level the unsharded fp32 gradient and the working set outweigh the forward's
     # gather spike (ZeRO-2: the flat all-gather buffer beside the kept copy, 2 x p bytes).
-    working = cm._block_backward_transient(1, 1)
+    working = block_backward_transient(cm, 1, 1)
     assert (mem(3, 4).peak_phase, mem(3, 4).transient_gathered) == ("backward", 2 * 2 * p)
     assert mem(3, 4).transient == round_up_to_grain(2 * 2 * p + 4 * p + working)
     assert (mem(2, 4).peak_phase, mem(2, 4).transient_gathered) == ("backward", 0)
@@ -73,9 +76,9 @@ def test_gradients_are_reduced_in_fp32():
 
 def test_one_f_one_b_on_four_stages():
     # 4 stages of 10, 12, 11, 9 ms and 8 micro-batches: (8 - 1) * 12 + (10 + 12 + 11 + 9) = 126 ms.
-    assert pipeline_time_s([0.010, 0.012, 0.011, 0.009], 8) == pytest.approx(0.126)
+    assert closed_form_s("1f1b", [0.010, 0.012, 0.011, 0.009], 8, 1) == pytest.approx(0.126)
     # one micro-batch: the stages run one after another
-    assert pipeline_time_s([0.010, 0.012, 0.011, 0.009], 1) == pytest.approx(0.042)
+    assert closed_form_s("1f1b", [0.010, 0.012, 0.011, 0.009], 1, 1) == pytest.approx(0.042)
 
 
 def test_ring_all_reduce_time():
@@ -205,7 +208,8 @@ def test_a_send_between_groups_goes_at_the_slower_side_and_the_link_between_them
     from partita.devices import get_device
     from partita.model_io import load_model
     from partita.profile import CommCost, Profile, Provenance
-    from partita.search.costs import CostModel, activation_message_bytes, boundary_s
+    from partita.search.costs.memory import activation_message_bytes
+    from partita.search.costs.stage import boundary_s
 
     h100 = make_group(name="h", device=get_device("H100"), nodes=1, gpus_per_node=8)
     a100 = make_group(name="a", device=get_device("A100-80GB"), nodes=1, gpus_per_node=8)

@@ -9,8 +9,9 @@ from partita.cluster import parse_short
 from partita.errors import PartitaError
 from partita.model import BUILTIN
 from partita.plan import LayerStrategy
-from partita.search.costs import CostModel
-from partita.search.experts import UNRUNNABLE_BYTES, all_to_all_bytes
+from partita.search.costs.memory import UNRUNNABLE_BYTES
+from partita.search.costs.model import CostModel
+from partita.search.experts import all_to_all_bytes
 from partita.search.planner import PlanRequest, expert_options, make_plan
 from partita.search.uniform import SearchSpace
 from partita.units import round_up_to_grain

@@ -104,7 +104,7 @@ def _count_rank(rank: int, plan_dict: dict, cfg) -> dict:
 
 @pytest.mark.parametrize("name", ["ep2-dp2-zero3", "ep2-shared-zero0-recompute"])
 def test_all_to_all_bytes_match_the_cost_model(name):
-    from partita.search.costs import CostModel
+    from partita.search.costs.model import CostModel
     from partita.search.experts import AllToAllBytes, all_to_all_bytes
 
     plan = PLANS[name]

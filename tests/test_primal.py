@@ -12,7 +12,7 @@ from ortools.sat.python import cp_model
 from partita.cluster import parse_short
 from partita.model_io import load_model
 from partita.search import cpsat
-from partita.search.costs import CostModel
+from partita.search.costs.model import CostModel
 from partita.search.cpsat_fit import StageFit, pipeline_reach
 from partita.search.evaluate import evaluate_layout
 from partita.search.primal import shape_plans

@@ -203,7 +203,7 @@ def test_the_host_time_per_op_is_measured_and_floors_analytic_layers(tiny_llama_
 
     from partita.cluster import parse_short
     from partita.model_io import load_model
-    from partita.search.costs import CostModel
+    from partita.search.costs.model import CostModel
     from partita.search.timing import default_constants
 
     profile, path = tiny_llama_profile

@@ -11,7 +11,7 @@ from partita.errors import PartitaError
 from partita.model import BUILTIN
 from partita.model_io import load_model
 from partita.plan import Plan
-from partita.search.costs import CostModel
+from partita.search.costs.model import CostModel
 from partita.search.evaluate import evaluate_layout, evaluate_plan
 from partita.search.planner import PlanRequest, attach_prediction, make_plan
 from partita.search.replicas import replicas_on, throughput_bound_s

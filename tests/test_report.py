@@ -21,7 +21,7 @@ PP, M = 2, 4  # a two-stage pipeline of four micro-batches
 def plans(tmp_path_factory):
     """A 1F1B plan of tiny-llama on 4 CPU ranks, and the same under interleaved 1F1B (two
     virtual stages per rank: virtual stage c of stage i is the (c * pp + i)-th slice)."""
-    from partita.search.costs import CostModel
+    from partita.search.costs.model import CostModel
     from partita.search.planner import attach_prediction
 
     d = tmp_path_factory.mktemp("plans")

@@ -36,9 +36,10 @@ torch = pytest.importorskip("torch")
 
 from partita.cluster import parse_short  # noqa: E402
 from partita.model import BUILTIN, ModelSpec  # noqa: E402
-from partita.plan import Plan  # noqa: E402
+from partita.plan import Plan, gives_whole  # noqa: E402
 from partita.runtime.train import TrainConfig  # noqa: E402
-from partita.search.costs import CostModel, boundary_gathers, choice_of, gives_whole  # noqa: E402
+from partita.search.costs.model import CostModel  # noqa: E402
+from partita.search.costs.stage import boundary_gathers, choice_of  # noqa: E402
 from partita.search.evaluate import evaluate_plan  # noqa: E402
 from runtime_helpers import assert_matches_one_process, interleaved, make_plan, run_ranks  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402

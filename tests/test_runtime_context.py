@@ -255,10 +255,17 @@ def test_ranks_refuse_what_cannot_run_with_a_clear_line():
 @pytest.mark.parametrize("spec", [LLAMA_GQA, GPT2], ids=["llama-gqa", "gpt2"])
 @pytest.mark.parametrize("cp", [2, 4])
 def test_a_blocks_saved_bytes_under_all_to_all_are_the_cost_models(spec, cp):
+    from partita.cluster import parse_short
+    from partita.plan import LayerStrategy
     from partita.search.context import cp_activation_bytes
+    from partita.search.costs.model import CostModel
+    from partita.units import round_up_to_grain
 
     want = cp_activation_bytes(spec.kinds["block"], variant="all_to_all", cp=cp, tp=1, micro_batch=BATCH, seq_len=SEQ,
                                dtype="fp32", on_cpu=True)
+    cm = CostModel(spec, parse_short(f"{cp}xcpu"), seq_len=SEQ, dtype="fp32").at_cp(cp)
+    priced = cm.layer_memory("block", "cpu", LayerStrategy(name="layers.0"), dp=1, micro_batch=BATCH, num_micro_batches=1)
+    assert priced.activations == round_up_to_grain(want)  # what the planner prices is what is measured here
     for layout in context.LAYOUTS:
         assert run_ranks(all_to_all_block_saved_bytes, cp, spec.to_dict(), BATCH, SEQ, layout) == [want] * cp, layout
 

@@ -159,7 +159,7 @@ def test_equal_shares_allow_every_zero_level():
 def test_a_plan_with_shares_is_priced_at_its_largest_share():
     """The step is the slowest replica (the largest share; the replicas of a stage sit on one
     device type) plus the data-parallel sync, which does not depend on the shares."""
-    from partita.search.costs import CostModel
+    from partita.search.costs.model import CostModel
     from partita.search.evaluate import evaluate_plan
 
     cm = CostModel(SMALL, parse_short("4xcpu"), seq_len=16, dtype="fp32")
@@ -169,7 +169,7 @@ def test_a_plan_with_shares_is_priced_at_its_largest_share():
 
 
 def test_a_plan_with_sizes_is_priced_at_its_largest_size():
-    from partita.search.costs import CostModel
+    from partita.search.costs.model import CostModel
     from partita.search.evaluate import evaluate_plan
 
     cm = CostModel(SMALL, parse_short("4xcpu"), seq_len=16, dtype="fp32")

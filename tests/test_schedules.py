@@ -204,7 +204,7 @@ def test_the_planner_takes_an_interleaved_pipeline_when_it_is_faster():
     feasible, with a bound below it that holds for both schedules."""
     from partita.cluster import parse_short
     from partita.model_io import load_model
-    from partita.search.costs import CostModel
+    from partita.search.costs.model import CostModel
     from partita.search.evaluate import evaluate_plan
     from partita.search.planner import PlanRequest, make_plan
     from partita.search.uniform import SearchSpace
@@ -229,7 +229,7 @@ def test_the_planner_takes_a_zero_bubble_pipeline_when_it_is_faster():
     from partita.cluster import parse_short
     from partita.cli.printing import bubble_text
     from partita.model_io import load_model
-    from partita.search.costs import CostModel
+    from partita.search.costs.model import CostModel
     from partita.search.evaluate import evaluate_plan
     from partita.search.planner import PlanRequest, make_plan
     from partita.parallel import ZERO_BUBBLE
@@ -253,7 +253,7 @@ def test_a_zbv_layout_becomes_a_priced_plan():
     holds the middle of the model, not the head) made the memory model fail."""
     from partita.cluster import parse_short
     from partita.model_io import load_model
-    from partita.search.costs import CostModel
+    from partita.search.costs.model import CostModel
     from partita.search.interleaved import InterleavedLayout, chunk_names
     from partita.search.planner import interleaved_to_plan
     from partita.search.uniform import strategy

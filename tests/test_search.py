@@ -9,7 +9,7 @@ from partita.errors import InfeasibleError
 from partita.model import ModelSpec
 from partita.model_io import load_model
 from partita.search import cpsat
-from partita.search.costs import CostModel
+from partita.search.costs.model import CostModel
 from partita.search.evaluate import evaluate_layout, evaluate_plan
 from partita.search.planner import PlanRequest, make_plan
 from partita.search.uniform import SearchSpace

@@ -11,7 +11,7 @@ from partita.cluster import parse_short
 from partita.errors import InfeasibleError
 from partita.model import ModelSpec
 from partita.model_io import load_model
-from partita.search.costs import CostModel
+from partita.search.costs.model import CostModel
 from partita.search.planner import PlanRequest, SearchTimeout, make_plan
 from partita.search.uniform import uniform_search
 

@@ -116,7 +116,8 @@ def test_the_work_bound_the_grid_skips_by_is_below_every_candidates_step(model_n
     (``uniform.work_bound_s``): a bound on every split of its blocks and every schedule, so in
     particular on the candidate itself, as evaluated."""
     from partita.search import uniform as u
-    from partita.search.costs import CostModel, choice_of
+    from partita.search.costs.model import CostModel
+    from partita.search.costs.stage import choice_of
     from partita.search.evaluate import evaluate_counts
 
     model = load_model(model_name)

@@ -14,7 +14,8 @@ import pytest
 from partita.cluster import load_cluster
 from partita.model_io import load_model
 from partita.search import timing
-from partita.search.costs import CostModel, choice_of
+from partita.search.costs.model import CostModel
+from partita.search.costs.stage import choice_of
 from partita.search.evaluate import evaluate_interleaved
 from partita.search.interleaved import _counts, chunk_names
 from partita.search.timing import layer_ops, param_tensors, split_backward_host_s, weight_groups

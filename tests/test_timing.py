@@ -1,4 +1,4 @@
-"""The time side of the cost model (search/timing.py and its use in search/costs.py): op counts
+"""The time side of the cost model (search/timing.py and its use in search/costs/): op counts
 against the dispatcher, overlap, host floors, both sides of a pipeline boundary, the exposed
 ZeRO edge and data-parallel sync, and a calibration's constants."""
 
@@ -14,7 +14,7 @@ from partita.plan import LayerStrategy
 from partita.profile import Calibration, Profile, Provenance
 from partita.runtime.commprobe import OpCounter
 from partita.runtime.models import build_layer
-from partita.search.costs import CostModel
+from partita.search.costs.model import CostModel
 from partita.search.evaluate import evaluate_layout
 from partita.search.timing import (GQA_EXTRA_OPS, host_bound_s, layer_ops, overlapped_s, param_tensors)
 

@@ -23,7 +23,7 @@ from partita.units import GiB, fmt_bytes, fmt_seconds
 
 
 def check(args: argparse.Namespace) -> int:
-    from partita.search.costs import CostModel
+    from partita.search.costs.model import CostModel
     from partita.search.evaluate import evaluate_plan
     from partita.validate import validate_plan
 

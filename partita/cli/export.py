@@ -222,7 +222,7 @@ def _fits(p: Plan) -> bool:
 
 def export_plan(plan: Plan, target: str, *, profiles: Sequence = ()) -> Export:
     """Price the plan and the closest one the target runs; render the target's file."""
-    from partita.search.costs import CostModel
+    from partita.search.costs.model import CostModel
     from partita.search.planner import attach_prediction
 
     mod = target_module(target)

@@ -27,13 +27,13 @@ from partita.profile import Profile
 from partita.units import GiB, fmt_bytes
 
 if TYPE_CHECKING:  # the search loads only when a plan is made
-    from partita.search.costs import CostModel
+    from partita.search.costs.model import CostModel
     from partita.search.uniform import SearchSpace
 
 
 # ---- partita plan -----------------------------------------------------------------------
 def plan(args: argparse.Namespace) -> int:
-    from partita.search.costs import CostModel
+    from partita.search.costs.model import CostModel
     from partita.search.planner import PlanRequest, make_plan
     from partita.search.uniform import device_price
 
@@ -155,7 +155,7 @@ def cost_objective_note(plan: Plan, cluster, frontier: list, release: bool) -> s
 
 def _alternatives(req, best: Plan, count: int) -> list[Plan]:
     """The best plans of ``count`` other shapes (``partita.search.topk``), in the search's budget."""
-    from partita.search.costs import CostModel
+    from partita.search.costs.model import CostModel
     from partita.search.planner import SAFETY_WALL_S, work_limit
     from partita.search.topk import alternative_plans
 
@@ -166,7 +166,7 @@ def _alternatives(req, best: Plan, count: int) -> list[Plan]:
 
 def plan_dtype(flag: str | None, cluster: ClusterSpec) -> str:
     """--dtype, or the default: fp32 on CPU ranks, bf16 on GPUs, fp16 where a device lacks bf16."""
-    from partita.search.costs import default_dtype
+    from partita.search.costs.compute import default_dtype
 
     if flag is None:
         return default_dtype(cluster)

@@ -123,7 +123,7 @@ def timeline(actions: Sequence[Sequence["Action"]], forward_s: Sequence[float], 
 
 def plan_timeline(plan: Plan, cluster: "ClusterSpec") -> Timeline:
     """One step of the plan, as the schedule it runs plays it with the plan's stage times."""
-    from partita.search.costs import stage_cost
+    from partita.search.costs.stage import stage_cost
     from partita.search.schedules import torch_actions
 
     pp, v = plan.pp, plan.virtual_stages
@@ -170,7 +170,7 @@ def plan_timeline(plan: Plan, cluster: "ClusterSpec") -> Timeline:
 def costed(plan: Plan, cluster: "ClusterSpec") -> tuple:
     """The cost model for the plan's model on ``cluster``, and the plan evaluated under it."""
     from partita.model import ModelSpec
-    from partita.search.costs import CostModel
+    from partita.search.costs.model import CostModel
     from partita.search.evaluate import evaluate_plan
 
     cm = CostModel(ModelSpec.from_dict(plan.model, where="plan: model"), cluster, seq_len=plan.seq_len,
@@ -342,7 +342,7 @@ def with_prediction(plan: Plan, cluster: "ClusterSpec") -> tuple[Plan, str]:
     if plan.prediction is not None:
         return plan, ""
     from partita.model import ModelSpec
-    from partita.search.costs import CostModel
+    from partita.search.costs.model import CostModel
     from partita.search.planner import attach_prediction
 
     cm = CostModel(ModelSpec.from_dict(plan.model, where="plan: model"), cluster, seq_len=plan.seq_len,

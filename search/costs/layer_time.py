@@ -1,0 +1,164 @@
+"""Layer time: one layer's time per micro-batch on one device with its collectives, and its
+per-step traffic and optimizer update.
+
+* Tensor parallelism (Megatron): a block does 2 all-reduces of the activation ``b*s*h`` in
+  forward and 2 in backward; with sequence parallelism they become all-gather +
+  reduce-scatter pairs of the same volume. The embedding (vocab-parallel) reduces once in
+  forward, the head once in backward. Full recomputation repeats the forward collectives;
+  selective recomputation (everything but the matrix products) repeats them all but the last
+  product's reduction, where it stops. TP collectives are on the critical path (not overlapped).
+  A tensor-parallel head's loss (``loss_parallel``) all-reduces three fp32 values a token in
+  forward.
+* ZeRO over the parameters' replicas, on the layer's parameter shard: parameters are gathered in
+  the compute dtype, gradients reduced in fp32 (FSDP2's ``reduce_dtype``). Level 0: all-reduce of
+  gradients once per step; 1: reduce-scatter of gradients + all-gather of parameters once per
+  step; 2: all-gather in forward and reduce-scatter in backward, every micro-batch; 3:
+  all-gather in forward, all-gather + reduce-scatter in backward, every micro-batch.
+  Per-micro-batch ZeRO traffic runs beside the layer's compute (FSDP prefetch) and slows it by
+  the overlap slowdown while it runs (``timing.overlapped_s``); a stage's first gather and last
+  reduce-scatter are exposed (its largest layer's traffic, times 1 - slowdown, charged m times
+  at the largest stage in ``step.step_time_s``). Per-step traffic (levels 0, 1) is reduced layer
+  by layer as the last backward frees it: at least the largest layer's reduction is exposed, and
+  all of it beyond (1 - slowdown) x that backward.
+* Software: the runtime's attention kernel and overlapped gradient reductions unless the cost
+  model is told otherwise (``timing.Software``: published runs of other frameworks).
+
+The functions here price a layer's dense part; the layout's own terms (context parallelism's
+attention, expert parallelism's all-to-alls) are added by ``model.CostModel``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from partita.cluster import NodeGroup
+from partita.search.costs.compute import optimizer_s
+from partita.search.costs.links import Link
+from partita.search.costs.memory import REDUCE_BYTES
+from partita.search.roofline import cpu_adam_s
+from partita.search.timing import OPTIMIZER_OPS_PER_TENSOR, overlapped_s, param_tensors
+
+@dataclass(frozen=True)
+class LayerTime:
+    """One layer's time per micro-batch on one device, and its per-step traffic."""
+
+    forward_s: float  # compute + TP collectives, overlapped with the ZeRO gather (``overlapped_s``)
+    backward_s: float
+    compute_s: float  # forward + backward + recompute, without communication
+    tp_comm_s: float
+    zero_comm_s: float  # per micro-batch ZeRO traffic (overlapped with compute)
+    dp_sync_s: float  # per step: gradient all-reduce (ZeRO 0) or reduce-scatter + all-gather (1)
+    zero_edge_s: float = 0.0  # exposed if this is the stage's edge layer: (1 - slowdown) x its ZeRO traffic
+    overlap_window_s: float = 0.0  # the part of its backward the data-parallel sync can hide behind
+    optimizer_s: float = 0.0  # per step: Adam on the local shard (memory-bound) + its host ops
+    # context parallelism's all-to-alls, or the ring's K/V passes its blocks do not hide (search/context.py);
+    # part of forward_s and backward_s, on the critical path like tp_comm_s
+    cp_comm_s: float = 0.0
+
+    @property
+    def total_s(self) -> float:
+        return self.forward_s + self.backward_s
+
+
+def zero_traffic(cm, params: int, group: NodeGroup, *, tp: int, zero: int, replicas: int,
+                 dlink: Link | None = None) -> tuple[float, float, float]:
+    """(forward, backward per micro-batch, per step) ZeRO traffic of ``params`` parameters
+    replicated over ``replicas`` ranks (on ``dlink``, by default the data-parallel link)."""
+    device = group.device
+    dlink = dlink or cm.dp_link(group, replicas, tp)
+    ag = cm.collective_s("all_gather", params * cm.elem, replicas, dlink, device)
+    rs = cm.collective_s("reduce_scatter", params * REDUCE_BYTES, replicas, dlink, device)
+    zero_fwd, zero_bwd, dp_sync = 0.0, 0.0, 0.0
+    if replicas > 1:
+        if zero == 0:
+            dp_sync = cm.collective_s("all_reduce", params * REDUCE_BYTES, replicas, dlink, device)
+        elif zero == 1:
+            dp_sync = ag + rs
+        elif zero == 2:
+            zero_fwd, zero_bwd = ag, rs
+        else:
+            zero_fwd, zero_bwd = ag, ag + rs
+    return zero_fwd, zero_bwd, dp_sync
+
+
+def layer_time(cm, role: str, group: NodeGroup, *, tp: int, sp: bool, zero: int, recompute: str, replicas: int,
+               micro_batch: int, extra_zero: tuple[float, float, float] | None = None) -> LayerTime:
+    """The layer's time with its parameters (``cm.param_count``) replicated over ``replicas``
+    ranks; ``extra_zero``: ZeRO traffic of parameters the layout shards otherwise (a block's
+    experts), which runs beside the compute with the layer's own."""
+    device = group.device
+    c = cm.compute(role, device, tp, micro_batch)
+    act_bytes = micro_batch * cm.seq_len * cm.model.hidden * cm.elem
+    link = cm.tp_link(group, tp)
+    # TP collectives: (forward, backward) counts of activation-sized all-reduces.
+    n_fwd, n_bwd = {"embed": (1, 0), "block": (2, 2), "head": (0, 1)}[role]
+    one = cm.collective_s("all_reduce", act_bytes, tp, link, device)
+    if sp:  # all-gather + reduce-scatter of the same volume, and ring steps
+        one = (cm.collective_s("all_gather", act_bytes, tp, link, device)
+               + cm.collective_s("reduce_scatter", act_bytes, tp, link, device))
+    tp_fwd, tp_bwd = n_fwd * one, n_bwd * one
+    if role == "head":  # the vocab-parallel loss: all-reduces of each token's max, sum and target logit
+        tp_fwd += 3 * cm.collective_s("all_reduce", micro_batch * cm.seq_len * 4, tp, link, device)
+    if recompute == "full":
+        tp_bwd += tp_fwd
+    elif recompute == "selective":
+        # All but the last product's reduction (the recomputation stops before w2): with SP
+        # both all-gathers and wo's reduce-scatter, without it wo's all-reduce.
+        reduction = cm.collective_s("reduce_scatter" if sp else "all_reduce", act_bytes, tp, link, device)
+        tp_bwd += tp_fwd - reduction
+    fwd_compute = c.forward_s
+    bwd_compute = c.backward_s + cm.recompute_s(role, device, tp, micro_batch, recompute)
+
+    # Parameters are gathered in the compute dtype; gradients are reduced in fp32
+    # (FSDP2's reduce_dtype, the standard mixed-precision recipe).
+    params = cm.param_count(role, tp)
+    zero_fwd, zero_bwd, dp_sync = zero_traffic(cm, params, group, tp=tp, zero=zero, replicas=replicas)
+    if extra_zero is not None:
+        zero_fwd, zero_bwd, dp_sync = (a + b for a, b in zip((zero_fwd, zero_bwd, dp_sync), extra_zero))
+    # Per-micro-batch ZeRO traffic runs beside the layer's compute (FSDP prefetch), which it
+    # slows (``overlapped_s``); the stage's first gather and last reduce-scatter have nothing
+    # to hide behind: the stage charges its largest layer's traffic once more, less what the
+    # slowdown already charged (``zero_edge_s``; search/timing.py, docs/search.md).
+    k = cm.time_constants(device)
+    slowdown = k.overlap_slowdown
+    forward = overlapped_s(fwd_compute + tp_fwd, zero_fwd, slowdown)
+    backward = overlapped_s(bwd_compute + tp_bwd, zero_bwd, slowdown)
+    edge = max(0.0, 1.0 - slowdown) * (zero_fwd + zero_bwd)
+    shard = replicas if zero >= 1 and replicas > 1 else 1
+    tensors = param_tensors(cm.model.kinds[role], tied_head=role == "head" and cm.model.tie_embeddings)
+    host_ops = OPTIMIZER_OPS_PER_TENSOR["cpu" if group.device_type.is_cpu else "gpu"] * tensors
+    optimizer = k.compute_scale * optimizer_s(group, params // shard) + host_ops * k.op_overhead_s
+    stream = cm.weight_stream_gbps(device)
+    if stream is not None:  # CPU ranks: AdamW's passes over the fp32 state (roofline.cpu_adam_s)
+        optimizer = cpu_adam_s(params // shard, stream) + host_ops * k.op_overhead_s
+    # Software that starts the gradient reductions only after the whole backward hides none.
+    window = max(0.0, 1.0 - slowdown) * backward if cm.software.grad_sync == "overlapped" else 0.0
+    return LayerTime(forward_s=forward, backward_s=backward, compute_s=fwd_compute + bwd_compute,
+                     tp_comm_s=tp_fwd + tp_bwd, zero_comm_s=zero_fwd + zero_bwd, dp_sync_s=dp_sync,
+                     zero_edge_s=edge, overlap_window_s=window, optimizer_s=optimizer)
+
+
+def tied_sync_s(cm, group: NodeGroup, *, replicas: int, tp: int, zero: int) -> float:
+    """Per step, a pipeline whose tied embedding and head sit on different stages sums the
+    two copies' gradients between each pair of ranks (fp32, the ZeRO shard), after the last
+    backward: exposed. Priced on the last stage's link to another stage (on a mixed cluster
+    the first stage's group may be slower; not modelled). The copy's own data-parallel
+    reduction at ZeRO 0-1 is exposed as well (it waits for the last micro-batch); at ZeRO 2-3
+    its per-micro-batch gathers and reductions ride on the head's matrix product. The copy's
+    optimizer update is counted here too (on this stage only)."""
+    shard = replicas if zero >= 1 and replicas > 1 else 1
+    tied = cm.tied_params(tp)
+    grad = tied * REDUCE_BYTES // shard
+    link = cm.pp_link(group, group, replicas * tp)
+    t = cm.collective_s("all_reduce", grad, 2, link, group.device)
+    stream = cm.weight_stream_gbps(group.device)  # CPU ranks: AdamW's passes (roofline.cpu_adam_s)
+    copy_params = tied // shard
+    t += cpu_adam_s(copy_params, stream) if stream is not None else optimizer_s(group, copy_params)
+    if replicas > 1 and zero == 0:
+        t += cm.collective_s("all_reduce", tied * REDUCE_BYTES, replicas, cm.dp_link(group, replicas, tp),
+                             group.device)
+    elif replicas > 1 and zero == 1:
+        dlink = cm.dp_link(group, replicas, tp)
+        t += (cm.collective_s("reduce_scatter", tied * REDUCE_BYTES, replicas, dlink, group.device)
+              + cm.collective_s("all_gather", tied * cm.elem, replicas, dlink, group.device))
+    return t

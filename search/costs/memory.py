@@ -1,0 +1,324 @@
+"""Memory: every byte the cost model says a device holds, by the plan's categories
+(``partita.plan.StageMemory``; docs/search.md has the table and tests/test_runtime_memory.py
+measures it).
+
+* Per parameter, S = its replicas at ZeRO 1-3 and 1 at ZeRO 0: fp32 weights 4/S (the
+  optimizer's master copy), the compute-dtype copy FSDP2 keeps from forward to backward at ZeRO
+  0-2, fp32 gradients (4, unsharded while they accumulate over micro-batches at ZeRO 0-1; else
+  4/S), Adam 8/S. Under expert parallelism a block's routed experts are E/ep of them, replicated
+  over dp/ep ranks (``expert_memory``).
+* Activations and transients: k = ``min(pp - stage, micro_batches)`` micro-batches are in flight
+  at a 1F1B stage's peak (a fully recomputed layer keeps only its input, a selective one its
+  input and its matrix products' outputs). k - 1 of them hold all their activations; the running
+  one holds those of the layers up to some layer j, which adds its own transient (a ZeRO-2/3
+  gather in forward; in backward the re-gathered parameters, the recomputed activations, the
+  working set, the loss's backward). The stage's peak is the largest such moment, taken over its
+  layers in order (``stage._stage_cost``); the search writes layers in the order that makes it
+  least (``stage.canonical_order``). The search counts each layer's terms alone (what CP-SAT
+  sums); a plan's prediction also takes away what the layer's neighbours make absent
+  (``neighbour_peak``), never more. Under context parallelism a rank keeps its s/cp tokens'
+  activations and what the variant adds (``context.cp_activation_bytes``, and the ring's blocks
+  in flight as a transient, ``context.ring_transient_bytes``).
+* Under a pipeline a stage also holds the schedule's receive buffers and kept outputs
+  (``pipeline_memory``).
+* A fixed reserve per device for the CUDA context, communication buffers and allocator
+  fragmentation: ``RESERVE_GPU_BYTES`` (3 GiB) on GPUs, ``RESERVE_CPU_BYTES`` on CPU ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Mapping, NamedTuple, Sequence
+
+from partita.cluster import NodeGroup
+from partita.devices import get_device
+from partita.model import LayerKind
+from partita.plan import boundary_split
+from partita.search.analytic import Shard, activation_bytes
+from partita.search.context import cp_activation_bytes, ring_kv_heads, ring_transient_bytes
+from partita.units import GiB, MiB, round_up_to_grain
+
+RESERVE_GPU_BYTES = 3 * GiB
+RESERVE_CPU_BYTES = 256 * MiB
+# What the runtime keeps per parameter (runtime/train.py, runtime/parallelize.py): fp32
+# parameters (FSDP2's sharded parameters are the optimizer's master weights), gradients reduced
+# and accumulated in fp32 (MixedPrecisionPolicy(reduce_dtype=fp32)), Adam's m and v in fp32.
+MASTER_BYTES = 4
+REDUCE_BYTES = 4
+ADAM_STATE_BYTES = 8
+# What a layout whose data-parallel degree the ep degree does not divide is priced at: more than
+# any device holds, so every search discards it.
+UNRUNNABLE_BYTES = 1 << 50
+
+
+@dataclass(frozen=True)
+class LayerMemory:
+    """One layer's share of a device's memory (bytes)."""
+
+    weights: int  # the parameters as stored (fp32 master copy, sharded at ZeRO 1-3)
+    gathered_weights: int  # the compute-dtype copy held from forward to backward (ZeRO 0-2)
+    gradients: int  # at their peak: accumulated unsharded, or the sharded result
+    optimizer: int
+    activations: int  # one micro-batch, as kept for backward
+    transient: int  # extra bytes at the layer's own peak moment (``peak_phase``), beyond the activations
+    transient_gathered: int  # the part of ``transient`` that is gathered parameters
+    params: int  # parameters on this device (for the optimizer step)
+    peak_phase: str = "backward"  # "forward" (a ZeRO-2/3 gather) or "backward" (recompute, working set, loss)
+    # The parts a stage whose neighbours are known (``neighbour_peak``) puts together itself:
+    copy: int = 0  # the layer's parameters in the compute dtype: one gather (or prefetch) of it
+    forward_extra: int = 0  # its forward gather's bytes (all gathered parameters)
+    backward_own: int = 0  # what its backward computes with: the recomputed activations and the working set
+    # FSDP2's reduce-scatter input for its gradient, kept until the next layer makes its own: a
+    # buffer beside the sharded gradient when it reduces every micro-batch (ZeRO 2-3, or m = 1);
+    # ZeRO 0-1 reduce once, out of the unsharded gradient they accumulated (nothing beside it).
+    reduce_buffer: int = 0
+    regathers: bool = False  # ZeRO-3: gathered again for its backward (and prefetched by the layer after it)
+    releases_copy: bool = False  # its kept copy is freed after every backward (ZeRO-2; ZeRO 0-1 when m = 1)
+
+    @property
+    def static_bytes(self) -> int:
+        """What the layer holds through the whole step."""
+        return self.weights + self.gathered_weights + self.gradients + self.optimizer
+
+
+def reserve_bytes(group: NodeGroup) -> int:
+    """Memory a device keeps for the runtime itself (context, buffers, fragmentation)."""
+    return RESERVE_CPU_BYTES if group.device_type.is_cpu else RESERVE_GPU_BYTES
+
+
+def layer_memory(cm, role: str, device: str, *, tp: int, sp: bool, zero: int, recompute: str, dp: int,
+                 micro_batch: int, num_micro_batches: int, tied_copy: bool = False) -> LayerMemory:
+    """One layer's memory at the cost model ``cm``'s layout: its dense part over dp x cp
+    replicas (``dense_memory``), then what context and expert parallelism add to a block."""
+    m = dense_memory(cm, role, device, tp=tp, sp=sp, zero=zero, recompute=recompute, replicas=dp * cm.cp,
+                     micro_batch=micro_batch, num_micro_batches=num_micro_batches, tied_copy=tied_copy)
+    if role != "block":
+        return m
+    if cm.cp > 1 and cm.cp_variant == "ring":
+        m = ring_memory(cm, m, tp=tp, micro_batch=micro_batch)
+    if cm.ep > 1:
+        m = expert_memory(cm, m, zero=zero, dp=dp, num_micro_batches=num_micro_batches)
+    return m
+
+
+def dense_memory(cm, role: str, device: str, *, tp: int, sp: bool, zero: int, recompute: str, replicas: int,
+                 micro_batch: int, num_micro_batches: int, tied_copy: bool = False) -> LayerMemory:
+    """The layer's parameters (``cm.param_count``; ``tied_copy``: a tied head on another stage
+    than the embedding, holding its own copy of the shared weight, runtime/tied.py) replicated
+    over ``replicas`` ranks, its activations and its transients."""
+    params = cm.param_count(role, tp) + (cm.tied_params(tp) if tied_copy else 0)
+    e = cm.elem
+    z = zero if replicas > 1 else 0
+    shard = replicas if z >= 1 else 1
+    # FSDP2 wraps every layer when there is data parallelism or mixed precision (the
+    # runtime's rule); it then also keeps the compute-dtype copy it gathers.
+    fsdp = replicas > 1 or e != MASTER_BYTES
+    weights = params * MASTER_BYTES // shard
+    gathered = params * e if fsdp and z < 3 else 0
+    if fsdp and z < 2 and num_micro_batches > 1:
+        gradients = params * REDUCE_BYTES  # accumulated unsharded until the last micro-batch
+    else:
+        gradients = params * REDUCE_BYTES // shard
+    optimizer = params * ADAM_STATE_BYTES // shard
+    local_params = params // shard
+    kind: LayerKind = cm.model.kinds[role]
+    on_cpu = get_device(device).is_cpu
+    kw = dict(tp=tp, micro_batch=micro_batch, seq_len=cm.seq_len, dtype=cm.dtype, sequence_parallel=sp, on_cpu=on_cpu)
+    full = activation_bytes(kind, recompute="none", **kw)
+    plain = activation_bytes(kind, recompute=recompute, **kw)  # the rank's tokens, as a profile measures them
+    kept = cp_activation_bytes(kind, variant=cm.cp_variant, cp=cm.cp, tp=tp, micro_batch=micro_batch,
+                               seq_len=cm.plan_seq_len, dtype=cm.dtype, sequence_parallel=sp, recompute=recompute,
+                               on_cpu=on_cpu)
+    c = cm.compute(role, device, tp, micro_batch)
+    if device in cm.profiles and c.activation_bytes:
+        # A measured count (no SP, no recompute) replaces the analytic one; the variants
+        # keep the analytic ratio to it. What the layout adds is not measured: it stays.
+        analytic_plain = activation_bytes(kind, recompute="none", **(kw | {"sequence_parallel": False}))
+        scale = c.activation_bytes / analytic_plain if analytic_plain else 1.0
+        scaled = int(plain * scale)
+        full, kept, plain = int(full * scale), kept - plain + scaled, scaled
+    # A layer's own extra memory peaks at one of two moments (measured per layer and phase with
+    # torch's memory tracker on CPU ranks, tests/test_runtime_memory.py):
+    # - its forward all-gather at ZeRO-2/3: the gather's output buffer and the parameters it
+    #   is copied into are both alive (ZeRO-3: 2 x the compute-dtype layer; ZeRO-2: the
+    #   buffer beside the copy the stage keeps, counted in gathered_weights);
+    # - its backward: the parameters gathered again at ZeRO-3 (with FSDP2's prefetch of the
+    #   layer before it: 2 copies), the unsharded gradient FSDP2 produces in the reduce dtype
+    #   before reducing it, and the larger of the recomputed activations (freed as the
+    #   backward consumes them; a selective recomputation brings the layer back to what it
+    #   holds without recomputing, its kept products among it) and the backward's working
+    #   set (a block's MLP gradients; the loss's backward on the logits for the head, whose
+    #   gradient comes after it).
+    # These per-layer terms are what the search sums; a plan's prediction also looks at the
+    # layer's neighbours (``neighbour_peak``, which keeps the parts apart).
+    gather_spike = {2: params * e, 3: 2 * params * e}.get(z, 0)
+    resident = 2 * params * e if z == 3 else 0
+    recompute_extra = max(0, full - plain)
+    unsharded_grad = params * REDUCE_BYTES if fsdp and role != "head" else 0
+    if role == "block":
+        working = block_backward_transient(cm, tp, micro_batch)
+    elif role == "head":
+        working = loss_transient(cm, tp, micro_batch)
+    else:
+        working = 0
+    backward_extra = resident + unsharded_grad + max(recompute_extra, working)
+    if gather_spike > backward_extra:
+        phase, transient, transient_gathered = "forward", gather_spike, gather_spike
+    else:
+        phase, transient, transient_gathered = "backward", backward_extra, resident
+    every_micro_batch = z >= 2 or num_micro_batches == 1  # reduces (and, kept, reshards) in each backward
+    up = round_up_to_grain  # every byte count in whole allocation grains (partita.units)
+    return LayerMemory(weights=up(weights), gathered_weights=up(gathered), gradients=up(gradients),
+                       optimizer=up(optimizer), activations=up(kept),
+                       transient=up(transient_gathered) + up(transient - transient_gathered),
+                       transient_gathered=up(transient_gathered), params=local_params, peak_phase=phase,
+                       copy=up(params * e) if fsdp else 0, forward_extra=up(gather_spike),
+                       backward_own=up(recompute_extra + working),
+                       reduce_buffer=up(params * REDUCE_BYTES) if fsdp and every_micro_batch else 0,
+                       regathers=fsdp and z == 3, releases_copy=bool(gathered) and every_micro_batch)
+
+
+def ring_memory(cm, m: LayerMemory, *, tp: int, micro_batch: int) -> LayerMemory:
+    """A block under ring attention also holds the ring's blocks in flight while its attention
+    runs (``context.ring_transient_bytes``): a transient of its backward."""
+    sh = Shard.of(cm.model.kinds["block"], tp=tp, micro_batch=micro_batch, seq_len=cm.seq_len, dtype=cm.dtype)
+    ring = ring_transient_bytes(batch=micro_batch, seq=cm.plan_seq_len, heads=sh.heads,
+                                kv_heads=ring_kv_heads(sh.heads, sh.heads), head_dim=sh.head_dim, elem=cm.elem,
+                                cp=cm.cp)
+    extra = round_up_to_grain(max(ring.forward, ring.backward))
+    return dataclasses.replace(m, transient=m.transient + extra, backward_own=m.backward_own + extra)
+
+
+def expert_memory(cm, m: LayerMemory, *, zero: int, dp: int, num_micro_batches: int) -> LayerMemory:
+    """A block's routed experts at expert-parallel degree ep: E/ep of them on the rank
+    (``cm.expert_params``), sharded over their dp/ep replicas (x cp). A dp that ep does not
+    divide cannot run: priced at ``UNRUNNABLE_BYTES``."""
+    if dp % cm.ep:
+        return dataclasses.replace(m, weights=UNRUNNABLE_BYTES)
+    params, e, replicas = cm.expert_params(), cm.elem, dp // cm.ep * cm.cp
+    z = zero if replicas > 1 else 0
+    shard = replicas if z >= 1 else 1
+    # The experts are an FSDP2 unit whenever dp > 1 (always, at ep > 1): a compute-dtype copy
+    # at ZeRO 0-2, gradients accumulated unsharded over micro-batches at ZeRO 0-1.
+    gathered = params * e if z < 3 else 0
+    gradients = params * REDUCE_BYTES if z < 2 and num_micro_batches > 1 else params * REDUCE_BYTES // shard
+    spike = {2: params * e, 3: 2 * params * e}.get(z, 0) + params * REDUCE_BYTES  # a gather, the unsharded gradient
+    up = round_up_to_grain
+    return dataclasses.replace(
+        m, weights=m.weights + up(params * MASTER_BYTES // shard),
+        gathered_weights=m.gathered_weights + up(gathered), gradients=m.gradients + up(gradients),
+        optimizer=m.optimizer + up(params * ADAM_STATE_BYTES // shard), params=m.params + params // shard,
+        transient=m.transient + up(spike), backward_own=m.backward_own + up(params * REDUCE_BYTES),
+        copy=m.copy + up(params * e))
+
+
+def block_backward_transient(cm, tp: int, micro_batch: int) -> int:
+    """A block's backward working set: the gradients of the MLP's three ffn/tp-wide
+    intermediates and the hidden-wide gradient it passes on (measured: exactly this on CPU
+    ranks, for tp 1 and 2)."""
+    t = micro_batch * cm.seq_len
+    routed = t * max(1, cm.model.experts_per_token)  # a mixture of experts: each token's k expert rows
+    return 3 * routed * (cm.model.ffn // tp) * cm.elem + t * cm.model.hidden * cm.elem
+
+
+def loss_transient(cm, tp: int, micro_batch: int) -> int:
+    """The loss's backward on this rank's vocab/tp logits (t tokens): the gradient of the
+    fp32 log-probabilities and of the fp32 logits, the softmax it recomputes (4 bytes each per
+    logit), the gradient cast back to the compute dtype, and the gradient of the head's input."""
+    t = micro_batch * cm.seq_len
+    logits = t * (cm.model.vocab // tp)
+    return 12 * logits + (cm.elem * logits if cm.elem != 4 else 0) + 4 * t * cm.model.hidden
+
+
+class Moment(NamedTuple):
+    """The running micro-batch at a stage's peak: its activations so far, the peak layer's
+    gathered parameters and its other extra bytes, and the kept copies of later layers already
+    freed then (counted in the stage's gathered weights, so taken off them)."""
+
+    activations: int
+    gathered: int
+    other: int
+    released: int
+    layer: str
+    phase: str
+
+    @property
+    def bytes(self) -> int:
+        return self.activations + self.gathered + self.other - self.released
+
+
+def neighbour_peak(layers: Sequence[tuple[LayerMemory, int, str]]) -> Moment:
+    """The running micro-batch's peak in a stage whose layers are known in order, as FSDP2 runs
+    them (each layer's backward prefetches the layer before it in its stage,
+    ``runtime.parallelize.set_backward_prefetch``). What the per-layer terms cannot see:
+
+    * a layer's backward holds the prefetched copy of the layer before it only when that one is
+      ZeRO-3 (the others keep theirs; the stage's first layer prefetches nothing), and a ZeRO-3
+      layer copies its gather out (2 copies of its own) before its backward computes anything;
+    * the reduce-scatter buffer FSDP2 keeps during a layer's backward is the layer after's (until
+      this one makes its own), and only a layer that reduces every micro-batch has one;
+    * the layers after it have done their backward: those that reshard after every backward
+      (ZeRO-2; any FSDP2 layer when there is one micro-batch) have freed their copies;
+    * a layer's forward gather and its backward both compete.
+
+    Layers given as (memory, count, name) runs of one choice; each layer is a moment of its own."""
+    flat = [(m, name) for m, n, name in layers for _ in range(n)]
+    released_after = [0] * len(flat)
+    freed = 0
+    for i in range(len(flat) - 1, -1, -1):
+        released_after[i] = freed
+        if flat[i][0].releases_copy:
+            freed += flat[i][0].gathered_weights
+    best: Moment | None = None
+    acts = 0
+    for i, (m, name) in enumerate(flat):
+        acts += m.activations
+        before = flat[i - 1][0] if i else None
+        prefetch = before.copy if before is not None and before.regathers else 0
+        reducing = flat[i + 1][0].reduce_buffer if i + 1 < len(flat) else 0
+        own = m.copy if m.regathers else 0
+        moments = [Moment(acts, own + prefetch, reducing + m.backward_own, released_after[i], name, "backward")]
+        if m.regathers:
+            moments.append(Moment(acts, 2 * own, reducing, released_after[i], name, "backward"))
+        if m.forward_extra:
+            moments.append(Moment(acts, m.forward_extra, 0, 0, name, "forward"))
+        for moment in moments:
+            if best is None or moment.bytes > best.bytes:
+                best = moment
+    assert best is not None
+    return best
+
+
+def activation_message_bytes(cm, micro_batch: int, tp: int = 1) -> int:
+    """One micro-batch's hidden states on one rank, in the compute dtype (in whole allocation
+    grains): b x s x h, or with ``tp`` the rank's b x s/tp x h sequence shard where a stage
+    boundary splits them (``boundary_split``): what a stage sends on, gets a gradient of, and
+    keeps per micro-batch in flight."""
+    tokens = cm.seq_len // boundary_split(cm.seq_len, tp)
+    return round_up_to_grain(micro_batch * tokens * cm.model.hidden * cm.elem)
+
+
+def pipeline_memory(cm, counts: Mapping[tuple, int], *, tp: int, micro_batch: int, num_micro_batches: int,
+                    is_last: bool) -> tuple[int, int, int]:
+    """(receive buffers, output kept per micro-batch in flight, retained logits) of a pipeline
+    stage whose layers make the choices ``counts`` (``stage.LayerChoice``), in bytes.
+
+    ``torch.distributed.pipelining`` allocates, once and for good, one receive buffer per
+    micro-batch for the activations a stage takes (every stage but the first) and one for the
+    gradients it gets back (every stage but the last), each ``micro_batch * seq * hidden``
+    elements, or the rank's 1/tp sequence shard of them (``activation_message_bytes``). The
+    schedule also keeps each micro-batch's stage output (the same shard) until that
+    micro-batch's backward: for every micro-batch in flight on the other stages, the logits on
+    the last (one at a time under 1F1B). A stage that is both first and last (no pipeline)
+    holds none of these."""
+    roles = {choice[0] for choice in counts}
+    is_first = "embed" in roles
+    if is_first and is_last:
+        return 0, 0, 0
+    act_msg = activation_message_bytes(cm, micro_batch, tp)
+    buffers = num_micro_batches * act_msg * ((not is_first) + (not is_last))
+    if is_last:
+        head_tp = next(choice[1] for choice in counts if choice[0] == "head")
+        return buffers, 0, round_up_to_grain(micro_batch * cm.seq_len * (cm.model.vocab // head_tp) * cm.elem)
+    return buffers, act_msg, 0
