@@ -15,10 +15,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from partita.cli.profile import main as profile_main
+from partita.cli.profile_compare import compare
 from partita.profile import Profile
-from partita.profiler.__main__ import main as profile_main
 from partita.profiler.comm import CommOptions, spawn_and_measure
-from partita.profiler.compare import compare
 from partita.profiler.fit import fit_latency_bandwidth, relative_errors
 from partita.units import KiB, MiB
 

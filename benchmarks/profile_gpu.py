@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
+from partita.cli.profile import main as profile_main
+from partita.cli.profile_compare import compare
 from partita.profile import Profile
-from partita.profiler.__main__ import main as profile_main
-from partita.profiler.compare import compare
 from partita.profiler.provenance import catalog_device
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,7 +54,7 @@ def main() -> int:
         out = Path(ns.out_dir) / f"{device}-{model}.yaml"
         argv = ["--model", model, "--device", "cuda", "--tp", ns.tp, "--micro-batches", ns.micro_batches,
                 *comm, "-o", str(out)]
-        print(f"\n=== {model}: python -m partita.profiler {' '.join(argv)}", flush=True)
+        print(f"\n=== {model}: python -m partita.cli.profile {' '.join(argv)}", flush=True)
         start = time.perf_counter()
         rc = profile_main(argv)
         wall = time.perf_counter() - start

@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 from partita.cli import main as partita_main  # noqa: E402
 from partita.model_io import load_model  # noqa: E402
 from partita.profile import Profile  # noqa: E402
-from partita.profiler.__main__ import main as profiler_main  # noqa: E402
+from partita.cli.profile import main as profiler_main  # noqa: E402
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 FAST = ["--device", "cpu", "--warmup", "1", "--repeats", "5", "--threads", "1"]

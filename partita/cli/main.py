@@ -236,7 +236,7 @@ def build_parser(with_torch_commands: bool = False) -> argparse.ArgumentParser:
 def _add_torch_commands(launch: argparse.ArgumentParser, profile: argparse.ArgumentParser) -> None:
     """Their flags live with their code; without torch installed they say so when run."""
     for parser, module, adder in ((launch, "partita.runtime.launch", "add_launch_arguments"),
-                                  (profile, "partita.profiler.cli", "add_profile_arguments")):
+                                  (profile, "partita.cli.profile", "add_profile_arguments")):
         try:
             add_arguments = getattr(importlib.import_module(module), adder)
         except ImportError as e:
@@ -310,7 +310,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return launch(args)
     if args.command == "profile":
-        from partita.profiler.cli import profile_command
+        from partita.cli.profile import profile_command
 
         return profile_command(args)
     raise PartitaError(f"unknown command {args.command!r}")

@@ -5,9 +5,12 @@
     partita profile --comm-only --device cpu --nproc 4 -o comm.yaml          # spawns 4 gloo ranks
     partita profile --model llama-3-8b --attention-only --attention-seq-lens 8192,32768 --tp 1 --cp 1,8 -o att.yaml
     torchrun --nnodes 2 --nproc-per-node 8 ... -m partita.cli profile --comm --model M -o p.yaml
+    python -m partita.cli.profile --model tiny-llama --device cpu -o prof.yaml   # the same flags alone
 
 ``add_profile_arguments`` adds the flags to a parser; ``profile_command`` runs them and returns
-the exit code; bad input raises ``PartitaError`` (one line, exit 2).
+the exit code; bad input raises ``PartitaError`` (one line, exit 2); ``main`` is the command on
+its own. The measuring is ``partita.profiler``'s; this module turns flags into its options, shows
+progress and prints the tables (measured against analytic: ``partita.cli.profile_compare``).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import logging
 import os
 import re
 import shlex
+import sys
 import time
 from pathlib import Path
 
@@ -65,6 +69,23 @@ def add_profile_arguments(p: argparse.ArgumentParser) -> None:
                    help="context-parallel degrees whose attention shapes to time: H/(tp cp) heads over s, and H/tp "
                         "over s/cp (default: those of 1,2,4,8 the model's heads allow)")
     p.add_argument("-o", "--output", default="profile.yaml", help="where to write the profile (default profile.yaml)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m partita.cli.profile ...``: the same as ``partita profile ...``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="python -m partita.cli.profile", description="measure layer and collective costs")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress and details")
+    add_profile_arguments(parser)
+    args = parser.parse_args(argv)
+    args.command_line = ["python", "-m", "partita.cli.profile", *argv]
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return profile_command(args)
+    except PartitaError as e:
+        print(f"partita: error: {e}", file=sys.stderr)
+        return e.exit_code
 
 
 def profile_command(args: argparse.Namespace) -> int:
@@ -306,7 +327,7 @@ def _report(profile: Profile, measurements: list, samples: list, elapsed: float,
     from rich.console import Console
     from rich.table import Table
 
-    from partita.profiler.compare import compare
+    from partita.cli.profile_compare import compare
 
     console = Console()
     if measurements:
@@ -361,3 +382,7 @@ def _report(profile: Profile, measurements: list, samples: list, elapsed: float,
     console.print(f"wrote {output}: {len(profile.layers)} layer points, {len(profile.attention)} attention points, "
                   f"{len(profile.comm)} collective fits "
                   f"({len(samples)} sizes measured); profiling took {elapsed:.1f} s")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,4 +1,4 @@
-"""Measured against analytic: the same layer points priced by ``partita.search.analytic``."""
+"""Measured against analytic for ``partita profile``: the same layer points priced by ``partita.search.analytic``."""
 
 from __future__ import annotations
 
