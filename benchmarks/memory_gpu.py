@@ -24,10 +24,11 @@ import torch.distributed as dist
 
 from partita.cluster import parse_short
 from partita.model_io import load_model
+from partita.mesh import Mesh
 from partita.plan import LayerStrategy, Plan, Stage
 from partita.runtime.train import TrainConfig, Trainer
 from partita.search.costs.model import CostModel
-from partita.search.planner import attach_prediction
+from partita.search.plans import attach_prediction
 from partita.units import fmt_bytes
 
 
@@ -42,7 +43,7 @@ def one_rank_plan(model: str, device: str, gpu: str, seq_len: int, micro_batch: 
     plan = Plan(model=spec.to_dict(), model_fingerprint=spec.fingerprint, cluster=cluster.to_dict(),
                 cluster_fingerprint=cluster.fingerprint, profile_fingerprint="analytic", cost_sources={},
                 dtype=dtype, seq_len=seq_len, global_batch=micro_batch * num_micro_batches, micro_batch=micro_batch,
-                num_micro_batches=num_micro_batches, dp=1, tp=1, pp=1, stages=(stage,))
+                num_micro_batches=num_micro_batches, mesh=Mesh(), stages=(stage,))
     return attach_prediction(plan, CostModel(spec, cluster, seq_len=seq_len, dtype=dtype))
 
 

@@ -50,6 +50,7 @@ from typing import Any, Iterator, Mapping, Sequence
 from rich.console import Console
 from rich.table import Table
 
+from partita import parallel
 from partita import specio
 from partita.cluster import ClusterSpec, parse_short
 from partita.devices import CATALOG, DeviceType, get_device
@@ -332,7 +333,7 @@ def _check_run(run: PublishedRun, where: str) -> None:
         if len(run.blocks_per_stage) != run.pp or sum(run.blocks_per_stage) != run.model.n_layers:
             raise PartitaError(f"{where}: blocks_per_stage {list(run.blocks_per_stage)} must have pp = {run.pp} "
                                f"entries summing to the model's {run.model.n_layers} blocks")
-    why = run.model.kinds["block"].tp_divides(run.tp)
+    why = parallel.tp_rule(run.model.kinds["block"], run.tp)
     if why:
         raise PartitaError(f"{where}: {why}")
     if run.sequence_parallel and run.tp == 1:

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from partita.cluster import parse_short
 from partita.model import ModelSpec
 from partita.model_io import load_model
+from partita.mesh import Mesh
 from partita.plan import LayerStrategy, Plan, Stage
 from partita.runtime.data import TokenSource
 from partita.runtime.models import build_model, materialize
@@ -45,7 +46,7 @@ def one_rank_plan(spec, device: str, dtype: str, seq_len: int, micro_batch: int,
     return Plan(model=spec.to_dict(), model_fingerprint=spec.fingerprint, cluster=cluster.to_dict(),
                 cluster_fingerprint=cluster.fingerprint, profile_fingerprint="benchmark", cost_sources={},
                 dtype=dtype, seq_len=seq_len, global_batch=micro_batch * num_micro_batches, micro_batch=micro_batch,
-                num_micro_batches=num_micro_batches, dp=1, tp=1, pp=1, stages=(stage,))
+                num_micro_batches=num_micro_batches, mesh=Mesh(), stages=(stage,))
 
 
 def runtime_steps(plan: Plan, cfg: TrainConfig, device: torch.device) -> tuple[list[float], float]:

@@ -13,7 +13,7 @@ group spans ``cp * tp`` consecutive ranks, a tp group ``tp``).
     >>> Mesh(pp=2, dp=4, tp=8).describe()
     'dp 4 x tp 8 x pp 2 = 64 ranks'
     >>> Mesh(pp=1, dp=2, cp=4, tp=2, ep=2).describe()
-    'dp 2 (ep 2) x cp 4 x tp 2 = 16 ranks'
+    'dp 2 (ep 2) x cp 4 x tp 2 x pp 1 = 16 ranks'
 """
 
 from __future__ import annotations
@@ -57,15 +57,14 @@ class Mesh:
         return self.dp * self.cp
 
     def describe(self) -> str:
-        """The degrees as a person reads them, every factor named, degrees of 1 left out (dp and
-        tp always shown): ``dp 2 x cp 4 x tp 2 x pp 2 = 32 ranks``."""
+        """The degrees as a person reads them, every factor named (cp and ep only when above 1):
+        ``dp 2 x cp 4 x tp 2 x pp 2 = 32 ranks``."""
         return f"{self.factors()} = {self.world_size} ranks"
 
     def factors(self) -> str:
         """``dp 2 x cp 4 x tp 2 x pp 2``: the factors of ``describe`` without the product."""
         dp = f"dp {self.dp}" + (f" (ep {self.ep})" if self.ep > 1 else "")
-        parts = [dp] + ([f"cp {self.cp}"] if self.cp > 1 else []) + [f"tp {self.tp}"]
-        parts += [f"pp {self.pp}"] if self.pp > 1 else []
+        parts = [dp] + ([f"cp {self.cp}"] if self.cp > 1 else []) + [f"tp {self.tp}", f"pp {self.pp}"]
         return " x ".join(parts)
 
     def stage_factors(self) -> str:

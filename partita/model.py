@@ -241,20 +241,10 @@ class LayerKind:
         return (self.experts - self.experts_per_token) * 3 * self.hidden * self.ffn if self.is_moe else 0
 
     def ep_divides(self, ep: int, dp: int) -> str | None:
-        """Why expert parallelism of degree ``ep`` cannot run with ``dp`` data-parallel ranks,
-        or None if it can: each of the ep ranks holds experts/ep whole experts, and the ep group
-        sits inside the data-parallel group (dp = ep x the replicas of each expert)."""
-        if ep < 1:
-            return f"expert-parallel degree must be >= 1, got {ep}"
-        if ep == 1:
-            return None
-        if not self.is_moe:
-            return f"expert parallelism (ep {ep}) needs a mixture-of-experts model"
-        if self.experts % ep:
-            return f"experts ({self.experts}) are not divisible by expert-parallel degree {ep}"
-        if dp % ep:
-            return f"the data-parallel degree {dp} is not divisible by expert-parallel degree {ep}"
-        return None
+        """``partita.parallel.ep_rule`` of this kind."""
+        from partita.parallel import ep_rule
+
+        return ep_rule(self, ep, dp)
 
     @property
     def params(self) -> int:
@@ -279,42 +269,16 @@ class LayerKind:
         return flops
 
     def cp_divides(self, cp: int, *, tp: int = 1, variant: str = "all_to_all", seq_len: int) -> str | None:
-        """Why context parallelism of degree ``cp`` (``variant`` "all_to_all" or "ring") cannot
-        run this kind at tensor-parallel degree ``tp`` on ``seq_len`` tokens, or None if it can.
-        Every layer needs equal sequence shards; a block under all-to-all gives each of the
-        cp x tp ranks whole query and kv heads, and under the ring the head-tail load balancing
-        cuts the sequence into 2 x cp equal chunks (docs/context-parallel.md). The one copy the
-        validator, the search and the runtime share."""
-        if cp < 1:
-            return f"context-parallel degree must be >= 1, got {cp}"
-        if seq_len % cp:
-            return f"sequence length {seq_len} is not divisible by context-parallel degree {cp}"
-        if cp == 1 or self.role != "block":
-            return None
-        if variant == "all_to_all":
-            for what, n in (("heads", self.heads), ("kv_heads", self.kv_heads)):
-                if n % (cp * tp):
-                    return (f"all-to-all context parallelism needs {what} ({n}) divisible by cp x tp = {cp} x {tp} = "
-                            f"{cp * tp}")
-            return None
-        if seq_len % (2 * cp):
-            return f"ring attention needs the sequence length ({seq_len}) divisible by 2 x cp = {2 * cp}"
-        return None
+        """``partita.parallel.cp_rule`` of this kind."""
+        from partita.parallel import cp_rule
+
+        return cp_rule(self, cp, tp=tp, variant=variant, seq_len=seq_len)
 
     def tp_divides(self, tp: int) -> str | None:
-        """Why this kind cannot be split ``tp`` ways, or None if it can."""
-        if tp == 1:
-            return None
-        if self.role == "block" and self.is_moe:
-            return (f"a mixture-of-experts block is not split by tensor parallelism (tp {tp}); its experts are "
-                    f"split by expert parallelism (ep)")
-        if self.role == "block":
-            for what, n in (("heads", self.heads), ("kv_heads", self.kv_heads), ("ffn", self.ffn)):
-                if n % tp:
-                    return f"{what} {n} is not divisible by tensor-parallel degree {tp}"
-        elif self.vocab % tp:
-            return f"vocab {self.vocab} is not divisible by tensor-parallel degree {tp}"
-        return None
+        """``partita.parallel.tp_rule`` of this kind."""
+        from partita.parallel import tp_rule
+
+        return tp_rule(self, tp)
 
 
 def _llama(name: str, hidden: int, n_layers: int, heads: int, kv_heads: int, ffn: int, vocab: int,

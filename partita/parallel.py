@@ -11,10 +11,11 @@ layout take plain degrees, so the search can ask them of candidates before any p
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable
+from typing import Iterable, NamedTuple
 
-if TYPE_CHECKING:
-    from partita.model import LayerKind, ModelSpec
+# The rules read a layer kind's shapes (``partita.model.LayerKind``: role, heads, kv_heads, ffn,
+# vocab, experts) and a model's (``partita.model.ModelSpec``: is_moe) without importing the
+# model module, which asks these rules of its kinds.
 
 # The pipeline schedules a plan may name (``Plan.schedule``), and their families.
 SCHEDULES = ("1f1b", "interleaved-1f1b", "interleaved-zb", "zbv")
@@ -110,6 +111,16 @@ def cp_locality_rule(cp: int, tp: int, gpus_per_node: int) -> str | None:
 
 
 # ---- pipeline schedules ----------------------------------------------------------------------
+
+class Action(NamedTuple):
+    """One step of a pipeline schedule on one rank: the forward ("F"), whole backward ("B"), or
+    input-gradient ("I") and weight-gradient ("W") halves of one micro-batch through one stage
+    (torch's numbering of stages: ``Plan.virtual_stage_index``)."""
+
+    stage: int
+    kind: str
+    micro_batch: int
+
 
 def rounds(pp: int, m: int) -> tuple[int, int]:
     """Torch's interleaved schedules take the micro-batches in rounds: (rounds, micro-batches

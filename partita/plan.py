@@ -4,7 +4,7 @@ A plan is versioned YAML that a person can read and write by hand; the search pr
 same type. It speaks the runtime's words: module names (``embed``, ``layers.3``, ``head``),
 named mesh dimensions (``pp``, ``dp``, ``tp``) and named per-layer choices.
 
-Mesh layout. Every stage has ``dp * cp * tp`` ranks, listed dp-major, then context-parallel,
+Mesh layout (``mesh``, a ``partita.mesh.Mesh``). Every stage has ``dp * cp * tp`` ranks, listed dp-major, then context-parallel,
 then tensor-parallel: the rank at data-parallel index ``d``, context-parallel index ``c`` and
 tensor-parallel index ``t`` is ``stage.ranks[(d * cp + c) * tp + t]`` (tp innermost, cp next:
 Llama 3's order, so a cp group spans ``cp * tp`` consecutive ranks). Pipeline replica
@@ -13,14 +13,13 @@ Llama 3's order, so a cp group spans ``cp * tp`` consecutive ranks). Pipeline re
 Context parallelism (``cp``, ``cp_variant``). Each sequence is split over the ``cp`` ranks of a
 group (``docs/context-parallel.md``): "all_to_all" (Ulysses: heads and kv heads divisible by
 cp x tp) or "ring" (torch's ``context_parallel``, CUDA only: the sequence divisible by 2 x cp).
-Parameters are replicated over cp, so gradients and ZeRO shards span dp x cp ranks. Plans
-without the fields have cp 1.
+Parameters are replicated over cp, so gradients and ZeRO shards span dp x cp ranks.
 
 Expert parallelism (``ep``, mixture-of-experts models: docs/moe.md). Each data-parallel group
 is cut into groups of ``ep`` consecutive data-parallel indices (d = r * ep + i): rank i of an ep
 group holds experts i*E/ep .. (i+1)*E/ep - 1 of every block, tokens travel to their experts and
 back by all-to-all, and each expert's weights, gradients and optimizer state are sharded (ZeRO)
-over its dp/ep replicas only. ep divides dp and the experts. Plans without the field have ep 1.
+over its dp/ep replicas only. ep divides dp and the experts.
 
 Per-layer choices (``LayerStrategy``):
   * ``tensor_parallel``: 1 (the layer is replicated across the stage's tensor group) or the
@@ -34,8 +33,8 @@ Per-layer choices (``LayerStrategy``):
     kept: ``"none"``; ``"selective"``, everything but the outputs of its matrix products (the
     norms, rotary, attention core, activation functions, residual adds and the tensor-parallel
     collectives are recomputed from them; ``runtime.parallelize.selective_context``);
-    ``"full"``, everything (only the block's input is kept). Plan files of schema 1 written before selective recomputation say
-    ``true`` (full) or ``false`` (none), and still read so.
+    ``"full"``, everything (only the block's input is kept). (Schema-1 files' ``true`` and
+    ``false`` are read as full and none: ``migrate``.)
 
 Batch shares. By default every data-parallel replica (one whole pipeline) runs
 ``num_micro_batches`` micro-batches. ``batch_shares`` gives each replica its own count instead,
@@ -73,7 +72,7 @@ from partita.errors import PartitaError
 from partita.mesh import Mesh
 from partita.parallel import CP_VARIANTS, SCHEDULES
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 1: degrees at the top level (``migrate`` reads it)
 ZERO_LEVELS = (0, 1, 2, 3)
 RECOMPUTE = ("none", "selective", "full")  # ``LayerStrategy.recompute``, least recomputed first
 
@@ -119,18 +118,7 @@ class LayerStrategy:
                    tensor_parallel=specio.get_int(data, "tensor_parallel", where, default=1),
                    sequence_parallel=specio.get_bool(data, "sequence_parallel", where, default=False),
                    zero=specio.get_int(data, "zero", where, minimum=0, default=0),
-                   recompute=_recompute(data.get("recompute", "none"), where))
-
-
-def _recompute(value: Any, where: str) -> str:
-    """A layer's recompute mode; ``true`` and ``false`` (plans written before selective
-    recomputation) are full and none."""
-    if isinstance(value, bool):
-        return "full" if value else "none"
-    if not isinstance(value, str) or value not in RECOMPUTE:
-        raise PartitaError(f"{where}: recompute must be one of {', '.join(RECOMPUTE)} (or, in older plans, true "
-                           f"for full and false for none), got {value!r}")
-    return value
+                   recompute=data.get("recompute", "none"))  # a mode's name (checked by the class)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -369,25 +357,27 @@ class Plan:
     num_micro_batches: int  # per replica; with batch_shares, the largest share
     batch_shares: tuple[int, ...] = ()  # micro-batches per dp replica; empty: num_micro_batches each
     micro_batch_sizes: tuple[int, ...] = ()  # micro-batch size per dp replica; empty: micro_batch each
-    dp: int
-    tp: int
-    pp: int
-    cp: int = 1  # context-parallel degree: each sequence split over cp ranks (module docstring)
-    cp_variant: str = "all_to_all"  # one of CP_VARIANTS; meaningful when cp > 1
-    ep: int = 1  # expert-parallel degree (module docstring); 1 for dense models
+    mesh: Mesh  # the degrees pp, dp, cp, tp, ep and how they nest (partita/mesh.py)
+    cp_variant: str = "all_to_all"  # one of CP_VARIANTS; meaningful when mesh.cp > 1
     schedule: str = "1f1b"
     stages: tuple[Stage, ...]
     prediction: Prediction | None = None
     solver: SolverReport | None = None
 
-    @property
-    def mesh(self) -> Mesh:
-        """The plan's degrees as a ``Mesh``: the one thing that multiplies or spells them."""
-        return Mesh(pp=self.pp, dp=self.dp, cp=self.cp, tp=self.tp, ep=self.ep)
+    # The degrees, read from the mesh (the one thing that multiplies or spells them).
+    dp = property(lambda self: self.mesh.dp)
+    tp = property(lambda self: self.mesh.tp)
+    pp = property(lambda self: self.mesh.pp)
+    cp = property(lambda self: self.mesh.cp)
+    ep = property(lambda self: self.mesh.ep)
 
     @property
     def world_size(self) -> int:
         return self.mesh.world_size
+
+    def with_mesh(self, **degrees: int) -> "Plan":
+        """The same plan with some degrees changed (``with_mesh(dp=80)``)."""
+        return dataclasses.replace(self, mesh=dataclasses.replace(self.mesh, **degrees))
 
     @property
     def ranks(self) -> list[int]:
@@ -487,14 +477,14 @@ class Plan:
                 v = [s.to_dict() for s in v]
             elif f.name in ("prediction", "solver"):
                 v = v.to_dict() if v is not None else None
+            elif f.name == "mesh":
+                v = v.to_dict()
             elif f.name in ("batch_shares", "micro_batch_sizes"):
                 if not v:
-                    continue  # equal shares: plans without the field read and write as before
+                    continue  # equal shares: the field is left out
                 v = list(v)
-            elif f.name in ("cp", "cp_variant") and self.cp == 1:
-                continue  # no context parallelism: plans read and write as before
-            elif f.name == "ep" and self.ep == 1:
-                continue  # no expert parallelism: plans read and write as before
+            elif f.name == "cp_variant" and self.cp == 1:
+                continue  # meaningful under context parallelism only
             elif isinstance(v, Mapping):
                 v = dict(v)
             d[f.name] = v
@@ -502,8 +492,7 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "plan") -> "Plan":
-        data = specio.require_mapping(data, where)
-        specio.check_version(data, SCHEMA_VERSION, where)
+        data = migrate(specio.require_mapping(data, where), where)
         required = [f.name for f in dataclasses.fields(cls)
                     if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
         specio.check_keys(data, cls, where, required=required)
@@ -512,15 +501,14 @@ class Plan:
             raise PartitaError(f"{where}: stages must be a non-empty list")
         kwargs: dict[str, Any] = dict(data)
         kwargs["stages"] = tuple(Stage.from_dict(s, f"{where}: stages[{i}]") for i, s in enumerate(stages))
-        for key in ("seq_len", "global_batch", "micro_batch", "num_micro_batches", "dp", "tp", "pp"):
+        kwargs["mesh"] = Mesh.from_dict(data["mesh"], f"{where}: mesh")
+        for key in ("seq_len", "global_batch", "micro_batch", "num_micro_batches"):
             kwargs[key] = specio.get_int(data, key, where)
         for key in ("model", "cluster", "cost_sources"):
             kwargs[key] = dict(specio.require_mapping(data[key], f"{where}: {key}"))
         kwargs["dtype"] = specio.get_str(data, "dtype", where, choices=("bf16", "fp16", "fp32"))
         kwargs["schedule"] = specio.get_str(data, "schedule", where, default="1f1b", choices=SCHEDULES)
-        kwargs["cp"] = specio.get_int(data, "cp", where, minimum=1, default=1)
         kwargs["cp_variant"] = specio.get_str(data, "cp_variant", where, default="all_to_all", choices=CP_VARIANTS)
-        kwargs["ep"] = specio.get_int(data, "ep", where, minimum=1, default=1)
         kwargs["batch_shares"] = _batch_shares(data.get("batch_shares"), where)
         kwargs["micro_batch_sizes"] = _batch_shares(data.get("micro_batch_sizes"), where, "micro_batch_sizes",
                                                     "micro-batch sizes")
@@ -539,6 +527,42 @@ class Plan:
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
         return cls.from_dict(specio.load_yaml(path), where=str(path))
+
+
+def migrate(data: Mapping[str, Any], where: str = "plan") -> dict[str, Any]:
+    """A plan file's fields as this schema reads them. Schema 1 (plans written before the mesh)
+    gave the degrees at the top level (``dp``, ``tp``, ``pp``, and ``cp``, ``ep`` when above 1)
+    and a block's recompute as ``true`` (full) or ``false`` (none); schema 2 nests the degrees
+    in ``mesh`` and names every recompute mode."""
+    data = dict(data)
+    version = data.get("schema_version", SCHEMA_VERSION)
+    if version == SCHEMA_VERSION:
+        return data
+    if version != 1:
+        raise PartitaError(f"{where}: schema_version {version!r} is not supported; this Partita reads versions 1 "
+                           f"and {SCHEMA_VERSION}")
+    valid = [f.name for f in dataclasses.fields(Plan) if f.name != "mesh"] + ["dp", "tp", "pp", "cp", "ep"]
+    for key in data:
+        if key not in valid:
+            raise PartitaError(f"{where}: unknown key {key!r} in a schema-1 plan; valid keys: {', '.join(valid)}")
+    for key in ("dp", "tp", "pp"):
+        if key not in data:
+            raise PartitaError(f"{where}: missing key {key!r}")
+    data["mesh"] = {key: data.pop(key) for key in ("pp", "dp", "cp", "tp", "ep") if key in data}
+    stages = data.get("stages")
+    if isinstance(stages, list):
+        data["stages"] = [_migrate_stage(s) for s in stages]
+    data["schema_version"] = SCHEMA_VERSION
+    return data
+
+
+def _migrate_stage(stage: Any) -> Any:
+    """A schema-1 stage: its layers' ``recompute: true/false`` as "full"/"none"."""
+    if not isinstance(stage, Mapping) or not isinstance(stage.get("layers"), list):
+        return stage
+    layers = [dict(l, recompute="full" if l["recompute"] else "none")
+              if isinstance(l, Mapping) and isinstance(l.get("recompute"), bool) else l for l in stage["layers"]]
+    return dict(stage, layers=layers)
 
 
 def _batch_shares(value: Any, where: str, key: str = "batch_shares", what: str = "micro-batch counts") -> tuple[int, ...]:

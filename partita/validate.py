@@ -120,11 +120,7 @@ def _check_degrees(plan: Plan) -> None:
         if s.index != i:
             raise PartitaError(f"stage {i} has index {s.index}; stages must be listed in pipeline order 0..{plan.pp - 1}")
         if len(s.ranks) != plan.dp * plan.cp * plan.tp:
-            if plan.cp > 1:
-                raise PartitaError(f"stage {i} has {len(s.ranks)} ranks; every stage needs dp x cp x tp = "
-                                   f"{plan.dp} x {plan.cp} x {plan.tp} = {plan.dp * plan.cp * plan.tp}")
-            raise PartitaError(f"stage {i} has {len(s.ranks)} ranks; every stage needs dp x tp = "
-                               f"{plan.dp} x {plan.tp} = {plan.dp * plan.tp}")
+            raise PartitaError(f"stage {i} has {len(s.ranks)} ranks; every stage needs {plan.mesh.stage_factors()}")
 
 
 def _one_per_replica(plan: Plan, values: tuple[int, ...], key: str, what: str) -> None:
@@ -182,9 +178,7 @@ def _check_ranks(plan: Plan, cluster: ClusterSpec) -> None:
     if len(set(ranks)) != len(ranks):
         raise PartitaError("a rank appears in more than one stage (or twice in one)")
     if plan.world_size > cluster.world_size:
-        cp = f" x cp {plan.cp}" if plan.cp > 1 else ""
-        raise PartitaError(f"plan needs {plan.world_size} ranks (dp {plan.dp}{cp} x tp {plan.tp} x pp {plan.pp}) but "
-                           f"the cluster has {cluster.world_size}")
+        raise PartitaError(f"plan needs {plan.mesh.describe()} but the cluster has {cluster.world_size}")
     for s in plan.stages:
         group = cluster.group(s.group)
         if s.device != group.device:

@@ -27,6 +27,7 @@ from typing import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
+from partita import parallel
 from partita.errors import PartitaError
 from partita.model import ModelSpec
 from partita.profile import AttentionCost
@@ -57,7 +58,7 @@ def attention_heads(spec: ModelSpec, *, tps: tuple[int, ...], cps: tuple[int, ..
     block = spec.kinds["block"]
     heads = set()
     for tp in tps:
-        if block.tp_divides(tp):
+        if parallel.tp_rule(block, tp):
             continue
         for cp in cps:
             if spec.heads % (tp * cp) == 0 and spec.kv_heads % (tp * cp) == 0:

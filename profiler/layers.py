@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from partita import parallel
 from partita.errors import PartitaError
 from partita.model import ROLES, ModelSpec
 from partita.profile import LayerCost
@@ -93,14 +94,14 @@ def plan_shards(spec: ModelSpec, opts: LayerOptions) -> tuple[list[Shard], list[
         raise PartitaError(f"model {spec.name!r}: --seq-len {opts.seq_len} is longer than its learned position "
                            f"table ({spec.seq_len}); use --seq-len {spec.seq_len} or less")
     for tp in opts.tps:
-        why = spec.kinds["block"].tp_divides(tp)
+        why = parallel.tp_rule(spec.kinds["block"], tp)
         if why:
             raise PartitaError(f"model {spec.name!r}: --tp {tp} does not divide its blocks: {why}; "
                                f"use widths that divide heads {spec.heads}, kv_heads {spec.kv_heads} and ffn {spec.ffn}")
     shards, notes = [], []
     for role in ROLES:
         for tp in opts.tps:
-            why = spec.kinds[role].tp_divides(tp)
+            why = parallel.tp_rule(spec.kinds[role], tp)
             if why:
                 notes.append(f"{role} not measured at tp={tp}: {why}")
                 continue

@@ -265,7 +265,7 @@ def check_plan(plan: Plan, model: ModelSpec, cluster: ClusterSpec) -> None:
 
 def _check_local_world(plan: Plan, cluster: ClusterSpec, nproc: int | None) -> None:
     if nproc is not None and nproc != plan.world_size:
-        raise PartitaError(f"plan needs world size {plan.world_size} (dp {plan.dp} x tp {plan.tp} x pp {plan.pp}) "
+        raise PartitaError(f"plan needs world size {plan.world_size} ({plan.mesh.describe()}) "
                            f"but --nproc is {nproc}")
     devices = {cluster.group(name).device for _, name in plan.rank_groups()}
     if devices == {"cpu"}:

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from partita import parallel
 from partita.errors import PartitaError
 from partita.model import ModelSpec
 
@@ -341,7 +342,7 @@ def build_layer(spec: ModelSpec, role: str, *, tp: int = 1, device: str | torch.
     """One layer of ``role`` ("embed", "block", "head"), or its 1/``tp`` tensor-parallel shard."""
     if role not in ROLES:
         raise PartitaError(f"unknown layer role {role!r}; valid: {', '.join(ROLES)}")
-    why = spec.kinds[role].tp_divides(tp)
+    why = parallel.tp_rule(spec.kinds[role], tp)
     if why:
         raise PartitaError(f"model {spec.name!r}: cannot build a 1/{tp} shard of the {role} layer: {why}")
     if role == "embed":

@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         cpu = cluster.is_cpu
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world != plan.world_size:
-            raise PartitaError(f"plan needs world size {plan.world_size} (dp {plan.dp} x tp {plan.tp} x pp {plan.pp}), "
+            raise PartitaError(f"plan needs world size {plan.world_size} ({plan.mesh.describe()}), "
                                f"torchrun started {world} ranks")
         cfg = config_from_args(args)
         check_config(cfg)

@@ -156,7 +156,7 @@ def solve_plan(cm: CostModel, req, uniform: UniformResult, *, deadline: float, w
     busy machine as on an idle one) or at the wall-clock ``deadline``, whichever comes first;
     the deadline is checked between model builds and solves too. With no plan found, it raises
     "does not fit" only when every shape is proven infeasible, and SearchTimeout otherwise."""
-    from partita.search.planner import layout_to_plan, timeout_error
+    from partita.search.plans import layout_to_plan, timeout_error
 
     start = time.perf_counter()
     warm = uniform.fastest()

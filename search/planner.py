@@ -15,13 +15,13 @@ from partita.cluster import ClusterSpec
 from partita.errors import InfeasibleError, PartitaError
 from partita.model import ModelSpec
 from partita.parallel import CP_VARIANTS
-from partita.plan import ContextOption, Plan, SolverReport, Stage
+from partita.plan import ContextOption, Plan, SolverReport
 from partita.profile import Profile
 from partita.search.costs.model import CostModel
-from partita.search.evaluate import Evaluation, evaluate_plan, prediction
-from partita.search.uniform import (Layout, SearchSpace, UniformResult, batch_shares, device_price, infeasible_error,
-                                    micro_batch_sizes,
-                                    uniform_search)
+from partita.search.evaluate import evaluate_plan
+from partita.search.plans import (SAFETY_WALL_S, SearchTimeout, attach_prediction, interleaved_to_plan, layout_to_plan,
+                                  timeout_error)
+from partita.search.uniform import SearchSpace, UniformResult, device_price, infeasible_error, uniform_search
 from partita.units import to_us
 
 log = logging.getLogger(__name__)
@@ -32,16 +32,6 @@ log = logging.getLogger(__name__)
 # (benchmarks/search_targets.py) prove optimality within about 1 unit; the hardest shape seen
 # (llama-2-70b on 1x8xH100+4x8xL4) within 7.2, and a shape's first attempt gets a quarter.
 DEFAULT_WORK_LIMIT = 30.0
-# Without --time-limit, a wall-clock bound that only a much slower or overloaded machine
-# reaches before the work limit; hitting it is reported (status "feasible"), never hidden.
-SAFETY_WALL_S = 600.0
-
-
-class SearchTimeout(PartitaError):
-    """The time limit ran out before any plan was found, and nothing proved that none fits.
-    Exit code 4: not bad input (2) and not "does not fit" (3)."""
-
-    exit_code = 4
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -119,50 +109,6 @@ def work_limit(req: PlanRequest) -> float:
     return max(DEFAULT_WORK_LIMIT, req.time_limit_s or 0.0)
 
 
-def timeout_error(cm: CostModel, req: PlanRequest) -> SearchTimeout:
-    limit = f"--time-limit {req.time_limit_s:g} s" if req.time_limit_s is not None else f"its {SAFETY_WALL_S:g} s safety bound"
-    return SearchTimeout(
-        f"no plan for {cm.model.name} on {cm.cluster.short} found within {limit}, and none was proven impossible "
-        f"either: give the search more time (--time-limit)")
-
-
-def layout_to_plan(cm: CostModel, layout: Layout, *, global_batch: int, solver: SolverReport | None,
-                   priced: bool = True) -> Plan:
-    """Give each stage its ranks (consecutive, group by group) and attach the prediction. A
-    layout found on a context-parallel view (``CostModel.at_cp``), where a rank stands for a cp
-    group, becomes a plan of the real cluster with dp x cp x tp ranks a stage."""
-    cp = cm.cp
-    cluster = cm.real_cluster if cp > 1 else cm.cluster
-    next_rank = {g.name: cluster.first_rank(g.name) for g in cluster.groups}
-    size = layout.dp * cp * layout.tp
-    stages = []
-    for i, (group, layers) in enumerate(zip(layout.stage_groups, layout.stage_layers)):
-        first = next_rank[group.name]
-        next_rank[group.name] = first + size
-        stages.append(Stage(index=i, group=group.name, device=group.device, ranks=tuple(range(first, first + size)),
-                            layers=tuple(layers)))
-    plan = Plan(model=cm.model.to_dict(), model_fingerprint=cm.model.fingerprint, cluster=cluster.to_dict(),
-                cluster_fingerprint=cluster.fingerprint, profile_fingerprint=cm.profile_fingerprint,
-                cost_sources={}, dtype=cm.dtype, seq_len=cm.plan_seq_len, global_batch=global_batch,
-                micro_batch=layout.micro_batch, num_micro_batches=layout.num_micro_batches, dp=layout.dp,
-                tp=layout.tp, pp=layout.pp, cp=cp, cp_variant=cm.cp_variant, ep=cm.ep, stages=tuple(stages),
-                prediction=None,
-                solver=solver,
-                batch_shares=batch_shares(global_batch, layout.dp, layout.micro_batch, layout.num_micro_batches),
-                micro_batch_sizes=micro_batch_sizes(global_batch, layout.dp, layout.micro_batch,
-                                                    layout.num_micro_batches))
-    return attach_prediction(plan, cm) if priced else plan
-
-
-def interleaved_to_plan(cm: CostModel, layout, *, global_batch: int, solver: SolverReport | None) -> Plan:
-    """An ``interleaved.InterleavedLayout`` as a plan: each stage's layers virtual stage by
-    virtual stage, with their counts (``Stage.chunks``), under the layout's schedule."""
-    # Priced once, with its chunks and schedule (as a 1F1B plan a ZB-V layout's last stage has no head).
-    plan = layout_to_plan(cm, layout, global_batch=global_batch, solver=None, priced=False)
-    stages = tuple(dataclasses.replace(st, chunks=sizes) for st, sizes in zip(plan.stages, layout.chunk_sizes))
-    return attach_prediction(dataclasses.replace(plan, stages=stages, schedule=layout.schedule, solver=solver), cm)
-
-
 def _consider_interleaved(cm: CostModel, req: PlanRequest, plan: Plan, uni: UniformResult, deadline: float) -> Plan:
     """The uniform grid's fastest pipelines under interleaved 1F1B, interleaved zero-bubble and
     ZB-V (``search/interleaved.py``): the fastest that fits replaces the 1F1B plan when it is
@@ -228,14 +174,6 @@ def _consider_replicas(cm: CostModel, req: PlanRequest, plan: Plan) -> Plan:
                                  gap=round((objective - bound) / objective, 6) if objective else 0.0,
                                  candidates=plan.solver.candidates + found.evaluated, proven_among="")
     return dataclasses.replace(candidate, solver=report)
-
-
-def attach_prediction(plan: Plan, cm: CostModel, ev: Evaluation | None = None) -> Plan:
-    """The plan with its prediction (``ev``: the plan's evaluation, when the caller has it)."""
-    ev = ev if ev is not None else evaluate_plan(plan, cm)
-    devices = [cm.cluster.group(name).device for _, name in plan.rank_groups()]
-    pred = prediction(cm, ev, devices=devices, global_batch=plan.global_batch)
-    return dataclasses.replace(plan, prediction=pred, cost_sources=cm.cost_sources())
 
 
 @contextmanager
@@ -404,12 +342,12 @@ def context_options(req: PlanRequest, cm: CostModel) -> list[tuple[int, str]]:
         for variant in variants:
             if variant == "ring" and cm.cluster.is_cpu:
                 continue
-            if block.cp_divides(cp, tp=1, variant=variant, seq_len=req.seq_len) is None:
+            if parallel.cp_rule(block, cp, tp=1, variant=variant, seq_len=req.seq_len) is None:
                 out.append((cp, variant))
                 break
         else:
             if req.context_parallel:
-                why = block.cp_divides(cp, tp=1, variant=variants[0], seq_len=req.seq_len) or "the ring runs on GPUs only"
+                why = parallel.cp_rule(block, cp, tp=1, variant=variants[0], seq_len=req.seq_len) or "the ring runs on GPUs only"
                 raise PartitaError(f"--cp {cp}: {why}")
     return out
 

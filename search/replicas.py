@@ -35,6 +35,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
+from partita import parallel
 from partita.cluster import NodeGroup
 from partita.plan import Plan, Stage
 from partita.search.costs.model import CostModel
@@ -105,13 +106,13 @@ def throughput_bound_s(cm: CostModel, global_batch: int) -> float:
     for g in cm.cluster.groups:
         best = 0.0
         for tp in divisors(g.gpus_per_node):
-            if model.kinds["block"].tp_divides(tp) is not None:
+            if parallel.tp_rule(model.kinds["block"], tp) is not None:
                 continue
             for b in (1, 2, 4, 8, 16, MAX_MICRO_BATCH):
                 per_mb = sum(n * (c.forward_s + c.backward_s) for n, c in (
-                    (1, cm.compute("embed", g.device, tp if model.kinds["embed"].tp_divides(tp) is None else 1, b)),
+                    (1, cm.compute("embed", g.device, tp if parallel.tp_rule(model.kinds["embed"], tp) is None else 1, b)),
                     (model.n_layers, cm.compute("block", g.device, tp, b)),
-                    (1, cm.compute("head", g.device, tp if model.kinds["head"].tp_divides(tp) is None else 1, b))))
+                    (1, cm.compute("head", g.device, tp if parallel.tp_rule(model.kinds["head"], tp) is None else 1, b))))
                 best = max(best, b / (tp * per_mb))  # rows per second per device
         rate += g.size * best
     return global_batch / rate if rate else math.inf
@@ -266,7 +267,8 @@ def replica_stages(cm: CostModel, cand: ReplicaCandidate) -> tuple[Stage, ...]:
 def replica_plan(cm: CostModel, cand: ReplicaCandidate, base: Plan) -> Plan:
     """``base`` (a plan for the same request) reshaped to the candidate, without a prediction."""
     sizes = cand.replica_sizes()
-    return dataclasses.replace(base, stages=replica_stages(cm, cand), dp=cand.dp, tp=cand.tp, pp=cand.pp,
+    mesh = dataclasses.replace(base.mesh, dp=cand.dp, tp=cand.tp, pp=cand.pp)
+    return dataclasses.replace(base, stages=replica_stages(cm, cand), mesh=mesh,
                                micro_batch=max(sizes), num_micro_batches=cand.num_micro_batches, batch_shares=(),
                                micro_batch_sizes=sizes if len(set(sizes)) > 1 else (), schedule="1f1b",
                                prediction=None)

@@ -7,44 +7,29 @@ a duration per stage and action kind, each action waiting for the rank's previou
 its data (a forward for the previous stage's forward of that micro-batch, a backward for the
 next stage's backward, plus a send), and returns the step's makespan, each rank's busy time and
 the most micro-batches whose activations each rank holds at once. The action lists are torch's own
-(``torch.distributed.pipelining``'s schedule classes, through its schedule visualiser), so the
-simulation is of what the runtime executes; ``closed_form_s`` gives the formulas the search
-uses, and the tests compare the two.
+(``partita.runtime.actions.torch_actions``: its schedule classes, through its schedule
+visualiser), so the simulation is of what the runtime executes; ``closed_form_s`` gives the
+formulas the search uses, and the tests compare the two.
 
 Stages are numbered as torch numbers them: with v stages per rank ("virtual stages", the
 interleaved schedules), rank r holds stages r, r + pp, ..., r + (v - 1) pp; the ZB-V schedule
-holds r and 2 pp - 1 - r (a V). Importing this module needs no torch; the action lists do.
+holds r and 2 pp - 1 - r (a V). This module never imports torch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Callable, Sequence
 
 from partita.errors import PartitaError
-from partita.parallel import rounds, schedule_rule
+from partita.parallel import Action, rounds
 
-# Torch's classes for the plan's schedules (``partita.parallel.SCHEDULES``).
-TORCH_CLASSES = {
-    "1f1b": "Schedule1F1B",
-    "interleaved-1f1b": "ScheduleInterleaved1F1B",
-    "interleaved-zb": "ScheduleInterleavedZeroBubble",
-    "zbv": "ScheduleZBVZeroBubble",
-}
 # The split the closed forms assume for one micro-batch through one stage: forward F, input
 # gradient I and weight gradient W a third of it each. A matrix product's backward is two
 # products of its size (one for the input gradient, one for the weight's), so backward = 2 x
 # forward and I = W = backward / 2 for layers whose time is their matrix products (Qi et al.,
 # "Zero Bubble Pipeline Parallelism", ICLR 2024, §2: T_F ~ T_B ~ T_W, B the input gradient).
 FORWARD_SHARE = 1 / 3
-
-
-@dataclass(frozen=True)
-class Action:
-    stage: int
-    kind: str  # "F", "B", "I" or "W"
-    micro_batch: int
 
 
 @dataclass(frozen=True)
@@ -57,44 +42,6 @@ class Simulation:
     def bubble_s(self) -> float:
         """The idle time of the busiest rank."""
         return self.makespan_s - max(self.busy_s)
-
-
-@lru_cache(maxsize=256)
-def torch_actions(schedule: str, pp: int, v: int, m: int) -> tuple[tuple[Action, ...], ...]:
-    """Each rank's compute actions, in order, as torch's schedule class emits them."""
-    if schedule == "1f1b" and v == 1:
-        return tuple(_one_f_one_b(r, pp, m) for r in range(pp))  # written out: any m
-    why = schedule_rule(schedule, pp, v, m)
-    if why:
-        raise PartitaError(why)
-    from torch.distributed.pipelining import _schedule_visualizer as visualizer
-    from torch.distributed.pipelining import schedules as torch_schedules
-
-    cls = getattr(torch_schedules, TORCH_CLASSES[schedule])
-    ops = visualizer.get_schedule_ops(cls, pp, m, num_stages_per_rank=v if v > 1 else None)
-    out = []
-    for row in ops:
-        acts = []
-        for a in row:
-            if a is None:
-                continue
-            kind = str(getattr(a.computation_type, "value", a.computation_type))
-            if kind in ("F", "B", "I", "W"):
-                acts.append(Action(a.stage_index, kind, a.microbatch_index))
-        out.append(tuple(acts))
-    return tuple(out)
-
-
-def _one_f_one_b(rank: int, pp: int, m: int) -> tuple[Action, ...]:
-    """Torch's ``Schedule1F1B`` order on one rank: pp - rank forwards, then backward and forward
-    in turn, then the remaining backwards. (Its visualiser misnumbers the micro-batches of
-    single-stage schedules, so this one order is written out.)"""
-    warm = min(pp - rank, m)
-    acts = [Action(rank, "F", i) for i in range(warm)]
-    for i in range(m - warm):
-        acts += [Action(rank, "B", i), Action(rank, "F", warm + i)]
-    acts += [Action(rank, "B", i) for i in range(m - warm, m)]
-    return tuple(acts)
 
 
 @dataclass(frozen=True)

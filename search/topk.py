@@ -78,7 +78,7 @@ def alternative_plans(cm: CostModel, req, best: Plan, count: int, *, work_limit:
     """The alternatives as plans (validated like any plan), each with its own solver report."""
     from importlib.metadata import version
 
-    from partita.search.planner import layout_to_plan
+    from partita.search.plans import layout_to_plan
     from partita.validate import validate_plan
 
     start = time.perf_counter()

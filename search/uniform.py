@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
+from partita import parallel
 from partita.cluster import ClusterSpec, NodeGroup
 from partita.errors import InfeasibleError, PartitaError
 from partita.model import ModelSpec
@@ -146,7 +147,7 @@ def stage_layer_names(model: ModelSpec, block_counts: Sequence[int]) -> list[lis
 
 def layer_tp(model: ModelSpec, role: str, tp: int) -> int:
     """The degree a layer takes in a stage of width tp: tp where its shapes divide, else 1."""
-    return tp if model.kinds[role].tp_divides(tp) is None else 1
+    return tp if parallel.tp_rule(model.kinds[role], tp) is None else 1
 
 
 def strategy(model: ModelSpec, name: str, *, tp: int, sp: bool, zero: int, recompute: str) -> LayerStrategy:
@@ -235,7 +236,7 @@ def replica_counts(global_batch: int, dp: int, micro_batch: int, num_micro_batch
 
 def tp_allowed(model: ModelSpec, tp: int, space: SearchSpace) -> bool:
     """The blocks split tp ways, and the space allows tp."""
-    return model.kinds["block"].tp_divides(tp) is None and (not space.tensor_parallel or tp in space.tensor_parallel)
+    return parallel.tp_rule(model.kinds["block"], tp) is None and (not space.tensor_parallel or tp in space.tensor_parallel)
 
 
 def batch_splits(global_batch: int, dp: int, space: SearchSpace) -> list[tuple[int, int]]:
@@ -490,9 +491,9 @@ def _layout(model: ModelSpec, stage_groups: tuple[NodeGroup, ...], blocks: Seque
 def infeasible_error(cm: CostModel, result: UniformResult, global_batch: int,
                      space: SearchSpace = SearchSpace()) -> PartitaError:
     """Exit 3 with the least memory any candidate needs, what holds it, and a remedy the search
-    did not already try; exit 2 when no layout meets the limits given, naming the limit."""
-    if result.closest is None or result.closest_eval is None:
-        return PartitaError(no_layout_message(cm, global_batch, space))
+    did not already try; or, when no layout meets the limits given, naming the limit."""
+    if result.closest is None or result.closest_eval is None:  # no shape meets the space's limits: none fits
+        return InfeasibleError(no_layout_message(cm, global_batch, space))
     ev, lay = result.closest_eval, result.closest
     worst = max(ev.stages, key=lambda s: s.peak_bytes / s.capacity)
     need = worst.peak_bytes
@@ -545,6 +546,8 @@ def no_layout_message(cm: CostModel, global_batch: int, space: SearchSpace) -> s
     model, cluster = cm.model, cm.cluster
     where = f"no parallel layout of {model.name} on {cluster.short} with global batch {global_batch}"
     node_sizes = sorted({g.gpus_per_node for g in cluster.groups})
+    if space.price_cap is not None and next(grid(cm, global_batch, dataclasses.replace(space, price_cap=None)), None):
+        return f"{where} costs under ${space.price_cap / 1e6:,.2f} an hour; allow dearer devices"
     if space.tensor_parallel and not any(n % t == 0 for t in space.tensor_parallel for n in node_sizes):
         return (f"{where}: --tp {_csv(space.tensor_parallel)}: a tensor-parallel group stays inside one node, and "
                 f"the nodes here have {' or '.join(map(str, node_sizes))} devices; choose a degree that divides it")

@@ -21,6 +21,7 @@ import torch.multiprocessing as mp
 
 from partita.cluster import parse_short
 from partita.model import BUILTIN, ModelSpec
+from partita.mesh import Mesh
 from partita.plan import LayerStrategy, Plan, Stage
 
 
@@ -54,7 +55,7 @@ def make_plan(model: str | ModelSpec = "tiny-llama", *, dp: int = 1, tp: int = 1
     return Plan(model=spec.to_dict(), model_fingerprint=spec.fingerprint, cluster=clus.to_dict(),
                 cluster_fingerprint=clus.fingerprint, profile_fingerprint="analytic",
                 cost_sources={clus.groups[0].device: "analytic"}, dtype=dtype, seq_len=seq_len, global_batch=dp * micro_batch * num_micro_batches,
-                micro_batch=micro_batch, num_micro_batches=num_micro_batches, dp=dp, tp=tp, pp=pp, cp=cp,
+                micro_batch=micro_batch, num_micro_batches=num_micro_batches, mesh=Mesh(pp=pp, dp=dp, cp=cp, tp=tp),
                 cp_variant=cp_variant, stages=tuple(stages))
 
 

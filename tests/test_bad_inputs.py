@@ -28,7 +28,7 @@ def files(tmp_path_factory):
     plan = d / "plan.yaml"
     assert main(["plan", *TINY, "--search", "uniform", "-o", str(plan)]) == 0
     data = yaml.safe_load(plan.read_text())
-    data["dp"] = 3  # hand-edited: the arithmetic no longer adds up
+    data["mesh"]["dp"] = 3  # hand-edited: the arithmetic no longer adds up
     (d / "dp3.yaml").write_text(yaml.safe_dump(data))
     (d / "malformed.yaml").write_text("schema_version: 1\nstages: [1, 2\n")
     (d / "folder").mkdir()
@@ -77,7 +77,7 @@ CASES = [
     (["plan", "--model", "tiny-gpt2", "--cluster", "4xcpu", "--pp", "5"], 2, "at most 4 stages"),
     (["plan", *TINY, "--pp", "7"], 2, "6 blocks"),
     (["plan", *TINY, "--micro-batch", "16"], 2, "larger than the global batch 8"),
-    (["plan", *TINY, "--micro-batch", "3", "--search", "uniform"], 2, "meets --micro-batch 3"),
+    (["plan", *TINY, "--micro-batch", "3", "--search", "uniform"], 3, "meets --micro-batch 3"),
     (["plan", *TINY, "--zero", "4"], 2, "ZeRO levels"),
     (["plan", *TINY, "--search", "greedy"], 2, "invalid choice"),
     (["plan", *TINY, "--search", "uniform", "--workers", "2"], 2, "--search uniform does not run"),
@@ -227,7 +227,7 @@ def test_a_closed_pipe_loses_no_plan(tmp_path):
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 0, err
     assert err == ""
-    assert yaml.safe_load(out.read_text())["schema_version"] == 1
+    assert yaml.safe_load(out.read_text())["schema_version"] == 2
     r = subprocess.run(f"{sys.executable} -m partita.cli models | head -1", shell=True, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0 and "Traceback" not in r.stderr and r.stdout.count("\n") == 1

@@ -18,7 +18,7 @@ def test_plan_tiny_on_cpu_writes_a_valid_plan(tmp_path):
     out = tmp_path / "plan.yaml"
     assert main(["plan", "--model", "tiny-llama", "--cluster", "4xcpu", "-o", str(out)]) == 0
     data = yaml.safe_load(out.read_text())
-    assert data["schema_version"] == 1 and data["dtype"] == "fp32"
+    assert data["schema_version"] == 2 and data["dtype"] == "fp32"
     assert main(["check", str(out), "--cluster", "4xcpu"]) == 0
     assert main(["show", str(out)]) == 0
     # a different cluster is refused
@@ -77,10 +77,10 @@ def test_plan_flags_pin_the_space(tmp_path):
     assert main(["plan", "--model", "llama-2-7b", "--cluster", "2x8xH100", "--tp", "8", "--pp", "2",
                  "--zero", "1", "--no-recompute", "-o", str(out)]) == 0
     data = yaml.safe_load(out.read_text())
-    assert (data["tp"], data["pp"]) == (8, 2)
+    assert (data["mesh"]["tp"], data["mesh"]["pp"]) == (8, 2)
     layers = [l for s in data["stages"] for l in s["layers"]]
     assert all(l["recompute"] == "none" for l in layers)
-    assert all(l["zero"] == 1 for l in layers) or data["dp"] == 1
+    assert all(l["zero"] == 1 for l in layers) or data["mesh"]["dp"] == 1
 
 
 def test_recompute_modes_are_searched_and_shown(tmp_path, capsys):
@@ -104,7 +104,7 @@ def test_check_refuses_a_hand_edited_tp_that_does_not_divide(tmp_path):
     out = tmp_path / "p.yaml"
     assert main(["plan", "--model", "tiny-llama", "--cluster", "4xcpu", "--search", "uniform", "--pp", "1", "-o", str(out)]) == 0
     data = yaml.safe_load(out.read_text())
-    data["dp"], data["tp"] = 1, 3
+    data["mesh"]["dp"], data["mesh"]["tp"] = 1, 3
     data["global_batch"] = data["micro_batch"] * data["num_micro_batches"]
     for stage in data["stages"]:
         stage["ranks"] = [0, 1, 2][:3]

@@ -29,7 +29,7 @@ def test_tied_embeddings_pipeline_over_both_groups(tmp_path, capsys):
     code, out = _plan(tmp_path, "--model", "tiny-gpt2", "--cluster", "2xcpu+2xcpu", "--pp", "2")
     assert code == 0
     text = " ".join(capsys.readouterr().out.split())  # as one line, whatever the console's width
-    assert "4 ranks = dp 2 x tp 1 x pp 2" in text and "ties its embedding" not in text
+    assert "dp 2 x tp 1 x pp 2 = 4 ranks" in text and "ties its embedding" not in text
     assert "tied embedding sync" in text  # the copies' gradient sum, priced per step
 
 

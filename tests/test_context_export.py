@@ -17,6 +17,7 @@ from partita.errors import PartitaError
 from partita.cli.export import describe_changes, export_plan
 from partita.cli.export_megatron import arguments
 from partita.model import BUILTIN
+from partita.mesh import Mesh
 from partita.plan import LayerStrategy, Plan, Stage
 
 LLAMA8 = BUILTIN["llama-3-8b"]  # 32 heads, 8 kv heads
@@ -32,8 +33,8 @@ def cp_plan(*, cp: int = 4, variant: str = "all_to_all", dp: int = 2, tp: int = 
     stage = Stage(index=0, group=group.name, device=group.device, ranks=tuple(range(dp * cp * tp)), layers=layers)
     return Plan(model=LLAMA8.to_dict(), model_fingerprint=LLAMA8.fingerprint, cluster=clus.to_dict(),
                 cluster_fingerprint=clus.fingerprint, profile_fingerprint="analytic", cost_sources={"H100": "analytic"},
-                dtype="bf16", seq_len=seq_len, global_batch=dp * 2, micro_batch=1, num_micro_batches=2, dp=dp, tp=tp,
-                pp=1, cp=cp, cp_variant=variant, stages=(stage,))
+                dtype="bf16", seq_len=seq_len, global_batch=dp * 2, micro_batch=1, num_micro_batches=2,
+                mesh=Mesh(pp=1, dp=dp, cp=cp, tp=tp), cp_variant=variant, stages=(stage,))
 
 
 def _value(argv: list[str], flag: str) -> str:

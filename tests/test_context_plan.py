@@ -57,12 +57,12 @@ def test_a_context_parallel_plan_trains_like_one_process(name, tmp_path):
 # ---- the plan file and the validator -------------------------------------------------------------
 
 
-def test_cp_round_trips_and_is_absent_without_it():
+def test_cp_round_trips_and_its_variant_is_absent_without_it():
     plan = PLANS["cp2-tp2"]
     assert Plan.from_dict(plan.to_dict()) == plan
-    assert plan.to_dict()["cp"] == 2 and plan.world_size == 4
+    assert plan.to_dict()["mesh"]["cp"] == 2 and plan.world_size == 4
     plain = make_plan(LLAMA)
-    assert "cp" not in plain.to_dict() and "cp_variant" not in plain.to_dict()
+    assert plain.to_dict()["mesh"]["cp"] == 1 and "cp_variant" not in plain.to_dict()
     assert Plan.from_dict(plain.to_dict()).cp == 1
 
 
@@ -73,7 +73,7 @@ def test_cp_round_trips_and_is_absent_without_it():
     (make_plan(LLAMA, cp=3, seq_len=16, cluster="3xcpu"), "not divisible by context-parallel degree 3"),
     (dataclasses.replace(make_plan(LLAMA, cp=2), stages=(dataclasses.replace(make_plan(LLAMA, cp=2).stages[0],
                                                                              ranks=(0, 1, 2)),)),
-     "dp x cp x tp = 1 x 2 x 1 = 2"),
+     "every stage needs dp 1 x cp 2 x tp 1 = 2"),
 ])
 def test_the_validator_refuses_what_cp_cannot_run(plan, message):
     cluster = parse_short(f"{plan.cluster['groups'][0]['gpus_per_node']}xcpu")

@@ -85,7 +85,7 @@ def test_mixtral_plans_with_expert_parallelism():
     plan, _ = make_plan(req)
     assert plan.ep > 1 and plan.dp % plan.ep == 0 and plan.tp == 1
     assert all(l.recompute != "selective" for l in plan.layer_strategies())
-    assert plan.to_dict()["ep"] == plan.ep
+    assert plan.to_dict()["mesh"]["ep"] == plan.ep
 
 
 def test_ep_one_only_is_the_plain_search_and_dense_models_are_unchanged():
@@ -93,7 +93,7 @@ def test_ep_one_only_is_the_plain_search_and_dense_models_are_unchanged():
     small = parse_short("1x8xH100")
     req = PlanRequest(model=BUILTIN["llama-2-7b"], cluster=small, seq_len=4096, global_batch=64, space=space)
     dense, _ = make_plan(req)
-    assert dense.ep == 1 and "ep" not in dense.to_dict()
+    assert dense.ep == 1 and dense.to_dict()["mesh"]["ep"] == 1
     with pytest.raises(PartitaError, match="not a mixture-of-experts"):
         make_plan(dataclasses.replace(req, expert_parallel=(2,)))
 
@@ -107,7 +107,7 @@ def test_cli_plans_mixtral_and_prints_total_and_active_parameters(tmp_path, caps
     text = capsys.readouterr().out
     assert "46.7 B parameters, 12.9 B active per token" in text
     plan = Plan.load(out)
-    assert plan.ep > 1 and f"ep {plan.ep} inside dp" in text
+    assert plan.ep > 1 and f"dp {plan.dp} (ep {plan.ep}) x" in text
     assert main(["check", str(out), "--cluster", "4x8xH100"]) == 0
 
 

@@ -27,7 +27,7 @@ SHARED = dataclasses.replace(MOE, name="tiny-moe-shared", shared_expert_ffn=32)
 
 
 def with_ep(plan: Plan, ep: int) -> Plan:
-    return dataclasses.replace(plan, ep=ep)
+    return plan.with_mesh(ep=ep)
 
 
 PLANS = {
@@ -127,7 +127,7 @@ def test_expert_parallel_plans_are_validated():
     spec = MOE
     cluster = parse_short("4xcpu")
     plan = with_ep(make_plan(MOE, dp=2), 2)
-    assert Plan.from_dict(plan.to_dict()) == plan and plan.to_dict()["ep"] == 2
+    assert Plan.from_dict(plan.to_dict()) == plan and plan.to_dict()["mesh"]["ep"] == 2
     assert "ep" not in make_plan(MOE, dp=2).to_dict()
     with pytest.raises(PartitaError, match="data-parallel degree 2 is not divisible by expert-parallel degree 4"):
         validate_plan(with_ep(plan, 4), spec, cluster)

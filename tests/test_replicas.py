@@ -13,7 +13,8 @@ from partita.model_io import load_model
 from partita.plan import Plan
 from partita.search.costs.model import CostModel
 from partita.search.evaluate import evaluate_layout, evaluate_plan
-from partita.search.planner import PlanRequest, attach_prediction, make_plan
+from partita.search.planner import PlanRequest, make_plan
+from partita.search.plans import attach_prediction
 from partita.search.replicas import replicas_on, throughput_bound_s
 from partita.validate import validate_plan
 

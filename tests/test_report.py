@@ -22,7 +22,7 @@ def plans(tmp_path_factory):
     """A 1F1B plan of tiny-llama on 4 CPU ranks, and the same under interleaved 1F1B (two
     virtual stages per rank: virtual stage c of stage i is the (c * pp + i)-th slice)."""
     from partita.search.costs.model import CostModel
-    from partita.search.planner import attach_prediction
+    from partita.search.plans import attach_prediction
 
     d = tmp_path_factory.mktemp("plans")
     one = d / "1f1b.yaml"
@@ -70,7 +70,8 @@ def test_timeline_png(plans, tmp_path):
 def test_timeline_plays_the_schedule():
     """The boxes follow the schedule's dependencies and end where schedules.simulate ends."""
     from partita.cli.report import timeline
-    from partita.search.schedules import simulate, torch_actions
+    from partita.runtime.actions import torch_actions
+    from partita.search.schedules import simulate
 
     acts = torch_actions("1f1b", 3, 1, 5)
     f, b = [1.0, 2.0, 1.5], [2.0, 3.0, 2.5]

@@ -160,7 +160,7 @@ def one_stage(plan: Plan) -> Plan:
     """The same layers and batch on one stage of ``plan.tp`` ranks."""
     stage = dataclasses.replace(plan.stages[0], ranks=tuple(range(plan.tp)), layers=tuple(plan.layer_strategies()),
                                 chunks=())
-    return dataclasses.replace(plan, pp=1, schedule="1f1b", stages=(stage,))
+    return dataclasses.replace(plan.with_mesh(pp=1), schedule="1f1b", stages=(stage,))
 
 
 def layout_changes(plan: Plan) -> int:

@@ -415,7 +415,7 @@ def test_a_plan_on_part_of_a_cluster_launches(tmp_path):
     from partita.model_io import load_model
     from partita.plan import LayerStrategy
     from partita.search.costs.model import CostModel
-    from partita.search.planner import layout_to_plan
+    from partita.search.plans import layout_to_plan
     from partita.search.uniform import Layout
 
     model, cluster = load_model("tiny-llama"), parse_short("2xcpu+2xcpu")

@@ -23,7 +23,7 @@ from partita.model import ModelSpec  # noqa: E402
 from partita.plan import Plan  # noqa: E402
 from partita.runtime.train import TrainConfig  # noqa: E402
 from partita.search.costs.model import CostModel  # noqa: E402
-from partita.search.planner import attach_prediction  # noqa: E402
+from partita.search.plans import attach_prediction  # noqa: E402
 from runtime_helpers import interleaved, make_plan, run_ranks  # noqa: E402
 from runtime_plans import PLANS, SMALL  # noqa: E402
 

@@ -140,7 +140,7 @@ def test_zero_bubble_memory_is_measured_near_the_prediction(name):
     from partita.cluster import parse_short
     from partita.model import ModelSpec
     from partita.search.costs.model import CostModel
-    from partita.search.planner import attach_prediction
+    from partita.search.plans import attach_prediction
     from runtime_helpers import run_ranks
 
     plan = PLANS[name]

@@ -182,7 +182,7 @@ def test_the_summary_shows_the_shares():
     from partita.cli.printing import batch_text
 
     assert "1 micro-batch per replica, of sizes [2, 1, 1]" in batch_text(SHARED["sizes-dp3-2:1:1"])
-    eighty = dataclasses.replace(make_plan(SMALL, dp=2), dp=80, micro_batch=13, num_micro_batches=1,
+    eighty = dataclasses.replace(make_plan(SMALL, dp=2).with_mesh(dp=80), micro_batch=13, num_micro_batches=1,
                                  micro_batch_sizes=(13,) * 64 + (12,) * 16)
     assert batch_text(eighty) == "1 micro-batch per replica, of size 13 on 64 replicas and 12 on 16 replicas"
     assert "replica shares [2, 1, 1]" in batch_text(SHARED["dp3-2:1:1"])

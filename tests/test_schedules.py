@@ -9,8 +9,8 @@ import pytest
 
 from partita.errors import PartitaError
 from partita.parallel import schedule_layers_rule as check_layers, schedule_rule as check
-from partita.search.schedules import (closed_form_s, in_flight_chunks, pending_weight_grads,
-                                      simulate, torch_actions)
+from partita.runtime.actions import torch_actions
+from partita.search.schedules import closed_form_s, in_flight_chunks, pending_weight_grads, simulate
 
 pytest.importorskip("torch")
 
@@ -255,7 +255,7 @@ def test_a_zbv_layout_becomes_a_priced_plan():
     from partita.model_io import load_model
     from partita.search.costs.model import CostModel
     from partita.search.interleaved import InterleavedLayout, chunk_names
-    from partita.search.planner import interleaved_to_plan
+    from partita.search.plans import interleaved_to_plan
     from partita.search.uniform import strategy
 
     model, cluster = load_model("tiny-llama"), parse_short("2xcpu")

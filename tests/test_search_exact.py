@@ -12,7 +12,8 @@ from partita.errors import InfeasibleError
 from partita.model import ModelSpec
 from partita.model_io import load_model
 from partita.search.costs.model import CostModel
-from partita.search.planner import PlanRequest, SearchTimeout, make_plan
+from partita.search.planner import PlanRequest, make_plan
+from partita.search.plans import SearchTimeout
 from partita.search.uniform import uniform_search
 
 from search_helpers import SPACE, assert_matches_oracle, two_type_cluster

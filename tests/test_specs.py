@@ -109,10 +109,12 @@ def test_plans_written_before_selective_recomputation_still_load():
     """Schema-1 plans said ``recompute: true/false``; they read as full and none (and are
     written back as the mode's name)."""
     data = hand_plan().to_dict()
+    data.update(data.pop("mesh"), schema_version=1)  # schema 1: the degrees at the top level
     for stage in data["stages"]:
         for layer in stage["layers"]:
             layer["recompute"] = layer["recompute"] == "full"
     plan = Plan.from_dict(through_yaml(data))
+    assert plan.mesh == hand_plan().mesh
     assert [l.recompute for l in plan.stages[1].layers] == ["none", "full", "full", "none"]
     assert plan.stages[1].layers[1].to_dict()["recompute"] == "full"
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
+from partita import parallel
 from partita.cluster import ClusterSpec, recorded_cluster
 from partita.errors import PartitaError
 from partita.model import ModelSpec
@@ -139,12 +140,12 @@ def recompute_counts(plan: Plan, mode: str = "full") -> list[int]:
 def context_variant(plan: Plan, model: ModelSpec, runs: Sequence[str], target: str) -> Plan:
     """The plan with a context-parallel variant the target runs (``runs``, in its order of
     preference): the plan's own where the target has it, else the first the model's shapes and
-    the sequence allow (``LayerKind.cp_divides``); with none, an error that says why."""
+    the sequence allow (``parallel.cp_rule``); with none, an error that says why."""
     if plan.cp == 1 or plan.cp_variant in runs:
         return plan
     reasons = []
     for variant in runs:
-        why = model.kinds["block"].cp_divides(plan.cp, tp=plan.tp, variant=variant, seq_len=plan.seq_len)
+        why = parallel.cp_rule(model.kinds["block"], plan.cp, tp=plan.tp, variant=variant, seq_len=plan.seq_len)
         if why is None:
             return dataclasses.replace(plan, cp_variant=variant, prediction=None)
         reasons.append(why)
@@ -223,7 +224,7 @@ def _fits(p: Plan) -> bool:
 def export_plan(plan: Plan, target: str, *, profiles: Sequence = ()) -> Export:
     """Price the plan and the closest one the target runs; render the target's file."""
     from partita.search.costs.model import CostModel
-    from partita.search.planner import attach_prediction
+    from partita.search.plans import attach_prediction
 
     mod = target_module(target)
     if plan.mixed_replicas:

@@ -103,9 +103,7 @@ def variants(plan: Plan, model: ModelSpec) -> Iterator[Plan]:
 
 def render(plan: Plan, model: ModelSpec) -> str:
     args = arguments(plan, model)
-    cp = f" x cp {plan.cp}" if plan.cp > 1 else ""
-    lines = [f"# Megatron-LM arguments for {model.name}: dp {plan.dp}{cp} x tp {plan.tp} x pp {plan.pp} = "
-             f"{plan.world_size} ranks", "# (from `partita export`; pass to pretrain_gpt.py with your data and tokenizer flags)"]
+    lines = [f"# Megatron-LM arguments for {model.name}: {plan.mesh.describe()}", "# (from `partita export`; pass to pretrain_gpt.py with your data and tokenizer flags)"]
     i = 0
     while i < len(args):  # a flag and its values on one line
         j = i + 1

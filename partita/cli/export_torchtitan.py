@@ -143,9 +143,7 @@ def render(plan: Plan, model: ModelSpec) -> str:
     cfg = config(plan, model)
     overrides = " ".join(f"--{sec}.{key} {_cli(v)}" for sec in ("parallelism", "training")
                          for key, v in cfg[sec].items() if key not in NOT_IN_0_3)
-    cp = f" x cp {plan.cp}" if plan.cp > 1 else ""
-    lines = [f"# torchtitan job config for {model.name}: dp {plan.dp}{cp} x tp {plan.tp} x pp {plan.pp} = "
-             f"{plan.world_size} ranks (from `partita export`)",
+    lines = [f"# torchtitan job config for {model.name}: {plan.mesh.describe()} (from `partita export`)",
              "# torchtitan 0.2.x: torchrun ... -m torchtitan.train --job.config_file THIS_FILE",
              f"# torchtitan >= 0.3 (no TOML): add {overrides}"]
     if "model" not in cfg:

@@ -19,7 +19,7 @@ from partita.model import BUILTIN
 from partita.plan import Plan
 from partita.cli.pricing import TrainingCost
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: the plan object nests its degrees in "mesh"
 
 
 def emit(obj: dict[str, Any]) -> None:

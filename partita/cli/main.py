@@ -35,6 +35,17 @@ def _int_list(text: str) -> tuple[int, ...]:
     return values
 
 
+def _schedules(text: str) -> tuple[str, ...]:
+    """``1f1b,zbv``: the pipeline schedules a plan may run (``partita.parallel.SCHEDULES``)."""
+    from partita.parallel import SCHEDULES
+
+    names = tuple(dict.fromkeys(v.strip() for v in text.split(",") if v.strip()))
+    wrong = [n for n in names if n not in SCHEDULES]
+    if not names or wrong:
+        raise argparse.ArgumentTypeError(f"expected some of {','.join(SCHEDULES)}, got {text!r}")
+    return names
+
+
 def _recompute_modes(text: str) -> tuple[str, ...]:
     """``none,selective``: the recompute modes a block may take (``partita.plan.RECOMPUTE``)."""
     from partita.plan import RECOMPUTE
@@ -140,7 +151,12 @@ def build_parser(with_torch_commands: bool = False) -> argparse.ArgumentParser:
     plan.add_argument("--seq-len", type=_positive_int, help="tokens per sequence (default: the model's)")
     plan.add_argument("--global-batch", type=_positive_int, help="sequences per step (default: the model's recipe)")
     plan.add_argument("--search", choices=("cpsat", "uniform"), default="cpsat",
-                      help="cpsat: exact per-layer search (default); uniform: the Megatron-style grid alone")
+                      help="cpsat: exact per-layer search (default); uniform: every layer alike, the grid of "
+                           "degrees (with --schedule 1f1b the Megatron-style grid alone)")
+    plan.add_argument("--schedule", type=_schedules, metavar="S",
+                      help="pipeline schedules a plan may run, e.g. 1f1b or interleaved-1f1b,zbv (default: any of "
+                           "1f1b, interleaved-1f1b, interleaved-zb, zbv the model trains under); without 1f1b the "
+                           "plan is a pipeline of at least two stages")
     plan.add_argument("--time-limit", type=_positive_float, default=None,
                       help="wall-clock bound on the whole search, s; the best plan found by then is kept, "
                            "marked feasible with its gap (default: none; the search stops after a fixed amount "
@@ -170,7 +186,10 @@ def build_parser(with_torch_commands: bool = False) -> argparse.ArgumentParser:
                       help="mixture of experts: the busiest expert-parallel rank's tokens over the balanced share "
                            "(default 1: balanced routing)")
     plan.add_argument("--pp", type=_int_list, help="allowed pipeline degrees, e.g. 1,2,4 (default: any)")
-    plan.add_argument("--micro-batch", type=_int_list, help="allowed micro-batch sizes, e.g. 1,2 (default: any)")
+    plan.add_argument("--micro-batch", type=_int_list,
+                      help="allowed micro-batch sizes, e.g. 1,2 (default: any); fixing them also turns off the "
+                           "search for replicas of different micro-batch sizes on different device types, whose "
+                           "lever is the size")
     plan.add_argument("--zero", type=_int_list, help="allowed ZeRO levels, e.g. 1,3 (default: 0,1,2,3)")
     plan.add_argument("--recompute", type=_recompute_modes, metavar="MODES",
                       help="recompute modes a block may take, e.g. none,selective (default: none,selective,full; "

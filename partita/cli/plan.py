@@ -14,6 +14,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Sequence
 
+from partita import parallel
 from partita.cli import jsonout
 from partita.cli.output import Quiet, console, save_plan, warn, writable_output
 from partita.cli.pricing import cost_lines, parse_tokens, training_cost
@@ -89,7 +90,7 @@ def plan(args: argparse.Namespace) -> int:
     cm = CostModel(model, cluster, seq_len=seq_len, dtype=dtype, profiles=profiles)
     cm.moe_imbalance = req.moe_imbalance  # a mixture of experts' plan is priced at the routing it was made for
     if any(margins.values()):  # the plan is for the real cluster: its devices' full memory, the margin unused
-        from partita.search.planner import attach_prediction
+        from partita.search.plans import attach_prediction
         from partita.validate import validate_plan
 
         result, *alternatives = [attach_prediction(dataclasses.replace(p, cluster=cluster.to_dict(),
@@ -156,7 +157,8 @@ def cost_objective_note(plan: Plan, cluster, frontier: list, release: bool) -> s
 def _alternatives(req, best: Plan, count: int) -> list[Plan]:
     """The best plans of ``count`` other shapes (``partita.search.topk``), in the search's budget."""
     from partita.search.costs.model import CostModel
-    from partita.search.planner import SAFETY_WALL_S, work_limit
+    from partita.search.planner import work_limit
+    from partita.search.plans import SAFETY_WALL_S
     from partita.search.topk import alternative_plans
 
     cm = CostModel(req.model, req.cluster, seq_len=req.seq_len, dtype=req.dtype, profiles=req.profiles)
@@ -194,7 +196,7 @@ def _space(args: argparse.Namespace, model: ModelSpec, cluster: ClusterSpec, glo
 
     node_sizes = sorted({g.gpus_per_node for g in cluster.groups})
     for tp in args.tp or ():
-        why = model.kinds["block"].tp_divides(tp) if tp > 0 else "it must be >= 1"
+        why = parallel.tp_rule(model.kinds["block"], tp) if tp > 0 else "it must be >= 1"
         if why:
             raise PartitaError(f"--tp {tp}: {why}; choose a degree that divides heads, kv_heads and ffn")
         if not any(n % tp == 0 for n in node_sizes):
@@ -222,7 +224,8 @@ def _space(args: argparse.Namespace, model: ModelSpec, cluster: ClusterSpec, glo
     return SearchSpace(zero_levels=args.zero or (0, 1, 2, 3),
                        recompute=("none",) if args.no_recompute else recompute or RECOMPUTE,
                        sequence_parallel=(False,) if args.no_sequence_parallel else (False, True),
-                       micro_batches=args.micro_batch, tensor_parallel=args.tp, pipeline=args.pp)
+                       micro_batches=args.micro_batch, tensor_parallel=args.tp, pipeline=args.pp,
+                       schedules=getattr(args, "schedule", None) or ())
 
 
 def _csv(values: Sequence[int]) -> str:
@@ -354,7 +357,7 @@ def _group_text(g) -> str:
 def _widest_tp(model: ModelSpec, cluster: ClusterSpec, space: "SearchSpace | None") -> int:
     """The widest tensor-parallel degree any stage may take: inside a node, dividing the blocks."""
     allowed = [t for t in range(1, max(g.gpus_per_node for g in cluster.groups) + 1)
-               if any(g.gpus_per_node % t == 0 for g in cluster.groups) and model.kinds["block"].tp_divides(t) is None
+               if any(g.gpus_per_node % t == 0 for g in cluster.groups) and parallel.tp_rule(model.kinds["block"], t) is None
                and (space is None or not space.tensor_parallel or t in space.tensor_parallel)]
     return max(allowed, default=1)
 

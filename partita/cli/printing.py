@@ -145,10 +145,9 @@ def moe_note(p: Plan, model, imbalance: float) -> str:
 
 def print_plan(p: Plan, notes: Sequence[str] = ()) -> None:
     name = p.model.get("name", "?")
-    cp = f" x cp {p.cp} ({p.cp_variant.replace('_', '-')})" if p.cp > 1 else ""
-    cp += f" (ep {p.ep} inside dp)" if p.ep > 1 else ""
+    cp = f" (cp {p.cp_variant.replace('_', '-')})" if p.cp > 1 else ""
     console.print(f"[bold]{name}[/bold] on [bold]{p.cluster.get('name', '?')}[/bold]: "
-                  f"{p.world_size} ranks = dp {p.dp}{cp} x tp {p.tp} x pp {p.pp}; seq {p.seq_len}, global batch "
+                  f"{p.mesh.describe()}{cp}; seq {p.seq_len}, global batch "
                   f"{p.global_batch} = {batch_text(p)}; "
                   f"{p.dtype}, {p.schedule}" + (f" with {p.virtual_stages} virtual stages per rank"
                                                  if p.virtual_stages > 1 else "") + bubble_text(p))

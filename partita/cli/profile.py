@@ -24,6 +24,7 @@ import sys
 import time
 from pathlib import Path
 
+from partita import parallel
 from partita.errors import PartitaError
 from partita.model import ModelSpec
 from partita.model_io import load_model
@@ -212,7 +213,7 @@ def _layer_options(args: argparse.Namespace, spec: ModelSpec, device, dtype: str
     from partita.profiler.layers import LayerOptions
 
     if args.tp is None:
-        tps = tuple(t for t in DEFAULT_TPS if spec.kinds["block"].tp_divides(t) is None)
+        tps = tuple(t for t in DEFAULT_TPS if parallel.tp_rule(spec.kinds["block"], t) is None)
     else:
         tps = parse_int_list(args.tp, "--tp")
     cpu = device.type == "cpu"
@@ -232,7 +233,7 @@ def _attention_options(args: argparse.Namespace, spec: ModelSpec, device, dtype:
     if not args.attention_seq_lens:
         return None
     tps = parse_int_list(args.tp, "--tp") if args.tp else tuple(
-        t for t in DEFAULT_TPS if spec.kinds["block"].tp_divides(t) is None)
+        t for t in DEFAULT_TPS if parallel.tp_rule(spec.kinds["block"], t) is None)
     cps = parse_int_list(args.cp, "--cp") if args.cp else DEFAULT_CPS
     cpu = device.type == "cpu"
     return AttentionOptions(device=device, dtype=dtype, seq_lens=parse_int_list(args.attention_seq_lens,

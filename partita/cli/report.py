@@ -3,7 +3,7 @@
     partita show plan.yaml --timeline step.svg      # or step.png
     partita show plan.yaml --report plan.html       # one self-contained file: summary and all three
 
-The timeline plays the schedule the plan runs (``partita.search.schedules.torch_actions``:
+The timeline plays the schedule the plan runs (``partita.runtime.actions.torch_actions``:
 torch's own action lists; 1F1B needs no torch) with each stage's forward and backward time from
 the cost model, scaled so that a stage's forward + backward + sends equal the time the plan's
 prediction records for it (a plan made with a measured profile keeps its own numbers). A send
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
     from partita.cluster import ClusterSpec
-    from partita.search.schedules import Action
+    from partita.parallel import Action
 
 TIMELINE_FORMATS = (".svg", ".png")
 REPORT_FORMATS = (".html", ".htm")
@@ -124,7 +124,7 @@ def timeline(actions: Sequence[Sequence["Action"]], forward_s: Sequence[float], 
 def plan_timeline(plan: Plan, cluster: "ClusterSpec") -> Timeline:
     """One step of the plan, as the schedule it runs plays it with the plan's stage times."""
     from partita.search.costs.stage import stage_cost
-    from partita.search.schedules import torch_actions
+    from partita.runtime.actions import torch_actions
 
     pp, v = plan.pp, plan.virtual_stages
     try:
@@ -343,7 +343,7 @@ def with_prediction(plan: Plan, cluster: "ClusterSpec") -> tuple[Plan, str]:
         return plan, ""
     from partita.model import ModelSpec
     from partita.search.costs.model import CostModel
-    from partita.search.planner import attach_prediction
+    from partita.search.plans import attach_prediction
 
     cm = CostModel(ModelSpec.from_dict(plan.model, where="plan: model"), cluster, seq_len=plan.seq_len,
                    dtype=plan.dtype)
