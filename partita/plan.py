@@ -359,6 +359,9 @@ class Plan:
     micro_batch_sizes: tuple[int, ...] = ()  # micro-batch size per dp replica; empty: micro_batch each
     mesh: Mesh  # the degrees pp, dp, cp, tp, ep and how they nest (partita/mesh.py)
     cp_variant: str = "all_to_all"  # one of CP_VARIANTS; meaningful when mesh.cp > 1
+    # A mixture of experts' routing the plan is priced at: the busiest expert-parallel rank's
+    # tokens over the balanced share (docs/moe.md; ``partita plan --moe-imbalance``).
+    moe_imbalance: float = 1.0
     schedule: str = "1f1b"
     stages: tuple[Stage, ...]
     prediction: Prediction | None = None
@@ -485,6 +488,8 @@ class Plan:
                 v = list(v)
             elif f.name == "cp_variant" and self.cp == 1:
                 continue  # meaningful under context parallelism only
+            elif f.name == "moe_imbalance" and v == 1.0:
+                continue  # balanced routing (and every dense model)
             elif isinstance(v, Mapping):
                 v = dict(v)
             d[f.name] = v
@@ -509,6 +514,10 @@ class Plan:
         kwargs["dtype"] = specio.get_str(data, "dtype", where, choices=("bf16", "fp16", "fp32"))
         kwargs["schedule"] = specio.get_str(data, "schedule", where, default="1f1b", choices=SCHEDULES)
         kwargs["cp_variant"] = specio.get_str(data, "cp_variant", where, default="all_to_all", choices=CP_VARIANTS)
+        kwargs["moe_imbalance"] = specio.get_float(data, "moe_imbalance", where, default=1.0)
+        if kwargs["moe_imbalance"] < 1.0:
+            raise PartitaError(f"{where}: moe_imbalance is the busiest rank's tokens over the balanced share: >= 1, "
+                               f"got {kwargs['moe_imbalance']:g}")
         kwargs["batch_shares"] = _batch_shares(data.get("batch_shares"), where)
         kwargs["micro_batch_sizes"] = _batch_shares(data.get("micro_batch_sizes"), where, "micro_batch_sizes",
                                                     "micro-batch sizes")

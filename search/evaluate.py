@@ -77,7 +77,7 @@ def evaluate_counts(cm: CostModel, stages: Sequence[tuple[NodeGroup, Mapping[Lay
 
 def evaluate_plan(plan: Plan, cm: CostModel) -> Evaluation:
     cm = cm.at_cp(plan.cp, plan.cp_variant)  # a context-parallel plan is priced by its view (search/context.py)
-    cm = cm.at_ep(plan.ep, cm.moe_imbalance)  # an expert-parallel one by its own (search/experts.py)
+    cm = cm.at_ep(plan.ep, plan.moe_imbalance)  # an expert-parallel one at the routing it was made for
     if plan.mixed_replicas:
         return evaluate_replicas(plan, cm)
     if plan.virtual_stages > 1:

@@ -202,9 +202,12 @@ def make_plan(req: PlanRequest, progress: Callable[[str], None] | None = None) -
 def _make_plan(req: PlanRequest, progress: Callable[[str], None] | None = None) -> tuple[Plan, UniformResult]:
     """Run the search the request asks for and return a validated plan and the uniform result.
 
-    Context parallelism is searched degree by degree (``context_options``): the search runs on
-    each degree's view of the cost model (``CostModel.at_cp``), where a rank is a cp group, and
-    the fastest plan over the degrees wins; its report lists every degree's best
+    The dimensions that change what a rank is (context parallelism: a rank of the search is a
+    cp group; expert parallelism: the experts an ep group shares) are searched one value at a
+    time (``dimension_options``): the search runs on that value's view of the cost model
+    (``CostModel.at_cp``, ``at_ep``) and the fastest plan over the values wins. Each search is
+    exact for its value, so the winner is proven optimal over them only if every one was (a
+    value with no plan proven infeasible); under cp its report lists every degree's best
     (``SolverReport.context_parallel``)."""
     from partita.validate import validate_plan
 
@@ -212,85 +215,81 @@ def _make_plan(req: PlanRequest, progress: Callable[[str], None] | None = None) 
     start = time.perf_counter()
     deadline = start + (req.time_limit_s if req.time_limit_s is not None else SAFETY_WALL_S)
     cm = CostModel(req.model, req.cluster, seq_len=req.seq_len, dtype=req.dtype, profiles=req.profiles)
-    if req.model.is_moe:
-        return _make_moe_plan(req, cm, deadline, progress)
-    options = context_options(req, cm)
-    if options == [(1, "all_to_all")]:
+    options = dimension_options(req, cm)
+    if len(options) == 1 and options[0] == Dimensions() and not req.model.is_moe:
         plan, uni = _search(cm, req, deadline, progress)
         validate_plan(plan, req.model, req.cluster)
         return plan, uni
     found: list[tuple[Plan, UniformResult]] = []
     compared: list[ContextOption] = []
     failure: PartitaError | None = None
-    for cp, variant in options:
+    complete = True  # every value searched
+    for opt in options:
         if found and time.perf_counter() > deadline:
+            complete = False
             break
-        space = _cp_space(req, cp, variant)
+        space = _option_space(req, opt)
         if space is None:  # no tensor-parallel degree fits beside cp in a node: nothing to search
-            compared.append(ContextOption(cp=cp, variant=variant, fits=False, status="infeasible"))
-            failure = failure or InfeasibleError(_no_cp_layout(req, cp, variant))
+            compared.append(ContextOption(cp=opt.cp, variant=opt.variant, fits=False, status="infeasible"))
+            failure = failure or InfeasibleError(_no_cp_layout(req, opt.cp, opt.variant))
             continue
-        view = cm.at_cp(cp, variant)
+        view = cm.at_cp(opt.cp, opt.variant).at_ep(opt.ep, req.moe_imbalance)
         sub = dataclasses.replace(req, space=space)
-        tag = f" (cp {cp}, {variant.replace('_', '-')})" if cp > 1 else " (cp 1)"
+        tag = opt.tag(req.model.is_moe)
         try:
             plan, uni = _search(view, sub, deadline, (lambda what: progress(what + tag)) if progress else None)
         except (InfeasibleError, SearchTimeout) as e:
-            compared.append(ContextOption(cp=cp, variant=variant, fits=False,
+            compared.append(ContextOption(cp=opt.cp, variant=opt.variant, fits=False,
                                           status="infeasible" if isinstance(e, InfeasibleError) else "timeout"))
-            if cp == 1 or failure is None:
+            if opt is options[0] or failure is None:  # the first value's reason (cp 1, ep 1) is the one to show
                 failure = e
             continue
+        log.info("%s: %.3f s a step (%s)", tag.strip(" ()"), plan.prediction.step_time_s,
+                 plan.solver.status if plan.solver else "")
         found.append((plan, uni))
         compared.append(_context_option(plan))
     if not found:
         assert failure is not None
         raise failure
     plan, uni = min(found, key=lambda t: t[0].prediction.step_time_s)
-    plan = dataclasses.replace(plan, solver=_over_cp(plan.solver, [p.solver for p, _ in found], compared))
+    plan = dataclasses.replace(plan, solver=_over_options(plan.solver, [p.solver for p, _ in found], compared,
+                                                          complete=complete, list_cp=not req.model.is_moe))
     validate_plan(plan, req.model, req.cluster)
     return plan, uni
 
 
-def _make_moe_plan(req: PlanRequest, cm: CostModel, deadline: float,
-                   progress: Callable[[str], None] | None) -> tuple[Plan, UniformResult]:
-    """A mixture-of-experts model: the search runs once per expert-parallel degree on that
-    degree's view of the cost model (``CostModel.at_ep``, search/experts.py), as context
-    parallelism does per cp, and the fastest plan wins. Each search is exact for its degree, so
-    the winner is proven optimal over the degrees only if every degree's search was."""
-    from partita.validate import validate_plan
+@dataclass(frozen=True)
+class Dimensions:
+    """One value of the dimensions searched value by value: a context-parallel degree with its
+    variant, and an expert-parallel degree."""
 
-    found: list[tuple[Plan, UniformResult]] = []
-    settled = True
-    failure: PartitaError | None = None
-    space = dataclasses.replace(req.space, recompute=tuple(r for r in req.space.recompute if r != "selective"))
-    for ep in expert_options(req):
-        if found and time.perf_counter() > deadline:
-            settled = False
-            break
-        view = cm.at_ep(ep, req.moe_imbalance)
-        sub = dataclasses.replace(req, space=space)
-        try:
-            plan, uni = _search(view, sub, deadline, (lambda what: progress(f"{what} (ep {ep})")) if progress else None)
-        except (InfeasibleError, SearchTimeout) as e:
-            settled = settled and isinstance(e, InfeasibleError)
-            failure = failure or e
-            continue
-        log.info("ep %d: %.3f s a step (%s)", ep, plan.prediction.step_time_s, plan.solver.status if plan.solver else "")
-        settled = settled and plan.solver is not None and plan.solver.status in ("optimal", "exhaustive")
-        found.append((plan, uni))
-    if not found:
-        assert failure is not None
-        raise failure
-    plan, uni = min(found, key=lambda t: t[0].prediction.step_time_s)
-    if plan.solver is not None:
-        bound = min([p.solver.bound_us for p, _ in found if p.solver is not None] + [plan.solver.objective_us])
-        objective = plan.solver.objective_us
-        plan = dataclasses.replace(plan, solver=dataclasses.replace(
-            plan.solver, status=plan.solver.status if settled else "feasible", bound_us=bound,
-            gap=round((objective - bound) / objective, 6) if objective else 0.0))
-    validate_plan(plan, req.model, req.cluster)
-    return plan, uni
+    cp: int = 1
+    variant: str = "all_to_all"
+    ep: int = 1
+
+    def tag(self, moe: bool) -> str:
+        """How progress lines and the log name this value."""
+        if moe:
+            return f" (ep {self.ep})"
+        return f" (cp {self.cp}, {self.variant.replace('_', '-')})" if self.cp > 1 else " (cp 1)"
+
+
+def dimension_options(req: PlanRequest, cm: CostModel) -> list[Dimensions]:
+    """The values to search, the plainest first: a mixture of experts' expert-parallel degrees
+    (``expert_options``; it runs at cp 1), else the context-parallel degrees
+    (``context_options``)."""
+    if req.model.is_moe:
+        return [Dimensions(ep=ep) for ep in expert_options(req)]
+    return [Dimensions(cp=cp, variant=variant) for cp, variant in context_options(req, cm)]
+
+
+def _option_space(req: PlanRequest, opt: Dimensions) -> SearchSpace | None:
+    """The search space at one value (None: nothing to search). A mixture-of-experts block
+    recomputes all or nothing (``validate``: selective recomputation of routed experts is not
+    priced); under cp the tensor-parallel degrees the variant can split (``_cp_space``)."""
+    if req.model.is_moe:
+        return dataclasses.replace(req.space, recompute=tuple(r for r in req.space.recompute if r != "selective"))
+    return _cp_space(req, opt.cp, opt.variant)
 
 
 def expert_options(req: PlanRequest) -> list[int]:
@@ -388,22 +387,22 @@ def _context_option(plan: Plan) -> ContextOption:
                          status=plan.solver.status if plan.solver else "")
 
 
-def _over_cp(chosen: SolverReport | None, reports: list[SolverReport | None],
-             compared: list[ContextOption]) -> SolverReport | None:
-    """The chosen plan's report over every degree searched: each search is exact for its degree,
-    so the best of them is optimal over the degrees only if every one was proven (a degree with
-    no plan must be proven infeasible), and the bound is the least of theirs."""
+def _over_options(chosen: SolverReport | None, reports: list[SolverReport | None], compared: list[ContextOption],
+                  *, complete: bool, list_cp: bool) -> SolverReport | None:
+    """The chosen plan's report over every value searched (``_make_plan``): optimal only if every
+    value's search was proven (or proven infeasible) and none was left unsearched; the bound is
+    the least of theirs. ``list_cp``: the report lists each context-parallel degree's best."""
     if chosen is None:
         return None
-    settled = all(o.status in ("optimal", "exhaustive", "infeasible") for o in compared)
+    settled = complete and all(o.status in ("optimal", "exhaustive", "infeasible") for o in compared)
     bound = min([r.bound_us for r in reports if r is not None] + [chosen.objective_us])
     objective = chosen.objective_us
     status = chosen.status if settled else "feasible"
-    # A degree's proof was 1F1B's: so is the whole's (said of an optimum only).
+    # A value's proof was 1F1B's: so is the whole's (said of an optimum only).
     among = "1f1b" if status == "optimal" and any(r is not None and r.proven_among for r in reports) else ""
     return dataclasses.replace(chosen, status=status, bound_us=bound,
                                gap=round((objective - bound) / objective, 6) if objective else 0.0,
-                               context_parallel=tuple(compared), proven_among=among)
+                               context_parallel=tuple(compared) if list_cp else (), proven_among=among)
 
 
 def _search(cm: CostModel, req: PlanRequest, deadline: float,

@@ -88,6 +88,25 @@ def test_mixtral_plans_with_expert_parallelism():
     assert plan.to_dict()["mesh"]["ep"] == plan.ep
 
 
+def test_the_routing_a_plan_was_priced_at_is_in_its_file(tmp_path, capsys):
+    """--moe-imbalance reaches the plan file, and `partita check` re-prices the plan at it (not
+    at balanced routing): the step it prints is the plan's own."""
+    from partita.cli import main
+    from partita.plan import Plan
+
+    out = tmp_path / "mixtral.yaml"
+    assert main(["plan", "--model", "mixtral-8x7b", "--cluster", "4x8xH100", "--ep", "8", "--moe-imbalance", "1.5",
+                 "--search", "uniform", "-o", str(out)]) == 0
+    plan = Plan.load(out)
+    assert plan.ep == 8 and plan.moe_imbalance == 1.5 and plan.to_dict()["moe_imbalance"] == 1.5
+    balanced = make_plan(PlanRequest(model=MIXTRAL, cluster=H100, seq_len=plan.seq_len, global_batch=plan.global_batch,
+                                     search="uniform", expert_parallel=(8,)))[0]
+    assert balanced.prediction.step_time_s < plan.prediction.step_time_s  # waiting on the busiest rank costs
+    capsys.readouterr()
+    assert main(["check", str(out), "--cluster", "4x8xH100", "--json"]) == 0
+    assert f"{plan.prediction.step_time_s}" in capsys.readouterr().out.replace(" ", "")
+
+
 def test_ep_one_only_is_the_plain_search_and_dense_models_are_unchanged():
     space = SearchSpace(pipeline=(1,))
     small = parse_short("1x8xH100")

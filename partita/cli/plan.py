@@ -88,7 +88,6 @@ def plan(args: argparse.Namespace) -> int:
         raise
     wall = time.perf_counter() - start
     cm = CostModel(model, cluster, seq_len=seq_len, dtype=dtype, profiles=profiles)
-    cm.moe_imbalance = req.moe_imbalance  # a mixture of experts' plan is priced at the routing it was made for
     if any(margins.values()):  # the plan is for the real cluster: its devices' full memory, the margin unused
         from partita.search.plans import attach_prediction
         from partita.validate import validate_plan
