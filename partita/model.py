@@ -240,12 +240,6 @@ class LayerKind:
         """Routed experts' parameters a token does not run through."""
         return (self.experts - self.experts_per_token) * 3 * self.hidden * self.ffn if self.is_moe else 0
 
-    def ep_divides(self, ep: int, dp: int) -> str | None:
-        """``partita.parallel.ep_rule`` of this kind."""
-        from partita.parallel import ep_rule
-
-        return ep_rule(self, ep, dp)
-
     @property
     def params(self) -> int:
         h, hd = self.hidden, self.head_dim
@@ -267,18 +261,6 @@ class LayerKind:
             # scores (QK^T) and weighted values (AV), counted over the full seq x seq square
             flops += 2.0 * 2.0 * seq_len * self.heads * self.head_dim
         return flops
-
-    def cp_divides(self, cp: int, *, tp: int = 1, variant: str = "all_to_all", seq_len: int) -> str | None:
-        """``partita.parallel.cp_rule`` of this kind."""
-        from partita.parallel import cp_rule
-
-        return cp_rule(self, cp, tp=tp, variant=variant, seq_len=seq_len)
-
-    def tp_divides(self, tp: int) -> str | None:
-        """``partita.parallel.tp_rule`` of this kind."""
-        from partita.parallel import tp_rule
-
-        return tp_rule(self, tp)
 
 
 def _llama(name: str, hidden: int, n_layers: int, heads: int, kv_heads: int, ffn: int, vocab: int,

@@ -11,11 +11,10 @@ layout take plain degrees, so the search can ask them of candidates before any p
 
 from __future__ import annotations
 
-from typing import Iterable, NamedTuple
+from typing import TYPE_CHECKING, Iterable, NamedTuple
 
-# The rules read a layer kind's shapes (``partita.model.LayerKind``: role, heads, kv_heads, ffn,
-# vocab, experts) and a model's (``partita.model.ModelSpec``: is_moe) without importing the
-# model module, which asks these rules of its kinds.
+if TYPE_CHECKING:
+    from partita.model import LayerKind, ModelSpec
 
 # The pipeline schedules a plan may name (``Plan.schedule``), and their families.
 SCHEDULES = ("1f1b", "interleaved-1f1b", "interleaved-zb", "zbv")

@@ -240,7 +240,7 @@ def apply_stage_ends(model: Transformer, stage: Stage, meshes: Meshes, boundary:
     all-gathers its input in forward (its input gradient, replicated over the tensor group, is
     sliced for free), and a last layer that gives them slices its output for free (a copy: the
     whole output is freed) and all-gathers the output gradient in backward. One gather a side
-    at most, as Megatron-LM's scatter/gather of pipeline sends; ``search.costs.boundary_gathers``
+    at most, as Megatron-LM's scatter/gather of pipeline sends; ``search.costs.stage.boundary_gathers``
     prices exactly these. After activation checkpointing, on the checkpoint wrapper: the
     conversion runs once, outside the recomputed region, which keeps the gathered input as
     the layer's input (what the memory model counts) rather than gathering it again."""

@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
+from partita import parallel
 from partita.devices import DeviceType
 from partita.errors import PartitaError
 from partita.model import LayerKind
@@ -63,7 +64,7 @@ class Shard:
     def of(cls, kind: LayerKind, *, tp: int, micro_batch: int, seq_len: int, dtype: str) -> "Shard":
         if micro_batch < 1 or seq_len < 1 or tp < 1:
             raise PartitaError(f"micro_batch, seq_len and tp must be positive, got {micro_batch}, {seq_len}, {tp}")
-        why = kind.tp_divides(tp)
+        why = parallel.tp_rule(kind, tp)
         if why:
             raise PartitaError(f"{kind.role} layer cannot be split {tp} ways: {why}")
         if kind.learned_positions and seq_len > kind.learned_positions:
@@ -401,7 +402,7 @@ def analytic_profile(dev: DeviceType, kinds: Iterable[LayerKind], tps: Iterable[
     every micro-batch. It has no comm entries."""
     kinds, tps, micro_batches = list(dict.fromkeys(kinds)), sorted(set(tps)), sorted(set(micro_batches))
     layers = tuple(layer_cost(kind, dev, tp=tp, micro_batch=mb, seq_len=seq_len, dtype=dtype)
-                   for kind in kinds for tp in tps if kind.tp_divides(tp) is None for mb in micro_batches)
+                   for kind in kinds for tp in tps if parallel.tp_rule(kind, tp) is None for mb in micro_batches)
     provenance = Provenance(source="analytic", device_name=dev.name, dtype=dtype,
                             command="partita.search.analytic.analytic_profile")
     return Profile(device=dev.name, dtype=dtype, provenance=provenance, layers=layers)

@@ -89,7 +89,7 @@ def _counts(names: list[str], choice: dict) -> Counter:
 def interleaved_search(cm: CostModel, *, global_batch: int, space: SearchSpace, candidates: list,
                        deadline: float | None = None) -> InterleavedResult:
     """The fastest variant that fits of the given pipelined uniform candidates
-    (``UniformResult.pipelined``: the grid's fastest, as lazy tuples) under the schedules of
+    (``UniformResult.pipelined``: the grid's fastest ``uniform.Candidate``s) under the schedules of
     ``VARIANTS``, and a lower bound on every such plan of the grid's shapes."""
     result = InterleavedResult()
     model = cm.model

@@ -1,6 +1,6 @@
 """``partita plan --top K``: the best plans of K different shapes, so a user can choose.
 
-A shape is what CP-SAT solves one model for (``cpsat.Shape``: stage width dp x tp, tp, dp,
+A shape is what CP-SAT solves one model for (``cpsat_problem.Shape``: stage width dp x tp, tp, dp,
 micro-batch size and count); inside a shape the solver still chooses the pipeline depth, the
 split, the placement and every layer's strategy. The first plan is the ordinary search's (so
 K=1 is exactly ``partita plan``); the others are each shape's own best plan, solved in order of
@@ -16,8 +16,9 @@ from dataclasses import dataclass
 
 from partita.plan import Plan, SolverReport
 from partita.search.costs.model import CostModel
-from partita.search.cpsat import (MIN_WORK, NEVER, Shape, StageFit, build_problem, memory_infeasible, shapes,
-                                  solve_shape)
+from partita.search.cpsat import MIN_WORK, solve_shape
+from partita.search.cpsat_fit import StageFit
+from partita.search.cpsat_problem import NEVER, Shape, build_problem, memory_infeasible, shapes
 from partita.search.evaluate import Evaluation, evaluate_layout
 from partita.search.uniform import Layout
 from partita.units import to_us

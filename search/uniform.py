@@ -14,11 +14,12 @@ import dataclasses
 import heapq
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Iterator, NamedTuple, Sequence
 
 from partita import parallel
 from partita.cluster import ClusterSpec, NodeGroup
 from partita.errors import InfeasibleError, PartitaError
+from partita.mesh import Mesh
 from partita.model import ModelSpec
 from partita.plan import LayerStrategy
 from partita.search.costs.model import CostModel
@@ -60,6 +61,22 @@ def layout_price(stage_groups: Sequence[NodeGroup], stage_size: int) -> int:
     return sum(stage_size * device_price(g) for g in stage_groups)
 
 
+class Candidate(NamedTuple):
+    """A uniform candidate before its layers are built (``Layout`` is the built one): the
+    stages' node groups, each stage's block count, the degrees and micro-batching, and the one
+    choice every layer makes."""
+
+    stage_groups: tuple[NodeGroup, ...]
+    blocks: tuple[int, ...]
+    tp: int
+    dp: int
+    micro_batch: int
+    num_micro_batches: int
+    sp: bool
+    zero: int
+    recompute: str
+
+
 @dataclass(frozen=True, kw_only=True)
 class Layout:
     """A candidate: which groups' ranks form the stages, the degrees, the per-layer strategies."""
@@ -99,7 +116,7 @@ class UniformResult:
 
     # The fastest pipelined candidates that fit, as (step time, candidate), for the interleaved
     # schedule's search (search/interleaved.py).
-    pipelined: list = field(default_factory=list)
+    pipelined: list[tuple[float, Candidate]] = field(default_factory=list)
 
     def fastest(self) -> tuple[Layout, Evaluation] | None:
         """The uniform plan or its rebalanced variant, whichever is faster; None if neither fits."""
@@ -353,7 +370,7 @@ def uniform_search(cm: CostModel, *, global_batch: int, space: SearchSpace = Sea
         ev = evaluate_counts(cm, list(zip(stage_groups, stage_counts(choice, blocks))), dp=dp, tp=tp,
                              micro_batch=mb, num_micro_batches=m)
         result.evaluated += 1
-        lazy = (stage_groups, blocks, tp, dp, mb, m, sp, zero, recompute)
+        lazy = Candidate(stage_groups, tuple(blocks), tp, dp, mb, m, sp, zero, recompute)
         if len(stage_groups) > 1:
             # The REBALANCED least penalised so far, in a heap keyed by minus the penalty (the
             # worst kept on top); ties keep the earlier candidate, as a stable sort would.
@@ -429,7 +446,7 @@ def _penalised(ev: Evaluation) -> float:
     return ev.step_time_s * max(1.0, ev.peak_over_capacity) ** 4
 
 
-def rebalance(cm: CostModel, lazy: tuple, deadline: float | None = None) -> tuple[tuple, Evaluation]:
+def rebalance(cm: CostModel, lazy: Candidate, deadline: float | None = None) -> tuple[Candidate, Evaluation]:
     """Local search on the block split of a candidate (blocks are identical, so only counts
     matter): move one block from the slowest or most crowded stage to wherever it helps most,
     while the step (penalised for memory overflow) improves, or until ``deadline``."""
@@ -463,7 +480,7 @@ def rebalance(cm: CostModel, lazy: tuple, deadline: float | None = None) -> tupl
         if best_move is None:
             break
         blocks, ev = best_move
-    return (stage_groups, tuple(blocks), tp, dp, mb, m, sp, zero, recompute), ev
+    return Candidate(stage_groups, tuple(blocks), tp, dp, mb, m, sp, zero, recompute), ev
 
 
 def stage_counts(choice: dict[str, LayerChoice], blocks: Sequence[int]) -> list[dict[LayerChoice, int]]:
@@ -522,7 +539,8 @@ def infeasible_error(cm: CostModel, result: UniformResult, global_batch: int,
             f"{fmt_bytes(need - state)}")
     return InfeasibleError(
         f"{cm.model.name} does not fit on {cm.cluster.short}: the least memory per device any plan in the space "
-        f"needs is {fmt_bytes(need)} (dp={lay.dp} tp={lay.tp} pp={lay.pp} micro-batch {lay.micro_batch}; {what}), "
+        f"needs is {fmt_bytes(need)} ({Mesh(pp=lay.pp, dp=lay.dp, cp=cm.cp, tp=lay.tp, ep=cm.ep).factors()}, "
+        f"micro-batch {lay.micro_batch}; {what}), "
         f"against {fmt_bytes(worst.capacity)}; try {', or '.join(hints)}")
 
 
@@ -531,7 +549,7 @@ def _more_devices(cm: CostModel, ratio: float) -> str:
     (state sharded over more devices shrinks about in proportion)."""
     import math
 
-    groups = cm.cluster.groups
+    groups = cm.real_cluster.groups  # the devices (under cp the search's cluster is a view of them)
     g = max(groups, key=lambda g: g.memory_bytes)
     nodes = sum(x.nodes for x in groups)
     more = max(1, math.ceil(nodes * (ratio - 1)))

@@ -11,7 +11,7 @@ from partita.cluster import ClusterSpec, make_group
 from partita.devices import get_device
 from partita.errors import InfeasibleError
 from partita.model import ModelSpec
-from partita.search import cpsat
+from partita.search import cpsat_problem
 from partita.search.costs.model import CostModel
 from partita.search.costs.stage import choice_of
 from partita.search.evaluate import evaluate_counts, evaluate_plan
@@ -42,13 +42,13 @@ def brute_force_best(cm: CostModel, global_batch: int, space: SearchSpace) -> fl
     """The fastest plan that fits, by enumerating every shape, pipeline degree, stage
     placement, block split and multiset of per-block choices (blocks are identical)."""
     best = None
-    for shape in cpsat.shapes(cm, global_batch, space):
+    for shape in cpsat_problem.shapes(cm, global_batch, space):
         groups = [g for g in cm.cluster.groups if g.gpus_per_node % shape.tp == 0 and g.size >= shape.stage_size]
         if not groups:
             continue
         cap = {g.name: g.size // shape.stage_size for g in groups}
         choices = {r: [choice_of(cm.model, s.__class__(**{**s.to_dict(), "name": {"block": "layers.0"}.get(r, r)}))
-                       for s in cpsat.strategies_for(cm, r, shape, space)] for r in ("embed", "block", "head")}
+                       for s in cpsat_problem.strategies_for(cm, r, shape, space)] for r in ("embed", "block", "head")}
         n = cm.model.n_layers
         for pp in range(1, min(n, sum(cap.values()), shape.num_micro_batches) + 1):  # 1F1B: m >= pp
             for seq in itertools.product(groups, repeat=pp):

@@ -2,7 +2,7 @@
 
 Each rank sends and receives its b x s/tp x h sequence shard (``Plan.boundary_split``), and a
 stage's end layer that is not sequence-parallel all-gathers it: the receiver's first layer in
-forward, the sender's last in backward (``costs.boundary_gathers``; the runtime's side is
+forward, the sender's last in backward (``costs.stage.boundary_gathers``; the runtime's side is
 measured in tests/test_runtime_boundary.py). The evaluator charges the transfers to both sides
 and each gather to the stage that runs it; the schedule's receive buffers and kept outputs are
 shards too. The CP-SAT model reads a stage's end blocks from its choices in the canonical order:

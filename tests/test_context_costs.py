@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from partita import parallel
 from partita.errors import PartitaError
 from partita.model import ModelSpec
 from partita.model_io import load_model
@@ -185,8 +186,8 @@ def test_limits_say_what_does_not_divide():
     assert all_to_all_limit(32, 8, cp=4, tp=4) == \
         "all-to-all context parallelism needs kv_heads (8) divisible by cp x tp = 4 x 4 = 16"
     assert "heads (6)" in all_to_all_limit(6, 6, cp=4)
-    assert BLOCK.cp_divides(8, variant="ring", seq_len=131072) is None
-    assert BLOCK.cp_divides(4, variant="ring", seq_len=100) == \
+    assert parallel.cp_rule(BLOCK, 8, variant="ring", seq_len=131072) is None
+    assert parallel.cp_rule(BLOCK, 4, variant="ring", seq_len=100) == \
         "ring attention needs the sequence length (100) divisible by 2 x cp = 8"
     assert sequence_limit(100, 3) == "sequence length 100 is not divisible by context-parallel degree 3"
     assert sequence_limit(100, 0) == "context-parallel degree must be >= 1, got 0"
@@ -194,12 +195,12 @@ def test_limits_say_what_does_not_divide():
 
 def test_cp_limits_per_layer_kind():
     block, embed = BLOCK, LLAMA_8B.kinds["embed"]  # 32 heads, 8 kv heads
-    assert block.cp_divides(8, variant="all_to_all", seq_len=8192) is None
-    assert "kv_heads (8)" in block.cp_divides(4, variant="all_to_all", seq_len=8192, tp=4)
-    assert block.cp_divides(16, variant="ring", seq_len=8192, tp=8) is None  # the ring has no head limit
-    assert "2 x cp = 32" in block.cp_divides(16, variant="ring", seq_len=8208)
-    assert embed.cp_divides(16, variant="ring", seq_len=8208) is None  # no attention: the shards suffice
-    assert block.cp_divides(1, variant="ring", seq_len=8) is None
+    assert parallel.cp_rule(block, 8, variant="all_to_all", seq_len=8192) is None
+    assert "kv_heads (8)" in parallel.cp_rule(block, 4, variant="all_to_all", seq_len=8192, tp=4)
+    assert parallel.cp_rule(block, 16, variant="ring", seq_len=8192, tp=8) is None  # the ring has no head limit
+    assert "2 x cp = 32" in parallel.cp_rule(block, 16, variant="ring", seq_len=8208)
+    assert parallel.cp_rule(embed, 16, variant="ring", seq_len=8208) is None  # no attention: the shards suffice
+    assert parallel.cp_rule(block, 1, variant="ring", seq_len=8) is None
     with pytest.raises(PartitaError, match="unknown context-parallel variant 'ulysses'; valid: all_to_all, ring"):
         cp_activation_bytes(block, variant="ulysses", cp=2, tp=1, micro_batch=1, seq_len=8192, dtype="bf16")
 
@@ -220,5 +221,5 @@ def test_the_cost_module_imports_without_torch():
 
 def test_a_spec_with_gqa_heads_is_checked_like_the_runtime():
     spec = ModelSpec.from_dict(dict(load_model("tiny-llama").to_dict(), name="t", heads=8, kv_heads=4))
-    assert spec.kinds["block"].cp_divides(2, variant="all_to_all", seq_len=16, tp=2) is None
-    assert spec.kinds["block"].cp_divides(4, variant="all_to_all", seq_len=16, tp=2) is not None
+    assert parallel.cp_rule(spec.kinds["block"], 2, variant="all_to_all", seq_len=16, tp=2) is None
+    assert parallel.cp_rule(spec.kinds["block"], 4, variant="all_to_all", seq_len=16, tp=2) is not None

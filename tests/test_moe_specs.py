@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 
+from partita import parallel
 from partita.errors import PartitaError
 from partita.hf import spec_from_hf
 from partita.model import BUILTIN, LayerKind, ModelSpec
@@ -63,11 +64,11 @@ def test_bad_moe_specs_are_refused(change, text):
 
 def test_expert_parallel_limits():
     block = BUILTIN["tiny-moe"].kinds["block"]
-    assert block.ep_divides(2, dp=4) is None
-    assert "not divisible by expert-parallel degree 3" in block.ep_divides(3, dp=3)
-    assert "data-parallel degree 2" in block.ep_divides(4, dp=2)
-    assert "mixture-of-experts" in BUILTIN["tiny-llama"].kinds["block"].ep_divides(2, dp=2)
-    assert "expert parallelism" in block.tp_divides(2)
+    assert parallel.ep_rule(block, 2, dp=4) is None
+    assert "not divisible by expert-parallel degree 3" in parallel.ep_rule(block, 3, dp=3)
+    assert "data-parallel degree 2" in parallel.ep_rule(block, 4, dp=2)
+    assert "mixture-of-experts" in parallel.ep_rule(BUILTIN["tiny-llama"].kinds["block"], 2, dp=2)
+    assert "expert parallelism" in parallel.tp_rule(block, 2)
 
 
 def test_qwen2_moe_with_dense_layers_is_refused():

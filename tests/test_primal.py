@@ -11,7 +11,7 @@ from ortools.sat.python import cp_model
 
 from partita.cluster import parse_short
 from partita.model_io import load_model
-from partita.search import cpsat
+from partita.search import cpsat, cpsat_problem
 from partita.search.costs.model import CostModel
 from partita.search.cpsat_fit import StageFit, pipeline_reach
 from partita.search.evaluate import evaluate_layout
@@ -62,12 +62,12 @@ def test_heuristic_plans_fit_and_are_no_better_than_the_optimum(mem_a, mem_b, gl
     cm = CostModel(SMALL, cluster, seq_len=SMALL.seq_len)
     best = brute_force_best(cm, global_batch, SPACE)
     found = 0
-    for shape in cpsat.shapes(cm, global_batch, SPACE):
-        p = cpsat.build_problem(cm, shape, SPACE)
+    for shape in cpsat_problem.shapes(cm, global_batch, SPACE):
+        p = cpsat_problem.build_problem(cm, shape, SPACE)
         if p is None:
             continue
         tables: dict = {}
-        for q in cpsat.edge_levels(p):
+        for q in cpsat_problem.edge_levels(p):
             for lay in shape_plans(q, tables):
                 ev = evaluate_layout(cm, list(zip(lay.stage_groups, lay.stage_layers)), dp=lay.dp, tp=lay.tp,
                                      micro_batch=lay.micro_batch, num_micro_batches=lay.num_micro_batches)
@@ -83,9 +83,9 @@ def test_heuristic_is_near_the_optimum_on_the_mixed_benchmark_shape():
     (dp 32, micro-batch 1; docs/benchmarks.md), its subproblem of every choice."""
     model, cluster = load_model("llama-2-70b"), parse_short("4x8xH100+8x8xA100-80GB+4x8xA100-40GB")
     cm = CostModel(model, cluster, seq_len=model.seq_len)
-    shape = next(s for s in cpsat.shapes(cm, 1024, SearchSpace())
+    shape = next(s for s in cpsat_problem.shapes(cm, 1024, SearchSpace())
                  if (s.stage_size, s.tp, s.micro_batch) == (32, 1, 1))
-    p = cpsat.edge_levels(cpsat.build_problem(cm, shape, SearchSpace()))[-1]
+    p = cpsat_problem.edge_levels(cpsat_problem.build_problem(cm, shape, SearchSpace()))[-1]
     steps = [evaluate_layout(cm, list(zip(lay.stage_groups, lay.stage_layers)), dp=lay.dp, tp=lay.tp,
                              micro_batch=lay.micro_batch, num_micro_batches=lay.num_micro_batches)
              for lay in shape_plans(p)]
@@ -98,8 +98,8 @@ def test_exact_placement_is_a_stronger_valid_test():
     every slot on the same per-slot counts."""
     cluster = two_type_cluster(3.3, 3.4, n_a=4, n_b=2)
     cm = CostModel(SMALL, cluster, seq_len=SMALL.seq_len)
-    for shape in cpsat.shapes(cm, 4, SPACE):
-        p = cpsat.build_problem(cm, shape, SPACE)
+    for shape in cpsat_problem.shapes(cm, 4, SPACE):
+        p = cpsat_problem.build_problem(cm, shape, SPACE)
         if p is None:
             continue
         fit = StageFit(p)

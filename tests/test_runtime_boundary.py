@@ -6,7 +6,7 @@ whole hidden states where the sequence does not split tp ways). A stage's end la
 sequence-parallel takes or gives the shard as it is; one that is not all-gathers it: the
 receiver's first layer in forward, the sender's last layer in backward
 (``runtime.parallelize.apply_stage_ends``). The cost model prices exactly that
-(``search.costs.boundary_s``, ``boundary_gathers``, ``pipeline_memory``). Each gloo run here
+(``search.costs.stage.boundary_s``, ``boundary_gathers``, ``search.costs.memory.pipeline_memory``). Each gloo run here
 trains a tp 2 x pp 2 plan (1F1B, interleaved, ZB-V; llama and gpt2; with and without sequence
 parallelism; ends that differ) and checks, on every rank:
 
@@ -146,7 +146,7 @@ def expected_sends(plan: Plan, stage: int) -> dict[str, int]:
 
 def predicted_gathers(plan: Plan) -> int:
     """The boundary all-gathers the cost model counts for one step, summed over the pipeline's
-    (virtual) stages, per rank of a tensor group (``costs.boundary_gathers``)."""
+    (virtual) stages, per rank of a tensor group (``costs.stage.boundary_gathers``)."""
     cm = CostModel(ModelSpec.from_dict(plan.model), parse_short(plan.cluster["name"]), seq_len=plan.seq_len)
     chunks = plan.virtual_stage_layers()
     total = 0

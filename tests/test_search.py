@@ -8,7 +8,7 @@ from partita.devices import get_device
 from partita.errors import InfeasibleError
 from partita.model import ModelSpec
 from partita.model_io import load_model
-from partita.search import cpsat
+from partita.search import cpsat, cpsat_fit, cpsat_problem
 from partita.search.costs.model import CostModel
 from partita.search.evaluate import evaluate_layout, evaluate_plan
 from partita.search.planner import PlanRequest, make_plan
@@ -50,8 +50,8 @@ def test_solver_objective_equals_evaluator_prediction():
     assert plan.solver.objective_us == to_us(ev.step_time_s)
     assert plan.prediction.step_time_s == pytest.approx(ev.step_time_s)
     # and the solver's own integer objective for that shape agrees within the rounding bound
-    shape = cpsat.Shape(plan.dp * plan.tp, plan.tp, plan.dp, plan.micro_batch, plan.num_micro_batches)
-    p = cpsat.build_problem(cm, shape, req.space)
+    shape = cpsat_problem.Shape(plan.dp * plan.tp, plan.tp, plan.dp, plan.micro_batch, plan.num_micro_batches)
+    p = cpsat_problem.build_problem(cm, shape, req.space)
     r = cpsat.solve_shape(p, upper_bound_us=None, hint=None, time_limit_s=30, workers=1, seed=0)
     layers_per_stage = max(len(s.layers) for s in plan.stages)
     tol_us = (plan.num_micro_batches - 1 + plan.pp) * (layers_per_stage + 1) / 2
@@ -96,7 +96,7 @@ def test_infeasible_model_says_why():
 def _problem(mem_gib=8.0):
     cluster = two_type_cluster(mem_gib, mem_gib)
     cm = CostModel(SMALL, cluster, seq_len=SMALL.seq_len)
-    return cpsat.build_problem(cm, cpsat.Shape(1, 1, 1, 1, 4), SPACE)
+    return cpsat_problem.build_problem(cm, cpsat_problem.Shape(1, 1, 1, 1, 4), SPACE)
 
 
 def _solve(pm):
@@ -211,14 +211,14 @@ def test_large_models_memory_is_judged_right_by_cp_sat():
     GB per layer, times block counts) made CP-SAT call this shape infeasible although a plan of
     it fits (62.6 s; dp 4 x pp 24 on the H100s and A100-80GBs)."""
     cm = CostModel(load_model("llama-2-70b"), parse_short("4x8xH100+8x8xA100-80GB+4x8xA100-40GB"), seq_len=4096)
-    shape = next(s for s in cpsat.shapes(cm, 1024, SearchSpace())
+    shape = next(s for s in cpsat_problem.shapes(cm, 1024, SearchSpace())
                  if (s.stage_size, s.tp, s.micro_batch) == (4, 1, 1))
-    p = cpsat.build_problem(cm, shape, SearchSpace())
+    p = cpsat_problem.build_problem(cm, shape, SearchSpace())
     # As the search solves it: by largest ZeRO edge, with the stage-fit cuts; the leanest level
     # (ZeRO-3 allowed) is the hardest, so the first that finds a plan is taken.
     r = None
-    for level in cpsat.edge_levels(p):
-        fit = cpsat.StageFit(level)
+    for level in cpsat_problem.edge_levels(p):
+        fit = cpsat_fit.StageFit(level)
         fit.tighten()
         r = cpsat.solve_shape(level, upper_bound_us=None, hint=None, time_limit_s=60, workers=1, seed=0, fit=fit,
                               work_limit=1)

@@ -115,15 +115,15 @@ def test_a_requested_gap_bounds_the_plan_returned():
 def test_a_shapes_bound_before_its_tables_is_the_bound_its_tables_give():
     """solve_plan prunes shapes by ``shape_bound_us`` before building their tables: it must be
     the same bound the built problem states (so pruning early changes nothing)."""
-    from partita.search import cpsat
+    from partita.search import cpsat_problem
     from partita.search.uniform import SearchSpace
 
     model = load_model("llama-2-7b")
     cm = CostModel(model, parse_short("1x8xH100+2x8xA100-40GB"), seq_len=model.seq_len)
     checked = 0
-    for shape in cpsat.shapes(cm, 64, SearchSpace()):
-        p = cpsat.build_problem(cm, shape, SearchSpace())
-        bound = cpsat.shape_bound_us(cm, shape, SearchSpace())
+    for shape in cpsat_problem.shapes(cm, 64, SearchSpace()):
+        p = cpsat_problem.build_problem(cm, shape, SearchSpace())
+        bound = cpsat_problem.shape_bound_us(cm, shape, SearchSpace())
         assert (p is None) == (bound is None)
         if p is not None:
             assert bound == p.lower_bound_us, shape

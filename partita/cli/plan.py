@@ -367,7 +367,7 @@ def most_devices(cm: "CostModel", global_batch: int, space: "SearchSpace", searc
 
     if search == "uniform":
         return max((len(groups) * dp * tp for groups, tp, dp, _, _ in grid(cm, global_batch, space)), default=0)
-    from partita.search.cpsat import shapes
+    from partita.search.cpsat_problem import shapes
 
     most = 0
     for sh in shapes(cm, global_batch, space):

@@ -121,20 +121,6 @@ class CostModel:
     def moe_imbalance(self) -> float:
         return self.view.imbalance
 
-    @moe_imbalance.setter
-    def moe_imbalance(self, imbalance: float) -> None:
-        """The routing imbalance a mixture of experts' plans are priced at, set on the model
-        they are priced with by who made them (``partita plan``): ``at_ep`` views take it. Only
-        at ep 1, where it prices nothing, so no cached cost changes."""
-        if self.ep != 1:
-            raise PartitaError(f"the cost model at ep {self.ep} prices routing imbalance {self.moe_imbalance:g}; "
-                               f"ask for another with at_ep")
-        experts.check_layout(self.model, 1, imbalance)
-        if self._views.get(self.view) is self:
-            del self._views[self.view]
-        self.view = dataclasses.replace(self.view, imbalance=imbalance)
-        self._views.setdefault(self.view, self)
-
     def at(self, view: View) -> "CostModel":
         """The cost model of this model, cluster, sequence, dtype and profiles at ``view``."""
         if view == self.view:
