@@ -45,7 +45,8 @@ that fits replaces the warm start when it is faster.
 The parts, each its own file: the problem's integer tables, its shapes and their split by ZeRO
 edge (``cpsat_problem``); the stage-fit bounds that prune shapes and cut the model
 (``cpsat_fit``); the model's variables and constraint families (``cpsat_model``); the primal
-heuristic (``primal``); and here the solve loop over shapes and the report.
+heuristic (``primal``); and here the solve of one shape (``solve_shape``), the search over shapes
+(``ShapeSearch``, one method per step) and the report.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ortools.sat.python import cp_model
 
@@ -156,132 +157,211 @@ def solve_plan(cm: CostModel, req, uniform: UniformResult, *, deadline: float, w
     busy machine as on an idle one) or at the wall-clock ``deadline``, whichever comes first;
     the deadline is checked between model builds and solves too. With no plan found, it raises
     "does not fit" only when every shape is proven infeasible, and SearchTimeout otherwise."""
-    from partita.search.plans import layout_to_plan, timeout_error
-
     start = time.perf_counter()
     warm = uniform.fastest()
-    best = Incumbent(warm[0], warm[1], to_us(warm[1].step_time_s)) if warm else None
-    uniform_us = to_us(uniform.best_eval.step_time_s) if uniform.best_eval is not None else 0
-    results: list[ShapeResult] = []
+    search = ShapeSearch(cm, req, deadline=deadline, work_limit=work_limit,
+                         best=Incumbent(warm[0], warm[1], to_us(warm[1].step_time_s)) if warm else None)
+    search.open(search.problems())
+    search.primal()
+    while search.queue:
+        search.step(search.queue.pop(0))
+    return search.plan(uniform, start)
 
-    def target() -> int:
+
+@dataclass
+class ShapeSearch:
+    """The search over shapes (``solve_plan``), one method per step: the shapes' problems with
+    their cheap bounds (``problems``), the queue of those still open (``open``, ``still_open``),
+    the primal incumbent (``primal``), one queued problem at a time (``step``: split it by ZeRO
+    edge, tighten its stage fit, solve it, record the result, take a better plan), and the plan
+    (``plan``). Every record lands in ``results``, which ``plan`` reads back."""
+
+    cm: CostModel
+    req: object  # planner.PlanRequest (not imported: the planner imports this module)
+    deadline: float  # wall clock (time.perf_counter)
+    work_limit: float  # CP-SAT deterministic time, summed over shapes
+    best: Incumbent | None  # the incumbent: the warm start, then the best plan found
+    results: list[ShapeResult] = field(default_factory=list)  # one per shape or subproblem settled
+    candidates: int = 0  # shapes some group hosts
+    fits: dict[tuple, StageFit] = field(default_factory=dict)  # each problem's stage-fit bounds
+    curves: dict[Shape, dict] = field(default_factory=dict)  # whole-block curves, shared by a shape's subproblems
+    bounds: dict[tuple, int] = field(default_factory=dict)  # each queued problem's best lower bound, us
+    levels: dict[tuple, list[Problem]] = field(default_factory=dict)  # each shape's split by ZeRO edge
+    queue: list[Problem] = field(default_factory=list)  # problems still to solve, most promising first
+    earlier: dict[tuple, ShapeResult] = field(default_factory=dict)  # first attempts out of work, to retry once
+    work_used: float = 0.0
+
+    def target(self) -> int:
         """What a shape must beat to be worth solving: the incumbent, less the gap the request
         accepts (``PlanRequest.gap``: a shape pruned or proven unable to beat this bounds the
         optimum within that gap)."""
-        return _target_us(best, req.gap)
+        return _target_us(self.best, self.req.gap)
 
-    problems, candidates = [], 0
-    for shape in shapes(cm, req.global_batch, req.space):
-        if time.perf_counter() > deadline:  # not built: nothing known about the shape
-            results.append(ShapeResult(shape, "unknown", 0))
-            continue
-        bound = shape_bound_us(cm, shape, req.space)
-        if bound is None:
-            continue  # no group hosts it
-        candidates += 1
-        if best is not None and bound >= target():  # its tables are not worth building
-            results.append(ShapeResult(shape, "pruned", bound))
-            continue
-        p = build_problem(cm, shape, req.space)
-        if p is not None:
-            problems.append(p)
-    # Shapes first, whole; a shape is split by ZeRO edge (``edge_levels``) when it comes up to
-    # be solved, so only shapes that survive the cheap bounds pay for their subproblems.
-    problems.sort(key=lambda p: p.lower_bound_us)
-    fits: dict[tuple, StageFit] = {}
-    curves: dict[Shape, dict] = {}  # whole-block curves, shared by a shape's subproblems
+    def time_left(self) -> bool:
+        return self.deadline - time.perf_counter() > 0
 
-    def still_open(p: Problem) -> bool:
+    # ---- the problems and their bounds, before any solve
+    def problems(self) -> list[Problem]:
+        """Every shape's problem, built only when its cheap bound (``shape_bound_us``) can beat
+        the incumbent, in order of the problems' own lower bounds."""
+        problems = []
+        for shape in shapes(self.cm, self.req.global_batch, self.req.space):
+            if time.perf_counter() > self.deadline:  # not built: nothing known about the shape
+                self.results.append(ShapeResult(shape, "unknown", 0))
+                continue
+            bound = shape_bound_us(self.cm, shape, self.req.space)
+            if bound is None:
+                continue  # no group hosts it
+            self.candidates += 1
+            if self.best is not None and bound >= self.target():  # its tables are not worth building
+                self.results.append(ShapeResult(shape, "pruned", bound))
+                continue
+            p = build_problem(self.cm, shape, self.req.space)
+            if p is not None:
+                problems.append(p)
+        # Shapes first, whole; a shape is split by ZeRO edge (``edge_levels``) when it comes up to
+        # be solved, so only shapes that survive the cheap bounds pay for their subproblems.
+        problems.sort(key=lambda p: p.lower_bound_us)
+        return problems
+
+    def still_open(self, p: Problem) -> bool:
         """Record shapes proven unable to fit or to beat the incumbent; keep the rest."""
-        if best is not None and p.lower_bound_us >= target():
-            results.append(ShapeResult(p.shape, "pruned", p.lower_bound_us))
+        if self.best is not None and p.lower_bound_us >= self.target():
+            self.results.append(ShapeResult(p.shape, "pruned", p.lower_bound_us))
             return False
         if memory_infeasible(p):
-            results.append(ShapeResult(p.shape, "infeasible", NEVER))
+            self.results.append(ShapeResult(p.shape, "infeasible", NEVER))
             return False
-        if p.key not in fits and time.perf_counter() > deadline:
-            results.append(ShapeResult(p.shape, "unknown", p.lower_bound_us))
+        if p.key not in self.fits and time.perf_counter() > self.deadline:
+            self.results.append(ShapeResult(p.shape, "unknown", p.lower_bound_us))
             return False
-        fit = fits.get(p.key) or fits.setdefault(p.key, StageFit(p, curves.setdefault(p.shape, {})))
+        fit = self.fits.get(p.key) or self.fits.setdefault(p.key, StageFit(p, self.curves.setdefault(p.shape, {})))
         if fit.bound_us() >= NEVER:  # no pipeline depth holds the blocks: a proof
-            results.append(ShapeResult(p.shape, "infeasible", NEVER))
+            self.results.append(ShapeResult(p.shape, "infeasible", NEVER))
             return False
-        if best is not None and fit.prunes(target()):
-            results.append(ShapeResult(p.shape, "pruned", target()))
+        if self.best is not None and fit.prunes(self.target()):
+            self.results.append(ShapeResult(p.shape, "pruned", self.target()))
             return False
         return True
 
-    queue = [p for p in problems if still_open(p)]
-    # Most promising first: a better incumbent early lets the stage-fit test prune the rest.
-    bounds = {p.key: max(p.lower_bound_us, fits[p.key].bound_us()) for p in queue}
-    queue.sort(key=lambda p: bounds[p.key])
-    # A plan near the optimum before CP-SAT (``primal``): shapes that cannot beat it are then
-    # refuted in a few hundredths of a work unit instead of being solved to their own optimum.
-    levels = {p.key: edge_levels(p) for p in queue}
-    best = _primal_incumbent(cm, queue, levels, fits, bounds, best, req.gap, deadline)
-    queue = [p for p in queue if still_open(p)]
-    earlier: dict[tuple, ShapeResult] = {}  # first attempts that ran out of work, to retry once
-    work_used = 0.0
-    while queue:
-        p = queue.pop(0)
-        if p.edge_ceiling_us is None and deadline - time.perf_counter() > 0:
-            if len(levels[p.key]) > 1:
-                for q in levels[p.key]:
-                    if still_open(q):
-                        bounds[q.key] = max(q.lower_bound_us, fits[q.key].bound_us())
-                        queue.append(q)
-                queue.sort(key=lambda q: bounds[q.key])
-                continue
-        if deadline - time.perf_counter() > 0 and work_used < work_limit and not fits[p.key].tight:
-            # The cheap envelope did not prune it: the whole-block curves may.
-            fits[p.key].tighten()
-            if not still_open(p):
-                continue
-            bounds[p.key] = max(bounds[p.key], fits[p.key].bound_us())
-        wall_left, work_left = deadline - time.perf_counter(), work_limit - work_used
+    def open(self, problems: list[Problem]) -> None:
+        """Queue the problems still open, most promising first: a better incumbent early lets
+        the stage-fit test prune the rest."""
+        self.queue = [p for p in problems if self.still_open(p)]
+        self.bounds = {p.key: max(p.lower_bound_us, self.fits[p.key].bound_us()) for p in self.queue}
+        self.queue.sort(key=lambda p: self.bounds[p.key])
+        self.levels = {p.key: edge_levels(p) for p in self.queue}
+
+    def primal(self) -> None:
+        """A plan near the optimum before CP-SAT (``primal``): shapes that cannot beat it are then
+        refuted in a few hundredths of a work unit instead of being solved to their own optimum."""
+        self.best = _primal_incumbent(self.cm, self.queue, self.levels, self.fits, self.bounds, self.best,
+                                      self.req.gap, self.deadline)
+        self.queue = [p for p in self.queue if self.still_open(p)]
+
+    # ---- one queued problem
+    def step(self, p: Problem) -> None:
+        """Split a whole shape into its ZeRO-edge levels, or tighten its bound, solve it, record
+        the result and take its plan if it is better."""
+        if self._split(p) or not self._tighten(p):
+            return
+        r = self._solve(p)
+        if r is not None:
+            self._record(p, r)
+            self._take(r)
+
+    def _split(self, p: Problem) -> bool:
+        """Queue a whole shape's ZeRO-edge levels (those still open) in its place, if it has
+        several and time is left; True if it did."""
+        if p.edge_ceiling_us is None and self.time_left() and len(self.levels[p.key]) > 1:
+            for q in self.levels[p.key]:
+                if self.still_open(q):
+                    self.bounds[q.key] = max(q.lower_bound_us, self.fits[q.key].bound_us())
+                    self.queue.append(q)
+            self.queue.sort(key=lambda q: self.bounds[q.key])
+            return True
+        return False
+
+    def _tighten(self, p: Problem) -> bool:
+        """The cheap envelope did not prune it: the whole-block curves may (while time and work
+        are left). False if the problem is now settled (and recorded)."""
+        if self.time_left() and self.work_used < self.work_limit and not self.fits[p.key].tight:
+            self.fits[p.key].tighten()
+            if not self.still_open(p):
+                return False
+            self.bounds[p.key] = max(self.bounds[p.key], self.fits[p.key].bound_us())
+        return True
+
+    def _solve(self, p: Problem) -> ShapeResult | None:
+        """CP-SAT on the problem with its share of the work left and the incumbent as its upper
+        bound and hint; None (and its first attempt or "unknown" recorded) once time or work is
+        spent."""
+        wall_left, work_left = self.deadline - time.perf_counter(), self.work_limit - self.work_used
         if wall_left <= 0 or work_left <= 0:
-            results.append(earlier.get(p.key) or ShapeResult(p.shape, "unknown", bounds[p.key]))
-            continue
+            self.results.append(self.earlier.get(p.key) or ShapeResult(p.shape, "unknown", self.bounds[p.key]))
+            return None
+        best, req = self.best, self.req
         hint = best.layout if best is not None and _shape_of(best.layout, req.global_batch) == p.shape else None
-        if hint is None and p.key in earlier:
-            hint = earlier[p.key].layout
+        if hint is None and p.key in self.earlier:
+            hint = self.earlier[p.key].layout
         # Share the work left among the shapes still open, giving the most promising more;
         # a shape that runs out is retried once at the end with whatever work is left.
-        work = work_left if p.key in earlier else min(work_left, max(MIN_WORK, work_left / min(len(queue) + 1, 4)))
+        retry = p.key in self.earlier
+        work = work_left if retry else min(work_left, max(MIN_WORK, work_left / min(len(self.queue) + 1, 4)))
         # The model is the same with or without a gap (CP-SAT's path through it is sensitive to
         # its upper bound: one less than the incumbent either way); with a gap CP-SAT stops once
         # its own bound is within it.
         r = solve_shape(p, upper_bound_us=best.us - 1 if best is not None else None, hint=hint, gap=req.gap,
-                        time_limit_s=wall_left, workers=req.workers, seed=req.seed, fit=fits[p.key],
+                        time_limit_s=wall_left, workers=req.workers, seed=req.seed, fit=self.fits[p.key],
                         work_limit=work)
-        work_used += r.work
-        settled = (r.status == "feasible" and req.gap > 0 and r.objective_us is not None
-                   and r.objective_us - r.bound_us <= req.gap * r.objective_us)  # within the gap asked for
+        self.work_used += r.work
+        return r
+
+    def _record(self, p: Problem, r: ShapeResult) -> None:
+        """Keep the result, or, for a first attempt that ran out of work short of the gap asked
+        for, queue the problem once more (its result kept for the retry)."""
+        gap = self.req.gap
+        settled = (r.status == "feasible" and gap > 0 and r.objective_us is not None
+                   and r.objective_us - r.bound_us <= gap * r.objective_us)  # within the gap asked for
         if r.status in ("feasible", "unknown") and not settled:
-            r.bound_us = max(r.bound_us, bounds[p.key])
-            if p.key not in earlier:
-                earlier[p.key] = r
-                queue.append(p)
+            r.bound_us = max(r.bound_us, self.bounds[p.key])
+            if p.key not in self.earlier:
+                self.earlier[p.key] = r
+                self.queue.append(p)
             else:
-                results.append(r)
+                self.results.append(r)
         else:
-            results.append(r)
+            self.results.append(r)
         log.info("shape %s, edge <= %s us: %s, bound %d us, %.2f s, work %.2f", p.shape, p.edge_ceiling_us, r.status,
                  r.bound_us, r.wall_s, r.work)
-        if r.layout is not None:
-            ev = evaluate_layout(cm, list(zip(r.layout.stage_groups, r.layout.stage_layers)), dp=r.layout.dp,
-                                 tp=r.layout.tp, micro_batch=r.layout.micro_batch,
-                                 num_micro_batches=r.layout.num_micro_batches)
-            if ev.fits and (best is None or ev.step_time_s < best.evaluation.step_time_s):
-                best = Incumbent(r.layout, ev, min(best.us, r.objective_us) if best is not None else r.objective_us)
-                queue = [q for q in queue if still_open(q)]
-    if best is None:
-        if all(r.status == "infeasible" for r in results):
-            raise infeasible_error(cm, uniform, req.global_batch, req.space)
-        raise timeout_error(cm, req)
-    return layout_to_plan(cm, best.layout, global_batch=req.global_batch,
-                          solver=_report(req, best, results, uniform_us, candidates,
-                                         time.perf_counter() - start + uniform.wall_s))
+
+    def _take(self, r: ShapeResult) -> None:
+        """The solver's plan becomes the incumbent if the evaluator finds it fits and faster;
+        then the queue drops what it refutes."""
+        if r.layout is None:
+            return
+        lay, best = r.layout, self.best
+        ev = evaluate_layout(self.cm, list(zip(lay.stage_groups, lay.stage_layers)), dp=lay.dp, tp=lay.tp,
+                             micro_batch=lay.micro_batch, num_micro_batches=lay.num_micro_batches)
+        if ev.fits and (best is None or ev.step_time_s < best.evaluation.step_time_s):
+            self.best = Incumbent(lay, ev, min(best.us, r.objective_us) if best is not None else r.objective_us)
+            self.queue = [q for q in self.queue if self.still_open(q)]
+
+    # ---- read back
+    def plan(self, uniform: UniformResult, start: float) -> Plan:
+        """The incumbent as a plan with the search's report; with none, "does not fit" when every
+        shape is proven infeasible, else SearchTimeout. ``start``: when ``solve_plan`` began."""
+        from partita.search.plans import layout_to_plan, timeout_error
+
+        cm, req, best = self.cm, self.req, self.best
+        if best is None:
+            if all(r.status == "infeasible" for r in self.results):
+                raise infeasible_error(cm, uniform, req.global_batch, req.space)
+            raise timeout_error(cm, req)
+        uniform_us = to_us(uniform.best_eval.step_time_s) if uniform.best_eval is not None else 0
+        report = _report(req, best, self.results, uniform_us, self.candidates,
+                         time.perf_counter() - start + uniform.wall_s)
+        return layout_to_plan(cm, best.layout, global_batch=req.global_batch, solver=report)
 
 
 def _target_us(best: Incumbent, gap: float) -> int:
