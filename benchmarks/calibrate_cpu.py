@@ -40,8 +40,6 @@ import sys
 from pathlib import Path
 
 from partita.cli import main as partita
-from partita.cluster import ClusterSpec
-from partita.model import ModelSpec
 from partita.plan import Plan
 from partita.profile import Profile
 from partita.search.costs.model import CostModel
@@ -78,7 +76,7 @@ def run(args: list[str], quiet: bool = True) -> None:
 
 def predicted(plan_path: Path, profile: Profile | None) -> float:
     plan = Plan.load(plan_path)
-    cm = CostModel(ModelSpec.from_dict(plan.model), ClusterSpec.from_dict(plan.cluster), seq_len=plan.seq_len,
+    cm = CostModel(plan.model_spec, plan.cluster_spec, seq_len=plan.seq_len,
                    dtype=plan.dtype, profiles=(profile,) if profile else ())
     return evaluate_plan(plan, cm).step_time_s
 

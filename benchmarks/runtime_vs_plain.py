@@ -27,7 +27,6 @@ import torch
 import torch.distributed as dist
 
 from partita.cluster import parse_short
-from partita.model import ModelSpec
 from partita.model_io import load_model
 from partita.mesh import Mesh
 from partita.plan import LayerStrategy, Plan, Stage
@@ -59,7 +58,7 @@ def runtime_steps(plan: Plan, cfg: TrainConfig, device: torch.device) -> tuple[l
 
 def plain_steps(plan: Plan, cfg: TrainConfig, device: torch.device) -> tuple[list[float], float]:
     """Wall time of each step, and the process CPU time of the whole loop."""
-    spec = ModelSpec.from_dict(plan.model)
+    spec = plan.model_spec
     model = materialize(build_model(spec), device=device, seed=cfg.seed)
     optimizer = make_optimizer(model, cfg)
     data = TokenSource(cfg.data, vocab=spec.vocab, seq_len=plan.seq_len, global_batch=plan.global_batch, seed=cfg.seed)

@@ -64,12 +64,15 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Mapping
 
 from partita import specio
+from partita.cluster import ClusterSpec, recorded_cluster
 from partita.errors import PartitaError
 from partita.mesh import Mesh
+from partita.model import ModelSpec
 from partita.parallel import CP_VARIANTS, SCHEDULES
 
 SCHEMA_VERSION = 2  # 1: degrees at the top level (``migrate`` reads it)
@@ -377,6 +380,16 @@ class Plan:
     @property
     def world_size(self) -> int:
         return self.mesh.world_size
+
+    @cached_property
+    def model_spec(self) -> ModelSpec:
+        """The model the plan records, as a spec (the file keeps it whole: a plan is self-contained)."""
+        return ModelSpec.from_dict(self.model, where="plan: model")
+
+    @cached_property
+    def cluster_spec(self) -> ClusterSpec:
+        """The cluster the plan records, as a spec with the fingerprint it was planned for."""
+        return recorded_cluster(self.cluster)
 
     def with_mesh(self, **degrees: int) -> "Plan":
         """The same plan with some degrees changed (``with_mesh(dp=80)``)."""

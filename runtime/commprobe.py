@@ -22,7 +22,6 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from partita.cluster import ClusterSpec
 from partita.model import ModelSpec
 from partita.plan import Plan
 from partita.runtime.mesh import Meshes
@@ -36,7 +35,7 @@ ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 def probe_collectives(plan: Plan, meshes: Meshes, device: torch.device) -> list[dict[str, Any]]:
     """Samples ``{"op", "link", "ranks", "message_bytes", "seconds"}`` (every rank calls this)."""
-    spec = ModelSpec.from_dict(plan.model)
+    spec = plan.model_spec
     elem = ELEMENT_BYTES[plan.dtype]
     activation = plan.micro_batch * plan.seq_len * spec.hidden * elem
     block_params = spec.kinds["block"].params // plan.tp * elem
@@ -66,7 +65,7 @@ def _sample(op: str, plan: Plan, ranks: list[int], nbytes: int, seconds: float) 
 
 def link_class(plan: Plan, ranks: list[int]) -> str:
     """The node's own link when every rank is on one node of one group, else the network."""
-    cluster = ClusterSpec.from_dict(plan.cluster)
+    cluster = plan.cluster_spec
     start, nodes = 0, set()
     for g in cluster.groups:
         for r in ranks:
@@ -148,7 +147,7 @@ class OpCounter(TorchDispatchMode):
 
 def probe_op_overhead(plan: Plan, device: torch.device, iterations: int = 20) -> float:
     """``op_overhead_of`` the plan's model."""
-    return op_overhead_of(ModelSpec.from_dict(plan.model), device, iterations)
+    return op_overhead_of(plan.model_spec, device, iterations)
 
 
 def probe_spec(spec: ModelSpec) -> ModelSpec:

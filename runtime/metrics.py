@@ -24,9 +24,7 @@ from typing import Any
 
 import torch
 
-from partita.cluster import ClusterSpec
 from partita.devices import get_device
-from partita.model import ModelSpec
 from partita.plan import Plan
 from partita.units import fmt_bytes
 
@@ -39,7 +37,7 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 def peak_flops(plan: Plan) -> float:
     """Summed dense peak FLOP/s of every rank the plan uses, in the plan's dtype."""
-    cluster = ClusterSpec.from_dict(plan.cluster)
+    cluster = plan.cluster_spec
     return sum(get_device(cluster.group(name).device).peak_tflops(plan.dtype) * 1e12
                for _, name in plan.rank_groups())
 
@@ -132,7 +130,7 @@ def summarize(step_times: list[float], stage_peaks: list[int], memory_kind: str,
     prediction = plan.prediction
     median = statistics.median(timed) if timed else float("nan")
     tokens = plan.global_batch * plan.seq_len
-    flops = ModelSpec.from_dict(plan.model).train_flops_per_token(plan.seq_len) * tokens
+    flops = plan.model_spec.train_flops_per_token(plan.seq_len) * tokens
     peak = peak_flops(plan)
     return RunSummary(
         steps=len(step_times),

@@ -29,9 +29,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
 
-from partita.cluster import ClusterSpec
 from partita.errors import PartitaError
-from partita.model import ModelSpec
 from partita.plan import Plan
 from partita.runtime import checkpoint
 from partita.runtime.data import TokenSource, check_data
@@ -192,7 +190,7 @@ class Trainer:
 
     def __init__(self, plan: Plan, cfg: TrainConfig, *, device: torch.device | None = None) -> None:
         self.plan, self.cfg = plan, cfg
-        self.spec = spec = ModelSpec.from_dict(plan.model)
+        self.spec = spec = plan.model_spec
         # Input no run can train with is refused here, before the first collective (every rank
         # reads the same files, so every rank refuses alike); `partita launch` checked it already.
         check_config(cfg)
@@ -395,7 +393,7 @@ def _gather_summary(step_times: list[float], losses: list[float], plan: Plan, pl
 
 
 def _default_device(plan: Plan) -> torch.device:
-    if ClusterSpec.from_dict(plan.cluster).is_cpu:
+    if plan.cluster_spec.is_cpu:
         return torch.device("cpu")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local_rank)

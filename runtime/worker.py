@@ -34,7 +34,6 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import DeviceMesh  # noqa: E402
 
 from partita.errors import PartitaError  # noqa: E402
-from partita.model import ModelSpec  # noqa: E402
 from partita.plan import Plan  # noqa: E402
 from partita.runtime.launch import add_launch_arguments, check_plan, plan_cluster, train_config  # noqa: E402
 from partita.runtime.data import check_data  # noqa: E402
@@ -88,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         plan = Plan.load(args.plan)
         cluster = plan_cluster(plan)
-        model = ModelSpec.from_dict(plan.model)
+        model = plan.model_spec
         check_plan(plan, model, cluster)
         plan = plan.with_ranks_from_zero()  # torchrun numbers only the ranks the plan uses
         cpu = cluster.is_cpu

@@ -63,12 +63,12 @@ from partita.plan import Plan, SolverReport
 from partita.search.costs.model import CostModel
 from partita.search.cpsat_fit import StageFit
 from partita.search.cpsat_model import PlanModel
-# The problem's names, where the planner's callers and tests have always found them.
-from partita.search.cpsat_problem import (NEVER, LayerTable, Problem, Shape, build_problem, edge_levels,  # noqa: F401
-                                         memory_infeasible, shape_bound_us, shapes, strategies_for)
+from partita.search.cpsat_problem import (NEVER, Problem, Shape, build_problem, edge_levels, memory_infeasible,
+                                         shape_bound_us, shapes)
 from partita.search.evaluate import Evaluation, evaluate_layout
 from partita.search.primal import shape_plans
-from partita.search.uniform import Layout, UniformResult, batch_shares, infeasible_error
+from partita.search.infeasible import infeasible_error
+from partita.search.uniform import Layout, UniformResult, batch_shares
 from partita.units import to_us
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ from partita.search.costs.memory import activation_message_bytes
 from partita.search.costs.model import CostModel
 from partita.search.costs.stage import boundary_gather_s, boundary_s, canonical_order, choice_of, stage_cost_counts
 from partita.search.uniform import (SearchSpace, batch_shares, batch_splits, divisors, hosts, device_price, layer_tp,
-                                    max_stages, sp_choices, stage_sizes, tp_allowed)
+                                    max_stages, sp_choices, stage_sizes, tp_allowed, zero_levels)
 from partita.units import capacity_grains, to_grains, to_us
 
 NEVER = 1 << 61  # the bound of a shape proven to hold no plan at all
@@ -203,7 +203,8 @@ def shapes(cm: CostModel, global_batch: int, space: SearchSpace) -> list[Shape]:
                 continue
             dp = stage_size // tp
             out += [Shape(stage_size, tp, dp, mb, m, uneven=bool(batch_shares(global_batch, dp, mb, m)))
-                    for mb, m in batch_splits(global_batch, dp, space)]
+                    for mb, m in batch_splits(global_batch, dp, space)
+                    if zero_levels(space, global_batch, dp, mb, m)]  # (uneven shares take ZeRO 0/1 only)
     return out
 
 

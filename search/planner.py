@@ -21,7 +21,8 @@ from partita.search.costs.model import CostModel
 from partita.search.evaluate import evaluate_plan
 from partita.search.plans import (SAFETY_WALL_S, SearchTimeout, attach_prediction, interleaved_to_plan, layout_to_plan,
                                   timeout_error)
-from partita.search.uniform import SearchSpace, UniformResult, device_price, infeasible_error, uniform_search
+from partita.search.infeasible import infeasible_error
+from partita.search.uniform import SearchSpace, UniformResult, device_price, uniform_search
 from partita.units import to_us
 
 log = logging.getLogger(__name__)

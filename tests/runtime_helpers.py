@@ -132,7 +132,7 @@ def _reference(plan: Plan, cfg, grad_norms: list[float]) -> tuple[list[float], d
     from partita.runtime.schedule import lm_loss
     from partita.runtime.train import lr_at, make_optimizer
 
-    spec = ModelSpec.from_dict(plan.model)
+    spec = plan.model_spec
     model = materialize(build_model(spec), device="cpu", seed=cfg.seed)
     optimizer = make_optimizer(model, cfg)
     data = TokenSource(cfg.data, vocab=spec.vocab, seq_len=plan.seq_len, global_batch=plan.global_batch, seed=cfg.seed)

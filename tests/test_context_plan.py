@@ -31,7 +31,7 @@ TP2_SP = dict(tensor_parallel=2, sequence_parallel=True)
 
 
 def spec_of(plan: Plan) -> ModelSpec:
-    return ModelSpec.from_dict(plan.model)
+    return plan.model_spec
 
 
 def validate(plan: Plan) -> None:

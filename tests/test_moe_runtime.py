@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 
 from partita.cluster import parse_short  # noqa: E402
 from partita.errors import PartitaError  # noqa: E402
-from partita.model import BUILTIN, ModelSpec  # noqa: E402
+from partita.model import BUILTIN
 from partita.plan import Plan  # noqa: E402
 from partita.runtime.train import TrainConfig  # noqa: E402
 from partita.validate import validate_plan  # noqa: E402
@@ -41,7 +41,7 @@ PLANS = {
 @pytest.mark.parametrize("name", list(PLANS))
 def test_an_expert_parallel_plan_trains_like_one_process(name, tmp_path):
     plan = PLANS[name]
-    validate_plan(plan, ModelSpec.from_dict(plan.model), parse_short("4xcpu"))
+    validate_plan(plan, plan.model_spec, parse_short("4xcpu"))
     cfg = dataclasses.replace(CFG, metrics=str(tmp_path / "metrics.jsonl"))
     losses, params = run_parallel(plan, cfg)
     ref_losses, ref_params = run_reference(plan, cfg)
@@ -108,7 +108,7 @@ def test_all_to_all_bytes_match_the_cost_model(name):
     from partita.search.experts import AllToAllBytes, all_to_all_bytes
 
     plan = PLANS[name]
-    spec = ModelSpec.from_dict(plan.model)
+    spec = plan.model_spec
     cfg = dataclasses.replace(CFG, steps=1)
     counted = run_ranks(_count_rank, plan.world_size, plan.to_dict(), cfg)
     cm = CostModel(spec, parse_short("4xcpu"), seq_len=plan.seq_len, dtype=plan.dtype).at_ep(plan.ep)

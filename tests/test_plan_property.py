@@ -67,6 +67,13 @@ KNOWN = [
     "--model llama-3-8b --cluster 1x8xH100 --seq-len 16384 --global-batch 8 --tp 8 --search uniform",
     "--model llama-3-8b --cluster 2x8xH100 --seq-len 8192 --global-batch 32 --tp 8 --cp 2",
     "--model {gpt530b} --cluster 350x8xA100-80GB --global-batch 1920",
+    # found by the property test: replicas given no rows (micro_batch_sizes with zeros, a plan that
+    # did not load), and a shape with no strategy left (uneven shares under --zero 2 or 3: a traceback)
+    "--model gpt3-175b --cluster 4x4xMI300X+4x8xA100-80GB --global-batch 12 --pp 1 --micro-batch 1 --time-limit 3",
+    "--model gpt2-xl --cluster 3x8xH100+2x8xL40S --global-batch 12 --seq-len 1024 --zero 0,2,3 --time-limit 3",
+    "--model llama-3-8b --cluster 3x8xL40S --global-batch 250 --seq-len 512 --zero 3 --recompute selective "
+    "--no-sequence-parallel --time-limit 3",
+    "--model llama-2-70b --cluster 3x4xL4+3x4xL4+3x4xL4 --global-batch 378 --pp 4 --zero 3 --time-limit 3",
 ]
 
 

@@ -9,7 +9,6 @@ import sys
 import pytest
 
 from partita.cli import main
-from partita.cluster import ClusterSpec
 from partita.model import ModelSpec
 from partita.plan import Plan, StageMemory
 from torch_blocker import BLOCK_TORCH
@@ -35,7 +34,7 @@ def plans(tmp_path_factory):
     stages = tuple(dataclasses.replace(s, layers=tuple(slices[s.index] + slices[PP + s.index]), chunks=(2, 2))
                    for s in p.stages)
     inter = dataclasses.replace(p, stages=stages, schedule="interleaved-1f1b")
-    cluster = ClusterSpec.from_dict(p.cluster)
+    cluster = p.cluster_spec
     cm = CostModel(ModelSpec.from_dict(p.model, where="model"), cluster, seq_len=p.seq_len, dtype=p.dtype)
     attach_prediction(inter, cm).save(d / "interleaved.yaml")
     return {"1f1b": one, "interleaved": d / "interleaved.yaml"}
@@ -201,7 +200,7 @@ def test_run_chart_holds_every_stage_measured_beside_predicted(plans):
     from partita.cli.runchart import predicted_step_parts, run_figure
 
     plan = Plan.load(plans["1f1b"])
-    cluster = ClusterSpec.from_dict(plan.cluster)
+    cluster = plan.cluster_spec
     predicted = predicted_step_parts(plan, cluster)
     for parts in predicted:  # the timeline's boxes and the idle rest add up to the predicted step
         assert sum(parts.parts.values()) == pytest.approx(plan.prediction.step_time_s, rel=0.02)
@@ -230,7 +229,7 @@ def test_run_chart_says_what_was_not_measured_or_predicted(plans):
     from partita.cli.runchart import run_figure
 
     plan = Plan.load(plans["1f1b"])
-    cluster = ClusterSpec.from_dict(plan.cluster)
+    cluster = plan.cluster_spec
     # Stage 1 recorded nothing; stage 0 recorded no phases; no memory report.
     records = [_record(0, r, step, 0.2, phases=False) for r in (0, 1) for step in (1, 2)]
     fig = run_figure(plan, cluster, _summary(plan), records)

@@ -35,7 +35,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from partita.cluster import parse_short  # noqa: E402
-from partita.model import BUILTIN, ModelSpec  # noqa: E402
+from partita.model import BUILTIN
 from partita.plan import Plan, gives_whole  # noqa: E402
 from partita.runtime.train import TrainConfig  # noqa: E402
 from partita.search.costs.model import CostModel  # noqa: E402
@@ -147,7 +147,7 @@ def expected_sends(plan: Plan, stage: int) -> dict[str, int]:
 def predicted_gathers(plan: Plan) -> int:
     """The boundary all-gathers the cost model counts for one step, summed over the pipeline's
     (virtual) stages, per rank of a tensor group (``costs.stage.boundary_gathers``)."""
-    cm = CostModel(ModelSpec.from_dict(plan.model), parse_short(plan.cluster["name"]), seq_len=plan.seq_len)
+    cm = CostModel(plan.model_spec, parse_short(plan.cluster["name"]), seq_len=plan.seq_len)
     chunks = plan.virtual_stage_layers()
     total = 0
     for k, layers in enumerate(chunks):
@@ -185,7 +185,7 @@ def watch(plan: Plan, tmp_path) -> list[dict]:
 @pytest.mark.parametrize("name", list(PLANS))
 def test_a_boundary_carries_the_priced_shards_and_trains_like_one_process(name, tmp_path):
     plan = PLANS[name]
-    spec = ModelSpec.from_dict(plan.model)
+    spec = plan.model_spec
     cm = CostModel(spec, parse_short(plan.cluster["name"]), seq_len=plan.seq_len)
     buffers = {s.index: cost.pipeline_buffers for s, cost in zip(plan.stages, evaluate_plan(plan, cm).stages)}
     shard = plan.micro_batch * (plan.seq_len // plan.boundary_split) * spec.hidden

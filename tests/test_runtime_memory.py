@@ -19,7 +19,6 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from partita.cluster import parse_short  # noqa: E402
-from partita.model import ModelSpec  # noqa: E402
 from partita.plan import Plan  # noqa: E402
 from partita.runtime.train import TrainConfig  # noqa: E402
 from partita.search.costs.model import CostModel  # noqa: E402
@@ -52,7 +51,7 @@ def predicted(plan: Plan) -> dict[int, tuple[str, dict[str, int]]]:
     """The plan's own breakdown per stage (what `partita plan` writes), reserve excluded, and
     the moment it names."""
     cluster = parse_short(plan.cluster["name"])
-    cm = CostModel(ModelSpec.from_dict(plan.model), cluster, seq_len=plan.seq_len, dtype=plan.dtype)
+    cm = CostModel(plan.model_spec, cluster, seq_len=plan.seq_len, dtype=plan.dtype)
     out = {}
     for m in attach_prediction(plan, cm).prediction.memory:
         categories = m.category_bytes()

@@ -45,10 +45,9 @@ def test_tied_embeddings_across_stages_train_like_one_process(plan):
 
 def run_reference_names(plan):
     """The parameter names of one whole model (a tied head's weight is the embedding's)."""
-    from partita.model import ModelSpec
     from partita.runtime.models import build_model
 
-    return build_model(ModelSpec.from_dict(plan.model)).named_parameters()
+    return build_model(plan.model_spec).named_parameters()
 
 
 @pytest.mark.parametrize("plan", [

@@ -138,13 +138,12 @@ def test_zero_bubble_memory_is_measured_near_the_prediction(name):
     calls temporaries (the weight-gradient inputs held from I to W, made in a backward) the
     plan counts with the activations, so only the totals are compared."""
     from partita.cluster import parse_short
-    from partita.model import ModelSpec
     from partita.search.costs.model import CostModel
     from partita.search.plans import attach_prediction
     from runtime_helpers import run_ranks
 
     plan = PLANS[name]
-    cm = CostModel(ModelSpec.from_dict(plan.model), parse_short(plan.cluster["name"]), seq_len=plan.seq_len,
+    cm = CostModel(plan.model_spec, parse_short(plan.cluster["name"]), seq_len=plan.seq_len,
                    dtype=plan.dtype)
     predicted = {m.stage: m.peak_bytes - m.reserve_bytes for m in attach_prediction(plan, cm).prediction.memory}
     for measured in run_ranks(_measured_memory, plan.world_size, plan.to_dict()):

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 from partita import parallel
-from partita.cluster import ClusterSpec, recorded_cluster
+from partita.cluster import ClusterSpec
 from partita.errors import PartitaError
 from partita.model import ModelSpec
 from partita.plan import LayerStrategy, Plan
@@ -316,4 +316,4 @@ def report_lines(ex: Export) -> list[str]:
 def plan_cluster(plan: Plan) -> ClusterSpec:
     """The cluster the plan holds, with the fingerprint it was planned for (as ``partita launch``
     reads it)."""
-    return recorded_cluster(plan.cluster)
+    return plan.cluster_spec
