@@ -1,7 +1,7 @@
 """The analytic profile: one layer's time and memory from its shapes and a device's datasheet.
 
     from partita.devices import get_device
-    from partita.model import load_model
+    from partita.model_io import load_model
     from partita.search.analytic import analytic_profile, layer_cost
     spec = load_model("llama-2-7b")
     cost = layer_cost(spec.kinds["block"], get_device("H100"), tp=2, micro_batch=1, seq_len=4096, dtype="bf16")

@@ -72,7 +72,8 @@ def test_torchtitan_runs_the_ring_with_rotate_alltoall():
     assert "--parallelism.context_parallel_degree 4" in override_line and "rotate" not in override_line
 
 
-def test_torchtitan_exports_an_all_to_all_plan_as_the_ring_and_says_so(tmp_path, capsys, monkeypatch):
+def test_torchtitan_exports_an_all_to_all_plan_as_the_ring_and_says_so(tmp_path, capsys, monkeypatch,
+                                                                      torchtitan_config_manager):
     path = tmp_path / "a2a.yaml"
     cp_plan(variant="all_to_all", zero=1).save(path)
     out = tmp_path / "job.toml"
@@ -83,9 +84,7 @@ def test_torchtitan_exports_an_all_to_all_plan_as_the_ring_and_says_so(tmp_path,
     assert re.search(r"^torchtitan export: +step", text, re.M)
     par = tomllib.loads(out.read_text())["parallelism"]
     assert par["context_parallel_degree"] == 4 and par["data_parallel_shard_degree"] == 2
-    from test_export import _torchtitan_config_manager
-
-    cfg = _torchtitan_config_manager(monkeypatch).ConfigManager().parse_args(["--job.config_file", str(out)])
+    cfg = torchtitan_config_manager().ConfigManager().parse_args(["--job.config_file", str(out)])
     assert cfg.parallelism.context_parallel_degree == 4
     assert cfg.parallelism.context_parallel_rotate_method == "alltoall"
     assert cfg.parallelism.context_parallel_load_balancer == "headtail"  # torchtitan's default, Partita's layout

@@ -11,7 +11,6 @@ import re
 import shlex
 import sys
 import tomllib
-import types
 
 import pytest
 
@@ -107,7 +106,7 @@ def _selective(path, zero: int):
 
 
 def test_selective_recomputation_exports_to_megatron_and_torchtitan_and_the_closest_to_deepspeed(
-        plans, tmp_path, monkeypatch, capsys):
+        plans, tmp_path, monkeypatch, capsys, torchtitan_config_manager):
     model = load_model("llama-3-8b")
     ex = export_plan(_selective(plans["dense"], zero=1), "megatron")
     assert ex.changes == ()
@@ -128,7 +127,7 @@ def test_selective_recomputation_exports_to_megatron_and_torchtitan_and_the_clos
     ac = tomllib.loads(out.read_text())["activation_checkpoint"]
     assert ac == {"mode": "selective", "selective_ac_option": "op"}
     if importlib.util.find_spec("torchtitan") is not None:
-        cfg = _torchtitan_config_manager(monkeypatch).ConfigManager().parse_args(["--job.config_file", str(out)])
+        cfg = torchtitan_config_manager().ConfigManager().parse_args(["--job.config_file", str(out)])
         assert (cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option) == ("selective", "op")
 
     # DeepSpeed recomputes whole blocks or nothing: the closest plan, and the change said
@@ -138,22 +137,8 @@ def test_selective_recomputation_exports_to_megatron_and_torchtitan_and_the_clos
     assert re.search(r"recompute: none on 2, selective on 32 -> (none|full) on", text), text
 
 
-def _torchtitan_config_manager(monkeypatch):
-    """torchtitan's own ConfigManager (0.2.x, the last release that reads a job TOML). The package's
-    __init__ imports its GPU kernels (triton), which a CPU machine lacks; the config modules need
-    torch alone, so they are loaded under the package's own path without running that __init__."""
-    spec = importlib.util.find_spec("torchtitan")
-    if spec is None:
-        pytest.skip("torchtitan not installed (pip install 'torchtitan==0.2.2', the last release that reads TOML)")
-    for name in [n for n in sys.modules if n == "torchtitan" or n.startswith("torchtitan.")]:
-        monkeypatch.delitem(sys.modules, name)
-    package = types.ModuleType("torchtitan")
-    package.__path__ = list(spec.submodule_search_locations)
-    monkeypatch.setitem(sys.modules, "torchtitan", package)
-    return importlib.import_module("torchtitan.config.manager")
-
-
-def test_torchtitan_toml_loads_in_torchtitans_config_manager(plans, tmp_path, monkeypatch):
+def test_torchtitan_toml_loads_in_torchtitans_config_manager(plans, tmp_path, monkeypatch,
+                                                            torchtitan_config_manager):
     out = tmp_path / "job.toml"
     assert main(["export", str(plans["dense"]), "--to", "torchtitan", "-o", str(out)]) == 0
     p = Plan.load(plans["dense"])
@@ -164,7 +149,7 @@ def test_torchtitan_toml_loads_in_torchtitans_config_manager(plans, tmp_path, mo
     names = par["module_fqns_per_model_part"]
     assert names[0][0] == "tok_embeddings" and names[-1][-2:] == ["norm", "output"]
     assert data["training"]["global_batch_size"] == p.global_batch
-    manager = _torchtitan_config_manager(monkeypatch)
+    manager = torchtitan_config_manager()
     cfg = manager.ConfigManager().parse_args(["--job.config_file", str(out)])
     assert cfg.parallelism.tensor_parallel_degree == p.tp and cfg.parallelism.pipeline_parallel_degree == p.pp
     assert cfg.parallelism.module_fqns_per_model_part == names
@@ -241,7 +226,8 @@ def _interleaved(path, v=2):
     return dataclasses.replace(p, stages=stages, schedule="interleaved-1f1b", prediction=None)
 
 
-def test_an_interleaved_plan_exports_its_virtual_stages(plans, tmp_path, capsys, monkeypatch):
+def test_an_interleaved_plan_exports_its_virtual_stages(plans, tmp_path, capsys, monkeypatch,
+                                                       torchtitan_config_manager):
     p = _interleaved(plans["dense"])
     path = tmp_path / "interleaved.yaml"
     p.save(path)
@@ -258,7 +244,7 @@ def test_an_interleaved_plan_exports_its_virtual_stages(plans, tmp_path, capsys,
     assert len(par["module_fqns_per_model_part"]) == p.pp * p.virtual_stages
     assert par["module_fqns_per_model_part"][1][0] == f"layers.{32 // 4}"  # virtual stage 1 sits on rank 1
     if importlib.util.find_spec("torchtitan") is not None:
-        cfg = _torchtitan_config_manager(monkeypatch).ConfigManager().parse_args(
+        cfg = torchtitan_config_manager().ConfigManager().parse_args(
             ["--job.config_file", str(tmp_path / "t.toml")])
         assert cfg.parallelism.pipeline_parallel_schedule == "Interleaved1F1B"
         assert cfg.parallelism.module_fqns_per_model_part == par["module_fqns_per_model_part"]

@@ -209,3 +209,14 @@ def test_no_source_file_over_600_lines():
     sizes = {path: len(path.read_text().splitlines()) for path in modules().values()}
     big = sorted(((n, p) for p, n in sizes.items() if n > MAX_LINES), reverse=True)
     assert not big, f"files over {MAX_LINES} lines:\n" + "\n".join(f"{p.relative_to(root)}: {n}" for n, p in big)
+
+
+def test_no_test_module_imports_another():
+    """Shared helpers live in conftest.py (fixtures) and plain support modules, never in a test
+    module another imports (inside functions too)."""
+    tests = Path(__file__).resolve().parent
+    found = []
+    for path in sorted(tests.glob("test_*.py")):
+        names = imported_names(path, path.stem)
+        found += [f"{path.name} imports {n}" for n in sorted(names) if n.split(".")[0].startswith("test_")]
+    assert not found, "test modules importing test modules:\n  " + "\n  ".join(found)
