@@ -84,6 +84,15 @@ def ep_rule(kind: "LayerKind", ep: int, dp: int) -> str | None:
     return None
 
 
+def ep_shares_rule(ep: int, counts: Iterable[int], sizes: Iterable[int]) -> str | None:
+    """Why replicas with these micro-batch counts and sizes cannot run expert parallelism of
+    degree ``ep``, or None: an ep group's all-to-alls pair its ranks' micro-batches one by one."""
+    if ep > 1 and (len(set(counts)) > 1 or len(set(sizes)) > 1):
+        return (f"expert parallelism (ep {ep}) needs equal batch shares on every replica: the ep group's "
+                "all-to-alls pair their micro-batches; use equal shares or ep 1")
+    return None
+
+
 def sequence_parallel_rule(tokens: int, tp: int) -> str | None:
     """Why sequence parallelism cannot split a rank's ``tokens`` of each sequence (seq_len / cp)
     ``tp`` ways, or None."""

@@ -70,9 +70,9 @@ def _check_expert_parallel(plan: Plan, model: ModelSpec) -> None:
     if plan.mixed_replicas:
         raise PartitaError(f"expert parallelism (ep {plan.ep}) with replicas on different node groups "
                            "(replica_groups) is not supported; use ep 1 or one node group per stage")
-    if len(set(plan.replica_micro_batches())) > 1 or len(set(plan.replica_micro_batch_sizes())) > 1:
-        raise PartitaError(f"expert parallelism (ep {plan.ep}) needs equal batch shares on every replica: the ep "
-                           "group's all-to-alls pair their micro-batches; use equal shares or ep 1")
+    why = parallel.ep_shares_rule(plan.ep, plan.replica_micro_batches(), plan.replica_micro_batch_sizes())
+    if why:
+        raise PartitaError(why)
 
 
 def _check_runtime_limits(plan: Plan, model: ModelSpec) -> None:

@@ -90,7 +90,7 @@ def no_layout_message(cm: CostModel, global_batch: int, space: SearchSpace) -> s
                           ("--micro-batch", dataclasses.replace(space, micro_batches=None))):
         given = getattr(space, {"--tp": "tensor_parallel", "--pp": "pipeline", "--micro-batch": "micro_batches"}[flag])
         if given and next(grid(cm, global_batch, relaxed), None) is not None:
-            return (f"{where} meets {flag} {_csv(given)}: every stage has dp x tp ranks inside one node group, "
+            return (f"{where} meets {flag} {_csv(given)}: every stage has dp x cp x tp ranks inside one node group, "
                     f"the pipeline needs a micro-batch per stage, and dp x micro-batch must divide the global batch; "
                     f"widen {flag} or drop it")
     if space.tensor_parallel or space.pipeline or space.micro_batches:

@@ -287,9 +287,12 @@ def dimension_options(req: PlanRequest, cm: CostModel) -> list[Dimensions]:
 def _option_space(req: PlanRequest, opt: Dimensions) -> SearchSpace | None:
     """The search space at one value (None: nothing to search). A mixture-of-experts block
     recomputes all or nothing (``validate``: selective recomputation of routed experts is not
-    priced); under cp the tensor-parallel degrees the variant can split (``_cp_space``)."""
+    priced), and under expert parallelism every replica runs the same micro-batches
+    (``parallel.ep_shares_rule``); under cp the tensor-parallel degrees the variant can split
+    (``_cp_space``)."""
     if req.model.is_moe:
-        return dataclasses.replace(req.space, recompute=tuple(r for r in req.space.recompute if r != "selective"))
+        return dataclasses.replace(req.space, recompute=tuple(r for r in req.space.recompute if r != "selective"),
+                                   even_shares=opt.ep > 1)
     return _cp_space(req, opt.cp, opt.variant)
 
 

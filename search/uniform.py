@@ -40,6 +40,9 @@ class SearchSpace:
     # The pipeline schedules a plan may run (``parallel.SCHEDULES``); empty: any the model trains
     # under. The grid and CP-SAT price 1F1B; the others come from the interleaved pass.
     schedules: tuple[str, ...] = ()
+    # Every replica the same micro-batch count and size (``parallel.ep_shares_rule``: expert
+    # parallelism pairs its ranks' all-to-alls micro-batch by micro-batch).
+    even_shares: bool = False
     # The most the devices a plan runs on may cost, in micro-dollars per hour (``device_price``);
     # None: no bound. The cost objective (``planner.make_plan``) walks the time/price frontier with it.
     price_cap: int | None = None
@@ -265,8 +268,10 @@ def batch_splits(global_batch: int, dp: int, space: SearchSpace) -> list[tuple[i
         per_replica = global_batch // dp
         mbs = space.micro_batches or tuple(d for d in divisors(per_replica) if d <= MAX_MICRO_BATCH)
         even = [(mb, per_replica // mb) for mb in mbs if per_replica % mb == 0]
-        if even:
+        if even or space.even_shares:
             return even
+    if space.even_shares:
+        return []
     mbs = space.micro_batches or tuple(d for d in divisors(global_batch) if d <= MAX_MICRO_BATCH)
     out = [(mb, -(-(global_batch // mb) // dp)) for mb in mbs
            if global_batch % mb == 0 and (global_batch // mb) % dp and global_batch // mb >= dp]

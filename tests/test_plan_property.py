@@ -74,6 +74,8 @@ KNOWN = [
     "--model llama-3-8b --cluster 3x8xL40S --global-batch 250 --seq-len 512 --zero 3 --recompute selective "
     "--no-sequence-parallel --time-limit 3",
     "--model llama-2-70b --cluster 3x4xL4+3x4xL4+3x4xL4 --global-batch 378 --pp 4 --zero 3 --time-limit 3",
+    # and expert parallelism proposed on replicas of unequal shares, which the validator refuses
+    "--model mixtral-8x7b --cluster 2x4xL4+7x8xH200+7x8xH200 --global-batch 1920 --micro-batch 2,4,8 --time-limit 3",
 ]
 
 

@@ -335,7 +335,7 @@ def idle_devices_note(p: Plan, model: ModelSpec, cluster: ClusterSpec, *, cm: "C
         if most < cap:
             limits = " within the --tp/--pp/--micro-batch limits" if (space.tensor_parallel or space.pipeline
                                                                           or space.micro_batches) else ""
-            reasons.append(f"stages have equal widths of dp x tp ranks that divide the node groups they sit on, "
+            reasons.append(f"stages have equal widths of dp x cp x tp ranks that divide the node groups they sit on, "
                            f"and at most one stage per block and per micro-batch{limits}: no plan shape uses more "
                            f"than {most:,}")
         if used < most:
