@@ -27,9 +27,10 @@ def validate_plan(plan: Plan, model: ModelSpec, cluster: ClusterSpec) -> None:
 
 
 def _check_context_parallel(plan: Plan, model: ModelSpec, cluster: ClusterSpec) -> None:
-    """Context parallelism: the limits of its variant for every layer (``parallel.cp_rule``),
-    the ring on CUDA ranks only, sequence parallelism on each rank's shard. (With replicas on
-    different node groups it is refused in ``_check_degrees``: not priced, not run.)"""
+    """Context parallelism: the limits of its variant for every layer (``parallel.cp_rule``) and
+    the ring on CUDA ranks only; sequence parallelism on each rank's shard is
+    ``_check_runtime_limits``'s. (With replicas on different node groups it is refused in
+    ``_check_degrees``: not priced, not run.)"""
     if plan.cp == 1:
         return
     for l in plan.layer_strategies():
@@ -40,10 +41,6 @@ def _check_context_parallel(plan: Plan, model: ModelSpec, cluster: ClusterSpec) 
     if plan.cp_variant == "ring" and any(cluster.group(s.group).device_type.is_cpu for s in plan.stages):
         raise PartitaError("ring context parallelism (torch's context_parallel) runs on CUDA ranks only; use "
                            "cp_variant all_to_all on CPU ranks")
-    sp = [l for l in plan.layer_strategies() if l.sequence_parallel]
-    why = parallel.sequence_parallel_rule(plan.seq_len // plan.cp, plan.tp) if sp else None
-    if why:
-        raise PartitaError(f"{why} (seq_len {plan.seq_len} / cp {plan.cp})")
 
 
 def _check_expert_parallel(plan: Plan, model: ModelSpec) -> None:
@@ -81,9 +78,10 @@ def _check_runtime_limits(plan: Plan, model: ModelSpec) -> None:
                                         ((l.name, l.zero, l.recompute) for l in plan.layer_strategies()))
     if why:
         raise PartitaError(why)
-    if any(l.sequence_parallel for l in plan.layer_strategies()) and plan.seq_len % plan.tp:
-        raise PartitaError(f"sequence parallelism splits the sequence {plan.tp} ways; seq_len {plan.seq_len} is not "
-                           f"divisible by tp {plan.tp}")
+    why = (parallel.sequence_parallel_rule(plan.seq_len // plan.cp, plan.tp)
+           if any(l.sequence_parallel for l in plan.layer_strategies()) else None)
+    if why:
+        raise PartitaError(f"{why} (seq_len {plan.seq_len} / cp {plan.cp})")
     if model.tie_embeddings:
         # Across pipeline stages the runtime keeps a copy on the last stage and sums the two
         # copies' gradients (runtime/tied.py): both need the same shards.

@@ -229,9 +229,9 @@ def grid(cm: CostModel, global_batch: int, space: SearchSpace) -> Iterator[tuple
 
 
 def sp_choices(cm: CostModel, tp: int, space: SearchSpace) -> tuple[bool, ...]:
-    """Sequence parallelism needs tp > 1 and a sequence that splits tp ways evenly (the runtime
-    stitches equal shards back; partita.validate checks the same)."""
-    return space.sequence_parallel if tp > 1 and cm.seq_len % tp == 0 else (False,)
+    """Sequence parallelism needs tp > 1 and the tokens a rank holds to split tp ways evenly
+    (``parallel.sequence_parallel_rule``, which the validator asks too)."""
+    return space.sequence_parallel if tp > 1 and parallel.sequence_parallel_rule(cm.seq_len, tp) is None else (False,)
 
 
 def max_stages(cm: CostModel, fewest_micro_batches: int) -> int:
