@@ -93,11 +93,11 @@ def ep_shares_rule(ep: int, counts: Iterable[int], sizes: Iterable[int]) -> str 
     return None
 
 
-def sequence_parallel_rule(tokens: int, tp: int) -> str | None:
+def sequence_parallel_rule(tokens: int, tp: int, *, what: str = "each rank's tokens") -> str | None:
     """Why sequence parallelism cannot split a rank's ``tokens`` of each sequence (seq_len / cp)
-    ``tp`` ways, or None."""
+    ``tp`` ways, or None; ``what`` names the tokens in the message (``seq_len`` without cp)."""
     if tp > 1 and tokens % tp:
-        return f"sequence parallelism splits each rank's {tokens} tokens {tp} ways: not divisible by tp {tp}"
+        return f"sequence parallelism splits {what} {tp} ways; {what} {tokens} is not divisible by tp {tp}"
     return None
 
 

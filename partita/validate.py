@@ -78,10 +78,11 @@ def _check_runtime_limits(plan: Plan, model: ModelSpec) -> None:
                                         ((l.name, l.zero, l.recompute) for l in plan.layer_strategies()))
     if why:
         raise PartitaError(why)
-    why = (parallel.sequence_parallel_rule(plan.seq_len // plan.cp, plan.tp)
+    what = "seq_len" if plan.cp == 1 else f"each rank's tokens (seq_len {plan.seq_len} / cp {plan.cp})"
+    why = (parallel.sequence_parallel_rule(plan.seq_len // plan.cp, plan.tp, what=what)
            if any(l.sequence_parallel for l in plan.layer_strategies()) else None)
     if why:
-        raise PartitaError(f"{why} (seq_len {plan.seq_len} / cp {plan.cp})")
+        raise PartitaError(why)
     if model.tie_embeddings:
         # Across pipeline stages the runtime keeps a copy on the last stage and sums the two
         # copies' gradients (runtime/tied.py): both need the same shards.
