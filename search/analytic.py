@@ -185,9 +185,11 @@ def backward_only_kernels(kind: LayerKind, sh: Shard) -> list[tuple[str, float]]
 
 # ---- attention --------------------------------------------------------------------------------
 # How a block computes softmax(q k^T) v: a fused kernel ("sdpa", the runtime's; "flash2",
-# FlashAttention-2: ``roofline.ATTENTION_KERNELS``), or "unfused" as Megatron-LM did before fused
-# attention (its SC'21 runs; Megatron-DeepSpeed's BLOOM): ``unfused_attention_time_s``.
-ATTENTION = ("sdpa", "flash2", "unfused")
+# FlashAttention-2; "cudnn", cuDNN's fused attention; "flash3", FlashAttention-3:
+# ``roofline.ATTENTION_KERNELS``, each by its throughput curve by sequence length), or "unfused"
+# as Megatron-LM did before fused attention (its SC'21 runs; Megatron-DeepSpeed's BLOOM):
+# ``unfused_attention_time_s``.
+ATTENTION = ("sdpa", "flash2", "cudnn", "flash3", "unfused")
 
 
 def unfused_attention_time_s(dev: DeviceType, sh: Shard, dtype: str) -> tuple[float, float]:

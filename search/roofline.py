@@ -32,7 +32,7 @@ Usage::
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Union
 
 import numpy as np
@@ -154,16 +154,82 @@ def cpu_adam_s(params: float, bandwidth_gbps: float) -> float:
 # Flash attention's backward runs five block products to the forward's two.
 ATTENTION_BWD_FLOPS_RATIO = 2.5
 
-# The fused attention kernels. "sdpa" is what the curves above were fitted on: torch's
-# scaled_dot_product_attention on an H200 (torch 2.11), a Hopper-native kernel (600 TFLOP/s
-# forward at long sequences). "flash2" is FlashAttention-2, the kernel SDPA dispatched on H100
-# in 2024-2025 (torchtitan#1042: "it dispatches SDPBackend.FLASH_ATTENTION" on H100, and cuDNN's
-# Hopper kernel was ~10 % faster end to end on Llama 3 8B at seq 8192). It is written for Ampere's
-# tensor-core instructions: on A100 it reaches 50-73 % of peak (Dao 2023, arXiv:2307.08691), what
-# the curves give there; on Hopper "only 35 % utilization" (Shah et al. 2024, FlashAttention-3,
-# arXiv:2407.08608, abstract), so on Hopper its efficiency is capped at that.
-ATTENTION_KERNELS = ("sdpa", "flash2")
-FLASH2_HOPPER_EFFICIENCY = 0.35
+# ---- fused attention by sequence length (issue 23, item 3) ----------------------------------
+# A fused attention kernel's achieved throughput depends on the sequence length (its tiles, the
+# causal mask's partly filled blocks, the softmax between the products) far more than on the
+# FLOP count alone, and on Hopper at head dim 128 it stays far below the matmul peak: the
+# forward at most ~0.62, the backward ~0.57 of 989 TFLOP/s for the best kernel, FlashAttention-2
+# about a third. Each kernel below is a curve of achieved TFLOP/s by sequence length, forward and
+# backward apart, read from Shah et al. 2024 ("FlashAttention-3: Fast and Accurate Attention with
+# Asynchrony and Low-precision", arXiv:2407.08608, Figures 5 and 6: H100 80GB SXM5, bf16, head
+# dim 128, batch x seq = 16k tokens, 16 heads; FlashAttention-2, cuDNN and FlashAttention-3
+# bars). The paper shows the backward without the causal mask only; the causal backward is taken
+# at the same fraction of the full one as the causal forward is of the full forward at that
+# length (0.62-0.95), i.e. the mask costs the backward what it costs the forward. Efficiency =
+# TFLOP/s / 989 (H100 SXM5 dense bf16), applied to the device's peak; log-linear in the sequence
+# length between the points, flat beyond them (from 8k to 16k every kernel gains 0-2 %: the
+# curves have saturated). FLOPs are counted as the paper counts them: forward 4 b h s^2 d
+# (halved when causal), backward 2.5 x the forward.
+ATTENTION_TABLE_SEQ = (512, 1024, 2048, 4096, 8192, 16384)
+H100_SXM_BF16_TFLOPS = 989.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttentionTable:
+    """A fused attention kernel's achieved TFLOP/s at ``ATTENTION_TABLE_SEQ`` on an H100 SXM5."""
+
+    forward_full: tuple[float, ...]
+    forward_causal: tuple[float, ...]
+    backward_full: tuple[float, ...]
+
+    def efficiency(self, seq: int, *, causal: bool, backward: bool) -> float:
+        """Fraction of the dense bf16 peak the kernel reaches at ``seq`` tokens."""
+        fwd = self.forward_causal if causal else self.forward_full
+        tflops = np.asarray(fwd, dtype=float)
+        if backward:
+            tflops = np.asarray(self.backward_full, dtype=float)
+            if causal:
+                tflops = tflops * np.asarray(self.forward_causal) / np.asarray(self.forward_full)
+        x = np.log2(np.clip(seq, ATTENTION_TABLE_SEQ[0], ATTENTION_TABLE_SEQ[-1]))
+        return float(np.interp(x, np.log2(ATTENTION_TABLE_SEQ), tflops)) / H100_SXM_BF16_TFLOPS
+
+
+# FlashAttention-3 paper, Fig. 5 (forward, head dim 128, without and with the causal mask) and
+# Fig. 6 (backward, head dim 128), H100 80GB SXM5, TFLOP/s at 512, 1k, 2k, 4k, 8k, 16k tokens.
+# "flash2": FlashAttention-2, the kernel torch's SDPA dispatched on H100 in 2024-25 (torchtitan#1042:
+# "it dispatches SDPBackend.FLASH_ATTENTION"); written for Ampere's instructions, it reaches
+# "only 35 % utilization" on H100 (the paper's abstract). "cudnn": cuDNN's fused attention
+# (Transformer Engine's default, torch's SDPBackend.CUDNN_ATTENTION). "flash3": FlashAttention-3.
+HOPPER_ATTENTION = {
+    "flash2": AttentionTable(forward_full=(309, 350, 362, 368, 370, 370),
+                             forward_causal=(191, 260, 298, 319, 333, 335),
+                             backward_full=(214, 260, 291, 310, 318, 322)),
+    "cudnn": AttentionTable(forward_full=(497, 574, 617, 609, 600, 595),
+                            forward_causal=(315, 410, 484, 518, 529, 539),
+                            backward_full=(305, 408, 465, 499, 518, 516)),
+    "flash3": AttentionTable(forward_full=(467, 565, 625, 638, 646, 648),
+                             forward_causal=(292, 423, 521, 579, 602, 616),
+                             backward_full=(316, 424, 501, 542, 559, 561)),
+}
+# The published figures include every byte the kernels move: no memory term. The floors are the
+# H200 SDPA curves' (the host dispatching one eager call, and autograd its backward, to an idle
+# GPU), blended by a plain soft maximum.
+ATTENTION_TABLE_SHARPNESS = 2.0
+
+# "sdpa" is what the fitted curves above measured: torch 2.11's scaled_dot_product_attention on an
+# H200, a Hopper-native kernel (causal forward 574-617 TFLOP/s at 8k tokens, as FlashAttention-3's
+# 602; backward 469-495, FlashAttention-3's causal backward by the rule above is 520). The data
+# stop at 8192 tokens, and the curves' asymptotes (0.717 and 0.588 of peak, 709 and 582 TFLOP/s)
+# lie above every published Hopper kernel's long-sequence rate, so past 8192 tokens the kernel is
+# held at the rate it reaches at 8192 with the same batch and heads (the published kernels gain
+# 0-2 % from 8k to 16k): the time grows with the FLOPs, s^2.
+SDPA_MEASURED_SEQ = 8192
+
+# On a non-Hopper part "flash2" and "cudnn" are priced by the fitted curves, which transfer by
+# peak (FlashAttention-2 reaches 50-73 % of A100's peak, Dao 2023, arXiv:2307.08691); "flash3"
+# runs on Hopper only.
+ATTENTION_KERNELS = ("sdpa", "flash2", "cudnn", "flash3")
+HOPPER_ONLY_KERNELS = ("flash3",)
 HOPPER_PREFIXES = ("H100", "H200", "GH200")  # catalog names (and variants of them) of Hopper parts
 
 
@@ -218,17 +284,33 @@ def attention_flops_bytes(batch: int, heads: int, seq: int, head_dim: int, *, ca
 def attention_time_s(dev: DeviceType, batch: int, heads: int, seq: int, head_dim: int, *,
                      causal: bool = True, dtype: str = "bf16", kernel: str = "sdpa") -> tuple[float, float]:
     """(forward, backward) seconds of fused (flash / SDPA) attention over ``heads`` query heads;
-    ``kernel`` one of ``ATTENTION_KERNELS``."""
+    ``kernel`` one of ``ATTENTION_KERNELS``: on Hopper the published kernels by their curves of
+    throughput by sequence length (``HOPPER_ATTENTION``), "sdpa" by the H200 fit (held at its
+    8192-token rate beyond; ``SDPA_MEASURED_SEQ``)."""
     _check_positive(batch=batch, heads=heads, seq=seq, head_dim=head_dim)
     if kernel not in ATTENTION_KERNELS:
         raise PartitaError(f"unknown fused attention kernel {kernel!r}; valid: {', '.join(ATTENTION_KERNELS)}")
+    hopper = is_hopper(dev)
+    if kernel in HOPPER_ONLY_KERNELS and not hopper and not dev.is_cpu:
+        raise PartitaError(f"attention kernel {kernel!r} runs on Hopper GPUs only, not on {dev.name}; "
+                           f"valid there: {', '.join(k for k in ATTENTION_KERNELS if k not in HOPPER_ONLY_KERNELS)}")
     flops, nbytes = attention_flops_bytes(batch, heads, seq, head_dim, causal=causal, dtype=dtype)
-    fwd_curve, bwd_curve = ATTENTION_FWD_CURVE, ATTENTION_BWD_CURVE
-    if kernel == "flash2" and is_hopper(dev):
-        fwd_curve = replace(fwd_curve, efficiency=min(fwd_curve.efficiency, FLASH2_HOPPER_EFFICIENCY))
-        bwd_curve = replace(bwd_curve, efficiency=min(bwd_curve.efficiency, FLASH2_HOPPER_EFFICIENCY))
-    forward = _time_s(fwd_curve, dev, flops, nbytes, dtype)
-    backward = _time_s(bwd_curve, dev, ATTENTION_BWD_FLOPS_RATIO * flops, 2.0 * nbytes, dtype)
+    if kernel in HOPPER_ATTENTION and hopper:
+        table = HOPPER_ATTENTION[kernel]
+        times = []
+        for backward, base, work in ((False, ATTENTION_FWD_CURVE, flops),
+                                     (True, ATTENTION_BWD_CURVE, ATTENTION_BWD_FLOPS_RATIO * flops)):
+            curve = KernelCurve(floor_s=base.floor_s, efficiency=table.efficiency(seq, causal=causal, backward=backward),
+                                memory_weight=0.0, sharpness=ATTENTION_TABLE_SHARPNESS)
+            times.append(_time_s(curve, dev, work, 0.0, dtype))
+        return times[0], times[1]
+    if seq > SDPA_MEASURED_SEQ and not dev.is_cpu:
+        forward, backward = attention_time_s(dev, batch, heads, SDPA_MEASURED_SEQ, head_dim, causal=causal,
+                                             dtype=dtype, kernel="sdpa")
+        grow = (seq / SDPA_MEASURED_SEQ) ** 2
+        return forward * grow, backward * grow
+    forward = _time_s(ATTENTION_FWD_CURVE, dev, flops, nbytes, dtype)
+    backward = _time_s(ATTENTION_BWD_CURVE, dev, ATTENTION_BWD_FLOPS_RATIO * flops, 2.0 * nbytes, dtype)
     return forward, backward
 
 
