@@ -169,6 +169,25 @@ def summary(label: str, gemm: GemmPoints, attn: AttentionPoints, gemm_curve: Ker
     print()
 
 
+def print_attention_by_length(attn: AttentionPoints) -> None:
+    """The measured SDPA kernel's causal throughput by sequence length (its best batch x heads at
+    each length) beside the published Hopper kernels' curves that ``roofline.HOPPER_ATTENTION``
+    prices (FlashAttention-3 paper, H100 SXM5; the causal backward by its rule)."""
+    kernels = list(roofline.HOPPER_ATTENTION)
+    print("Attention by sequence length, causal, TFLOP/s (SDPA: H200 measured, best batch x heads; others: curves)")
+    print(f"{'seq':>6} {'sdpa fwd':>9} {'sdpa bwd':>9}  " + "  ".join(f"{k + ' fwd':>11} {k + ' bwd':>11}" for k in kernels))
+    for seq in sorted(set(attn.shapes[:, 2])):
+        at = attn.shapes[:, 2] == seq
+        fwd = attn.flops[at] / attn.forward_s[at]
+        bwd = roofline.ATTENTION_BWD_FLOPS_RATIO * attn.flops[at] / (attn.forward_backward_s[at] - attn.forward_s[at])
+        curves = "  ".join(
+            f"{roofline.HOPPER_ATTENTION[k].efficiency(int(seq), causal=True, backward=False) * H200_PEAK_FLOPS / 1e12:11.0f} "
+            f"{roofline.HOPPER_ATTENTION[k].efficiency(int(seq), causal=True, backward=True) * H200_PEAK_FLOPS / 1e12:11.0f}"
+            for k in kernels)
+        print(f"{seq:6.0f} {fwd.max() / 1e12:9.0f} {bwd.max() / 1e12:9.0f}  {curves}")
+    print()
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("data", nargs="?", type=Path, default=DEFAULT_DATA,
@@ -179,6 +198,7 @@ def main(argv: list[str] | None = None) -> None:
 
     gemm_curve, fwd_curve, bwd_curve = fit(gemm, attn)
     print_tables(gemm, attn, gemm_curve, fwd_curve, bwd_curve)
+    print_attention_by_length(attn)
     summary("fitted now", gemm, attn, gemm_curve, fwd_curve, bwd_curve)
     summary("committed in roofline.py", gemm, attn, roofline.GEMM_CURVE, roofline.ATTENTION_FWD_CURVE,
             roofline.ATTENTION_BWD_CURVE)

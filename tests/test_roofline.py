@@ -74,6 +74,26 @@ def test_calibration_script_refits_the_committed_constants():
             assert getattr(new, field) == pytest.approx(getattr(old, field), rel=0.01), field
 
 
+@needs_h200_data
+def test_the_measured_hopper_kernel_lies_among_the_published_curves_from_2k_tokens():
+    """torch 2.11's SDPA on the H200 (best batch x heads at each length, causal) runs between
+    cuDNN's and FlashAttention-3's published curves, backward included: the rule that prices the
+    causal backward (the causal forward's fraction of the full one) agrees with the one measured."""
+    by_seq: dict[int, tuple[float, float]] = {}
+    for r in _rows("attn.jsonl"):
+        flops = 4 * r["b"] * r["heads"] * r["seq"] ** 2 * r["head_dim"] / 2
+        fwd, bwd = flops / r["fwd_s"], 2.5 * flops / (r["fwd_bwd_s"] - r["fwd_s"])
+        best = by_seq.get(r["seq"], (0.0, 0.0))
+        by_seq[r["seq"]] = (max(best[0], fwd), max(best[1], bwd))
+    for seq, (fwd, bwd) in by_seq.items():
+        if seq < 2048:
+            continue
+        for backward, measured in ((False, fwd), (True, bwd)):
+            low, high = (roofline.HOPPER_ATTENTION[k].efficiency(seq, causal=True, backward=backward) * 989e12
+                         for k in ("cudnn", "flash3"))
+            assert 0.95 * low < measured < 1.1 * high, (seq, backward)
+
+
 # ---- shape of the curve -------------------------------------------------------------------
 def test_small_gemms_reach_a_fraction_of_peak_and_large_ones_most_of_it():
     h200 = get_device("H200")
