@@ -123,7 +123,7 @@ def evaluate_interleaved(cm: CostModel, stages: Sequence[tuple[NodeGroup, Sequen
     for i, (group, chunks) in enumerate(stages):
         nexts = _next_groups(schedule, groups, i, v)
         cost = interleaved_stage_cost(cm, group, chunks, stage=i, pp=pp, dp=dp, tp=tp, micro_batch=micro_batch,
-                                      num_micro_batches=num_micro_batches, next_groups=nexts)
+                                      num_micro_batches=num_micro_batches, next_groups=nexts, schedule=schedule)
         # The V's turn stays on the rank: its transfers, priced as a send, are taken off (the
         # shards it hands over are still gathered where its end layers take whole hidden states).
         if schedule == "zbv" and i == pp - 1:

@@ -209,3 +209,60 @@ def pending_weight_grads(schedule: str, rank: int, pp: int, m: int) -> int:
     if schedule == "zbv":
         return 2 * rank + 1
     return 0
+
+
+def chunk_in_flight(schedule: str, rank: int, pp: int, v: int, m: int) -> tuple[int, ...]:
+    """The most (stage, micro-batch) pairs of each of rank ``rank``'s virtual stages (its
+    chunk c = torch's stage r + c pp, under ZB-V c = 0, 1 for r and 2 pp - 1 - r) that it holds
+    at once; together never more than ``in_flight_chunks``, each at most m. The memory model
+    charges every in-flight pair at its own chunk's activations (``costs.stage.held_bytes``):
+    the head's logits only for the pairs of the chunk that holds it.
+
+    * interleaved 1F1B: counted on torch's order (``interleaved_1f1b_order``): (v - 1) k + 2
+      (pp - rank - 1) warm-up forwards, chunk (f // k) mod v for forward f, then a forward and a
+      backward in turn, the backwards from chunk v - 1 down, k at a time. The last rank's last
+      chunk (the head's) holds one: each of its forwards is followed by that backward;
+    * interleaved zero-bubble: the last chunk min(k, pp), the others m;
+    * ZB-V: chunk 0 min(m, 2 pp - rank), chunk 1 (the V's way back; rank 0's holds the head)
+      rank + 1.
+
+    tests/test_schedules.py holds these against torch's own action lists."""
+    _, k = rounds(pp, m)
+    if schedule == "interleaved-1f1b":
+        return _count_chunks(interleaved_1f1b_order(rank, pp, v, m), v)
+    if schedule == "interleaved-zb":
+        return tuple(min(k, pp) if c == v - 1 else m for c in range(v))
+    if schedule == "zbv":
+        return min(m, 2 * pp - rank), min(m, rank + 1)
+    if schedule == "1f1b":
+        return (min(pp - rank, m),)
+    raise PartitaError(f"no in-flight count for {schedule!r}")
+
+
+def interleaved_1f1b_order(rank: int, pp: int, v: int, m: int) -> tuple[tuple[str, int], ...]:
+    """Rank ``rank``'s (kind, chunk) actions under torch's ``ScheduleInterleaved1F1B``, in
+    order: its warm-up forwards, then forward and backward in turn, then the cool-down
+    backwards (``in_flight_chunks``' count: the warm-up and one more forward)."""
+    _, k = rounds(pp, m)
+    total = m * v
+    warm = min((v - 1) * k + 2 * (pp - rank - 1), total)
+    out: list[tuple[str, int]] = []
+    f = b = 0
+    while f < warm:
+        out.append(("F", (f // k) % v))
+        f += 1
+    while f < total or b < total:
+        if f < total:
+            out.append(("F", (f // k) % v))
+            f += 1
+        out.append(("B", v - 1 - (b // k) % v))
+        b += 1
+    return tuple(out)
+
+
+def _count_chunks(order: Sequence[tuple[str, int]], v: int) -> tuple[int, ...]:
+    held, most = [0] * v, [0] * v
+    for kind, c in order:
+        held[c] += 1 if kind == "F" else -1
+        most[c] = max(most[c], held[c])
+    return tuple(most)

@@ -10,7 +10,7 @@ import pytest
 from partita.errors import PartitaError
 from partita.parallel import schedule_layers_rule as check_layers, schedule_rule as check
 from partita.runtime.actions import torch_actions
-from partita.search.schedules import closed_form_s, in_flight_chunks, pending_weight_grads, simulate
+from partita.search.schedules import chunk_in_flight, closed_form_s, in_flight_chunks, pending_weight_grads, simulate
 
 pytest.importorskip("torch")
 
@@ -288,3 +288,43 @@ def test_optimal_says_what_it_proves():
                                     space=SearchSpace(pipeline=(1,))))
     assert flat.solver.status == "optimal" and flat.solver.proven_among == ""
     assert "proven_among" not in flat.solver.to_dict()
+
+
+def _held_per_chunk(schedule: str, acts, pp: int, v: int) -> list[tuple[int, ...]]:
+    """Each rank's most in-flight pairs of each of its virtual stages at once, on torch's lists
+    (a forward holds one until its whole backward B, or its weight gradient W)."""
+    out = []
+    for r, row in enumerate(acts):
+        stages = stages_of_rank(schedule, r, pp, v)
+        held, most = dict.fromkeys(stages, 0), dict.fromkeys(stages, 0)
+        for a in row:
+            if a.kind == "F":
+                held[a.stage] += 1
+                most[a.stage] = max(most[a.stage], held[a.stage])
+            elif a.kind in ("B", "W"):
+                held[a.stage] -= 1
+        out.append(tuple(most[s] for s in stages))
+    return out
+
+
+CHUNK_GRID = [(s, pp, v, m) for s in ("interleaved-1f1b", "interleaved-zb", "zbv") for pp in (2, 3, 4, 8)
+              for v in (2, 3, 4) for m in (2, 4, 6, 8, 12, 16)
+              if (s != "zbv" or v == 2) and not check(s, pp, v, m)]
+
+
+@pytest.mark.parametrize("schedule,pp,v,m", CHUNK_GRID)
+def test_in_flight_per_virtual_stage_bounds_torchs_lists(schedule, pp, v, m):
+    """``schedules.chunk_in_flight``: exactly torch's per-virtual-stage maxima under interleaved
+    1F1B; never below them under the zero-bubble schedules, and exact for the virtual stage that
+    holds the head (the last stage's last chunk; under ZB-V the first stage's second); the total
+    the memory model fills (``costs.stage.held_bytes``) is ``in_flight_chunks``."""
+    seen = _held_per_chunk(schedule, torch_actions(schedule, pp, v, m), pp, v)
+    for r in range(pp):
+        got = chunk_in_flight(schedule, r, pp, v, m)
+        assert sum(got) >= in_flight_chunks(schedule, r, pp, v, m)
+        if schedule == "interleaved-1f1b":
+            assert got == seen[r]
+        else:
+            assert all(g >= s for g, s in zip(got, seen[r]))
+    head_rank, head_chunk = (0, 1) if schedule == "zbv" else (pp - 1, v - 1)
+    assert chunk_in_flight(schedule, head_rank, pp, v, m)[head_chunk] == seen[head_rank][head_chunk]

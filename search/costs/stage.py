@@ -17,10 +17,11 @@ from typing import Iterable, Mapping, Sequence
 
 from partita.cluster import NodeGroup
 from partita.model import ModelSpec
+from partita.parallel import ZERO_BUBBLE
 from partita.plan import LayerStrategy, boundary_split, gives_whole
 from partita.search.costs.memory import LayerMemory, Moment, activation_message_bytes, neighbour_peak, pipeline_memory
 from partita.search.costs.model import CostModel
-from partita.search.schedules import in_flight_chunks
+from partita.search.schedules import chunk_in_flight, in_flight_chunks
 
 
 @dataclass(frozen=True)
@@ -65,11 +66,15 @@ class StageCost:
     overlap_window_s: float = 0.0
     send_s: float = 0.0
     cp_comm_s: float = 0.0  # context parallelism's collectives on the critical path (LayerTime.cp_comm_s)
+    # Several virtual stages per rank: (one micro-batch's activations, the most pairs of it the
+    # schedule keeps in flight besides the running one) per virtual stage (``held_bytes``);
+    # empty: every pair in flight at ``activations_per_mb``.
+    held: tuple[tuple[int, int], ...] = ()
 
     @property
     def activations(self) -> int:
-        return (self.activations_per_mb * (self.in_flight - 1) + self.current_activations
-                + self.output_per_mb * self.in_flight + self.retained_output)
+        waiting = held_bytes(self.held, self.in_flight - 1) if self.held else self.activations_per_mb * (self.in_flight - 1)
+        return waiting + self.current_activations + self.output_per_mb * self.in_flight + self.retained_output
 
     @property
     def peak_bytes(self) -> int:
@@ -88,6 +93,21 @@ class StageCost:
         if self.dp_sync_s <= 0:
             return 0.0
         return max(self.dp_edge_s, self.dp_sync_s - self.overlap_window_s)
+
+
+def held_bytes(held: Sequence[tuple[int, int]], pairs: int) -> int:
+    """The most bytes ``pairs`` in-flight (virtual stage, micro-batch) pairs can hold when
+    virtual stage c keeps at most ``held[c][1]`` of them, each at ``held[c][0]`` bytes: the
+    largest first (an upper bound on every moment of the schedule, which never holds more of a
+    virtual stage than its most nor more pairs than ``pairs``)."""
+    total = 0
+    for size, most in sorted(held, reverse=True):
+        take = min(most, pairs)
+        total += take * size
+        pairs -= take
+        if pairs <= 0:
+            return total
+    return total + pairs * max(size for size, _ in held)  # more pairs than the bounds allow: at the largest
 
 
 def in_flight(stage: int, pp: int, num_micro_batches: int) -> int:
@@ -291,13 +311,17 @@ def with_receives(stages: Sequence[StageCost], *, wrap: bool = False) -> list[St
 def interleaved_stage_cost(cm: CostModel, group: NodeGroup,
                            chunks: Sequence[Sequence[LayerStrategy] | Mapping[LayerChoice, int]], *,
                            stage: int, pp: int, dp: int, tp: int, micro_batch: int, num_micro_batches: int,
-                           next_groups: Sequence[NodeGroup | None]) -> StageCost:
-    """One plan stage whose ranks run v virtual stages (interleaved 1F1B): ``chunks[c]`` are the
+                           next_groups: Sequence[NodeGroup | None],
+                           schedule: str = "interleaved-1f1b") -> StageCost:
+    """One plan stage whose ranks run v virtual stages under ``schedule``: ``chunks[c]`` are the
     layers of virtual stage c (or counts of their choices), ``next_groups[c]`` the group its output goes to (None for the
     pipeline's last). Times, static state, sends and the schedule's buffers add up over the
-    virtual stages; in flight are ``schedules.in_flight_chunks`` virtual-stage micro-batches,
-    each counted at the largest virtual stage's activations (an upper bound when they differ),
-    the running one at the peak of whichever virtual stage peaks highest."""
+    virtual stages; in flight are ``schedules.in_flight_chunks`` (virtual stage, micro-batch)
+    pairs, under interleaved 1F1B each charged at its own virtual stage's activations, no virtual
+    stage with more than the schedule keeps of it (``schedules.chunk_in_flight``; ``held_bytes``
+    fills the count from the largest; the zero-bubble schedules at the largest virtual stage's),
+    the running one at the peak of whichever virtual stage peaks highest (one of its pairs); the
+    head's logits once per pair of its virtual stage in flight."""
     def part(layers, nxt: NodeGroup | None) -> StageCost:
         kw = dict(stage=0, pp=1, dp=dp, tp=tp, micro_batch=micro_batch, num_micro_batches=num_micro_batches,
                   next_group=nxt)
@@ -307,7 +331,16 @@ def interleaved_stage_cost(cm: CostModel, group: NodeGroup,
 
     parts = [part(layers, nxt) for layers, nxt in zip(chunks, next_groups)]
     add = lambda field: sum(getattr(p, field) for p in parts)  # noqa: E731
-    running = max(parts, key=lambda p: p.current_activations + p.transient + p.peak_gathered - p.peak_released)
+    ranked = max(range(len(parts)),
+                 key=lambda c: parts[c].current_activations + parts[c].transient + parts[c].peak_gathered
+                 - parts[c].peak_released)
+    running = parts[ranked]
+    most = chunk_in_flight(schedule, stage, pp, len(chunks), num_micro_batches)
+    # Zero-bubble schedules keep every pair at the largest virtual stage's activations: their split
+    # backward holds more between I and W than the plan prices (measured +15 % on CPU ranks with
+    # per-virtual-stage charging, tests/test_runtime_schedules.py), which that bound covers.
+    held = () if schedule in ZERO_BUBBLE else tuple(
+        (p.activations_per_mb, n - (c == ranked)) for c, (p, n) in enumerate(zip(parts, most)))
     # Every virtual stage's kept copies, less those the running one has freed by its peak.
     kept_copies = sum(p.gathered_weights - p.peak_gathered + p.peak_released for p in parts) - running.peak_released
     return dataclasses.replace(
@@ -318,8 +351,10 @@ def interleaved_stage_cost(cm: CostModel, group: NodeGroup,
         peak_released=running.peak_released,
         gradients=add("gradients"), optimizer=add("optimizer"),
         activations_per_mb=max(p.activations_per_mb for p in parts), current_activations=running.current_activations,
-        output_per_mb=activation_message_bytes(cm, micro_batch, tp), retained_output=add("retained_output"),
-        in_flight=in_flight_chunks("interleaved-1f1b", stage, pp, len(chunks), num_micro_batches),
+        output_per_mb=activation_message_bytes(cm, micro_batch, tp),
+        # the head's logits, kept from its forward to its backward for each pair of its virtual stage in flight
+        retained_output=sum(p.retained_output * n for p, n in zip(parts, most)),
+        in_flight=in_flight_chunks(schedule, stage, pp, len(chunks), num_micro_batches), held=held,
         transient=running.transient, pipeline_buffers=add("pipeline_buffers"), peak_layer=running.peak_layer,
         peak_phase=running.peak_phase, tied_sync_s=add("tied_sync_s"),
         zero_edge_s=max(p.zero_edge_s for p in parts), dp_edge_s=max(p.dp_edge_s for p in parts),
