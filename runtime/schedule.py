@@ -16,7 +16,8 @@ gradient policy per micro-batch (``set_gradient_sync``): the pipeline runner doe
 hook on the stage output, which fires when that micro-batch's backward reaches the stage
 (under a zero-bubble schedule once for the whole step: ``reduce_after_split_backward``).
 Neither keeps a micro-batch's logits beyond its own loss and backward (the pipeline schedule
-runs with ``return_outputs=False``), and a vocab-parallel head's logits are never gathered
+runs with ``return_outputs=False``), the loss is computed a chunk of tokens at a time
+(``lm_loss``: no fp32 copy of the logits), and a vocab-parallel head's logits are never gathered
 (``LossFunction``).
 """
 
@@ -40,9 +41,61 @@ from partita.runtime.parallelize import ShardedLayer, set_gradient_sync
 from partita.runtime.phases import PhaseTimer
 
 
+# The chunked cross entropy's chunk: as many tokens as keep one chunk's fp32 logits within these
+# bytes (search/costs/memory.py prices the same chunk: ``LOSS_CHUNK_BYTES``, ``loss_chunk_tokens``).
+LOSS_CHUNK_BYTES = 256 * 2**20
+
+
+def loss_chunk_tokens(tokens: int, vocab: int) -> int:
+    """Tokens per chunk: as many as keep one chunk's fp32 logits within ``LOSS_CHUNK_BYTES``."""
+    return max(1, min(tokens, LOSS_CHUNK_BYTES // (4 * vocab)))
+
+
+class ChunkedCrossEntropy(torch.autograd.Function):
+    """Mean cross entropy of logits [t, V] (any float dtype) against targets [t], computed in
+    fp32 one chunk of tokens at a time: the forward keeps the logits as given (the caller's own
+    tensor, no copy), each token's fp32 log-sum-exp and the targets; the backward recomputes
+    each chunk's softmax in fp32 and writes its gradient straight into a gradient of the
+    logits' dtype. No fp32 copy, log-softmax or gradient of the whole vocabulary is made."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        t, vocab = logits.shape
+        step = loss_chunk_tokens(t, vocab)
+        lse = torch.empty(t, dtype=torch.float32, device=logits.device)
+        total = torch.zeros((), dtype=torch.float32, device=logits.device)
+        for start in range(0, t, step):
+            part = logits[start:start + step].float()
+            lse[start:start + step] = torch.logsumexp(part, dim=1)
+            picked = part.gather(1, targets[start:start + step, None]).squeeze(1)
+            total += (lse[start:start + step] - picked).sum()
+            del part
+        ctx.save_for_backward(logits, targets, lse)
+        return total / t
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        logits, targets, lse = ctx.saved_tensors
+        t, vocab = logits.shape
+        step = loss_chunk_tokens(t, vocab)
+        out = torch.empty_like(logits)
+        scale = grad.float() / t
+        for start in range(0, t, step):
+            part = logits[start:start + step].to(torch.float32, copy=True)  # never the saved logits themselves
+            part.sub_(lse[start:start + step, None]).exp_()  # the softmax, in place
+            part.scatter_add_(1, targets[start:start + step, None],
+                              torch.full((part.shape[0], 1), -1.0, dtype=part.dtype, device=part.device))
+            out[start:start + step] = part.mul_(scale)
+            del part
+        return out, None
+
+
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross entropy, computed in fp32 whatever the compute dtype."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    """Mean next-token cross entropy, computed in fp32 whatever the compute dtype, a chunk of
+    tokens at a time (``ChunkedCrossEntropy``: no fp32 copy of the whole vocabulary's logits is
+    made or kept; the same loss and gradients as ``F.cross_entropy(logits.float(), targets)``,
+    tests/test_chunked_loss.py)."""
+    return ChunkedCrossEntropy.apply(logits.flatten(0, 1), targets.flatten())
 
 
 class LossFunction:
@@ -111,6 +164,7 @@ class MicroBatchRunner:
                     logits = self.model(x)
                 with span("loss"):
                     loss = self.loss(logits, y)
+                del logits  # held by the loss alone: freed by its backward, not kept into the next forward
                 with span("backward"):
                     (loss * (loss_scale * self.loss_factor)).backward()
                 total += loss.detach()

@@ -20,7 +20,12 @@ from partita.search.timing import LINK_EFFICIENCY
 
 # Per-message latency of one ring step, by link class (seconds). NVLink/NCCL ~ a few us,
 # inter-node RDMA ~ 10 us; gloo between CPU ranks ~ 0.5 ms (`partita profile --comm` on the
-# 2-core development machine: a 2-rank all-reduce of 4 KiB took ~1 ms for its 2 steps).
+# 2-core development machine: a 2-rank all-reduce of 4 KiB took ~1 ms for its 2 steps). A ring
+# that leaves a node pays the network's on every one of its steps (``ring_steps``: n - 1, or
+# 2 (n - 1) for all-reduce), so at a fixed shard it slows with the group: 2 GiB all-gathered over
+# 256 H100 (32 nodes, 8 x 400 Gb/s) at ~200 GB/s bus bandwidth (NVIDIA/nccl#1218, 2024), 223 here;
+# NCCL's tuning model (intra-node hops at NVLink latency) would say ~290 (docs/calibration.md,
+# "Collectives at scale"; tests/test_collectives_at_scale.py).
 LINK_LATENCY_S = {"nvlink": 5e-6, "xgmi": 5e-6, "pcie": 10e-6, "network": 15e-6, "loopback": 500e-6}
 
 
@@ -52,24 +57,34 @@ def dp_link(group: NodeGroup, dp: int, tp: int) -> Link:
     ranks' groups use the other NICs): its bus bandwidth is k x the per-GPU network rate, up
     to what NVLink carries inside the node (NVIDIA/nccl-tests#119: 8 A100 a node with 4 HDR
     NICs reach 96 GB/s all-reduce bus bandwidth, "24GB/s ... per 200G NIC"; nccl-tests#319:
-    8 x 400G NICs "aggregated to achieve up to ~396GB/s with the RING protocol")."""
+    8 x 400G NICs "aggregated to achieve up to ~396GB/s with the RING protocol"). This is the
+    group's own share, not the node's whole network: at tp > 1 the node's tp groups split its
+    NICs. In training: FSDP of Llama 2 70B on 128 A100 with 400 Gb/s a node (fms-fsdp) measured
+    within 10 % of this pricing; at one NIC's share per GPU it would be 76 % slow."""
     link = link_within(group, dp * tp)
     if link.kind != "network":
         return link
-    per_node = max(1, group.gpus_per_node // tp)
+    return Link("network", nic_share_gbps(group, max(1, group.gpus_per_node // tp)), link.latency_s)
+
+
+def nic_share_gbps(group: NodeGroup, per_node: int) -> float:
+    """The network rate of a ring with ``per_node`` ranks in each node of ``group``: that many
+    NICs at once, up to what NVLink carries inside the node (in the network's efficiency)."""
     intra = group.intra_node_gbps * LINK_EFFICIENCY.get(group.intra_link, 1.0) / LINK_EFFICIENCY["network"]
-    return Link("network", min(per_node * group.network_gbps, max(intra, group.network_gbps)), link.latency_s)
+    return min(per_node * group.network_gbps, max(intra, group.network_gbps))
 
 
 def spanning_dp_link(cluster: ClusterSpec, span: Sequence[str], tp: int) -> Link:
     """dp peers on the node groups ``span``: the ring crosses between the groups, so every group
     runs its part over its network (each node's NICs at once, as in ``dp_link``) and the
-    slowest group's rate, or the slowest link between two groups, sets the pace."""
+    slowest group's rate, or the slowest link between two groups, sets the pace. Each group's
+    rate is capped by its NVLink as in ``dp_link`` (before, a spanning ring of H100s ran at
+    8 x 50 GB/s where the same ring inside one group ran at NVLink's 385)."""
     groups = [cluster.group(n) for n in span]
     per_node = max(1, min(g.gpus_per_node for g in groups) // tp)
-    rates = [g.network_gbps for g in groups]
-    rates += [cluster.between_groups_gbps(a, b) for i, a in enumerate(groups) for b in groups[i + 1:]]
-    return Link("network", per_node * min(rates), LINK_LATENCY_S["network"])
+    rates = [nic_share_gbps(g, per_node) for g in groups]
+    rates += [per_node * cluster.between_groups_gbps(a, b) for i, a in enumerate(groups) for b in groups[i + 1:]]
+    return Link("network", min(rates), LINK_LATENCY_S["network"])
 
 
 def pp_link(cluster: ClusterSpec, a: NodeGroup, b: NodeGroup, stage_size: int) -> Link:
