@@ -6,10 +6,10 @@ against measured throughput, with the source of every number.
 Each run in the YAML (its header documents the fields) is built as Partita's layout at the
 published configuration -- model, cluster, tensor/pipeline/data-parallel degrees, ZeRO level,
 micro-batch, global batch, sequence length, recomputation -- and priced with the analytic cost
-model (no measured profile) through ``partita.search.evaluate.evaluate_layout``. Where the run's
-framework ran the same layers differently from Partita's runtime (its attention kernel, when it
-reduces gradients), the run says so under ``software`` and the cost model prices that
-(``partita.search.timing.Software``); a machine the device catalog lacks is declared under
+model (no measured profile) through ``partita.search.evaluate.evaluate_layout``, as the engine
+that ran it runs it (``engine``: torchtitan, megatron, deepspeed; search/engines.py), with what
+the run's own configuration changed from that engine's defaults (``engine_options``: its
+attention kernel, when it reduces gradients, what it overlaps); a machine the device catalog lacks is declared under
 ``devices`` (a catalog entry with the source's own figures), added to the catalog only while its
 runs are read and priced.
 
@@ -31,7 +31,7 @@ measured. Runs marked ``closest`` are priced at the nearest configuration Partit
 default work limit) for each priced run's model, cluster, sequence length, dtype and global
 batch, on Partita's runtime; its predicted gain over the published configuration as the run's
 framework ran it (the row's prediction), and over the same published layout on Partita's runtime
-(the layout's gain alone, without the software's); and, where the free plan is more than
+(the layout's gain alone, without the engine's); and, where the free plan is more than
 ``GAIN_TO_EXPLAIN`` faster, the two plans' step times term by term (``FreeRow.terms``).
 """
 
@@ -59,7 +59,7 @@ from partita.model import BUILTIN, ModelSpec
 from partita.plan import Plan
 from partita.search.costs.model import CostModel
 from partita.search.evaluate import Evaluation, evaluate_layout, evaluate_plan
-from partita.search.timing import Software
+from partita.search.engines import ENGINES, Engine
 from partita.search.uniform import split_blocks, stage_layer_names, strategy
 
 DEFAULT_RUNS = Path(__file__).with_name("published_runs.yaml")
@@ -68,7 +68,6 @@ METRICS = ("tokens_per_s_per_gpu", "tflops_per_gpu", "step_time_s")
 FLOPS_FORMULAS = ("megatron_recompute",)
 OVERRIDES = ("memory_gib", "intra_node_gbps", "network_gbps")
 SOURCE_KEYS = ("title", "where", "url")
-SOFTWARE_KEYS = ("attention", "grad_sync")
 DEVICE_FIGURES = ("memory_gib", "bf16_tflops", "fp16_tflops", "fp32_tflops", "hbm_gbps", "intra_node_gbps",
                   "network_gbps")
 
@@ -101,7 +100,7 @@ class PublishedRun:
     measured: Measured
     pricing: str
     devices: tuple[DeviceType, ...] = ()  # the runs file's own device types (``devices``), for its cluster
-    software: Software = Software()  # what the run's framework does where Partita's runtime differs
+    engine: Engine = ENGINES["partita"]  # the engine that ran it, with the run's own options
     blocks_per_stage: tuple[int, ...] | None = None
     differences: tuple[str, ...] = ()
     why: str = ""
@@ -136,6 +135,7 @@ class Row:
     config: str
     pricing: str
     zero: int
+    engine: str
     measured_as_published: str
     measured_tokens_per_s_per_gpu: float
     measured_mfu: float
@@ -208,11 +208,11 @@ def _devices(data: Any, where: str) -> tuple[DeviceType, ...]:
 
 def run_from_dict(data: Any, where: str, devices: Sequence[DeviceType] = ()) -> PublishedRun:
     data = specio.require_mapping(data, where)
-    fields = [f.name for f in dataclasses.fields(PublishedRun) if f.name != "devices"] + ["cluster_overrides"]
+    fields = [f.name for f in dataclasses.fields(PublishedRun) if f.name != "devices"] + ["cluster_overrides", "engine_options"]
     unknown = [k for k in data if k not in fields]
     if unknown:
         raise PartitaError(f"{where}: unknown key {unknown[0]!r}; valid keys: {', '.join(fields)}")
-    required = ("id", "source", "model", "cluster", "seq_len", "dtype", "tp", "pp", "dp", "zero",
+    required = ("id", "source", "model", "cluster", "engine", "seq_len", "dtype", "tp", "pp", "dp", "zero",
                 "sequence_parallel", "micro_batch", "global_batch", "recompute", "measured", "pricing")
     missing = [k for k in required if k not in data]
     if missing:
@@ -232,7 +232,7 @@ def run_from_dict(data: Any, where: str, devices: Sequence[DeviceType] = ()) -> 
         dtype=specio.get_str(data, "dtype", where, choices=("bf16", "fp16")),
         sequence_parallel=specio.get_bool(data, "sequence_parallel", where),
         recompute=specio.get_bool(data, "recompute", where),
-        measured=_measured(data["measured"], where), software=_software(data.get("software") or {}, where),
+        measured=_measured(data["measured"], where), engine=_engine(data, where),
         blocks_per_stage=tuple(data["blocks_per_stage"]) if data.get("blocks_per_stage") else None,
         differences=tuple(_strings(data, "differences", where)), assumed=tuple(_strings(data, "assumed", where)),
         why=_optional_str(data, "why", where), notes=_optional_str(data, "notes", where),
@@ -280,15 +280,10 @@ def _cluster(text: Any, overrides: Any, where: str) -> ClusterSpec:
     return dataclasses.replace(cluster, groups=(dataclasses.replace(group, **changes),))
 
 
-def _software(data: Any, where: str) -> Software:
-    data = specio.require_mapping(data, f"{where}: software")
-    extra = [k for k in data if k not in SOFTWARE_KEYS]
-    if extra:
-        raise PartitaError(f"{where}: software: unknown key {extra[0]!r}; valid keys: {', '.join(SOFTWARE_KEYS)}")
-    try:
-        return Software(**{k: specio.get_str(data, k, where) for k in SOFTWARE_KEYS if k in data})
-    except PartitaError as e:
-        raise PartitaError(f"{where}: software: {e}") from None
+def _engine(data: Mapping, where: str) -> Engine:
+    name = specio.get_str(data, "engine", where, choices=tuple(ENGINES))
+    options = specio.require_mapping(data.get("engine_options") or {}, f"{where}: engine_options")
+    return ENGINES[name].with_options(options, f"{where}: engine_options")
 
 
 def _measured(data: Any, where: str) -> Measured:
@@ -381,7 +376,7 @@ def evaluate_run(run: PublishedRun) -> Evaluation:
 
 
 def _evaluate(run: PublishedRun) -> Evaluation:
-    cm = CostModel(run.model, run.cluster, seq_len=run.seq_len, dtype=run.dtype, software=run.software)
+    cm = CostModel(run.model, run.cluster, seq_len=run.seq_len, dtype=run.dtype, engine=run.engine)
     group = run.cluster.groups[0]
     blocks = list(run.blocks_per_stage or split_blocks(run.model.n_layers, run.pp))
     stages = [(group, [strategy(run.model, name, tp=run.tp, sp=run.sequence_parallel, zero=run.zero,
@@ -399,7 +394,8 @@ def price(run: PublishedRun) -> Row:
 def _price(run: PublishedRun) -> Row:
     measured = measured_tokens_per_s_per_gpu(run)
     base = dict(id=run.id, source=f"{run.source['title']} -- {run.source['where']}", url=run.source["url"],
-                config=run.config, pricing=run.pricing, zero=run.zero, measured_as_published=as_published(run.measured),
+                config=run.config, pricing=run.pricing, zero=run.zero, engine=run.engine.name,
+                measured_as_published=as_published(run.measured),
                 measured_tokens_per_s_per_gpu=measured, measured_mfu=mfu(run, measured))
     if run.pricing == "not_expressible":
         return Row(**base, remark=f"not expressible: {run.why}")
@@ -433,7 +429,9 @@ def summarise(label: str, rows: Sequence[Row]) -> Summary:
 def summaries(rows: Sequence[Row]) -> list[Summary]:
     return [summarise("priced (exact + closest)", rows),
             summarise("exact only", [r for r in rows if r.pricing == "exact"]),
-            summarise("ZeRO-3 / FSDP rows", [r for r in rows if r.zero == 3])]
+            summarise("ZeRO-3 / FSDP rows", [r for r in rows if r.zero == 3])] + [
+            summarise(f"engine {name}", [r for r in rows if r.engine == name])
+            for name in ENGINES if any(r.engine == name for r in rows)]
 
 
 # ---- output -----------------------------------------------------------------------------------
@@ -524,7 +522,7 @@ def _free_search(run: PublishedRun, margin: float, work_limit: float | None) -> 
     no_recompute = dataclasses.replace(plan, stages=tuple(
         dataclasses.replace(st, layers=tuple(dataclasses.replace(l, recompute="none") for l in st.layers))
         for st in plan.stages))
-    on_runtime = dataclasses.replace(run, software=Software())
+    on_runtime = dataclasses.replace(run, engine=ENGINES["partita"])
     published = _evaluate(on_runtime)
     solver = plan.solver
     status = f"{solver.status}, gap {100 * solver.gap:.1f} %" if solver is not None else "-"

@@ -20,6 +20,8 @@ if TYPE_CHECKING:
 SCHEDULES = ("1f1b", "interleaved-1f1b", "interleaved-zb", "zbv")
 INTERLEAVED = ("interleaved-1f1b", "interleaved-zb")  # v >= 2 stages per rank, in rounds
 ZERO_BUBBLE = ("interleaved-zb", "zbv")  # the backward split into input (I) and weight (W) gradients
+# The engines a plan can be priced for and exported to (search/engines.py holds what each does).
+ENGINES = ("partita", "torchtitan", "megatron", "deepspeed")
 CP_VARIANTS = ("all_to_all", "ring")
 
 

@@ -73,7 +73,7 @@ from partita.cluster import ClusterSpec, recorded_cluster
 from partita.errors import PartitaError
 from partita.mesh import Mesh
 from partita.model import ModelSpec
-from partita.parallel import CP_VARIANTS, SCHEDULES
+from partita.parallel import CP_VARIANTS, ENGINES, SCHEDULES
 
 SCHEMA_VERSION = 2  # 1: degrees at the top level (``migrate`` reads it)
 ZERO_LEVELS = (0, 1, 2, 3)
@@ -366,6 +366,8 @@ class Plan:
     # tokens over the balanced share (docs/moe.md; ``partita plan --moe-imbalance``).
     moe_imbalance: float = 1.0
     schedule: str = "1f1b"
+    # The engine the plan is priced for (``partita plan --engine``; search/engines.py).
+    engine: str = "partita"
     stages: tuple[Stage, ...]
     prediction: Prediction | None = None
     solver: SolverReport | None = None
@@ -503,6 +505,8 @@ class Plan:
                 continue  # meaningful under context parallelism only
             elif f.name == "moe_imbalance" and v == 1.0:
                 continue  # balanced routing (and every dense model)
+            elif f.name == "engine" and v == "partita":
+                continue  # Partita's own runtime
             elif isinstance(v, Mapping):
                 v = dict(v)
             d[f.name] = v
@@ -527,6 +531,7 @@ class Plan:
         kwargs["dtype"] = specio.get_str(data, "dtype", where, choices=("bf16", "fp16", "fp32"))
         kwargs["schedule"] = specio.get_str(data, "schedule", where, default="1f1b", choices=SCHEDULES)
         kwargs["cp_variant"] = specio.get_str(data, "cp_variant", where, default="all_to_all", choices=CP_VARIANTS)
+        kwargs["engine"] = specio.get_str(data, "engine", where, default="partita", choices=ENGINES)
         kwargs["moe_imbalance"] = specio.get_float(data, "moe_imbalance", where, default=1.0)
         if kwargs["moe_imbalance"] < 1.0:
             raise PartitaError(f"{where}: moe_imbalance is the busiest rank's tokens over the balanced share: >= 1, "

@@ -12,7 +12,7 @@ from partita.parallel import ZERO_BUBBLE
 from partita.plan import LayerStrategy, Plan, Prediction, StageMemory
 from partita.search.costs.model import CostModel
 from partita.search.costs.stage import (LayerChoice, StageCost, boundary_s, choice_of, interleaved_stage_cost,
-                                        stage_cost, stage_cost_counts, with_receives)
+                                        stage_cost, stage_cost_counts, with_p2p_overlap, with_receives)
 from partita.search.costs.step import step_time_s
 from partita.search.schedules import in_flight_chunks, pending_weight_grads
 from partita.search.timing import layer_ops, split_backward_host_s, weight_groups
@@ -135,6 +135,8 @@ def evaluate_interleaved(cm: CostModel, stages: Sequence[tuple[NodeGroup, Sequen
         costs = _zbv_receives(cm, costs, groups, dp=dp, tp=tp, micro_batch=micro_batch)
     else:
         costs = with_receives(costs, wrap=True)  # each stage also pays its side of the boundaries before its chunks
+        if schedule == "interleaved-1f1b" and cm.engine.p2p_overlap:
+            costs = with_p2p_overlap(costs, [cm.time_constants(g.device).overlap_slowdown for g in groups])
     if schedule in ZERO_BUBBLE:
         costs = [_split_backward(cm, cost, group, chunks, schedule=schedule, stage=i, pp=pp, micro_batch=micro_batch,
                                  num_micro_batches=num_micro_batches)

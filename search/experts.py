@@ -125,7 +125,7 @@ def zero_traffic(cm, group: NodeGroup, *, tp: int, zero: int, dp: int) -> tuple[
     (x cp), on the data-parallel group's link."""
     replicas = dp * cm.cp
     return params_zero_traffic(cm, cm.expert_params(), group, tp=tp, zero=zero, replicas=replicas // cm.ep,
-                               dlink=cm.dp_link(group, replicas, tp))
+                               dlink=cm.dp_link(group, replicas, tp), local_experts=cm.model.experts // cm.ep)
 
 
 def with_ep_time(cm, t, group: NodeGroup, *, tp: int, zero: int, recompute: str, dp: int, micro_batch: int):

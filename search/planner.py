@@ -18,6 +18,7 @@ from partita.parallel import CP_VARIANTS
 from partita.plan import ContextOption, Plan, SolverReport
 from partita.profile import Profile
 from partita.search.costs.model import CostModel
+from partita.search.engines import get_engine
 from partita.search.evaluate import evaluate_plan
 from partita.search.plans import (SAFETY_WALL_S, SearchTimeout, attach_prediction, interleaved_to_plan, layout_to_plan,
                                   timeout_error)
@@ -64,6 +65,8 @@ class PlanRequest:
     expert_parallel: tuple[int, ...] = ()
     # The busiest expert-parallel rank's tokens over the balanced share (docs/moe.md); 1: balanced.
     moe_imbalance: float = 1.0
+    # The engine that will run the plan (search/engines.py): the search prices plans as it runs them.
+    engine: str = "partita"
 
 
 def check_request(req: PlanRequest) -> None:
@@ -215,7 +218,8 @@ def _make_plan(req: PlanRequest, progress: Callable[[str], None] | None = None) 
     check_request(req)
     start = time.perf_counter()
     deadline = start + (req.time_limit_s if req.time_limit_s is not None else SAFETY_WALL_S)
-    cm = CostModel(req.model, req.cluster, seq_len=req.seq_len, dtype=req.dtype, profiles=req.profiles)
+    cm = CostModel(req.model, req.cluster, seq_len=req.seq_len, dtype=req.dtype, profiles=req.profiles,
+                   engine=get_engine(req.engine))
     options = dimension_options(req, cm)
     if len(options) == 1 and options[0] == Dimensions() and not req.model.is_moe:
         plan, uni = _search(cm, req, deadline, progress)

@@ -125,7 +125,7 @@ def test_a_data_parallel_group_across_nodes_uses_the_nics_of_its_ranks():
 def test_gradients_synced_after_the_backward_hide_behind_nothing():
     """Megatron-LM's 'local' DDP and DeepSpeed's pipeline engine start the gradient all-reduce
     when the whole backward has ended: all of it is exposed."""
-    from partita.search.timing import Software
+    from partita.search.engines import ENGINES
 
     model, cluster = load_model("llama-2-7b"), parse_short("2x8xH100")
     g = cluster.groups[0]
@@ -133,7 +133,7 @@ def test_gradients_synced_after_the_backward_hide_behind_nothing():
         + [LayerStrategy(name="head")]
     kw = dict(dp=16, tp=1, micro_batch=1, num_micro_batches=2)
     overlapped = evaluate_layout(CostModel(model, cluster, seq_len=4096), [(g, layers)], **kw)
-    after = evaluate_layout(CostModel(model, cluster, seq_len=4096, software=Software(grad_sync="after_backward")),
+    after = evaluate_layout(CostModel(model, cluster, seq_len=4096, engine=ENGINES["partita"].with_options({"grad_sync": "after_backward"})),
                             [(g, layers)], **kw)
     assert after.breakdown["data_parallel_exposed"] == pytest.approx(after.stages[0].dp_sync_s)
     assert after.breakdown["data_parallel_exposed"] > overlapped.breakdown["data_parallel_exposed"]

@@ -19,6 +19,9 @@ from partita.cli.export import blocks_per_stage, export_plan, resplit, uniform
 from partita.cli.export_megatron import arguments, layout
 from partita.model_io import load_model
 from partita.plan import Plan
+from partita.search.costs.model import CostModel
+from partita.search.engines import ENGINES
+from partita.search.evaluate import evaluate_plan
 
 MIXED = "2x8xH100+2x8xA100-80GB"
 
@@ -47,7 +50,10 @@ def test_megatron_keeps_an_uneven_split_exactly(plans):
     p, model = _expressible_uneven(plans["mixed"])
     assert len(set(blocks_per_stage(p))) > 1  # the search put more blocks on the faster group
     ex = export_plan(p, "megatron")
-    assert ex.changes == () and ex.exported.prediction.step_time_s == pytest.approx(ex.original.prediction.step_time_s)
+    # The same plan, priced as Megatron runs it (its attention kernel, its overlaps).
+    cm = CostModel(model, p.cluster_spec, seq_len=p.seq_len, dtype=p.dtype, engine=ENGINES["megatron"])
+    assert ex.changes == () and ex.exported.engine == "megatron"
+    assert ex.exported.prediction.step_time_s == pytest.approx(evaluate_plan(p, cm).step_time_s)
     args = arguments(ex.exported, model)
     value = args[args.index("--pipeline-model-parallel-layout") + 1]
     assert value == layout(blocks_per_stage(p))
@@ -68,8 +74,9 @@ def test_a_plan_megatron_cannot_express_prints_the_closest_and_both_predictions(
     assert main(["export", str(path), "--to", "megatron", "-o", str(tmp_path / "m.args")]) == 0
     out = capsys.readouterr().out
     assert "cannot express" in out and "ZeRO level" in out
-    assert re.search(r"^plan: +step", out, re.M) and re.search(r"^megatron export: +step", out, re.M)
-    assert "predicted" in out
+    assert re.search(r"^plan \(partita\): +step", out, re.M) and re.search(r"^megatron export: +step", out, re.M)
+    assert re.search(r"the export, priced as megatron runs it, is predicted [\d.]+% (slower|faster) than the plan on "
+                     r"partita", out)
 
 
 def test_megatron_arguments_are_flags_megatron_declares(plans, tmp_path):
@@ -86,7 +93,8 @@ def test_megatron_arguments_are_flags_megatron_declares(plans, tmp_path):
                 "--vocab-size", "--position-embedding-type", "--normalization", "--swiglu", "--disable-bias-linear",
                 "--untie-embeddings-and-output-weights", "--tensor-model-parallel-size",
                 "--pipeline-model-parallel-size", "--sequence-parallel", "--micro-batch-size", "--global-batch-size",
-                "--bf16", "--fp16", "--use-distributed-optimizer", "--use-megatron-fsdp",
+                "--bf16", "--fp16", "--use-distributed-optimizer", "--use-megatron-fsdp", "--overlap-grad-reduce",
+                "--overlap-param-gather",
                 "--data-parallel-sharding-strategy", "--ckpt-format", "--recompute-granularity", "--recompute-method",
                 "--recompute-num-layers", "--recompute-modules", "--pipeline-model-parallel-layout"}
     assert flags <= declared

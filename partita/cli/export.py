@@ -224,6 +224,7 @@ def _fits(p: Plan) -> bool:
 def export_plan(plan: Plan, target: str, *, profiles: Sequence = ()) -> Export:
     """Price the plan and the closest one the target runs; render the target's file."""
     from partita.search.costs.model import CostModel
+    from partita.search.engines import get_engine
     from partita.search.plans import attach_prediction
 
     mod = target_module(target)
@@ -242,9 +243,12 @@ def export_plan(plan: Plan, target: str, *, profiles: Sequence = ()) -> Export:
                            f"that dp {plan.dp} divides)")
     model = ModelSpec.from_dict(plan.model, where="plan: model")
     cluster = plan_cluster(plan)
-    cm = CostModel(model, cluster, seq_len=plan.seq_len, dtype=plan.dtype, profiles=profiles)
-    price = lambda p: attach_prediction(p, cm)  # noqa: E731
-    original = price(plan)
+    # The plan as priced for its own engine; its exports as the target engine runs them.
+    original = attach_prediction(plan, CostModel(model, cluster, seq_len=plan.seq_len, dtype=plan.dtype,
+                                                 profiles=profiles, engine=get_engine(plan.engine)))
+    cm = CostModel(model, cluster, seq_len=plan.seq_len, dtype=plan.dtype, profiles=profiles,
+                   engine=get_engine(target))
+    price = lambda p: attach_prediction(dataclasses.replace(p, engine=target), cm)  # noqa: E731
     exported, fits = closest(plan, mod.variants(plan, model), price)
     notes = list(mod.notes(exported, model, cluster)) + mixed_device_notes(exported, cluster)
     return Export(target=target, original=original, exported=exported,
@@ -297,15 +301,18 @@ def report_lines(ex: Export) -> list[str]:
         lines.append(f"{ex.target} cannot express the plan as it is; exported the closest plan it runs "
                      f"(same degrees, micro-batching and placement), changed:")
         lines += [f"  {c}" for c in ex.changes]
-    for label, p in (("plan", ex.original), (f"{ex.target} export", ex.exported)):
+    engine = ex.original.engine
+    for label, p in ((f"plan ({engine})", ex.original), (f"{ex.target} export", ex.exported)):
         pred = p.prediction
         peak = max(pred.memory, key=lambda m: m.peak_bytes / m.capacity_bytes)
         lines.append(f"{label + ':':<20} step {fmt_seconds(pred.step_time_s)}, {pred.tokens_per_s:,.0f} tokens/s, "
                      f"MFU {100 * pred.mfu:.1f}%, peak memory {fmt_bytes(peak.peak_bytes)} of "
                      f"{fmt_bytes(peak.capacity_bytes)} (stage {peak.stage})")
-    if ex.changes:
+    if ex.changes or engine != ex.target:
         slow = ex.exported.prediction.step_time_s / ex.original.prediction.step_time_s - 1
-        lines.append(f"the export is predicted {abs(slow) * 100:.1f}% {'slower' if slow >= 0 else 'faster'}")
+        priced = f", priced as {ex.target} runs it," if engine != ex.target else ""
+        lines.append(f"the export{priced} is predicted {abs(slow) * 100:.1f}% {'slower' if slow >= 0 else 'faster'} "
+                     f"than the plan on {engine}")
     if not ex.fits:
         lines.append("warning: no plan this target runs in the plan's shape fits in memory; the export is the "
                      "closest to fitting; re-plan with `partita plan` limited to what the target runs")

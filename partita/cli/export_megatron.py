@@ -141,8 +141,11 @@ def arguments(plan: Plan, model: ModelSpec) -> list[str]:
     if plan.dtype in ("bf16", "fp16"):
         args.append(f"--{plan.dtype}")
     zero = layers[0].zero
+    # Gradient reductions as the backward frees them (the megatron engine prices them so:
+    # search/engines.py); with the distributed optimizer, the parameter all-gathers overlapped too.
+    args.append("--overlap-grad-reduce")
     if zero >= 1:
-        args.append("--use-distributed-optimizer")
+        args += ["--use-distributed-optimizer", "--overlap-param-gather"]
     if zero >= 2:
         # Megatron-FSDP checkpoints only in its own format (validate_args asserts it)
         args += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", FSDP_STRATEGY[zero],

@@ -13,6 +13,7 @@ import sys
 from typing import Sequence
 
 from partita.errors import InfeasibleError, PartitaError
+from partita.parallel import ENGINES
 
 
 def _positive_int(text: str) -> int:
@@ -167,6 +168,10 @@ def build_parser(with_torch_commands: bool = False) -> argparse.ArgumentParser:
                            "feasible with its gap (default 0: prove it optimal)")
     plan.add_argument("--workers", type=_positive_int, default=None, help="CP-SAT workers (default 1: deterministic)")
     plan.add_argument("--seed", type=int, default=None, help="CP-SAT random seed (default 0)")
+    plan.add_argument("--engine", choices=ENGINES, default="partita",
+                      help="the engine that will run the plan, priced as it runs it (its overlaps, ZeRO-3 gathers, "
+                           "loss memory): partita (partita launch, the default), or torchtitan, megatron, deepspeed "
+                           "as partita export configures them (docs/engines.md)")
     plan.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None,
                       help="training dtype (default: bf16 on GPUs, fp16 where a device has no bf16, fp32 on CPU ranks)")
     plan.add_argument("--memory-margin", type=_memory_margin, default=None, metavar="M",

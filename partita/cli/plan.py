@@ -35,6 +35,7 @@ if TYPE_CHECKING:  # the search loads only when a plan is made
 # ---- partita plan -----------------------------------------------------------------------
 def plan(args: argparse.Namespace) -> int:
     from partita.search.costs.model import CostModel
+    from partita.search.engines import get_engine
     from partita.search.planner import PlanRequest, make_plan
     from partita.search.uniform import device_price
 
@@ -58,7 +59,8 @@ def plan(args: argparse.Namespace) -> int:
                       time_limit_s=args.time_limit, gap=getattr(args, "gap", 0.0), workers=args.workers or 1,
                       seed=args.seed or 0, space=space, context_parallel=getattr(args, "cp", None) or (),
                       cp_variant=getattr(args, "cp_variant", None), expert_parallel=getattr(args, "ep", None) or (),
-                      moe_imbalance=getattr(args, "moe_imbalance", None) or 1.0)
+                      moe_imbalance=getattr(args, "moe_imbalance", None) or 1.0,
+                      engine=getattr(args, "engine", None) or "partita")
     start = time.perf_counter()
     as_json = getattr(args, "json", False)
     alternatives: list[Plan] = []
@@ -87,7 +89,7 @@ def plan(args: argparse.Namespace) -> int:
                                   f"{_margin_text(margins)} free per device)") from None
         raise
     wall = time.perf_counter() - start
-    cm = CostModel(model, cluster, seq_len=seq_len, dtype=dtype, profiles=profiles)
+    cm = CostModel(model, cluster, seq_len=seq_len, dtype=dtype, profiles=profiles, engine=get_engine(req.engine))
     if any(margins.values()):  # the plan is for the real cluster: its devices' full memory, the margin unused
         from partita.search.plans import attach_prediction
         from partita.validate import validate_plan
@@ -156,11 +158,13 @@ def cost_objective_note(plan: Plan, cluster, frontier: list, release: bool) -> s
 def _alternatives(req, best: Plan, count: int) -> list[Plan]:
     """The best plans of ``count`` other shapes (``partita.search.topk``), in the search's budget."""
     from partita.search.costs.model import CostModel
+    from partita.search.engines import get_engine
     from partita.search.planner import work_limit
     from partita.search.plans import SAFETY_WALL_S
     from partita.search.topk import alternative_plans
 
-    cm = CostModel(req.model, req.cluster, seq_len=req.seq_len, dtype=req.dtype, profiles=req.profiles)
+    cm = CostModel(req.model, req.cluster, seq_len=req.seq_len, dtype=req.dtype, profiles=req.profiles,
+                   engine=get_engine(req.engine))
     deadline = time.perf_counter() + (req.time_limit_s if req.time_limit_s is not None else SAFETY_WALL_S)
     return alternative_plans(cm, req, best, count, work_limit=work_limit(req), deadline=deadline)
 

@@ -6,7 +6,7 @@ per-step traffic and optimizer update.
   reduce-scatter pairs of the same volume. The embedding (vocab-parallel) reduces once in
   forward, the head once in backward. Full recomputation repeats the forward collectives;
   selective recomputation (everything but the matrix products) repeats them all but the last
-  product's reduction, where it stops. TP collectives are on the critical path (not overlapped).
+  product's reduction, where it stops. TP collectives are on the critical path unless the engine overlaps them.
   A tensor-parallel head's loss (``loss_parallel``) all-reduces three fp32 values a token in
   forward.
 * ZeRO over the parameters' replicas, on the layer's parameter shard: parameters are gathered in
@@ -20,8 +20,9 @@ per-step traffic and optimizer update.
   at the largest stage in ``step.step_time_s``). Per-step traffic (levels 0, 1) is reduced layer
   by layer as the last backward frees it: at least the largest layer's reduction is exposed, and
   all of it beyond (1 - slowdown) x that backward.
-* Software: the runtime's attention kernel and overlapped gradient reductions unless the cost
-  model is told otherwise (``timing.Software``: published runs of other frameworks).
+* The engine (``search/engines.py``): its attention kernel, when its gradient reductions start,
+  whether its tensor-parallel collectives run beside the products (``tp_exposed_s``) and how
+  many gathers its ZeRO-3 runs a layer (``zero_traffic``).
 
 The functions here price a layer's dense part; the layout's own terms (context parallelism's
 attention, expert parallelism's all-to-alls) are added by ``model.CostModel``.
@@ -35,6 +36,7 @@ from partita.cluster import NodeGroup
 from partita.search.costs.compute import optimizer_s
 from partita.search.costs.links import Link
 from partita.search.costs.memory import REDUCE_BYTES
+from partita.search.engines import zero3_gathers
 from partita.search.roofline import cpu_adam_s
 from partita.search.timing import OPTIMIZER_OPS_PER_TENSOR, overlapped_s, param_tensors
 
@@ -61,13 +63,20 @@ class LayerTime:
 
 
 def zero_traffic(cm, params: int, group: NodeGroup, *, tp: int, zero: int, replicas: int,
-                 dlink: Link | None = None) -> tuple[float, float, float]:
-    """(forward, backward per micro-batch, per step) ZeRO traffic of ``params`` parameters
-    replicated over ``replicas`` ranks (on ``dlink``, by default the data-parallel link)."""
+                 dlink: Link | None = None, role: str = "block", local_experts: int = 0) -> tuple[float, float, float]:
+    """(forward, backward per micro-batch, per step) ZeRO traffic of ``params`` parameters of a
+    ``role`` layer replicated over ``replicas`` ranks (on ``dlink``, by default the
+    data-parallel link); ``local_experts``: they are the experts a rank holds."""
     device = group.device
     dlink = dlink or cm.dp_link(group, replicas, tp)
     ag = cm.collective_s("all_gather", params * cm.elem, replicas, dlink, device)
     rs = cm.collective_s("reduce_scatter", params * REDUCE_BYTES, replicas, dlink, device)
+    if zero == 3 and replicas > 1:
+        # An engine that gathers a layer module by module (DeepSpeed) runs k rings of 1/k of the
+        # bytes each, every one paying its n - 1 steps' latency (search/engines.py).
+        k = zero3_gathers(cm.engine, cm.model.kinds[role], local_experts=local_experts)
+        if k > 1:
+            ag = k * cm.collective_s("all_gather", params * cm.elem / k, replicas, dlink, device)
     zero_fwd, zero_bwd, dp_sync = 0.0, 0.0, 0.0
     if replicas > 1:
         if zero == 0:
@@ -112,7 +121,7 @@ def layer_time(cm, role: str, group: NodeGroup, *, tp: int, sp: bool, zero: int,
     # Parameters are gathered in the compute dtype; gradients are reduced in fp32
     # (FSDP2's reduce_dtype, the standard mixed-precision recipe).
     params = cm.param_count(role, tp)
-    zero_fwd, zero_bwd, dp_sync = zero_traffic(cm, params, group, tp=tp, zero=zero, replicas=replicas)
+    zero_fwd, zero_bwd, dp_sync = zero_traffic(cm, params, group, tp=tp, zero=zero, replicas=replicas, role=role)
     if extra_zero is not None:
         zero_fwd, zero_bwd, dp_sync = (a + b for a, b in zip((zero_fwd, zero_bwd, dp_sync), extra_zero))
     # Per-micro-batch ZeRO traffic runs beside the layer's compute (FSDP prefetch), which it
@@ -121,6 +130,8 @@ def layer_time(cm, role: str, group: NodeGroup, *, tp: int, sp: bool, zero: int,
     # slowdown already charged (``zero_edge_s``; search/timing.py, docs/search.md).
     k = cm.time_constants(device)
     slowdown = k.overlap_slowdown
+    if cm.engine.tp_overlap and sp and tp > 1:  # chunked beside the products they feed (search/engines.py)
+        tp_fwd, tp_bwd = tp_exposed_s(fwd_compute, tp_fwd, tp, slowdown), tp_exposed_s(bwd_compute, tp_bwd, tp, slowdown)
     forward = overlapped_s(fwd_compute + tp_fwd, zero_fwd, slowdown)
     backward = overlapped_s(bwd_compute + tp_bwd, zero_bwd, slowdown)
     edge = max(0.0, 1.0 - slowdown) * (zero_fwd + zero_bwd)
@@ -136,6 +147,15 @@ def layer_time(cm, role: str, group: NodeGroup, *, tp: int, sp: bool, zero: int,
     return LayerTime(forward_s=forward, backward_s=backward, compute_s=fwd_compute + bwd_compute,
                      tp_comm_s=tp_fwd + tp_bwd, zero_comm_s=zero_fwd + zero_bwd, dp_sync_s=dp_sync,
                      zero_edge_s=edge, overlap_window_s=window, optimizer_s=optimizer)
+
+
+def tp_exposed_s(compute_s: float, comm_s: float, tp: int, slowdown: float) -> float:
+    """What a pass adds to its ``compute_s`` when its tensor-parallel collectives (``comm_s``) are
+    split into tp chunks that run beside the products they feed (Megatron's --tp-comm-overlap):
+    the first chunk is exposed, the rest overlaps the compute and slows it by ``slowdown``
+    (``timing.overlapped_s``)."""
+    first = comm_s / tp
+    return first + overlapped_s(compute_s, comm_s - first, slowdown) - compute_s
 
 
 def tied_sync_s(cm, group: NodeGroup, *, replicas: int, tp: int, zero: int) -> float:

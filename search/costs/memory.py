@@ -130,7 +130,7 @@ def dense_memory(cm, role: str, device: str, *, tp: int, sp: bool, zero: int, re
     kept = cp_activation_bytes(kind, variant=cm.cp_variant, cp=cm.cp, tp=tp, micro_batch=micro_batch,
                                seq_len=cm.plan_seq_len, dtype=cm.dtype, sequence_parallel=sp, recompute=recompute,
                                on_cpu=on_cpu)
-    if role == "head" and tp == 1:
+    if role == "head" and tp == 1 and cm.engine.loss == "chunked":
         # The runtime's chunked loss keeps the logits themselves (compute dtype) and each token's
         # fp32 log-sum-exp where log_softmax kept an fp32 copy (``chunked_loss_saved``).
         delta = chunked_loss_saved(cm, micro_batch) - (4 * micro_batch * cm.seq_len * cm.model.vocab + 4)
@@ -231,13 +231,14 @@ def loss_transient(cm, tp: int, micro_batch: int) -> int:
     """The loss's backward on this rank's vocab/tp logits (t tokens) and the gradient of the
     head's input (4 t h). A vocab-parallel head (tp > 1: torch's ``loss_parallel``): the gradient
     of the fp32 log-probabilities and of the fp32 logits, the softmax it recomputes (4 bytes each
-    per logit), the gradient cast back to the compute dtype. Otherwise the runtime's chunked loss
+    per logit), the gradient cast back to the compute dtype; so too an engine whose loss takes the
+    logits in fp32 (search/engines.py, ``loss``). Otherwise the runtime's chunked loss
     (``runtime.schedule.ChunkedCrossEntropy``): the logits' gradient in the compute dtype, written
     chunk by chunk, beside one chunk's fp32 softmax (c = ``loss_chunk_tokens`` tokens); its
     forward holds two such chunks (the fp32 logits and logsumexp's exponentials)."""
     t = micro_batch * cm.seq_len
     logits = t * (cm.model.vocab // tp)
-    if tp == 1:
+    if tp == 1 and cm.engine.loss == "chunked":
         chunk = loss_chunk_tokens(t, cm.model.vocab) * cm.model.vocab
         return max(cm.elem * logits + 4 * chunk, 8 * chunk) + 4 * t * cm.model.hidden
     return 12 * logits + (cm.elem * logits if cm.elem != 4 else 0) + 4 * t * cm.model.hidden

@@ -48,6 +48,7 @@ from partita.search.costs import compute, layer_time, links, memory
 from partita.search.costs.layer_time import LayerTime
 from partita.search.costs.links import Link
 from partita.search.costs.memory import LayerMemory
+from partita.search.engines import Engine, get_engine
 from partita.search.timing import Software, TimeConstants
 
 
@@ -68,7 +69,7 @@ class CostModel:
     """Prices layers, stages and steps for one model, cluster, sequence length, dtype and view."""
 
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, *, seq_len: int, dtype: str | None = None,
-                 profiles: Iterable[Profile] = (), software: Software | None = None, view: View = View()) -> None:
+                 profiles: Iterable[Profile] = (), engine: Engine | None = None, view: View = View()) -> None:
         """``cluster`` and ``seq_len`` are the plan's: its devices and its whole sequence."""
         if view.cp > 1:
             context.check_layout(seq_len, view.cp, view.cp_variant)
@@ -79,7 +80,7 @@ class CostModel:
         self.cluster = context.cluster_view(cluster, view.cp)  # the ranks the search places
         self.plan_seq_len = seq_len
         self.seq_len = seq_len // view.cp  # the tokens one device holds
-        self.software = software or Software()  # Partita's runtime unless told otherwise (timing.Software)
+        self.engine = engine or get_engine(None)  # the engine that runs the plan (search/engines.py)
         self.dtype = dtype or compute.default_dtype(cluster)
         if self.dtype not in compute.DTYPE_BYTES:
             raise PartitaError(f"unknown dtype {self.dtype!r}; valid: {', '.join(compute.DTYPE_BYTES)}")
@@ -101,6 +102,11 @@ class CostModel:
         self._views: dict[View, CostModel] = {view: self}  # every view's model, shared among them
 
     # ---- the layout ----------------------------------------------------------------------
+    @property
+    def software(self) -> Software:
+        """The engine's attention kernel and gradient synchronisation."""
+        return self.engine.software
+
     @property
     def cp(self) -> int:
         return self.view.cp
@@ -128,7 +134,7 @@ class CostModel:
         other = self._views.get(view)
         if other is None:
             other = CostModel(self.model, self.real_cluster, seq_len=self.plan_seq_len, dtype=self.dtype,
-                              profiles=self.profiles.values(), software=self.software, view=view)
+                              profiles=self.profiles.values(), engine=self.engine, view=view)
             other._views = self._views
             same = self._views.get(dataclasses.replace(view, dp_span=()))
             if view.dp_span and same is not None:  # only the dp links differ: the same compute and memory

@@ -22,6 +22,7 @@ from partita.plan import LayerStrategy, boundary_split, gives_whole
 from partita.search.costs.memory import LayerMemory, Moment, activation_message_bytes, neighbour_peak, pipeline_memory
 from partita.search.costs.model import CostModel
 from partita.search.schedules import chunk_in_flight, in_flight_chunks
+from partita.search.timing import overlapped_s
 
 
 @dataclass(frozen=True)
@@ -292,6 +293,21 @@ def boundary_gathers(cm: CostModel, runs: Runs, *, tp: int, sends: bool) -> tupl
     forward = first[0] != "embed" and gives_whole(first[1], first[2])
     backward = sends and last[0] != "head" and gives_whole(last[1], last[2])
     return int(forward), int(backward)
+
+
+def with_p2p_overlap(stages: Sequence[StageCost], slowdowns: Sequence[float]) -> list[StageCost]:
+    """Interleaved stages whose engine posts its sends and receives before the next virtual
+    stage's compute and waits after it (search/engines.py, ``p2p_overlap``): each stage's
+    transfers (its sends and the receives from the stage before it, the first's from the last)
+    run beside its compute, which they slow by the stage's overlap ``slowdowns``, instead of
+    after it. ``stages`` come with their receives (``with_receives(wrap=True)``)."""
+    out = []
+    for i, cost in enumerate(stages):
+        transfers = cost.send_s + stages[i - 1].send_s
+        exposed = overlapped_s(cost.compute_s, transfers, slowdowns[i]) - cost.compute_s
+        saved = max(0.0, transfers - exposed)
+        out.append(dataclasses.replace(cost, time_s=cost.time_s - saved, p2p_s=cost.p2p_s - saved))
+    return out
 
 
 def with_receives(stages: Sequence[StageCost], *, wrap: bool = False) -> list[StageCost]:

@@ -1,0 +1,141 @@
+"""The engine that runs a plan, as the cost model prices it.
+
+A plan is priced as the engine that will run it runs it: Partita's own runtime (``partita
+launch``), torchtitan, Megatron-LM or DeepSpeed, each as ``partita export --to X`` configures
+it. An engine differs from another in what it overlaps, how it gathers ZeRO-3 parameters and
+what its loss keeps; ``ENGINES`` holds each one's behaviour with the source of every default,
+and a plan records the engine's name (``Plan.engine``). Published runs (benchmarks/
+published_runs.py) start from their engine and state what their configuration changed
+(``Engine.with_options``).
+
+The terms each behaviour selects, in one place each:
+
+* ``attention``, ``grad_sync``: the attention kernel (search/analytic.py, ``ATTENTION``) and when
+  data-parallel gradient reductions start (search/costs/layer_time.py).
+* ``tp_overlap``: tensor-parallel all-gathers and reduce-scatters split into chunks and run
+  beside the matrix products they feed (Megatron's ``--tp-comm-overlap``, Transformer Engine's
+  userbuffers; torchtitan's async TP under ``torch.compile``). Only the first chunk is exposed:
+  1/tp of the collective; the rest runs beside the compute and slows it by the overlap slowdown
+  (``layer_time.tp_exposed_s``). Needs sequence parallelism (an all-reduce cannot be split so).
+* ``p2p_overlap``: an interleaved schedule's pipeline sends and receives posted before the next
+  virtual stage's compute and waited for after it (Megatron's ``overlap_p2p_comm``, on by
+  default in its training script for interleaved schedules: megatron/training/arguments.py,
+  ``--no-overlap-p2p-communication``): priced beside the compute (``stage.p2p_exposed_s``).
+* ``zero3_gathers``: how many all-gathers ZeRO-3 runs for one layer's parameters. FSDP and FSDP2
+  gather a block as one unit ("layer": Partita's runtime and torchtitan wrap each block).
+  DeepSpeed's ZeRO-3 fetches parameters module by module as its hooks meet them
+  (``PartitionedParameterCoordinator.fetch_sub_module``); a parameter under
+  ``stage3_param_persistence_threshold`` (1e5 elements) stays whole, so a block gathers once per
+  linear layer ("module": ``linear_modules``). Each gather is a ring of n - 1 steps that
+  pays the network's latency on every step: at a fixed layer and growing dp, latency, not bytes,
+  sets the time (docs/calibration.md, "Collectives at scale").
+* ``loss``: "chunked" (Partita's runtime: runtime.schedule.ChunkedCrossEntropy, the logits kept in
+  the compute dtype and an fp32 chunk at a time) or "fp32" (the logits cast to fp32 before the
+  cross entropy, kept for its backward: torchtitan's ``cross_entropy_loss``, Megatron-Core's
+  vocab-parallel cross entropy, Hugging Face models under DeepSpeed); search/costs/memory.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Mapping
+
+from partita import parallel
+from partita.errors import PartitaError
+from partita.search.timing import Software
+
+ZERO3_GATHERS = ("layer", "module")
+LOSSES = ("chunked", "fp32")
+
+
+@dataclass(frozen=True)
+class Engine:
+    """How one training engine runs a plan's layers (the module docstring gives each field's terms)."""
+
+    name: str
+    attention: str = "sdpa"
+    grad_sync: str = "overlapped"
+    tp_overlap: bool = False
+    p2p_overlap: bool = False
+    zero3_gathers: str = "layer"
+    loss: str = "chunked"
+
+    def __post_init__(self) -> None:
+        Software(attention=self.attention, grad_sync=self.grad_sync)  # its checks of the two names
+        if self.zero3_gathers not in ZERO3_GATHERS:
+            raise PartitaError(f"unknown zero3_gathers {self.zero3_gathers!r}; valid: {', '.join(ZERO3_GATHERS)}")
+        if self.loss not in LOSSES:
+            raise PartitaError(f"unknown loss {self.loss!r}; valid: {', '.join(LOSSES)}")
+
+    @property
+    def software(self) -> Software:
+        return Software(attention=self.attention, grad_sync=self.grad_sync)
+
+    def with_options(self, options: Mapping[str, object], where: str = "engine") -> "Engine":
+        """This engine with some behaviours changed (a published run's own configuration)."""
+        fields = {f.name: f.type for f in dataclasses.fields(self) if f.name != "name"}
+        for key, value in options.items():
+            if key not in fields:
+                raise PartitaError(f"{where}: unknown option {key!r}; valid: {', '.join(fields)}")
+            if fields[key] == "bool" and not isinstance(value, bool):
+                raise PartitaError(f"{where}: {key} must be true or false, got {value!r}")
+            if fields[key] == "str" and not isinstance(value, str):
+                raise PartitaError(f"{where}: {key} must be a name, got {value!r}")
+        try:
+            return dataclasses.replace(self, **options)
+        except PartitaError as e:
+            raise PartitaError(f"{where}: {e}") from None
+
+
+ENGINES: dict[str, Engine] = {
+    # partita launch: torch SDPA (the H200 fit), FSDP2 units per block, DDP/FSDP2 reductions as
+    # the backward frees each layer's gradients, torch.distributed.pipelining (blocking sends),
+    # the chunked loss.
+    "partita": Engine("partita"),
+    # torchtitan as partita export --to torchtitan writes it: the same torch stack (SDPA, FSDP2
+    # per block, torch pipelining), eager (async TP needs compile); its loss casts the logits to
+    # fp32 (torchtitan/components/loss.py, cross_entropy_loss: pred.flatten(0, 1).float()).
+    "torchtitan": Engine("torchtitan", loss="fp32"),
+    # Megatron-LM as partita export --to megatron writes it: Transformer Engine's cuDNN/flash
+    # attention (a FlashAttention-2-class kernel on every GPU it runs on), --overlap-grad-reduce,
+    # the interleaved schedule's p2p overlap (the training script's default), no --tp-comm-overlap
+    # (it needs Transformer Engine's userbuffers bootstrapped; published runs that set it say so).
+    "megatron": Engine("megatron", attention="flash2", p2p_overlap=True, loss="fp32"),
+    # DeepSpeed as partita export --to deepspeed writes it (ZeRO 0-3 with overlap_comm): ZeRO-3's
+    # module-by-module gathers, a Hugging Face model's fp32 loss, torch SDPA.
+    "deepspeed": Engine("deepspeed", zero3_gathers="module", loss="fp32"),
+}
+DEFAULT_ENGINE = "partita"
+assert tuple(ENGINES) == parallel.ENGINES, "the rule book names the same engines"
+
+
+def get_engine(name: str | None) -> Engine:
+    """The engine by name (None: Partita's runtime); an unknown name is one clear error."""
+    if name is None:
+        return ENGINES[DEFAULT_ENGINE]
+    if name not in ENGINES:
+        raise PartitaError(f"unknown engine {name!r}; valid: {', '.join(ENGINES)}")
+    return ENGINES[name]
+
+
+def linear_modules(kind, *, local_experts: int = 0) -> int:
+    """The modules of a layer (``partita.model.LayerKind``) whose parameters DeepSpeed's ZeRO-3
+    gathers one at a time: every linear layer and embedding table (norm weights stay whole,
+    under the persistence threshold). A block's dense part: q, k, v, o (gpt2: a fused qkv and
+    o) and the MLP's two (gpt2) or three (gated) products; of a mixture-of-experts block the
+    router and a shared expert's three instead of the MLP, and ``local_experts`` x 3 for the
+    experts a rank holds (``experts.zero_traffic``)."""
+    if local_experts:
+        return 3 * local_experts
+    if kind.role in ("embed", "head"):
+        return 1 + (kind.learned_positions > 0)
+    attention = 2 if kind.family == "gpt2" else 4
+    if kind.experts:
+        return attention + 1 + (3 if kind.shared_expert_ffn else 0)
+    return attention + (2 if kind.family == "gpt2" else 3)
+
+
+def zero3_gathers(engine: Engine, kind, *, local_experts: int = 0) -> int:
+    """All-gathers ZeRO-3 runs for one layer's parameters in one pass under ``engine``."""
+    return linear_modules(kind, local_experts=local_experts) if engine.zero3_gathers == "module" else 1

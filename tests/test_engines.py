@@ -1,0 +1,137 @@
+"""The engine that runs a plan is part of its price (search/engines.py): each behaviour changes
+the term it names and nothing else, the plan records its engine, and `partita plan --engine`
+searches for it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import yaml
+
+from partita.cli import main
+from partita.cluster import parse_short
+from partita.errors import PartitaError
+from partita.model import BUILTIN
+from partita.parallel import ENGINES as NAMES
+from partita.plan import Plan
+from partita.search.costs.model import CostModel
+from partita.search.engines import ENGINES, get_engine, linear_modules
+from partita.search.evaluate import evaluate_interleaved, evaluate_layout
+from partita.search.uniform import stage_layer_names, strategy
+
+PARTITA = ENGINES["partita"]
+
+
+def layers(model, *, tp=1, sp=False, zero=0, recompute="none", blocks=None):
+    names = stage_layer_names(model, [blocks or model.n_layers])[0]
+    return [strategy(model, n, tp=tp, sp=sp, zero=zero, recompute=recompute) for n in names]
+
+
+def test_the_rule_book_and_the_cost_model_name_the_same_engines():
+    assert tuple(ENGINES) == NAMES
+    assert get_engine(None) == PARTITA
+    with pytest.raises(PartitaError, match="unknown engine 'colossal'; valid: partita, torchtitan"):
+        get_engine("colossal")
+    with pytest.raises(PartitaError, match="unknown option 'prefetch'"):
+        PARTITA.with_options({"prefetch": 2})
+
+
+def test_deepspeed_gathers_a_block_module_by_module():
+    kinds = {name: BUILTIN[name].kinds["block"] for name in ("gpt3-175b", "llama-3-8b", "mixtral-8x7b")}
+    assert linear_modules(kinds["gpt3-175b"]) == 4  # fused qkv, o, fc, proj
+    assert linear_modules(kinds["llama-3-8b"]) == 7  # q, k, v, o, gate, up, down
+    assert linear_modules(kinds["mixtral-8x7b"]) == 5  # q, k, v, o, the router
+    assert linear_modules(kinds["mixtral-8x7b"], local_experts=2) == 6
+
+
+def test_zero3_module_gathers_pay_the_ring_s_latency_each_and_the_loss_grows_with_the_ranks():
+    """At a fixed global batch, DeepSpeed's ZeRO-3 (a gather a linear layer, each a ring of n - 1
+    steps) loses throughput per GPU as the ranks grow much faster than FSDP's one gather a block."""
+    model = BUILTIN["gpt3-175b"]
+    per_gpu = {}
+    for engine in ("partita", "deepspeed"):
+        for gpus in (384, 1536):
+            cluster = parse_short(f"{gpus // 8}x8xA100-80GB")
+            cm = CostModel(model, cluster, seq_len=2048, engine=ENGINES[engine])
+            ev = evaluate_layout(cm, [(cluster.groups[0], layers(model, zero=3, recompute="full"))], dp=gpus, tp=1,
+                                 micro_batch=1, num_micro_batches=1536 // gpus)
+            per_gpu[engine, gpus] = 1536 * 2048 / ev.step_time_s / gpus
+            assert ev.breakdown["compute"] == pytest.approx(
+                evaluate_layout(CostModel(model, cluster, seq_len=2048), [(cluster.groups[0], layers(
+                    model, zero=3, recompute="full"))], dp=gpus, tp=1, micro_batch=1,
+                    num_micro_batches=1536 // gpus).breakdown["compute"])
+    assert per_gpu["partita", 384] / per_gpu["partita", 1536] < 1.15
+    assert per_gpu["deepspeed", 384] / per_gpu["deepspeed", 1536] > 1.5
+    assert per_gpu["deepspeed", 384] < per_gpu["partita", 384]
+
+
+def test_zero_levels_below_3_are_gathered_alike_by_every_engine():
+    model, cluster = BUILTIN["llama-3-8b"], parse_short("4x8xH100")
+    times = {name: CostModel(model, cluster, seq_len=4096, engine=ENGINES[name]).at_ep(1).layer_time(
+        "block", cluster.groups[0], strategy(model, "layers.0", tp=1, sp=False, zero=1, recompute="none"),
+        dp=32, micro_batch=1).total_s for name in ("partita", "deepspeed")}
+    assert times["partita"] == pytest.approx(times["deepspeed"])
+
+
+def test_tensor_parallel_overlap_hides_all_but_the_first_chunk_and_needs_sequence_parallelism():
+    model, cluster = BUILTIN["llama-3-70b"], parse_short("1x8xH100")
+    group = cluster.groups[0]
+    overlap = PARTITA.with_options({"tp_overlap": True})
+
+    def block(engine, sp):
+        cm = CostModel(model, cluster, seq_len=4096, engine=engine)
+        return cm.layer_time("block", group, strategy(model, "layers.0", tp=8, sp=sp, zero=0, recompute="none"),
+                             dp=1, micro_batch=1)
+
+    plain, hidden = block(PARTITA, True), block(overlap, True)
+    assert hidden.compute_s == pytest.approx(plain.compute_s)
+    assert plain.tp_comm_s / 8 <= hidden.tp_comm_s < 0.5 * plain.tp_comm_s
+    assert hidden.total_s < plain.total_s
+    assert block(overlap, False).total_s == pytest.approx(block(PARTITA, False).total_s)  # all-reduces: not split
+
+
+def test_megatron_s_p2p_overlap_takes_the_interleaved_sends_off_the_critical_path():
+    model, cluster = BUILTIN["llama-2-13b"], parse_short("4x8xH100")
+    group = cluster.groups[0]
+    names = stage_layer_names(model, [10, 10, 10, 10])
+    per_stage = []
+    for i, stage in enumerate(names):
+        ls = [strategy(model, n, tp=8, sp=True, zero=1, recompute="none") for n in stage]
+        blocks = [l for l in ls if l.name.startswith("layers.")]
+        head, tail = [l for l in ls if l.name == "embed"], [l for l in ls if l.name == "head"]
+        per_stage.append((group, [head + blocks[:5], blocks[5:] + tail]))
+    kw = dict(dp=1, tp=8, micro_batch=1, num_micro_batches=8, schedule="interleaved-1f1b")
+    blocking = evaluate_interleaved(CostModel(model, cluster, seq_len=4096), per_stage, **kw)
+    overlapped = evaluate_interleaved(CostModel(model, cluster, seq_len=4096,
+                                                engine=PARTITA.with_options({"p2p_overlap": True})), per_stage, **kw)
+    assert blocking.breakdown["pipeline_send"] > 0
+    assert overlapped.breakdown["pipeline_send"] < 0.5 * blocking.breakdown["pipeline_send"]
+    assert overlapped.breakdown["compute"] == pytest.approx(blocking.breakdown["compute"])
+    assert overlapped.step_time_s < blocking.step_time_s
+
+
+def test_an_engine_whose_loss_casts_the_logits_to_fp32_holds_more_at_the_head():
+    model, cluster = BUILTIN["gpt2"], parse_short("1x8xH100")
+    head = strategy(model, "head", tp=1, sp=False, zero=0, recompute="none")
+    memory = {name: CostModel(model, cluster, seq_len=1024, engine=ENGINES[name]).at_ep(1).layer_memory(
+        "head", "H100", head, dp=8, micro_batch=8, num_micro_batches=1) for name in ("partita", "torchtitan")}
+    tokens = 8 * 1024
+    # kept for the backward: fp32 logits (4 bytes a logit), or the bf16 logits and a float a token
+    kept = memory["torchtitan"].activations - memory["partita"].activations
+    assert kept == pytest.approx(4 * tokens * model.vocab - (2 * tokens * model.vocab + 4 * tokens), abs=4096)  # the allocator grain
+    assert memory["torchtitan"].transient > 4 * memory["partita"].transient
+
+
+def test_plan_engine_is_recorded_searched_for_and_refused_when_unknown(tmp_path):
+    out = tmp_path / "p.yaml"
+    args = ["plan", "--model", "gpt2", "--cluster", "2x8xH100", "--global-batch", "64", "--search", "uniform", "-o"]
+    assert main(args + [str(out), "--engine", "deepspeed"]) == 0
+    plan = Plan.load(out)
+    assert plan.engine == "deepspeed" and yaml.safe_load(out.read_text())["engine"] == "deepspeed"
+    assert main(args + [str(tmp_path / "q.yaml")]) == 0
+    assert "engine" not in yaml.safe_load((tmp_path / "q.yaml").read_text())  # partita: left out
+    assert Plan.load(tmp_path / "q.yaml").engine == "partita"
+    bad = dataclasses.replace(plan).to_dict() | {"engine": "colossal"}
+    with pytest.raises(PartitaError, match="engine 'colossal' is not one of partita, torchtitan, megatron, deepspeed"):
+        Plan.from_dict(bad)
