@@ -366,8 +366,7 @@ class Plan:
     # tokens over the balanced share (docs/moe.md; ``partita plan --moe-imbalance``).
     moe_imbalance: float = 1.0
     schedule: str = "1f1b"
-    # The engine the plan is priced for (``partita plan --engine``; search/engines.py).
-    engine: str = "partita"
+    engine: str = "partita"  # the engine the plan is priced for (search/engines.py)
     stages: tuple[Stage, ...]
     prediction: Prediction | None = None
     solver: SolverReport | None = None
@@ -503,10 +502,8 @@ class Plan:
                 v = list(v)
             elif f.name == "cp_variant" and self.cp == 1:
                 continue  # meaningful under context parallelism only
-            elif f.name == "moe_imbalance" and v == 1.0:
-                continue  # balanced routing (and every dense model)
-            elif f.name == "engine" and v == "partita":
-                continue  # Partita's own runtime
+            elif (f.name, v) in (("moe_imbalance", 1.0), ("engine", "partita")):
+                continue  # balanced routing (and every dense model); Partita's own runtime
             elif isinstance(v, Mapping):
                 v = dict(v)
             d[f.name] = v

@@ -47,18 +47,6 @@ def overlapped_s(compute_s: float, comm_s: float, slowdown: float) -> float:
     return max(comm_s, compute_s + slowdown * min(compute_s, comm_s))
 
 
-# ---- host overhead -------------------------------------------------------------------------
-# Host time per dispatched eager op (Python, the dispatcher, autograd, the launch). GPU: the
-# op runs asynchronously, so a pass takes max(device time, ops x overhead); CPU: the host does
-# the work, so the two add. Defaults: CPU 3 us, measured on the development machine (a loop of
-# tiny torch ops costs 1.3-1.8 us each; a module's op with autograd and Python around it about
-# twice that); GPU 5 us, the elementwise kernel floor of docs/calibration.md (assumed there, not
-# measured). `partita calibrate` fits it.
-OP_OVERHEAD_S = {"cpu": 3e-6, "gpu": 5e-6}
-# The fixed part of a step beyond its layers and optimizer (the loss's all-reduce, data to the
-# device, Python between micro-batches): assumed 1 ms on either; fitted by `partita calibrate`.
-STEP_OVERHEAD_S = {"cpu": 1e-3, "gpu": 1e-3}
-
 # Aten ops one layer dispatches in eager PyTorch, forward and backward, counted with a
 # TorchDispatchMode on the runtime's own models (tests/test_timing.py recounts them), tp 1,
 # no sequence parallelism. The head's forward includes the loss. Grouped-query attention adds
@@ -94,6 +82,92 @@ def layer_ops(kind: LayerKind) -> tuple[int, int]:
 # (about 20), and per expert a split, three products, silu and the gate product (6).
 MOE_ROUTING_OPS = 20
 MOE_OPS_PER_EXPERT = 6
+
+
+# ---- host overhead -------------------------------------------------------------------------
+# The host's time for one eager op on a GPU (issue 23, item 5). CUDA events around one eager call
+# on an idle GPU time the host's dispatch of it whenever its kernel is shorter than that dispatch:
+# the kernel starts only once the host has launched it, and the end event is queued only once the
+# call has returned. /work/shared/data/h200 (one H200, torch 2.11 eager, bf16) holds three such
+# host-bound calls, each taken as the median of the points whose kernel, at the best rate the file
+# measures, would last under a third of the file's fastest call (benchmarks/launch_floor.py
+# derives them; tests/test_timing.py re-derives them from the files):
+#   a product (cuBLAS)     gemm.jsonl, a @ b of <= 8.6 GFLOP, 4 points at 35.0-38.8 us: 37.0 us;
+#   an SDPA forward        attn.jsonl, causal, b 1, 8 heads, 1024 tokens (1 point): 39.2 us,
+#                          its few-us kernel included: an upper bound;
+#   an SDPA backward       attn.jsonl, forward+backward less the forward, 4 points at
+#                          231-296 us: 247 us. It holds the fixed cost of a backward call (the
+#                          autograd engine's start and hand-off to the device thread) together with
+#                          SDPA's backward and the inputs' gradient accumulation: one backward with
+#                          one node cannot tell them apart, so the whole is charged to the attention
+#                          backward, which every block's backward has once.
+# Every other op (elementwise kernels, views, reductions) is not in the data: a small op's floor
+# stays the assumed 5 us (the elementwise floor of search/roofline.py). Within a pass the host
+# dispatches one op after another, so these costs add, and the pass takes the larger of that sum
+# and the device time (``host_bound_s``); the roofline's floors (search/roofline.py) are the same
+# dispatches seen from an isolated kernel, and are not added again.
+
+
+@dataclass(frozen=True, kw_only=True)
+class DispatchCosts:
+    """Host seconds per eager op of each kind, on one machine."""
+
+    product: float  # one matrix product (mm / addmm), forward or backward
+    attention_forward: float  # one fused attention forward
+    attention_backward: float  # one fused attention backward, with a backward call's fixed cost
+    other: float  # any other op
+
+
+H200_DISPATCH = DispatchCosts(product=37.0e-6, attention_forward=39.2e-6, attention_backward=246.6e-6, other=5e-6)
+
+# Matrix products among a layer's forward ops (its backward runs two per product), counted with
+# a TorchDispatchMode on the runtime's models as ``_OPS`` (tests/test_timing.py recounts them).
+_PRODUCTS = {("llama", "embed"): 0, ("llama", "block"): 7, ("llama", "head"): 1,
+             ("gpt2", "embed"): 0, ("gpt2", "block"): 6, ("gpt2", "head"): 1}
+
+
+def layer_products(kind: LayerKind) -> int:
+    """Matrix products one layer's forward dispatches."""
+    if kind.is_moe:  # attention, the router, three per expert, the shared expert and its gate
+        return 4 + 1 + 3 * kind.experts + (4 if kind.shared_expert_ffn else 0)
+    return _PRODUCTS[(kind.family, kind.role)]
+
+
+def layer_host_s(kind: LayerKind, costs: DispatchCosts = H200_DISPATCH) -> tuple[float, float]:
+    """(forward, backward) host seconds of one layer's eager ops on a GPU, op by op kind."""
+    fwd_ops, bwd_ops = layer_ops(kind)
+    products, attention = layer_products(kind), 1 if kind.role == "block" else 0
+    forward = (products * costs.product + attention * costs.attention_forward
+               + (fwd_ops - products - attention) * costs.other)
+    backward = (2 * products * costs.product + attention * costs.attention_backward
+                + (bwd_ops - 2 * products - attention) * costs.other)
+    return forward, backward
+
+
+def mean_op_host_s(kind: LayerKind, costs: DispatchCosts = H200_DISPATCH) -> float:
+    """The host's mean time per eager op over one layer's forward and backward: what
+    `partita profile`'s launch probe measures on a block (``runtime.commprobe.op_overhead_of``)."""
+    return sum(layer_host_s(kind, costs)) / sum(layer_ops(kind))
+
+
+# The block the GPU default is taken on: llama-3-8b's (grouped-query attention; only the family,
+# the role and the head ratio set its ops).
+REFERENCE_BLOCK = LayerKind(role="block", family="llama", hidden=4096, heads=32, kv_heads=8, ffn=14336,
+                            vocab=128256, qkv_bias=False, learned_positions=0)
+
+# Host time per dispatched eager op (Python, the dispatcher, autograd, the launch), the one
+# constant the cost model prices every op with. GPU: the op runs asynchronously, so a pass takes
+# max(device time, ops x overhead); CPU: the host does the work, so the two add. Defaults: CPU
+# 3 us, measured on the development machine (a loop of tiny torch ops costs 1.3-1.8 us each; a
+# module's op with autograd and Python around it about twice that); GPU 8.7 us, the H200 host's
+# mean over the reference block's 258 ops (``mean_op_host_s``: 2.24 ms a forward and backward,
+# where 5 us an op counted the products' and the attention backward's dispatch as device time
+# that the other ops' dispatch could hide). `partita profile` measures it on the device;
+# `partita calibrate` fits it.
+OP_OVERHEAD_S = {"cpu": 3e-6, "gpu": mean_op_host_s(REFERENCE_BLOCK)}
+# The fixed part of a step beyond its layers and optimizer (the loss's all-reduce, data to the
+# device, Python between micro-batches): assumed 1 ms on either; fitted by `partita calibrate`.
+STEP_OVERHEAD_S = {"cpu": 1e-3, "gpu": 1e-3}
 
 
 def param_tensors(kind: LayerKind, tied_head: bool = False) -> int:

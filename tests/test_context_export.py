@@ -4,6 +4,7 @@ Ulysses sequence_parallel_size (the all-to-all only); a variant the target lacks
 other, priced, with the change listed; what no target variant can run is one line. The
 targets' own parsers are used where they install (torchtitan 0.2.2, DeepSpeed 0.19.8)."""
 
+import dataclasses
 import json
 import re
 import shlex
@@ -19,6 +20,9 @@ from partita.cli.export_megatron import arguments
 from partita.model import BUILTIN
 from partita.mesh import Mesh
 from partita.plan import LayerStrategy, Plan, Stage
+from partita.search.costs.model import CostModel
+from partita.search.engines import ENGINES
+from partita.search.plans import attach_prediction
 
 LLAMA8 = BUILTIN["llama-3-8b"]  # 32 heads, 8 kv heads
 
@@ -45,7 +49,10 @@ def _value(argv: list[str], flag: str) -> str:
 def test_megatron_runs_both_variants_exactly(variant, comm_type):
     ex = export_plan(cp_plan(variant=variant), "megatron")
     assert ex.changes == ()
-    assert ex.exported.prediction.step_time_s == pytest.approx(ex.original.prediction.step_time_s)
+    # the same plan, priced as Megatron runs it (search/engines.py)
+    plan = dataclasses.replace(cp_plan(variant=variant), engine="megatron")
+    cm = CostModel(LLAMA8, plan.cluster_spec, seq_len=plan.seq_len, dtype=plan.dtype, engine=ENGINES["megatron"])
+    assert ex.exported.prediction.step_time_s == pytest.approx(attach_prediction(plan, cm).prediction.step_time_s)
     argv = arguments(ex.exported, LLAMA8)
     assert _value(argv, "--context-parallel-size") == "4" and _value(argv, "--cp-comm-type") == comm_type
     assert "# Megatron-LM arguments for llama-3-8b: dp 2 x cp 4 x tp 1 x pp 1 = 8 ranks" in ex.text

@@ -101,7 +101,8 @@ def test_on_a_gpu_the_split_hides_behind_the_device_unless_the_host_binds():
     split, stages = _evaluate(big, "h100", "interleaved-zb", pp=4)
     for i, (_, chunks) in enumerate(stages):
         extra = sum(_chunk_terms(big, chunk)[0] for c, chunk in enumerate(chunks) if i or c)
-        assert 0 < extra < 0.2 * plain.stages[i].backward_s
+        # the split's host ops at the mean op's cost (timing.OP_OVERHEAD_S): well under the device time
+        assert 0 < extra < 0.3 * plain.stages[i].backward_s
         assert split.stages[i].backward_s == pytest.approx(plain.stages[i].backward_s)
     tiny = CostModel(load_model("tiny-llama"), load_cluster("1x2xH100"), seq_len=128, dtype="bf16")
     plain, _ = _evaluate(tiny, "h100", "interleaved-1f1b")

@@ -3,10 +3,14 @@ against the dispatcher, overlap, host floors, both sides of a pipeline boundary,
 ZeRO edge and data-parallel sync, and a calibration's constants."""
 
 import dataclasses
+import statistics
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from partita.cluster import parse_short
 from partita.model_io import load_model
@@ -15,6 +19,7 @@ from partita.profile import Calibration, Profile, Provenance
 from partita.runtime.commprobe import OpCounter
 from partita.runtime.models import build_layer
 from partita.search.costs.model import CostModel
+from partita.search import timing
 from partita.search.evaluate import evaluate_layout
 from partita.search.timing import (GQA_EXTRA_OPS, host_bound_s, layer_ops, overlapped_s, param_tensors)
 
@@ -133,3 +138,112 @@ def test_both_sides_of_a_stage_boundary_pay_for_it():
     ev = evaluate_layout(cm, [(g, first), (g, last)], dp=1, tp=1, micro_batch=1, num_micro_batches=4)
     send = ev.stages[0].p2p_s
     assert send > 0 and ev.stages[1].p2p_s == pytest.approx(send)
+
+
+# ---- the launch floor: the host's dispatch costs on the H200 (issue 23, item 5) -----------------
+H200_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "h200"
+needs_h200_data = pytest.mark.skipif(not (H200_DATA / "gemm.jsonl").exists(), reason=f"no measurements in {H200_DATA}")
+
+
+def _launch_floor():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        import launch_floor
+    finally:
+        sys.path.pop(0)
+    return launch_floor
+
+
+@needs_h200_data
+def test_the_dispatch_costs_are_the_h200_data_host_bound_calls():
+    """The committed dispatch costs are the medians of the files' host-bound calls, each over
+    several points but the SDPA forward (the file has one host-bound forward)."""
+    lf = _launch_floor()
+    fitted = lf.fitted_dispatch(H200_DATA)
+    for field in ("product", "attention_forward", "attention_backward"):
+        assert getattr(timing.H200_DISPATCH, field) == pytest.approx(getattr(fitted, field), rel=0.01), field
+    assert lf.product_dispatch_s(H200_DATA)[1] >= 3
+    assert lf.attention_dispatch_s(H200_DATA)[1][1] >= 3
+
+
+@needs_h200_data
+def test_host_bound_calls_are_flat_in_their_flops():
+    """What makes a call host-bound here: its time does not follow its FLOPs. The host-bound
+    products span 4x in FLOPs and stay within 15 % of their median."""
+    lf = _launch_floor()
+    rows = lf.read_jsonl(H200_DATA / "gemm.jsonl")
+    flops = [2.0 * r["m"] * r["n"] * r["k"] for r in rows]
+    times = [r["s"] for r in rows]
+    bound = lf._host_bound(times, flops)
+    bound_flops = [f for f, t in zip(flops, times) if t in bound]
+    median = statistics.median(bound)
+    assert max(bound_flops) / min(bound_flops) >= 4
+    assert all(abs(t / median - 1) < 0.15 for t in bound)
+
+
+def test_products_and_attention_are_what_the_dispatcher_sees():
+    """layer_products and the one SDPA a block runs each way, against a dispatch mode's count."""
+    for name in ("tiny-llama", "tiny-gpt2", "llama-2-7b"):
+        spec = load_model(name)
+        for role in ("embed", "block", "head"):
+            fwd, bwd = _kernels_dispatched(spec, role)
+            products = timing.layer_products(spec.kinds[role])
+            attention = 1 if role == "block" else 0
+            assert fwd == {"product": products, "attention": attention}, (name, role)
+            assert bwd == {"product": 2 * products, "attention": attention}, (name, role)
+
+
+def _kernels_dispatched(spec, role: str) -> tuple[dict, dict]:
+    layer = build_layer(spec, role, device="cpu")
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.02)
+    x = torch.randint(0, spec.vocab, (1, 8)) if role == "embed" else torch.randn(1, 8, spec.hidden, requires_grad=True)
+    with _KernelCounter() as fwd:
+        y = layer(x)
+        if role == "head":
+            y = F.cross_entropy(y.flatten(0, 1).float(), torch.randint(0, spec.vocab, (8,)))
+    grad = torch.ones_like(y) if role != "head" else None
+    with _KernelCounter() as bwd:
+        y.backward(grad)
+    return fwd.counts, bwd.counts
+
+
+class _KernelCounter(TorchDispatchMode):
+    """Counts matrix products and fused attention calls among the dispatched aten ops."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts = {"product": 0, "attention": 0}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in ("mm", "addmm", "bmm", "baddbmm"):
+            self.counts["product"] += 1
+        elif "scaled_dot_product" in name:
+            self.counts["attention"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_gpu_default_is_the_reference_blocks_mean_host_time_per_op():
+    kind = load_model("llama-3-8b").kinds["block"]
+    assert kind == timing.REFERENCE_BLOCK
+    fwd_ops, bwd_ops = layer_ops(kind)
+    host_fwd, host_bwd = timing.layer_host_s(kind)
+    c = timing.H200_DISPATCH
+    assert host_fwd == pytest.approx(7 * c.product + c.attention_forward + (fwd_ops - 8) * c.other)
+    assert host_bwd == pytest.approx(14 * c.product + c.attention_backward + (bwd_ops - 15) * c.other)
+    assert timing.OP_OVERHEAD_S["gpu"] * (fwd_ops + bwd_ops) == pytest.approx(host_fwd + host_bwd)
+    assert timing.OP_OVERHEAD_S["cpu"] == 3e-6  # CPU ranks keep their measured default
+
+
+def test_small_shards_are_host_bound_and_large_ones_are_not():
+    """A llama-3-8b block on the H200 at 2048 tokens: at tp 8 each pass is its ops' host time,
+    at tp 1 the kernels' time, unchanged by the host's costs."""
+    model, cluster = load_model("llama-3-8b"), parse_short("8xH200")
+    cm = CostModel(model, cluster, seq_len=2048)
+    fwd_ops, bwd_ops = layer_ops(model.kinds["block"])
+    per_op = timing.OP_OVERHEAD_S["gpu"]
+    small, large = cm.compute("block", "H200", 8, 1), cm.compute("block", "H200", 1, 1)
+    assert small.forward_s == pytest.approx(fwd_ops * per_op) and small.backward_s == pytest.approx(bwd_ops * per_op)
+    assert large.forward_s > 1.5 * fwd_ops * per_op and large.backward_s > 2 * bwd_ops * per_op
