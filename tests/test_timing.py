@@ -24,20 +24,25 @@ from partita.search.evaluate import evaluate_layout
 from partita.search.timing import (GQA_EXTRA_OPS, host_bound_s, layer_ops, overlapped_s, param_tensors)
 
 
-def _dispatched(model_name: str, role: str) -> tuple[int, int]:
-    spec = load_model(model_name)
+def _counted(spec, role: str, counter):
+    """One forward and backward of the runtime's layer under two fresh ``counter`` modes."""
     layer = build_layer(spec, role, device="cpu")
     with torch.no_grad():
         for p in layer.parameters():
             p.normal_(0, 0.02)
     x = torch.randint(0, spec.vocab, (1, 8)) if role == "embed" else torch.randn(1, 8, spec.hidden, requires_grad=True)
-    with OpCounter() as fwd:
+    with counter() as fwd:
         y = layer(x)
         if role == "head":
             y = F.cross_entropy(y.flatten(0, 1).float(), torch.randint(0, spec.vocab, (8,)))
     grad = torch.ones_like(y) if role != "head" else None
-    with OpCounter() as bwd:
+    with counter() as bwd:
         y.backward(grad)
+    return fwd, bwd
+
+
+def _dispatched(model_name: str, role: str) -> tuple[int, int]:
+    fwd, bwd = _counted(load_model(model_name), role, OpCounter)
     return fwd.ops, bwd.ops
 
 
@@ -194,18 +199,7 @@ def test_products_and_attention_are_what_the_dispatcher_sees():
 
 
 def _kernels_dispatched(spec, role: str) -> tuple[dict, dict]:
-    layer = build_layer(spec, role, device="cpu")
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.normal_(0, 0.02)
-    x = torch.randint(0, spec.vocab, (1, 8)) if role == "embed" else torch.randn(1, 8, spec.hidden, requires_grad=True)
-    with _KernelCounter() as fwd:
-        y = layer(x)
-        if role == "head":
-            y = F.cross_entropy(y.flatten(0, 1).float(), torch.randint(0, spec.vocab, (8,)))
-    grad = torch.ones_like(y) if role != "head" else None
-    with _KernelCounter() as bwd:
-        y.backward(grad)
+    fwd, bwd = _counted(spec, role, _KernelCounter)
     return fwd.counts, bwd.counts
 
 
