@@ -139,3 +139,20 @@ def linear_modules(kind, *, local_experts: int = 0) -> int:
 def zero3_gathers(engine: Engine, kind, *, local_experts: int = 0) -> int:
     """All-gathers ZeRO-3 runs for one layer's parameters in one pass under ``engine``."""
     return linear_modules(kind, local_experts=local_experts) if engine.zero3_gathers == "module" else 1
+
+
+# DeepSpeed's ZeRO reduce_bucket_size default (elements): gradients are reduced through a bucket
+# of this size (deepspeed/runtime/zero/config.py, 5e8).
+DEEPSPEED_REDUCE_BUCKET = 500_000_000
+
+
+def largest_module_params(kind, tp: int) -> int:
+    """The parameters of a layer's largest linear module on one tensor-parallel rank: what a
+    module-by-module ZeRO-3 (DeepSpeed) holds gathered at once, beside the next one it prefetches.
+    A block: the MLP's widest product (hidden x ffn), or gpt2's fused qkv (3 hidden^2) if wider;
+    embedding and head: the vocabulary's table."""
+    if kind.role in ("embed", "head"):
+        return kind.vocab * kind.hidden // tp
+    attention = 3 * kind.hidden * kind.hidden if kind.family == "gpt2" else kind.hidden * kind.hidden
+    mlp = kind.hidden * (kind.shared_expert_ffn if kind.experts else kind.ffn)
+    return max(attention, mlp) // tp

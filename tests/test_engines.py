@@ -135,3 +135,22 @@ def test_plan_engine_is_recorded_searched_for_and_refused_when_unknown(tmp_path)
     bad = dataclasses.replace(plan).to_dict() | {"engine": "colossal"}
     with pytest.raises(PartitaError, match="engine 'colossal' is not one of partita, torchtitan, megatron, deepspeed"):
         Plan.from_dict(bad)
+
+
+def test_deepspeed_holds_a_module_gathered_at_a_time_where_fsdp_holds_the_layer():
+    """The 530B GPT DeepSpeed trained with ZeRO-3 alone on 512 A100-80GB at micro-batch 8
+    (benchmarks/published_runs.yaml, ds-azure-530b-512xA100-zero3-mb8) fits only when priced as
+    DeepSpeed gathers: a module (the MLP's 20480 x 81920 product) and the next, not the layer twice."""
+    model = dataclasses.replace(BUILTIN["gpt3-175b"], name="gpt-530b", hidden=20480, n_layers=105, heads=128,
+                                kv_heads=128, ffn=81920, seq_len=1024)
+    cluster = parse_short("64x8xA100-80GB")
+    peaks = {}
+    for name in ("partita", "deepspeed"):
+        cm = CostModel(model, cluster, seq_len=1024, dtype="fp16", engine=ENGINES[name])
+        ev = evaluate_layout(cm, [(cluster.groups[0], layers(model, zero=3, recompute="full"))], dp=512, tp=1,
+                             micro_batch=8, num_micro_batches=1)
+        peaks[name] = ev.stages[0]
+    assert peaks["partita"].peak_bytes > peaks["partita"].capacity
+    assert peaks["deepspeed"].peak_bytes < peaks["deepspeed"].capacity
+    module = 20480 * 81920 * 2
+    assert peaks["deepspeed"].peak_gathered <= 2 * module + 2**20

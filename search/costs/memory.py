@@ -37,6 +37,7 @@ from partita.model import LayerKind
 from partita.plan import boundary_split
 from partita.search.analytic import Shard, activation_bytes
 from partita.search.context import cp_activation_bytes, ring_kv_heads, ring_transient_bytes
+from partita.search.engines import DEEPSPEED_REDUCE_BUCKET, largest_module_params
 from partita.units import GiB, MiB, round_up_to_grain
 
 RESERVE_GPU_BYTES = 3 * GiB
@@ -161,6 +162,14 @@ def dense_memory(cm, role: str, device: str, *, tp: int, sp: bool, zero: int, re
     resident = 2 * params * e if z == 3 else 0
     recompute_extra = max(0, full - plain)
     unsharded_grad = params * REDUCE_BYTES if fsdp and role != "head" else 0
+    copy = params * e
+    if z == 3 and fsdp and cm.engine.zero3_gathers == "module":
+        # DeepSpeed gathers a module at a time into the parameter's own storage, the next one
+        # prefetched, and reduces each module's gradient in the model dtype through its bucket:
+        # a layer never holds more than two modules' parameters (search/engines.py).
+        copy = min(params, largest_module_params(kind, tp)) * e
+        gather_spike = resident = min(2 * copy, 2 * params * e)
+        unsharded_grad = copy + min(params, DEEPSPEED_REDUCE_BUCKET) * e if role != "head" else 0
     if role == "block":
         working = block_backward_transient(cm, tp, micro_batch)
     elif role == "head":
@@ -178,7 +187,7 @@ def dense_memory(cm, role: str, device: str, *, tp: int, sp: bool, zero: int, re
                        optimizer=up(optimizer), activations=up(kept),
                        transient=up(transient_gathered) + up(transient - transient_gathered),
                        transient_gathered=up(transient_gathered), params=local_params, peak_phase=phase,
-                       copy=up(params * e) if fsdp else 0, forward_extra=up(gather_spike),
+                       copy=up(copy) if fsdp else 0, forward_extra=up(gather_spike),
                        backward_own=up(recompute_extra + working),
                        reduce_buffer=up(params * REDUCE_BYTES) if fsdp and every_micro_batch else 0,
                        regathers=fsdp and z == 3, releases_copy=bool(gathered) and every_micro_batch)
