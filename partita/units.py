@@ -35,6 +35,16 @@ def to_us(seconds: float) -> int:
 
 MEMORY_GRAIN = 512
 
+# The chunked cross entropy's chunk: as many tokens as keep one chunk's fp32 logits within these
+# bytes. runtime.schedule.ChunkedCrossEntropy runs it; search/costs/memory.py prices it.
+LOSS_CHUNK_BYTES = 256 * MiB
+
+
+def loss_chunk_tokens(tokens: int, vocab: int) -> int:
+    """Tokens per chunk of the chunked loss: as many as keep one chunk's fp32 logits within
+    ``LOSS_CHUNK_BYTES``."""
+    return max(1, min(tokens, LOSS_CHUNK_BYTES // (4 * vocab)))
+
 
 def round_up_to_grain(nbytes: float) -> int:
     """Bytes rounded up to whole allocation grains."""

@@ -39,16 +39,7 @@ from partita.plan import Plan
 from partita.runtime.mesh import Meshes
 from partita.runtime.parallelize import ShardedLayer, set_gradient_sync
 from partita.runtime.phases import PhaseTimer
-
-
-# The chunked cross entropy's chunk: as many tokens as keep one chunk's fp32 logits within these
-# bytes (search/costs/memory.py prices the same chunk: ``LOSS_CHUNK_BYTES``, ``loss_chunk_tokens``).
-LOSS_CHUNK_BYTES = 256 * 2**20
-
-
-def loss_chunk_tokens(tokens: int, vocab: int) -> int:
-    """Tokens per chunk: as many as keep one chunk's fp32 logits within ``LOSS_CHUNK_BYTES``."""
-    return max(1, min(tokens, LOSS_CHUNK_BYTES // (4 * vocab)))
+from partita.units import loss_chunk_tokens
 
 
 class ChunkedCrossEntropy(torch.autograd.Function):

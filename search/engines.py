@@ -20,7 +20,7 @@ The terms each behaviour selects, in one place each:
 * ``p2p_overlap``: an interleaved schedule's pipeline sends and receives posted before the next
   virtual stage's compute and waited for after it (Megatron's ``overlap_p2p_comm``, on by
   default in its training script for interleaved schedules: megatron/training/arguments.py,
-  ``--no-overlap-p2p-communication``): priced beside the compute (``stage.p2p_exposed_s``).
+  ``--no-overlap-p2p-communication``): priced beside the compute (``stage.with_p2p_overlap``).
 * ``zero3_gathers``: how many all-gathers ZeRO-3 runs for one layer's parameters. FSDP and FSDP2
   gather a block as one unit ("layer": Partita's runtime and torchtitan wrap each block).
   DeepSpeed's ZeRO-3 fetches parameters module by module as its hooks meet them

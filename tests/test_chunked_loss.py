@@ -9,6 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
 
+from partita import units  # noqa: E402
 from partita.runtime import schedule  # noqa: E402
 from partita.search.costs import memory  # noqa: E402
 
@@ -16,7 +17,7 @@ from partita.search.costs import memory  # noqa: E402
 @pytest.fixture
 def small_chunks(monkeypatch):
     """Chunks of 7 tokens for a vocabulary of 50: several chunks and a short last one."""
-    monkeypatch.setattr(schedule, "LOSS_CHUNK_BYTES", 4 * 50 * 7)
+    monkeypatch.setattr(units, "LOSS_CHUNK_BYTES", 4 * 50 * 7)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -53,6 +54,6 @@ def test_the_backward_keeps_the_logits_themselves_and_a_float_a_token():
 
 
 def test_the_cost_model_prices_the_runtime_s_chunk():
-    assert memory.LOSS_CHUNK_BYTES == schedule.LOSS_CHUNK_BYTES
+    assert memory.loss_chunk_tokens is schedule.loss_chunk_tokens is units.loss_chunk_tokens
     for tokens, vocab in [(1, 32000), (8192, 128256), (40 * 2048, 50257), (10**6, 7)]:
         assert memory.loss_chunk_tokens(tokens, vocab) == schedule.loss_chunk_tokens(tokens, vocab)

@@ -49,7 +49,7 @@ def test_zero3_module_gathers_pay_the_ring_s_latency_each_and_the_loss_grows_wit
     """At a fixed global batch, DeepSpeed's ZeRO-3 (a gather a linear layer, each a ring of n - 1
     steps) loses throughput per GPU as the ranks grow much faster than FSDP's one gather a block."""
     model = BUILTIN["gpt3-175b"]
-    per_gpu = {}
+    per_gpu, compute = {}, {}
     for engine in ("partita", "deepspeed"):
         for gpus in (384, 1536):
             cluster = parse_short(f"{gpus // 8}x8xA100-80GB")
@@ -57,10 +57,9 @@ def test_zero3_module_gathers_pay_the_ring_s_latency_each_and_the_loss_grows_wit
             ev = evaluate_layout(cm, [(cluster.groups[0], layers(model, zero=3, recompute="full"))], dp=gpus, tp=1,
                                  micro_batch=1, num_micro_batches=1536 // gpus)
             per_gpu[engine, gpus] = 1536 * 2048 / ev.step_time_s / gpus
-            assert ev.breakdown["compute"] == pytest.approx(
-                evaluate_layout(CostModel(model, cluster, seq_len=2048), [(cluster.groups[0], layers(
-                    model, zero=3, recompute="full"))], dp=gpus, tp=1, micro_batch=1,
-                    num_micro_batches=1536 // gpus).breakdown["compute"])
+            compute[engine, gpus] = ev.breakdown["compute"]
+    for gpus in (384, 1536):  # the gathers change, the compute does not
+        assert compute["deepspeed", gpus] == pytest.approx(compute["partita", gpus])
     assert per_gpu["partita", 384] / per_gpu["partita", 1536] < 1.15
     assert per_gpu["deepspeed", 384] / per_gpu["deepspeed", 1536] > 1.5
     assert per_gpu["deepspeed", 384] < per_gpu["partita", 384]

@@ -69,14 +69,11 @@ def zero_traffic(cm, params: int, group: NodeGroup, *, tp: int, zero: int, repli
     data-parallel link); ``local_experts``: they are the experts a rank holds."""
     device = group.device
     dlink = dlink or cm.dp_link(group, replicas, tp)
-    ag = cm.collective_s("all_gather", params * cm.elem, replicas, dlink, device)
+    # An engine that gathers a ZeRO-3 layer module by module (DeepSpeed) runs k rings of 1/k of
+    # the bytes each, every one paying its n - 1 steps' latency (search/engines.py).
+    k = zero3_gathers(cm.engine, cm.model.kinds[role], local_experts=local_experts) if zero == 3 else 1
+    ag = k * cm.collective_s("all_gather", params * cm.elem / k, replicas, dlink, device)
     rs = cm.collective_s("reduce_scatter", params * REDUCE_BYTES, replicas, dlink, device)
-    if zero == 3 and replicas > 1:
-        # An engine that gathers a layer module by module (DeepSpeed) runs k rings of 1/k of the
-        # bytes each, every one paying its n - 1 steps' latency (search/engines.py).
-        k = zero3_gathers(cm.engine, cm.model.kinds[role], local_experts=local_experts)
-        if k > 1:
-            ag = k * cm.collective_s("all_gather", params * cm.elem / k, replicas, dlink, device)
     zero_fwd, zero_bwd, dp_sync = 0.0, 0.0, 0.0
     if replicas > 1:
         if zero == 0:

@@ -38,7 +38,7 @@ from partita.plan import boundary_split
 from partita.search.analytic import Shard, activation_bytes
 from partita.search.context import cp_activation_bytes, ring_kv_heads, ring_transient_bytes
 from partita.search.engines import DEEPSPEED_REDUCE_BUCKET, largest_module_params
-from partita.units import GiB, MiB, round_up_to_grain
+from partita.units import GiB, MiB, loss_chunk_tokens, round_up_to_grain
 
 RESERVE_GPU_BYTES = 3 * GiB
 RESERVE_CPU_BYTES = 256 * MiB
@@ -168,7 +168,7 @@ def dense_memory(cm, role: str, device: str, *, tp: int, sp: bool, zero: int, re
         # prefetched, and reduces each module's gradient in the model dtype through its bucket:
         # a layer never holds more than two modules' parameters (search/engines.py).
         copy = min(params, largest_module_params(kind, tp)) * e
-        gather_spike = resident = min(2 * copy, 2 * params * e)
+        gather_spike = resident = 2 * copy
         unsharded_grad = copy + min(params, DEEPSPEED_REDUCE_BUCKET) * e if role != "head" else 0
     if role == "block":
         working = block_backward_transient(cm, tp, micro_batch)
@@ -253,21 +253,12 @@ def loss_transient(cm, tp: int, micro_batch: int) -> int:
     return 12 * logits + (cm.elem * logits if cm.elem != 4 else 0) + 4 * t * cm.model.hidden
 
 
-# The runtime's chunked cross entropy (``runtime.schedule.LOSS_CHUNK_BYTES``, the same number; a
-# test holds them equal): each chunk's fp32 logits within these bytes.
-LOSS_CHUNK_BYTES = 256 * MiB
-
-
-def loss_chunk_tokens(tokens: int, vocab: int) -> int:
-    """Tokens per chunk of the runtime's chunked loss (``runtime.schedule.loss_chunk_tokens``)."""
-    return max(1, min(tokens, LOSS_CHUNK_BYTES // (4 * vocab)))
-
-
 def chunked_loss_saved(cm, micro_batch: int) -> int:
     """What the chunked loss keeps from forward to backward for t tokens: the logits as the head
-    made them (compute dtype; on a last pipeline stage the same storage as the stage output the
-    schedule keeps, so ``pipeline_memory`` retains nothing more), each token's fp32
-    log-sum-exp, and the int64 targets (counted by ``analytic.activation_bytes`` already)."""
+    made them (compute dtype), each token's fp32 log-sum-exp, and the int64 targets (counted by
+    ``analytic.activation_bytes`` already). On a last pipeline stage the schedule also keeps the
+    stage's output, the same logits, until its backward has run (``pipeline_memory``'s retained
+    output): counted twice there, an upper bound."""
     t = micro_batch * cm.seq_len
     return cm.elem * t * cm.model.vocab + 4 * t
 
