@@ -35,8 +35,8 @@ from partita.errors import PartitaError
 from partita.model import LayerKind
 from partita.plan import RECOMPUTE
 from partita.profile import LayerCost, Profile, Provenance
-from partita.search.roofline import (attention_time_s, batched_matmul_time_s, element_bytes, matmul_time_s,
-                                     memory_time_s)
+from partita.search.roofline import (ATTENTION_KERNELS, attention_time_s, batched_matmul_time_s, element_bytes,
+                                     matmul_time_s, memory_time_s)
 
 INDEX_BYTES = 8  # token ids, targets and position ids are int64
 STAT_BYTES = 4  # norm statistics and attention's logsumexp are fp32 whatever the dtype
@@ -184,12 +184,12 @@ def backward_only_kernels(kind: LayerKind, sh: Shard) -> list[tuple[str, float]]
 
 
 # ---- attention --------------------------------------------------------------------------------
-# How a block computes softmax(q k^T) v: a fused kernel ("sdpa", the runtime's; "flash2",
-# FlashAttention-2; "cudnn", cuDNN's fused attention; "flash3", FlashAttention-3:
-# ``roofline.ATTENTION_KERNELS``, each by its throughput curve by sequence length), or "unfused"
-# as Megatron-LM did before fused attention (its SC'21 runs; Megatron-DeepSpeed's BLOOM):
-# ``unfused_attention_time_s``.
-ATTENTION = ("sdpa", "flash2", "cudnn", "flash3", "unfused")
+# How a block computes softmax(q k^T) v: a fused kernel ("sdpa", the runtime's; "flash1",
+# FlashAttention v1 and its 2022 Triton port; "flash2", FlashAttention-2; "cudnn", cuDNN's fused
+# attention; "flash3", FlashAttention-3: ``roofline.ATTENTION_KERNELS``, each by its throughput
+# curve by sequence length), or "unfused" as Megatron-LM did before fused attention (its SC'21
+# runs; Megatron-DeepSpeed's BLOOM): ``unfused_attention_time_s``.
+ATTENTION = (*ATTENTION_KERNELS, "unfused")
 
 
 def unfused_attention_time_s(dev: DeviceType, sh: Shard, dtype: str) -> tuple[float, float]:

@@ -232,7 +232,18 @@ SDPA_MEASURED_SEQ = 8192
 # On a non-Hopper part "flash2" and "cudnn" are priced by the fitted curves, which transfer by
 # peak (FlashAttention-2 reaches 50-73 % of A100's peak, Dao 2023, arXiv:2307.08691); "flash3"
 # runs on Hopper only.
-ATTENTION_KERNELS = ("sdpa", "flash2", "cudnn", "flash3")
+#
+# "flash1" is FlashAttention (v1, Dao et al. 2022) and its 2022 Triton port
+# (flash_attn/flash_attn_triton.py, written for triton 2.0.0.dev20221202, before Triton's MLIR
+# backend and Hopper instructions; llm-foundry ships it as attn_impl "triton", its default until
+# 2024 and the only kernel of its time with an attention bias, so ALiBi). Its docstring: "Overall
+# Triton forward + backward is slightly slower than CUDA forward + backward", i.e. than
+# FlashAttention v1; FlashAttention-2's abstract: "around 2x speedup compared to FlashAttention,
+# reaching 50-73 % of the theoretical maximum FLOPs/s on A100" (v1: 25-40 %). Priced as
+# FlashAttention-2's time on the same part and shape, twice: the Ampere-era kernel gains nothing
+# on Hopper that FlashAttention-2 does not (both issue Ampere's mma instructions).
+FLASH1_SLOWDOWN = 2.0
+ATTENTION_KERNELS = ("sdpa", "flash1", "flash2", "cudnn", "flash3")
 HOPPER_ONLY_KERNELS = ("flash3",)
 HOPPER_PREFIXES = ("H100", "H200", "GH200")  # catalog names (and variants of them) of Hopper parts
 
@@ -298,6 +309,10 @@ def attention_time_s(dev: DeviceType, batch: int, heads: int, seq: int, head_dim
     if kernel in HOPPER_ONLY_KERNELS and not hopper and not dev.is_cpu:
         raise PartitaError(f"attention kernel {kernel!r} runs on Hopper GPUs only, not on {dev.name}; "
                            f"valid there: {', '.join(k for k in ATTENTION_KERNELS if k not in HOPPER_ONLY_KERNELS)}")
+    if kernel == "flash1":
+        forward, backward = attention_time_s(dev, batch, heads, seq, head_dim, causal=causal, dtype=dtype,
+                                             kernel="flash2")
+        return FLASH1_SLOWDOWN * forward, FLASH1_SLOWDOWN * backward
     flops, nbytes = attention_flops_bytes(batch, heads, seq, head_dim, causal=causal, dtype=dtype)
     if kernel in HOPPER_ATTENTION and hopper:
         # The table's rate at the paper's shape (16k tokens a batch, 16 heads), carried to this

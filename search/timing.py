@@ -235,8 +235,9 @@ GRAD_SYNCS = ("overlapped", "after_backward")
 class Software:
     """How the training software runs a layer's attention and its gradient synchronisation."""
 
-    # "sdpa" (the runtime's fused kernel, as measured), "flash2" (FlashAttention-2), "cudnn"
-    # (cuDNN's fused attention, Transformer Engine's), "flash3" (FlashAttention-3, Hopper only) or
+    # "sdpa" (the runtime's fused kernel, as measured), "flash1" (FlashAttention v1, its Triton
+    # port), "flash2" (FlashAttention-2), "cudnn" (cuDNN's fused attention, Transformer Engine's),
+    # "flash3" (FlashAttention-3, Hopper only) or
     # "unfused" (Megatron-LM's batched products around a softmax kernel): search/analytic.py, ATTENTION.
     attention: str = "sdpa"
     # "overlapped": data-parallel gradient reductions start as the last micro-batch's backward

@@ -128,7 +128,7 @@ def test_software_defaults_to_the_runtime_and_refuses_what_it_does_not_know():
 
     cm = CostModel(load_model("tiny-llama"), parse_short("8xH100"), seq_len=64)
     assert cm.software == Software(attention="sdpa", grad_sync="overlapped")
-    with pytest.raises(PartitaError, match="valid: sdpa, flash2, cudnn, flash3, unfused"):
+    with pytest.raises(PartitaError, match="valid: sdpa, flash1, flash2, cudnn, flash3, unfused"):
         Software(attention="xformers")
     with pytest.raises(PartitaError, match="valid: overlapped, after_backward"):
         Software(grad_sync="never")
