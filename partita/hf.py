@@ -18,12 +18,11 @@ change the shapes Partita prices (token ids, dtype, dropout, rope scaling...) ar
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from partita import specio
+from partita import fileio, specio
 from partita.errors import PartitaError
 from partita.model import ModelSpec
 
@@ -46,15 +45,7 @@ def load_hf_config(path: str | Path) -> ModelSpec:
     """Read a Hugging Face ``config.json``. The spec is named after the file, or after its
     folder when the file is called ``config.json`` (``models/llama-3-8b/config.json``)."""
     p = Path(path)
-    text = specio.read_text(p)
-    try:
-        config = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise PartitaError(f"{p}:{e.lineno}:{e.colno}: malformed JSON ({e.msg})") from None
-    except RecursionError:
-        raise PartitaError(f"{p}: malformed JSON (nested too deeply)") from None
-    except ValueError:  # an integer literal longer than Python's 4300-digit limit
-        raise PartitaError(f"{p}: malformed JSON (a number too long to read)") from None
+    config = fileio.load_json(p)
     name = p.parent.name if p.stem == "config" and p.parent.name else p.stem
     return spec_from_hf(config, name, where=str(p))
 

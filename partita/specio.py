@@ -13,33 +13,83 @@ import difflib
 import hashlib
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 import yaml
 
+from partita import fileio
 from partita.errors import PartitaError
 
 
-def read_text(path: str | Path) -> str:
-    """A file's text; a missing or unreadable file is one line naming it."""
-    p = Path(path)
-    try:
-        return p.read_text()
-    except FileNotFoundError:
-        raise PartitaError(f"{p}: no such file") from None
-    except (OSError, ValueError) as e:  # a folder, no permission, not UTF-8, a NUL or too long a name
-        raise PartitaError(f"{p}: cannot read ({type(e).__name__})") from None
+# YAML's aliases repeat a node without writing it again; nine levels of nine aliases are a
+# billion nodes from a file of a few hundred bytes. Partita's own files use none; a hand-written
+# cluster may repeat a node group with one. Aliases may bring in at most this many nodes in all.
+MAX_ALIAS_NODES = 10_000
+# YAML 1.1 reads 1e-5 and 5e1 as strings (its floats need a dot and a signed exponent); YAML 1.2
+# and every other reader take them as numbers, and so does Partita.
+_FLOAT_WITHOUT_DOT = re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$")
+
+
+class _LimitError(yaml.YAMLError):
+    """A file past one of the loader's bounds (aliases, depth); its text is the whole message."""
+
+
+class _Loader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that counts the nodes aliases bring in and the nesting depth while it
+    composes, before anything is expanded."""
+
+    def __init__(self, stream: Any) -> None:
+        super().__init__(stream)
+        self._sizes: dict[int, int] = {}  # id(anchored node) -> its nodes, aliases expanded
+        self._open: list[int] = []  # nodes counted so far, per node being composed
+        self._alias_nodes = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            target = self.anchors.get(self.peek_event().anchor)
+            if target is not None:  # (an undefined alias is PyYAML's error)
+                size = self._sizes.get(id(target))
+                if size is None:
+                    raise _LimitError("an alias refers to a node that contains it (a loop)")
+                self._alias_nodes += size
+                if self._alias_nodes > MAX_ALIAS_NODES:
+                    raise _LimitError(f"aliases expand to more than {MAX_ALIAS_NODES:,} nodes, the most Partita "
+                                      f"reads (an alias bomb?); write the repeated parts out")
+                if self._open:
+                    self._open[-1] += size
+            return super().compose_node(parent, index)
+        if len(self._open) >= fileio.MAX_DEPTH:
+            raise _LimitError(f"nested deeper than {fileio.MAX_DEPTH}")
+        self._open.append(1)
+        node = super().compose_node(parent, index)
+        size = self._open.pop()
+        if self._open:
+            self._open[-1] += size
+        self._sizes[id(node)] = size
+        return node
+
+
+class _Dumper(yaml.SafeDumper):
+    """Quotes the strings ``_Loader`` would read as numbers (``'1e5'``), so they stay strings."""
+
+
+for _cls in (_Loader, _Dumper):
+    _cls.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT_WITHOUT_DOT, list("-+0123456789."))
 
 
 def load_yaml(path: str | Path) -> Any:
-    """Read a YAML file; a missing file or a syntax error is one line naming file and line."""
-    return parse_yaml(read_text(path), str(path))
+    """Read a YAML file (a regular file of at most 16 MiB: ``fileio.read_text``); a syntax error
+    or a file past the loader's bounds is one line naming file and line."""
+    return parse_yaml(fileio.read_text(path), str(path))
 
 
-def parse_yaml(text: str, where: str = "<string>") -> Any:
+def parse_yaml(text: str | bytes, where: str = "<string>") -> Any:
     try:
-        return yaml.safe_load(text)
+        data = yaml.load(text, Loader=_Loader)
+    except _LimitError as e:
+        raise PartitaError(f"{where}: {e}") from None
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark
         line = f":{mark.line + 1}" if mark is not None else ""
@@ -52,6 +102,8 @@ def parse_yaml(text: str, where: str = "<string>") -> Any:
         raise PartitaError(f"{where}: malformed YAML ({type(e).__name__}: {_one_line(e)})") from None
     except RecursionError:
         raise PartitaError(f"{where}: malformed YAML (nested too deeply)") from None
+    fileio.check_depth(data, where, "YAML")  # aliases can nest what the text does not
+    return data
 
 
 def _one_line(message: object) -> str:
@@ -59,16 +111,16 @@ def _one_line(message: object) -> str:
 
 
 def dump_yaml(data: Any) -> str:
-    return yaml.safe_dump(data, sort_keys=False, default_flow_style=None, width=100)
+    return yaml.dump(data, Dumper=_Dumper, sort_keys=False, default_flow_style=None, width=100)
 
 
 def save_yaml(data: Mapping[str, Any], path: str | Path) -> None:
-    """Write YAML, then re-read it and compare, so a file we write is one we can read."""
-    p = Path(path)
+    """Write YAML whole or not at all (``fileio.write_text``: a temporary name, then a rename),
+    after checking the text reads back equal, so a file we write is one we can read."""
     text = dump_yaml(data)
-    p.write_text(text)
-    if yaml.safe_load(p.read_text()) != data:
-        raise PartitaError(f"{p}: the file written does not read back equal; disk full?")
+    if parse_yaml(text, str(path)) != data:
+        raise PartitaError(f"{path}: the YAML to write does not read back equal")
+    fileio.write_text(path, text)
 
 
 def nearest(name: str, choices: Iterable[str], n: int = 3) -> str:

@@ -36,6 +36,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 import torch.distributed as dist
 
+from partita import fileio
 from partita.errors import PartitaError
 from partita.profile import CommCost, bus_bytes
 from partita.profiler.fit import fit_latency_bandwidth
@@ -264,7 +265,7 @@ def spawn_and_measure(opts: CommOptions, nproc: int, *, threads_per_rank: int = 
             mp.set_forkserver_preload(["torch", "torch.distributed"])
         mp.start_processes(_rank_main, args=(nproc, opts, f"file://{tmp}/store", str(out), threads_per_rank),
                            nprocs=nproc, start_method=ctx, join=True)
-        data = json.loads(out.read_text())
+        data = fileio.load_json(out)
     return [CommSample(**d) for d in data]
 
 

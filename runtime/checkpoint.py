@@ -25,6 +25,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from partita import fileio
 from partita.errors import PartitaError
 
 log = logging.getLogger(__name__)
@@ -79,7 +80,7 @@ class CheckpointRecord:
 def write_record(root: str | Path, record: CheckpointRecord) -> None:
     path = step_dir(root, record.step) / RECORD
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record.to_dict(), indent=1, sort_keys=True) + "\n")
+    fileio.write_text(path, json.dumps(record.to_dict(), indent=1, sort_keys=True) + "\n")
 
 
 def read_record(root: str | Path, step: int) -> CheckpointRecord | None:
@@ -88,9 +89,9 @@ def read_record(root: str | Path, step: int) -> CheckpointRecord | None:
     if not path.is_file():
         return None
     try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise PartitaError(f"{path}: cannot read the checkpoint record ({e}); resume from another directory") from None
+        data = fileio.load_json(path)
+    except PartitaError as e:
+        raise PartitaError(f"cannot read the checkpoint record: {e}; resume from another directory") from None
     return CheckpointRecord.from_dict(data, where=str(path))
 
 

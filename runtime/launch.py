@@ -24,7 +24,6 @@ torchrun's traceback).
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import shlex
@@ -36,6 +35,7 @@ from pathlib import Path
 from typing import Callable
 
 from partita.cluster import ClusterSpec, load_cluster, recorded_cluster, same_hardware
+from partita import fileio
 from partita.errors import PartitaError
 from partita.model import ModelSpec
 from partita.model_io import load_model
@@ -108,7 +108,7 @@ def launch_command(args: argparse.Namespace,
     if summary_path.is_file():
         from partita.runtime.metrics import RunSummary
 
-        recorded = json.loads(summary_path.read_text())
+        recorded = fileio.load_json(summary_path)
         summary = RunSummary.from_dict(recorded)
         print(f"run {summary.run_id}: {summary.steps} steps, final loss {summary.losses[-1]:.4f}")
         print(summary.table())
@@ -190,6 +190,10 @@ def check_launch(plan: Plan, args: argparse.Namespace, metrics: str | None = Non
     check_data(cfg.data, vocab=model.vocab, seq_len=plan.seq_len)
     if cfg.metrics is not None:
         check_writable_file(cfg.metrics, "--metrics")
+        for given in (args.plan, args.model, args.cluster, None if cfg.data == "synthetic" else cfg.data):
+            if given and fileio.same_file(cfg.metrics, given):
+                raise PartitaError(f"--metrics {cfg.metrics}: is the input {given}; the ranks would append to it, "
+                                   f"choose another path")
     warnings = []
     if cfg.checkpoint_dir:
         check_writable_dir(cfg.checkpoint_dir, "--checkpoint-dir")

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from partita import fileio
 from partita.devices import get_device
 from partita.plan import Plan
 from partita.units import fmt_bytes
@@ -44,8 +45,8 @@ def peak_flops(plan: Plan) -> float:
 
 def read_metrics(path: str | Path, run_id: str | None = None) -> list[dict[str, Any]]:
     """The records of ``path``, only the run ``run_id``'s when it is given."""
-    records = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-    return [r for r in records if run_id is None or r.get("run_id") == run_id]
+    records = fileio.load_jsonl(path)
+    return [r for r in records if isinstance(r, dict) and (run_id is None or r.get("run_id") == run_id)]
 
 
 class MetricsWriter:

@@ -71,13 +71,14 @@ class TrainConfig:
 
 
 MAX_SEED = 2**32 - 1
+MAX_STEPS = 10**9  # far above any run (the longest published ones train for about a million steps)
 
 
 def check_config(cfg: TrainConfig) -> None:
     """Refuse settings no run can train with, as one PartitaError naming the flag; the launcher
     calls it before any rank starts, and every rank again before its first collective."""
-    if cfg.steps < 1:
-        raise PartitaError(f"--steps must be at least 1, got {cfg.steps}")
+    if not 1 <= cfg.steps <= MAX_STEPS:
+        raise PartitaError(f"--steps must be at least 1 and at most {MAX_STEPS:,}, got {cfg.steps:,}")
     if not (math.isfinite(cfg.lr) and cfg.lr > 0):
         raise PartitaError(f"--lr must be a finite number > 0, got {cfg.lr}")
     if cfg.warmup_steps is not None and not 0 <= cfg.warmup_steps <= cfg.steps:

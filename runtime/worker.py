@@ -27,12 +27,12 @@ import os  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 import warnings  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import DeviceMesh  # noqa: E402
 
+from partita import fileio  # noqa: E402
 from partita.errors import PartitaError  # noqa: E402
 from partita.plan import Plan  # noqa: E402
 from partita.runtime.launch import add_launch_arguments, check_plan, plan_cluster, train_config  # noqa: E402
@@ -131,7 +131,7 @@ def run(plan: Plan, cfg: TrainConfig, device: torch.device, summary_path: str | 
     trainer = Trainer(plan, cfg, device=device)
     summary = trainer.fit()
     if summary is not None and summary_path:
-        Path(summary_path).write_text(json.dumps(summary.to_dict()))
+        fileio.write_text(summary_path, json.dumps(summary.to_dict()))
     dist.barrier()  # no rank tears its groups down while a peer is still in a collective with it
     forget_process_groups(trainer.meshes.world)
 

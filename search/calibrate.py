@@ -39,7 +39,6 @@ soak up host overheads). ``fitted`` in the profile lists them.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import statistics
@@ -51,6 +50,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from partita.cluster import ClusterSpec
+from partita import fileio
 from partita.errors import PartitaError
 from partita.model import ModelSpec
 from partita.plan import Plan
@@ -106,10 +106,10 @@ def load_run(path: str | Path) -> Run:
             raise PartitaError(f"{path}: no {p.name}; run `partita launch PLAN --metrics {folder / 'metrics.jsonl'}` "
                                f"on one node to record a run there")
     try:
-        summary = json.loads(summary_path.read_text())
-        records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise PartitaError(f"{path}: summary.json or metrics.jsonl is not JSON ({e}); record the run again") from None
+        summary = fileio.load_json(summary_path)
+        records = fileio.load_jsonl(metrics_path)
+    except PartitaError as e:
+        raise PartitaError(f"{e}; record the run again") from None
     if not isinstance(summary, dict) or not summary.get("plan"):
         raise PartitaError(f"{path}: summary.json holds no plan (written by an older partita); record the run again "
                            f"with this version's `partita launch`")

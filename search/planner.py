@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
+import math
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -69,9 +70,27 @@ class PlanRequest:
     engine: str = "partita"
 
 
+# Bounds far above any real run, so that an absurd number is refused at once instead of sizing
+# the search by it: Llama 3 405B trained on 2,048 sequences a step, the longest published
+# contexts are about a million tokens; CP-SAT's random_seed is a 32-bit signed integer.
+MAX_GLOBAL_BATCH = 1 << 20
+MAX_SEQ_LEN = 1 << 24
+MAX_SEED = (1 << 31) - 1
+
+
+def check_numbers(seq_len: int, global_batch: int, seed: int = 0) -> None:
+    """The request's numbers within the bounds above; each refusal one line naming the flag."""
+    if not 1 <= seq_len <= MAX_SEQ_LEN:
+        raise PartitaError(f"--seq-len must be between 1 and {MAX_SEQ_LEN:,} tokens, got {seq_len:,}")
+    if not 1 <= global_batch <= MAX_GLOBAL_BATCH:
+        raise PartitaError(f"--global-batch must be between 1 and {MAX_GLOBAL_BATCH:,} sequences, got {global_batch:,}")
+    if not 0 <= seed <= MAX_SEED:
+        raise PartitaError(f"--seed must be between 0 and {MAX_SEED:,} (CP-SAT's seed is a 32-bit integer), "
+                           f"got {seed:,}")
+
+
 def check_request(req: PlanRequest) -> None:
-    if req.seq_len < 1 or req.global_batch < 1:
-        raise PartitaError(f"--seq-len and --global-batch must be >= 1, got {req.seq_len} and {req.global_batch}")
+    check_numbers(req.seq_len, req.global_batch, req.seed)
     if req.model.family == "gpt2" and req.seq_len > req.model.seq_len:
         raise PartitaError(f"{req.model.name} learns {req.model.seq_len} positions; --seq-len {req.seq_len} is longer")
     if req.search not in ("cpsat", "uniform"):
@@ -86,8 +105,9 @@ def check_request(req: PlanRequest) -> None:
         raise PartitaError(f"--cp degrees must be >= 1, got {list(req.context_parallel)}")
     if any(ep < 1 for ep in req.expert_parallel):
         raise PartitaError(f"--ep degrees must be >= 1, got {list(req.expert_parallel)}")
-    if not req.moe_imbalance >= 1.0:
-        raise PartitaError(f"--moe-imbalance is the busiest rank's tokens over the mean: >= 1, got {req.moe_imbalance:g}")
+    if not 1.0 <= req.moe_imbalance < math.inf:
+        raise PartitaError(f"--moe-imbalance is the busiest rank's tokens over the mean: a finite number >= 1, "
+                           f"got {req.moe_imbalance:g}")
     if req.model.is_moe and any(cp > 1 for cp in req.context_parallel):
         raise PartitaError(f"--cp: {req.model.name} is a mixture of experts, which runs at cp 1 (its load-balancing "
                            "loss is per whole sequence); drop --cp")

@@ -263,7 +263,7 @@ def _copy(tmp_path: Path, name: str) -> Path:
     ("no-summary", "no summary.json"),
     ("no-plan", "holds no plan"),
     ("one-step", "at least 2"),
-    ("not-json", "not JSON"),
+    ("not-json", "malformed JSON"),
     ("two-devices", "one device type at a time"),
     ("output-folder", "is a directory"),
 ])

@@ -5,6 +5,7 @@ measured runs (``partita launch``'s run directories) and print the fit.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from rich.table import Table
 
@@ -17,7 +18,8 @@ def calibrate(args: argparse.Namespace) -> int:
     """Fit the device type's time constants to the runs, write the profile, print the fit."""
     from partita.search.calibrate import calibrate as fit, load_run, predictions
 
-    output = writable_output(args.output)
+    output = writable_output(args.output, inputs=[Path(r) / name for r in [*args.runs, *args.check]
+                                                  for name in ("summary.json", "metrics.jsonl")])
     runs = [load_run(path) for path in args.runs]
     held_out = [load_run(path) for path in args.check]
     devices = {r.device for r in runs}
@@ -27,10 +29,7 @@ def calibrate(args: argparse.Namespace) -> int:
                                f"check runs of the same device type")
     command = "partita calibrate " + " ".join(args.runs) + f" -o {args.output}"
     profile, table = fit(runs, command=command)
-    try:
-        profile.save(output)
-    except OSError as e:
-        raise PartitaError(f"-o {output}: cannot write the profile ({e.strerror or e})") from None
+    profile.save(output)
     cal = profile.calibration
     assert cal is not None
     console.print(_prediction_table(f"calibration of {profile.device} ({profile.dtype}) on {len(runs)} run(s)",

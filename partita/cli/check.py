@@ -102,10 +102,16 @@ def picture_outputs(args: argparse.Namespace) -> dict[str, Path]:
 
     out = {}
     if getattr(args, "timeline", None):
-        out["timeline"] = output_path("--timeline", args.timeline, TIMELINE_FORMATS)
+        out["timeline"] = output_path("--timeline", args.timeline, TIMELINE_FORMATS, inputs=_inputs(args))
     if getattr(args, "report", None):
-        out["report"] = output_path("--report", args.report, REPORT_FORMATS)
+        out["report"] = output_path("--report", args.report, REPORT_FORMATS, inputs=_inputs(args))
     return out
+
+
+def _inputs(args: argparse.Namespace) -> list[str]:
+    """The files a command reads (a plan, a model, a cluster, profiles), none of which it may write."""
+    return [v for v in (getattr(args, "plan", None), getattr(args, "model", None), getattr(args, "cluster", None),
+                        *(getattr(args, "profile", None) or ())) if isinstance(v, str)]
 
 
 def write_pictures(p: Plan, cluster: ClusterSpec, pictures: dict[str, Path], *, source: str) -> None:

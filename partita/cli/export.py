@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
-from partita import parallel
+from partita import fileio, parallel
 from partita.cluster import ClusterSpec
 from partita.errors import PartitaError
 from partita.model import ModelSpec
@@ -273,7 +273,7 @@ def export_command(args: argparse.Namespace) -> int:
     from partita.validate import validate_plan
 
     mod = target_module(args.to)
-    output = writable_output(args.output or str(Path(args.plan).with_name(mod.FILE)))
+    output = writable_output(args.output or str(Path(args.plan).with_name(mod.FILE)), inputs=[args.plan, *args.profile])
     plan = Plan.load(args.plan)
     model = ModelSpec.from_dict(plan.model, where=f"{args.plan}: model")
     cluster = plan_cluster(plan)
@@ -283,10 +283,7 @@ def export_command(args: argparse.Namespace) -> int:
         raise PartitaError(f"{args.plan}: {e}") from None
     profiles = usable_profiles(args.profile, model, cluster, seq_len=plan.seq_len, dtype=plan.dtype)
     ex = export_plan(plan, args.to, profiles=profiles)
-    try:
-        output.write_text(ex.text)
-    except OSError as e:
-        raise PartitaError(f"-o {output}: cannot write ({e.strerror or e})") from None
+    fileio.write_text(output, ex.text)
     for line in report_lines(ex):
         console.print(line, markup=False)
     console.print(f"wrote {output}", markup=False)

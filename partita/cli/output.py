@@ -8,9 +8,11 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Iterable
 
 from rich.console import Console
 
+from partita import fileio
 from partita.errors import PartitaError
 from partita.plan import Plan
 
@@ -43,9 +45,19 @@ class Quiet:
         pass
 
 
-def writable_output(text: str) -> Path:
-    """The -o path, refused before any work if the plan could not be written there."""
+def refuse_inputs(flag: str, path: Path, inputs: Iterable[str | Path]) -> None:
+    """An output that is one of the command's own inputs would overwrite it: refused."""
+    for given in inputs:
+        if given and fileio.same_file(path, given):
+            raise PartitaError(f"{flag} {path}: is the input {given}; writing there would overwrite it, "
+                               f"choose another path")
+
+
+def writable_output(text: str, inputs: Iterable[str | Path] = (), flag: str = "-o") -> Path:
+    """The -o path, refused before any work if the result could not be written there, or if it
+    is one of ``inputs`` (the command's own input files)."""
     path = Path(text)
+    refuse_inputs(flag, path, inputs)
     try:
         if path.is_dir():
             raise PartitaError(f"-o {text}: is a directory; give a file name, e.g. -o {path / 'plan.yaml'}")

@@ -36,15 +36,16 @@ if TYPE_CHECKING:  # the search loads only when a plan is made
 def plan(args: argparse.Namespace) -> int:
     from partita.search.costs.model import CostModel
     from partita.search.engines import get_engine
-    from partita.search.planner import PlanRequest, make_plan
+    from partita.search.planner import PlanRequest, check_numbers, make_plan
     from partita.search.uniform import device_price
 
     # Every input is checked before the search, so bad input fails in a second, not after it.
-    output = writable_output(args.output)
+    output = writable_output(args.output, inputs=[args.model, args.cluster, *args.profile])
     model = load_model(args.model)
     cluster = load_cluster(args.cluster)
     seq_len = args.seq_len or model.seq_len
     global_batch = args.global_batch or model.default_global_batch
+    check_numbers(seq_len, global_batch, args.seed or 0)  # before they size anything
     dtype = plan_dtype(args.dtype, cluster)
     _check_search_flags(args)
     tokens = parse_tokens(args.tokens) if getattr(args, "tokens", None) else None
@@ -59,7 +60,7 @@ def plan(args: argparse.Namespace) -> int:
                       time_limit_s=args.time_limit, gap=getattr(args, "gap", 0.0), workers=args.workers or 1,
                       seed=args.seed or 0, space=space, context_parallel=getattr(args, "cp", None) or (),
                       cp_variant=getattr(args, "cp_variant", None), expert_parallel=getattr(args, "ep", None) or (),
-                      moe_imbalance=getattr(args, "moe_imbalance", None) or 1.0,
+                      moe_imbalance=1.0 if getattr(args, "moe_imbalance", None) is None else args.moe_imbalance,
                       engine=getattr(args, "engine", None) or "partita")
     start = time.perf_counter()
     as_json = getattr(args, "json", False)

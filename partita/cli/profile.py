@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from partita import parallel
+from partita.cli.output import refuse_inputs
 from partita.errors import PartitaError
 from partita.model import ModelSpec
 from partita.model_io import load_model
@@ -109,6 +110,7 @@ def profile_command(args: argparse.Namespace) -> int:
     comm_opts = _comm_options(args, device, catalog) if (args.comm or args.comm_only) else None
     nproc = _int_flag(args.nproc, "--nproc", default=torch.cuda.device_count() if device.type == "cuda" else 4)
     output = Path(args.output)
+    refuse_inputs("-o", output, [getattr(args, "model", None)])
     if output.is_dir():
         raise PartitaError(f"-o {args.output}: is a directory; give a file name, e.g. -o {output / 'profile.yaml'}")
     if not output.parent.is_dir():

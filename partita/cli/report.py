@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
+from partita import fileio
 from partita.errors import PartitaError
 from partita.plan import Plan, StageMemory
 from partita.units import GiB, fmt_seconds
@@ -47,9 +48,14 @@ MEMORY_COLOURS = dict(zip(StageMemory.CATEGORIES, ("#4C78A8", "#9ECAE9", "#F5851
 
 
 # ---- output paths --------------------------------------------------------------------------
-def output_path(flag: str, text: str, formats: Sequence[str]) -> Path:
-    """The file a picture goes to, refused before any work if it could not be written."""
+def output_path(flag: str, text: str, formats: Sequence[str], inputs: Sequence[str] = ()) -> Path:
+    """The file a picture goes to, refused before any work if it could not be written or is
+    one of ``inputs``."""
     path = Path(text)
+    for given in inputs:
+        if fileio.same_file(path, given):
+            raise PartitaError(f"{flag} {text}: is the input {given}; writing there would overwrite it, "
+                               f"choose another path")
     if path.suffix.lower() not in formats:
         raise PartitaError(f"{flag} {text}: unknown file type {path.suffix or '(none)'!r}; "
                            f"name it with {' or '.join(formats)}, e.g. {flag} {path.stem or 'plan'}{formats[0]}")
@@ -308,15 +314,16 @@ def cluster_figure(plan: Plan, cluster: "ClusterSpec") -> "Figure":
 
 
 # ---- files ---------------------------------------------------------------------------------
-def save_figure(fig: "Figure", path: Path, flag: str) -> None:
+def save_figure(fig: "Figure", path: Path) -> None:
     import matplotlib.pyplot as plt
 
+    buf = io.BytesIO()  # drawn in memory, then written whole (fileio.write_text)
     try:
-        fig.savefig(path, dpi=150 if path.suffix.lower() == ".png" else None)
-    except OSError as e:
-        raise PartitaError(f"{flag} {path}: cannot write the picture ({e.strerror or e})") from None
+        fig.savefig(buf, format=path.suffix.lower().lstrip(".") or "png",
+                    dpi=150 if path.suffix.lower() == ".png" else None)
     finally:
         plt.close(fig)
+    fileio.write_text(path, buf.getvalue())
 
 
 def _svg(fig: "Figure") -> str:
@@ -354,7 +361,7 @@ def with_prediction(plan: Plan, cluster: "ClusterSpec") -> tuple[Plan, str]:
 
 def write_timeline(plan: Plan, cluster: "ClusterSpec", path: Path) -> None:
     plan, _ = with_prediction(plan, cluster)
-    save_figure(timeline_figure(plan, plan_timeline(plan, cluster)), path, "--timeline")
+    save_figure(timeline_figure(plan, plan_timeline(plan, cluster)), path)
 
 
 def write_report(plan: Plan, cluster: "ClusterSpec", path: Path, *, source: str) -> None:
@@ -415,10 +422,7 @@ predicted step.</p>
 <table><tr><th>node group</th><th>devices</th><th>ranks</th><th>stages</th></tr>{group_rows}</table>
 </body></html>
 """
-    try:
-        path.write_text(page, encoding="utf-8")
-    except OSError as err:
-        raise PartitaError(f"--report {path}: cannot write the report ({err.strerror or err})") from None
+    fileio.write_text(path, page)
 
 
 def _groups(plan: Plan, cluster: "ClusterSpec") -> list[tuple]:

@@ -138,7 +138,7 @@ def run_figure(plan: Plan, cluster: "ClusterSpec", summary: dict, records: Seque
 
 
 def write_run_chart(plan: Plan, cluster: "ClusterSpec", summary: dict, records: Sequence[dict], path: Path) -> None:
-    save_figure(run_figure(plan, cluster, summary, records), path, "run chart")
+    save_figure(run_figure(plan, cluster, summary, records), path)
 
 
 def _stage_ticks(ax, plan: Plan) -> None:

@@ -21,6 +21,7 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
+from partita import fileio
 from partita.cluster import ClusterSpec
 from partita.errors import PartitaError
 from partita.plan import Plan
@@ -121,7 +122,7 @@ def emit_command(args: argparse.Namespace) -> int:
     from partita.runtime.launch import check_plan, train_config, worker_arguments
     from partita.runtime.train import check_config
 
-    output = writable_output(args.output or "job.sbatch")
+    output = writable_output(args.output or "job.sbatch", inputs=[args.plan, args.cluster, args.model, args.data])
     if args.walltime is not None and (not args.walltime or any(ch not in _WALLTIME for ch in args.walltime)):
         raise PartitaError(f"--walltime {args.walltime!r}: write SLURM's form, e.g. 24:00:00 or 2-00:00:00")
     if args.partition is not None and (not args.partition or any(ch.isspace() for ch in args.partition)):
@@ -143,10 +144,7 @@ def emit_command(args: argparse.Namespace) -> int:
         raise PartitaError(f"--master-port must be between 1 and 65535, got {args.master_port}")
     text = sbatch_script(plan, cluster, worker_arguments(args, metrics), job_name=f"partita-{Path(args.plan).stem}",
                          partition=args.partition, walltime=args.walltime, master_port=args.master_port)
-    try:
-        output.write_text(text)
-    except OSError as e:
-        raise PartitaError(f"-o {output}: cannot write the script ({e.strerror or e})") from None
+    fileio.write_text(output, text)
     comps = components(plan, cluster)
     print(f"wrote {output}: {plan.world_size} ranks on {sum(c.nodes for c in comps)} nodes"
           + (f", {len(comps)} heterogeneous components" if len(comps) > 1 else "") + f"; submit with: sbatch {output}")
