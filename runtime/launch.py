@@ -24,6 +24,7 @@ torchrun's traceback).
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import shlex
@@ -46,6 +47,9 @@ from partita.runtime.train import TrainConfig, check_config, checkpoint_record
 
 log = logging.getLogger(__name__)
 WORKER = "partita.runtime.worker"
+# An environment variable naming a file where a failed run's torchrun records its first failed
+# rank and exit code (JSON), for ``partita launch --elastic``.
+FAILURE_RECORD = "PARTITA_FAILURE_RECORD"
 RUN_CHART = "measured_vs_predicted.png"  # the run's picture, drawn by the caller's ``draw_chart``
 
 
@@ -71,6 +75,14 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tag of this run's metrics records (default: the start time and the launcher's pid)")
     parser.add_argument("--master-addr", default="$MASTER_ADDR", help="rendezvous host for multi-node commands")
     parser.add_argument("--master-port", type=int, default=29500, help="rendezvous port for multi-node commands")
+    parser.add_argument("--elastic", action="store_true",
+                        help="when a rank dies, re-plan on the ranks left and resume from the last checkpoint "
+                             "(needs --checkpoint-dir; docs/runtime.md, 'Elastic training')")
+    parser.add_argument("--min-ranks", type=int, default=None,
+                        help="with --elastic: stop (exit 3, checkpoint kept) when fewer ranks than this remain")
+    # tests: the ranks (or rank --crash-rank alone, by SIGKILL) die after this many steps
+    parser.add_argument("--crash-after-step", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--crash-rank", type=int, default=None, help=argparse.SUPPRESS)
 
 
 def launch_command(args: argparse.Namespace,
@@ -166,7 +178,8 @@ def train_config(args: argparse.Namespace, metrics: str | None = None) -> TrainC
                        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
                        resume=args.resume, metrics=metrics if metrics is not None else args.metrics,
                        memory_report=args.memory_report, run_id=args.run_id,
-                       crash_after_step=getattr(args, "crash_after_step", None))
+                       crash_after_step=getattr(args, "crash_after_step", None),
+                       crash_rank=getattr(args, "crash_rank", None))
 
 
 def check_launch(plan: Plan, args: argparse.Namespace, metrics: str | None = None) -> tuple[ClusterSpec, list[str]]:
@@ -328,6 +341,9 @@ def worker_arguments(args: argparse.Namespace, metrics: str) -> list[str]:
         out += ["--warmup-steps", str(args.warmup_steps)]
     if args.memory_report:
         out.append("--memory-report")
+    for flag in ("crash_after_step", "crash_rank"):
+        if getattr(args, flag, None) is not None:
+            out += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     return out
 
 
@@ -366,6 +382,10 @@ def torchrun(argv: list[str]) -> int:
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         print(f"partita: rank {rank} failed with exit code {failure.exitcode}", file=sys.stderr)
+        record = os.environ.get(FAILURE_RECORD)
+        if record:  # for the elastic launcher (partita.cli.elastic): which rank died, and how
+            fileio.write_text(record, json.dumps({"rank": rank, "exitcode": failure.exitcode,
+                                                  "ranks": sorted(e.failures)}))
         return 1
     return 0
 

@@ -18,6 +18,7 @@ import contextlib
 import logging
 import math
 import os
+import signal
 import time
 from dataclasses import dataclass
 from typing import Iterable
@@ -64,6 +65,7 @@ class TrainConfig:
     memory_report: bool = False  # measure one step's memory by category (torch's memory trackers)
     run_id: str | None = None  # in every metrics record, so runs appending to one file stay apart
     crash_after_step: int | None = None  # tests: exit abruptly after this many steps, as a kill would
+    crash_rank: int | None = None  # tests: only this rank dies then, by SIGKILL; None: every rank exits
 
     @property
     def warmup(self) -> int:
@@ -309,7 +311,10 @@ class Trainer:
                 checkpoint.save(cfg.checkpoint_dir, done, self.model, self.optimizer, self.scaler,
                                 record=checkpoint_record(plan, cfg, done))
             if cfg.crash_after_step is not None and done == cfg.crash_after_step:
-                os._exit(17)  # tests: die like a killed process, without cleanup
+                if cfg.crash_rank is None:
+                    os._exit(17)  # tests: die like a killed process, without cleanup
+                if dist.get_rank() == cfg.crash_rank:
+                    os.kill(os.getpid(), signal.SIGKILL)
         writer.close()
         from partita.runtime.commprobe import probe_collectives, probe_op_overhead
 

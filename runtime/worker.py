@@ -78,7 +78,6 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_launch_arguments(parser)
     parser.add_argument("--summary", default=None, help="rank 0 writes the run summary (JSON) here")
-    parser.add_argument("--crash-after-step", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,

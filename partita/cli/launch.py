@@ -25,6 +25,12 @@ def launch(args: argparse.Namespace) -> int:
                             ("--walltime", getattr(args, "walltime", None))) if v is not None]
     if given:
         raise PartitaError(f"{' and '.join(given)} only apply with --emit slurm; add it, or drop them to train here")
+    if getattr(args, "elastic", False):
+        from partita.cli.elastic import launch_elastic
+
+        return launch_elastic(args, draw_chart=draw_run_chart)
+    if getattr(args, "min_ranks", None) is not None:
+        raise PartitaError("--min-ranks only applies with --elastic; add it, or drop --min-ranks")
     from partita.runtime.launch import launch_command
 
     return launch_command(args, draw_chart=draw_run_chart)

@@ -248,6 +248,10 @@ def build_parser(with_torch_commands: bool = False) -> argparse.ArgumentParser:
                            help="runs of other plans on the same device type, not fitted on: print what the new "
                                 "profile predicts for them against what they measured")
 
+    from partita.cli.replan import add_replan_arguments
+
+    add_replan_arguments(sub)
+
     launch = sub.add_parser("launch", help="train a plan with torch.distributed (torchrun)")
     profile = sub.add_parser("profile", help="measure layer and collective costs on this machine's devices")
     if with_torch_commands:
@@ -329,6 +333,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from partita.cli.calibrate import calibrate
 
         return calibrate(args)
+    if args.command == "replan":
+        from partita.cli.replan import replan_command
+
+        return replan_command(args)
     if args.command == "launch":
         from partita.cli.launch import launch
 
