@@ -24,6 +24,10 @@ SCHEMA_VERSION = 1
 FAMILIES = ("llama", "gpt2")
 ROLES = ("embed", "block", "head")
 MOE_FIELDS = ("experts", "experts_per_token", "shared_expert_ffn")  # 0: dense (left out of files)
+# The weight of a mixture of experts' load-balancing loss (Switch Transformer's, taken per
+# sequence; runtime/models.py trains with it, the exports configure it): Switch Transformer's and
+# Mixtral's 0.01.
+MOE_AUX_LOSS_COEF = 0.01
 
 
 @dataclass(frozen=True, kw_only=True)

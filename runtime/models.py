@@ -31,7 +31,7 @@ from torch import nn
 
 from partita import parallel
 from partita.errors import PartitaError
-from partita.model import ModelSpec
+from partita.model import MOE_AUX_LOSS_COEF, ModelSpec
 
 ROLES = ("embed", "block", "head")
 INIT_STD = 0.02
@@ -122,8 +122,9 @@ class GeluMLP(nn.Module):
         return self.w2(F.gelu(self.w1(x), approximate="tanh"))
 
 
-# Weight of the load-balancing loss (Switch Transformer's alpha; Fedus et al. 2021, sec. 2.2).
-AUX_LOSS_COEF = 0.01
+# Weight of the load-balancing loss (Switch Transformer's alpha; Fedus et al. 2021, sec. 2.2):
+# partita.model's, which the exports configure too.
+AUX_LOSS_COEF = MOE_AUX_LOSS_COEF
 
 
 class _AddAuxLoss(torch.autograd.Function):

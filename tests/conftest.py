@@ -28,6 +28,14 @@ SLOW: dict[str, int] = {
     "test_plan_property.py": 480,
     # launching a schema-1 plan under torchrun (measured in the fast tier's own run, 897ed52)
     "test_plan_schema.py::test_a_schema_1_plan_launches": 32,
+    # elastic training: replans and launches that lose a rank (measured alone, 2026-12-02)
+    "test_elastic.py::test_elastic_run_survives_a_killed_rank_and_matches_a_resume_under_the_new_plan": 75,
+    "test_elastic.py::test_too_few_ranks_left_stops_with_one_line_and_keeps_the_checkpoint": 30,
+    "test_elastic.py::test_replan_llama_3_70b_from_four_nodes_to_three": 15,
+    "test_elastic.py::test_replan_refuses_its_own_input_and_a_cluster_too_small": 10,
+    "test_elastic.py::test_replan_keeps_the_model_and_batch_and_says_what_moves": 8,
+    "test_elastic.py::test_elastic_needs_a_checkpoint_dir": 6,
+    "test_export.py::test_an_export_that_does_not_fit_exits_3_and_writes_nothing": 30,
     # test_runtime_launch.py
     "test_runtime_launch.py::test_launch_runs_ranks_under_torchrun": 127,
     "test_runtime_launch.py::test_launch_draws_the_run_measured_against_predicted_per_stage": 61,

@@ -24,6 +24,12 @@ from partita.search.engines import ENGINES
 from partita.search.evaluate import evaluate_plan
 
 MIXED = "2x8xH100+2x8xA100-80GB"
+# The experts' flags, declared in the same Megatron-LM source (TransformerConfig and
+# ModelParallelConfig through ArgumentGroupFactory; --num-experts in _add_moe_args).
+MEGATRON_MOE_FLAGS = {"--num-experts", "--moe-router-topk", "--moe-ffn-hidden-size", "--expert-model-parallel-size",
+                      "--expert-tensor-parallel-size", "--moe-router-load-balancing-type", "--moe-aux-loss-coeff",
+                      "--moe-token-dispatcher-type", "--moe-shared-expert-intermediate-size",
+                      "--moe-shared-expert-gate"}
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +102,9 @@ def test_megatron_arguments_are_flags_megatron_declares(plans, tmp_path):
                 "--bf16", "--fp16", "--use-distributed-optimizer", "--use-megatron-fsdp", "--overlap-grad-reduce",
                 "--overlap-param-gather",
                 "--data-parallel-sharding-strategy", "--ckpt-format", "--recompute-granularity", "--recompute-method",
-                "--recompute-num-layers", "--recompute-modules", "--pipeline-model-parallel-layout"}
+                "--recompute-num-layers", "--recompute-modules", "--pipeline-model-parallel-layout",
+                "--make-vocab-size-divisible-by", "--attention-dropout", "--hidden-dropout", "--norm-epsilon",
+                "--rotary-base", "--add-qkv-bias"} | MEGATRON_MOE_FLAGS
     assert flags <= declared
     p = Plan.load(plans["dense"])
     value = lambda flag: argv[argv.index(flag) + 1]  # noqa: E731
@@ -302,3 +310,64 @@ def _as_schedule(p, schedule):
                                                        for l in chunk_layers[placed.virtual_stage_index(s.index, c)]))
                    for s in p.stages)
     return dataclasses.replace(placed, stages=stages)
+
+
+# ---- the model the export trains (issue 28) ----------------------------------------------------
+def _megatron_argv(path, tmp_path):
+    out = tmp_path / "m.args"
+    assert main(["export", str(path), "--to", "megatron", "-o", str(out)]) == 0
+    return [tok for line in out.read_text().splitlines() if not line.startswith("#") for tok in shlex.split(line)]
+
+
+def test_a_llama_3_megatron_export_trains_llama_3(plans, tmp_path):
+    """Rotary base 500000 (Megatron's default is 10000), no dropout (its default is 0.1), the
+    model's norm epsilon, the vocabulary unpadded."""
+    argv = _megatron_argv(plans["dense"], tmp_path)
+    value = lambda flag: argv[argv.index(flag) + 1]  # noqa: E731
+    assert value("--rotary-base") == "500000"
+    assert value("--attention-dropout") == value("--hidden-dropout") == "0.0"
+    assert float(value("--norm-epsilon")) == load_model("llama-3-8b").norm_eps
+    assert value("--make-vocab-size-divisible-by") == "1" and value("--vocab-size") == "128256"
+    assert "--num-experts" not in argv
+    assert "NVIDIA/Megatron-LM d98e8a64" in (tmp_path / "m.args").read_text().splitlines()[1]
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory):
+    path = tmp_path_factory.mktemp("moe") / "mixtral.yaml"
+    assert main(["plan", "--model", "mixtral-8x7b", "--cluster", "4x8xH100", "-o", str(path)]) == 0
+    return path
+
+
+def test_a_mixtral_plan_exports_its_experts_to_megatron(mixtral, tmp_path):
+    p = Plan.load(mixtral)
+    assert p.ep > 1
+    argv = _megatron_argv(mixtral, tmp_path)
+    value = lambda flag: argv[argv.index(flag) + 1]  # noqa: E731
+    assert (value("--num-experts"), value("--moe-router-topk"), value("--moe-ffn-hidden-size")) == ("8", "2", "14336")
+    assert value("--expert-model-parallel-size") == str(p.ep) and value("--expert-tensor-parallel-size") == "1"
+    assert value("--moe-router-load-balancing-type") == "seq_aux_loss" and float(value("--moe-aux-loss-coeff")) == 0.01
+    assert value("--rotary-base") == "1000000"
+
+
+@pytest.mark.parametrize("target", ["torchtitan", "deepspeed"])
+def test_targets_that_cannot_train_the_experts_say_so(mixtral, target, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["export", str(mixtral), "--to", target, "-o", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "export it --to megatron" in err[0] and not out.exists()
+
+
+def test_an_export_that_does_not_fit_exits_3_and_writes_nothing(tmp_path, capsys):
+    """The issue's 70B plan on three device types: Megatron (ZeRO 0-1 under a pipeline) and
+    DeepSpeed cannot hold it in any plan of its shape."""
+    path = tmp_path / "p.yaml"
+    assert main(["plan", "--model", "llama-2-70b", "--cluster", "4x8xH100+8x8xA100-80GB+4x8xA100-40GB",
+                 "-o", str(path)]) == 0
+    capsys.readouterr()
+    for target in ("megatron", "deepspeed"):
+        out = tmp_path / f"out.{target}"
+        assert main(["export", str(path), "--to", target, "-o", str(out)]) == 3
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "fits" in err[0] and f"--engine {target}" in err[0] and "nothing written" in err[0]
+        assert not out.exists()

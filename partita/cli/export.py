@@ -32,7 +32,7 @@ from typing import Callable, Iterable, Sequence
 
 from partita import fileio, parallel
 from partita.cluster import ClusterSpec
-from partita.errors import PartitaError
+from partita.errors import InfeasibleError, PartitaError
 from partita.model import ModelSpec
 from partita.plan import LayerStrategy, Plan
 from partita.units import fmt_bytes, fmt_seconds
@@ -283,11 +283,26 @@ def export_command(args: argparse.Namespace) -> int:
         raise PartitaError(f"{args.plan}: {e}") from None
     profiles = usable_profiles(args.profile, model, cluster, seq_len=plan.seq_len, dtype=plan.dtype)
     ex = export_plan(plan, args.to, profiles=profiles)
+    if not ex.fits:
+        peak = max(ex.exported.prediction.memory, key=lambda m: m.peak_bytes / m.capacity_bytes)
+        raise InfeasibleError(
+            f"--to {args.to}: no plan {args.to} runs in this plan's shape fits: the closest needs "
+            f"{fmt_bytes(peak.peak_bytes)} of {fmt_bytes(peak.capacity_bytes)} on stage {peak.stage}; nothing written; "
+            f"re-plan for it: partita plan --model {_model_arg(plan)} --cluster {plan.cluster_spec.short} "
+            f"--seq-len {plan.seq_len} --global-batch {plan.global_batch} --engine {args.to}")
     fileio.write_text(output, ex.text)
     for line in report_lines(ex):
         console.print(line, markup=False)
     console.print(f"wrote {output}", markup=False)
     return 0
+
+
+def _model_arg(plan: Plan) -> str:
+    """The model as ``partita plan --model`` takes it: a built-in name, or a YAML to write."""
+    from partita.model import BUILTIN
+
+    name = plan.model_spec.name
+    return name if BUILTIN.get(name) == plan.model_spec else f"MODEL.yaml ({name}, as the plan records it)"
 
 
 def report_lines(ex: Export) -> list[str]:
@@ -310,9 +325,6 @@ def report_lines(ex: Export) -> list[str]:
         priced = f", priced as {ex.target} runs it," if engine != ex.target else ""
         lines.append(f"the export{priced} is predicted {abs(slow) * 100:.1f}% {'slower' if slow >= 0 else 'faster'} "
                      f"than the plan on {engine}")
-    if not ex.fits:
-        lines.append("warning: no plan this target runs in the plan's shape fits in memory; the export is the "
-                     "closest to fitting; re-plan with `partita plan` limited to what the target runs")
     lines += [f"note: {n}" for n in ex.notes]
     return lines
 

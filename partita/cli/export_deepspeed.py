@@ -54,6 +54,10 @@ FILE = "deepspeed.json"
 def variants(plan: Plan, model: ModelSpec) -> Iterator[Plan]:
     from partita.search.uniform import split_blocks
 
+    if model.is_moe:
+        raise PartitaError(f"--to deepspeed: a DeepSpeed config cannot give a model experts (DeepSpeed's MoE is a "
+                           f"layer of the model's code, deepspeed.moe.layer.MoE with its ep_size), so this JSON would "
+                           f"train {model.name} without them; export it --to megatron")
     if plan.cp > 1 and (plan.tp > 1 or plan.pp > 1):
         raise PartitaError(f"--to deepspeed: DeepSpeed's Ulysses mesh is data x sequence parallel only, and the plan "
                            f"has cp {plan.cp} with tp {plan.tp} and pp {plan.pp}; export it --to megatron or torchtitan, "

@@ -19,6 +19,13 @@ field (``megatron/training/argument_utils.py``, ``ArgumentGroupFactory._format_a
     ``--seq-length`` (``_add_data_args``), ``--use-distributed-optimizer``, ``--use-megatron-fsdp``
     (``common_config.py``), ``--data-parallel-sharding-strategy`` and
     ``--pipeline-model-parallel-layout`` (``_add_distributed_args``);
+  * ``--rotary-base`` and ``--make-vocab-size-divisible-by`` (``_add_network_size_args``);
+    ``--attention-dropout``, ``--hidden-dropout``, ``--norm-epsilon``, ``--add-qkv-bias`` and the
+    experts' ``--moe-router-topk``, ``--moe-ffn-hidden-size``, ``--moe-aux-loss-coeff``,
+    ``--moe-router-load-balancing-type``, ``--moe-token-dispatcher-type``,
+    ``--moe-shared-expert-intermediate-size``, ``--moe-shared-expert-gate``: ``TransformerConfig``;
+    ``--expert-model-parallel-size``, ``--expert-tensor-parallel-size``: ``ModelParallelConfig``;
+    ``--num-experts`` (``_add_moe_args``; the field ``num_moe_experts`` is excluded from the factory);
   * ``--context-parallel-size`` (``ModelParallelConfig.context_parallel_size``, through the same
     factory) and ``--cp-comm-type`` (declared in ``_add_distributed_args``, ``nargs="+"``: "p2p",
     "a2a", "allgather" or "a2a+p2p", one for all layers or one per layer; the field
@@ -66,10 +73,11 @@ from typing import Iterator
 from partita.cluster import ClusterSpec
 from partita.errors import PartitaError
 from partita.cli.export import blocks_per_stage, context_variant, is_block, recompute_counts, resplit, uniform, virtual_stages
-from partita.model import ModelSpec
+from partita.model import MOE_AUX_LOSS_COEF, ModelSpec
 from partita.plan import Plan
 
 FILE = "megatron.args"
+MEGATRON_VERSION = "NVIDIA/Megatron-LM d98e8a64 (2026-08-22)"  # the source every flag was checked against
 FSDP_STRATEGY = {2: "optim_grads", 3: "optim_grads_params"}
 SELECTIVE_MODULES = ("core_attn", "layernorm")  # TransformerConfig.recompute_modules closest to Partita's selective
 CP_COMM_TYPE = {"all_to_all": "a2a", "ring": "p2p"}  # --cp-comm-type by Partita's cp_variant
@@ -103,7 +111,9 @@ def variants(plan: Plan, model: ModelSpec) -> Iterator[Plan]:
 
 def render(plan: Plan, model: ModelSpec) -> str:
     args = arguments(plan, model)
-    lines = [f"# Megatron-LM arguments for {model.name}: {plan.mesh.describe()}", "# (from `partita export`; pass to pretrain_gpt.py with your data and tokenizer flags)"]
+    lines = [f"# Megatron-LM arguments for {model.name}: {plan.mesh.describe()}",
+             f"# (from `partita export`; flags as declared by {MEGATRON_VERSION}; pass to pretrain_gpt.py with your "
+             f"data and tokenizer flags)"]
     i = 0
     while i < len(args):  # a flag and its values on one line
         j = i + 1
@@ -127,9 +137,17 @@ def arguments(plan: Plan, model: ModelSpec) -> list[str]:
     if model.kv_heads != model.heads:
         args += ["--group-query-attention", "--num-query-groups", str(model.kv_heads)]
     args += ["--seq-length", str(plan.seq_len), "--max-position-embeddings", str(max(plan.seq_len, model.seq_len)),
-             "--vocab-size", str(model.vocab)]
+             "--vocab-size", str(model.vocab), "--make-vocab-size-divisible-by", "1"]
+    # The model as Partita trains it, where Megatron's defaults differ: no dropout (Megatron's
+    # TransformerConfig defaults both to 0.1), the model's norm epsilon (its default 1e-5).
+    args += ["--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--norm-epsilon", repr(model.norm_eps)]
     if model.family != "gpt2":  # llama-style: RoPE, RMSNorm, SwiGLU, no biases
-        args += ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear"]
+        args += ["--position-embedding-type", "rope", "--rotary-base", str(rotary_base(model)),
+                 "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear"]
+        if model.qkv_bias:
+            args.append("--add-qkv-bias")
+    if model.is_moe:
+        args += moe_arguments(plan, model)
     if not model.tie_embeddings:
         args.append("--untie-embeddings-and-output-weights")
     args += ["--tensor-model-parallel-size", str(plan.tp), "--pipeline-model-parallel-size", str(plan.pp)]
@@ -165,6 +183,31 @@ def arguments(plan: Plan, model: ModelSpec) -> list[str]:
     return args
 
 
+def rotary_base(model: ModelSpec) -> int:
+    """``--rotary-base``, which Megatron parses as an integer (default 10000; Llama 3's is 500000)."""
+    if model.rope_theta != int(model.rope_theta):
+        raise PartitaError(f"--to megatron: {model.name}'s rope_theta {model.rope_theta} is not an integer, and "
+                           f"Megatron's --rotary-base takes one")
+    return int(model.rope_theta)
+
+
+def moe_arguments(plan: Plan, model: ModelSpec) -> list[str]:
+    """The experts as Partita's runtime trains them (runtime/models.py, ``MoE``): ``experts``
+    SwiGLU experts of width ``ffn``, top-k routing (softmax over the chosen experts' logits:
+    Megatron's default score function without --moe-router-pre-softmax), no capacity limit
+    (dropless: Megatron's default capacity factor None), the per-sequence load-balancing loss
+    (Megatron's ``seq_aux_loss``) at ``MOE_AUX_LOSS_COEF``, expert parallelism over ``ep`` ranks
+    with the experts unsharded by tp, tokens sent by all-to-all; a shared expert with its
+    sigmoid gate (qwen2_moe's)."""
+    out = ["--num-experts", str(model.experts), "--moe-router-topk", str(model.experts_per_token),
+           "--moe-ffn-hidden-size", str(model.ffn), "--expert-model-parallel-size", str(plan.ep),
+           "--expert-tensor-parallel-size", "1", "--moe-router-load-balancing-type", "seq_aux_loss",
+           "--moe-aux-loss-coeff", repr(MOE_AUX_LOSS_COEF), "--moe-token-dispatcher-type", "alltoall"]
+    if model.shared_expert_ffn:
+        out += ["--moe-shared-expert-intermediate-size", str(model.shared_expert_ffn), "--moe-shared-expert-gate"]
+    return out
+
+
 def layout(split: list[int]) -> str:
     """``Et*3|t*5|t*4L``: the embedding, the blocks of each (virtual) stage in pipeline order, the
     loss (with the output layer). With pp x v entries Megatron runs v virtual stages per rank,
@@ -177,8 +220,11 @@ def layout(split: list[int]) -> str:
 
 
 def notes(plan: Plan, model: ModelSpec, cluster: ClusterSpec) -> list[str]:
-    out = ["Megatron pads the vocabulary to a multiple of 128 x tp (--make-vocab-size-divisible-by); data, "
-           "tokenizer, optimizer and schedule flags are yours to add"]
+    out = ["the vocabulary is the model's (--make-vocab-size-divisible-by 1: Megatron pads it to a multiple of "
+           "tp only); data, tokenizer, optimizer and schedule flags are yours to add"]
+    if model.vocab % plan.tp:
+        out.append(f"Megatron pads the vocabulary {model.vocab} to {-(-model.vocab // plan.tp) * plan.tp}, a multiple "
+                   f"of tp {plan.tp}: the output layer has {-model.vocab % plan.tp} more rows than the plan's model")
     if model.family == "gpt2":
         out.append("gpt2 family: Megatron's defaults (learned positions, LayerNorm, GeLU, biases) match it")
     if plan.cp > 1:

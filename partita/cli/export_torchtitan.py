@@ -50,6 +50,7 @@ from typing import Iterator
 
 from partita.cluster import ClusterSpec
 from partita.cli.export import blocks_per_stage, context_variant, is_block, uniform
+from partita.errors import PartitaError
 from partita.model import ModelSpec
 from partita.plan import Plan
 
@@ -75,6 +76,10 @@ def recompute_rule(k: int):
 def variants(plan: Plan, model: ModelSpec) -> Iterator[Plan]:
     """The plans of this shape torchtitan runs: SP with TP, ZeRO 0/2/3, none/full/every k-th
     recomputed, or every block selectively."""
+    if model.is_moe:
+        raise PartitaError(f"--to torchtitan: torchtitan trains experts only in its own model flavours (deepseek_v3, "
+                           f"llama4, qwen3 MoE), none of them {model.name}'s blocks, so a job TOML cannot train this "
+                           f"model; export it --to megatron, or register a torchtitan flavour for it")
     plan = context_variant(plan, model, ("ring",), "torchtitan")
     # with cp, torchtitan always runs FSDP over dp x cp (ParallelDims.fsdp_enabled)
     zeros = (2, 3) if plan.cp > 1 else (0, 2, 3) if plan.dp > 1 else (0,)
