@@ -371,3 +371,82 @@ def test_an_export_that_does_not_fit_exits_3_and_writes_nothing(tmp_path, capsys
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "fits" in err[0] and f"--engine {target}" in err[0] and "nothing written" in err[0]
         assert not out.exists()
+
+
+# Valid keys, recorded from the targets' source (the header names the versions): torchtitan
+# 0.2.2's torchtitan/config/job_config.py (the TOML's sections) and torchtitan b5bcd76c's
+# torchtitan/config/configs.py (TrainingConfig, ParallelismConfig: the --section.option overrides).
+TORCHTITAN_0_2_KEYS = {
+    "model": {"name", "flavor", "hf_assets_path", "tokenizer_path", "converters", "print_after_conversion"},
+    "parallelism": {"data_parallel_replicate_degree", "data_parallel_shard_degree", "fsdp_reshard_after_forward",
+                    "tensor_parallel_degree", "disable_loss_parallel", "enable_async_tensor_parallel",
+                    "pipeline_parallel_degree", "module_fqns_per_model_part",
+                    "pipeline_parallel_first_stage_less_layers", "pipeline_parallel_last_stage_less_layers",
+                    "pipeline_parallel_layers_per_stage", "pipeline_parallel_schedule",
+                    "pipeline_parallel_schedule_csv", "pipeline_parallel_microbatch_size",
+                    "pipeline_parallel_expert_parallel_overlap", "context_parallel_degree",
+                    "context_parallel_load_balancer", "context_parallel_rotate_method", "expert_parallel_degree",
+                    "expert_tensor_parallel_degree", "expert_parallel_comm_backend"},
+    "activation_checkpoint": {"mode", "selective_ac_option", "per_op_sac_force_recompute_mm_shapes_by_fqns",
+                              "early_stop", "memory_budget", "visualize_memory_budget_pareto", "preserve_rng_state",
+                              "determinism_check", "debug"},
+    "training": {"dataset", "dataset_path", "local_batch_size", "global_batch_size", "seq_len", "max_norm", "steps",
+                 "enable_cpu_offload", "dtype", "mixed_precision_param", "mixed_precision_reduce", "gc_freq",
+                 "gc_debug", "dataloader"}}
+TORCHTITAN_MAIN_KEYS = {
+    "training": {"num_tokens_per_microbatch_per_dp_rank", "num_tokens_per_train_step", "max_context_length",
+                 "max_norm", "steps", "enable_cpu_offload", "disable_cuda_graphs", "dtype", "mixed_precision_param",
+                 "mixed_precision_reduce", "gc_freq", "gc_debug"},
+    "parallelism": {"data_parallel_replicate_degree", "data_parallel_shard_degree", "fsdp_reshard_after_forward",
+                    "enable_fsdp_symm_mem", "tensor_parallel_degree", "enable_sequence_parallel", "spmd_backend",
+                    "pipeline_parallel_degree", "module_fqns_per_model_part",
+                    "pipeline_parallel_first_stage_less_layers", "pipeline_parallel_last_stage_less_layers",
+                    "pipeline_parallel_layers_per_stage", "pipeline_parallel_schedule",
+                    "pipeline_parallel_schedule_csv", "num_pp_microbatches", "context_parallel_degree",
+                    "context_parallel_load_balancer", "context_parallel_ptrr_mask_key", "expert_parallel_degree"}}
+
+
+def _toml_and_overrides(path, tmp_path):
+    import tomllib
+
+    out = tmp_path / "t.toml"
+    assert main(["export", str(path), "--to", "torchtitan", "-o", str(out)]) == 0
+    text = out.read_text()
+    line = next(l for l in text.splitlines() if "torchtitan >= 0.3" in l)
+    overrides = [tok[2:] for tok in line.split() if tok.startswith("--") and "." in tok]
+    return text, tomllib.loads(text), overrides
+
+
+def test_torchtitan_keys_exist_in_the_versions_the_header_names(plans, tmp_path):
+    for path in plans.values():
+        text, cfg, overrides = _toml_and_overrides(path, tmp_path)
+        assert "torchtitan 0.2.2" in text.splitlines()[0] and "b5bcd76c" in text.splitlines()[0]
+        for section, values in cfg.items():
+            assert set(values) <= TORCHTITAN_0_2_KEYS[section], section
+        for key in overrides:
+            section, name = key.split(".")
+            assert name in TORCHTITAN_MAIN_KEYS[section], key
+        assert "--module torchtitan.models.llama3.config_registry --config llama3_8b" in text
+        p = Plan.load(path)
+        assert f"--training.num_tokens_per_train_step {p.global_batch * p.seq_len}" in text
+
+
+def test_a_llama_2_70b_torchtitan_export_names_its_own_flavour_and_how_to_register_it(tmp_path, monkeypatch,
+                                                                                    torchtitan_config_manager):
+    """torchtitan ships no Llama 2 70B: its 70B flavour has Llama 3's vocabulary and rotary base,
+    so the export names the model's own flavour with the line that registers it, never another
+    model's."""
+    from partita.cli.export_torchtitan import ffn_width, model_args
+
+    path = tmp_path / "p.yaml"
+    assert main(["plan", "--model", "llama-2-70b", "--cluster", "4x8xH100", "-o", str(path)]) == 0
+    text, cfg, _ = _toml_and_overrides(path, tmp_path)
+    assert cfg["model"] == {"name": "llama3", "flavor": "llama-2-70b"}
+    args = model_args(load_model("llama-2-70b"))
+    assert (args["dim"], args["n_layers"], args["n_kv_heads"], args["vocab_size"], args["rope_theta"]) == (
+        8192, 80, 8, 32000, 10000.0)
+    assert ffn_width(args["dim"], args["ffn_dim_multiplier"], args["multiple_of"]) == 28672
+    assert 'llama3_configs["llama-2-70b"] = TransformerModelArgs(dim=8192, n_layers=80' in text
+    if importlib.util.find_spec("torchtitan") is not None:
+        parsed = torchtitan_config_manager().ConfigManager().parse_args(["--job.config_file", str(tmp_path / "t.toml")])
+        assert (parsed.model.name, parsed.model.flavor) == ("llama3", "llama-2-70b")

@@ -58,8 +58,58 @@ FILE = "torchtitan.toml"
 RESHARD = {2: "never", 3: "always"}
 MAX_SELECTIVE = 8  # every k-th block, k = 2..8
 OP = -1  # ``recompute_rule``'s k for selective_ac_option "op"
-# Partita's built-in models that torchtitan 0.2.2 ships as a llama3 flavor (torchtitan/models/llama3/__init__.py).
-FLAVORS = {"llama-3-8b": "8B", "llama-3-70b": "70B", "llama-3-405b": "405B"}
+# torchtitan 0.2.2's llama3 flavours (torchtitan/models/llama3/__init__.py, llama3_configs), with
+# the fields of TransformerModelArgs (model/args.py) that set the model: the FFN width is derived
+# (model.py, FeedForward: int(2 * 4 dim / 3), times ffn_dim_multiplier, rounded up to multiple_of);
+# vocab_size 128256, norm_eps 1e-5 are the args' defaults.
+FLAVOR_ARGS = {"8B": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=1024),
+               "70B": dict(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=4096),
+               "405B": dict(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim_multiplier=1.2,
+                            multiple_of=4096)}
+FLAVOR_DEFAULTS = dict(vocab_size=128256, rope_theta=500000, norm_eps=1e-5)
+# torchtitan main's config functions for those flavours (torchtitan/models/llama3/config_registry.py
+# at b5bcd76c, the --module/--config interface that replaced the TOML).
+CONFIG_MODULE = "torchtitan.models.llama3.config_registry"
+CONFIGS = {"8B": "llama3_8b", "70B": "llama3_70b", "405B": "llama3_405b"}
+VERSIONS = "torchtitan 0.2.2 (TOML) and pytorch/torchtitan b5bcd76c (2026-08-21, --module/--config)"
+
+
+def ffn_width(dim: int, ffn_dim_multiplier: float | None, multiple_of: int) -> int:
+    """torchtitan's SwiGLU width for a model dimension (FeedForward.__init__)."""
+    hidden = int(2 * 4 * dim / 3)
+    if ffn_dim_multiplier is not None:
+        hidden = int(ffn_dim_multiplier * hidden)
+    return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
+
+
+def model_args(model: ModelSpec) -> dict:
+    """The TransformerModelArgs that build ``model`` in torchtitan's llama3 (a flavour to register)."""
+    hidden = int(2 * 4 * model.hidden / 3)
+    multiplier = None if hidden <= model.ffn else model.ffn / hidden
+    args = dict(dim=model.hidden, n_layers=model.n_layers, n_heads=model.heads, n_kv_heads=model.kv_heads,
+                ffn_dim_multiplier=multiplier, multiple_of=model.ffn, vocab_size=model.vocab,
+                rope_theta=model.rope_theta, norm_eps=model.norm_eps)
+    assert ffn_width(model.hidden, multiplier, model.ffn) == model.ffn
+    return args
+
+
+def flavor(model: ModelSpec) -> str | None:
+    """The torchtitan 0.2.2 llama3 flavour that is ``model`` exactly, if one is."""
+    if model.family != "llama" or model.is_moe or model.qkv_bias or model.tie_embeddings:
+        return None
+    for name, args in FLAVOR_ARGS.items():
+        built = dict(dim=model.hidden, n_layers=model.n_layers, n_heads=model.heads, n_kv_heads=model.kv_heads,
+                     vocab_size=model.vocab, rope_theta=model.rope_theta, norm_eps=model.norm_eps)
+        want = {k: v for k, v in (args | FLAVOR_DEFAULTS).items() if k in built}
+        if built == want and ffn_width(args["dim"], args["ffn_dim_multiplier"], args["multiple_of"]) == model.ffn:
+            return name
+    return None
+
+
+def registration(model: ModelSpec) -> str:
+    """The line that registers ``model`` as a torchtitan 0.2.2 llama3 flavour."""
+    args = ", ".join(f"{k}={v!r}" for k, v in model_args(model).items() if v is not None)
+    return f'llama3_configs["{model.name}"] = TransformerModelArgs({args})'
 
 
 def recompute_rule(k: int):
@@ -120,10 +170,10 @@ def config(plan: Plan, model: ModelSpec) -> dict:
         ac["selective_ac_option"] = option
     training = {"local_batch_size": plan.micro_batch * plan.num_micro_batches, "global_batch_size": plan.global_batch,
                 "seq_len": plan.seq_len, "mixed_precision_param": "float32" if plan.dtype == "fp32" else "bfloat16"}
-    out: dict = {}
-    if model.name in FLAVORS:
-        out["model"] = {"name": "llama3", "flavor": FLAVORS[model.name]}
-    return out | {"parallelism": par, "activation_checkpoint": ac, "training": training}
+    # A flavour torchtitan ships when one is the model; else the model's own name, to register
+    # (the header says how): never another model's flavour, which would train another model.
+    model_section = {"name": "llama3", "flavor": flavor(model) or model.name}
+    return {"model": model_section, "parallelism": par, "activation_checkpoint": ac, "training": training}
 
 
 # Partita's schedules by torchtitan's names for them (its pipeline_parallel_schedule, which it
@@ -144,23 +194,44 @@ def module_names(plan: Plan) -> list[list[str]]:
     return names
 
 
+def overrides_0_3(plan: Plan, cfg: dict) -> list[str]:
+    """The plan as torchtitan main's ``--section.option`` overrides (``ParallelismConfig`` and
+    ``TrainingConfig`` in torchtitan/config/configs.py at b5bcd76c): the batch in tokens, the
+    pipeline's micro-batches by count."""
+    par = {k: v for k, v in cfg["parallelism"].items() if k not in NOT_IN_0_3}
+    if plan.pp > 1:
+        par["num_pp_microbatches"] = plan.num_micro_batches
+    training = {"num_tokens_per_microbatch_per_dp_rank": plan.micro_batch * plan.seq_len,
+                "num_tokens_per_train_step": plan.global_batch * plan.seq_len, "max_context_length": plan.seq_len,
+                "mixed_precision_param": cfg["training"]["mixed_precision_param"]}
+    return [f"--{sec}.{key} {_cli(v)}" for sec, values in (("parallelism", par), ("training", training))
+            for key, v in values.items()]
+
+
 def render(plan: Plan, model: ModelSpec) -> str:
     cfg = config(plan, model)
-    overrides = " ".join(f"--{sec}.{key} {_cli(v)}" for sec in ("parallelism", "training")
-                         for key, v in cfg[sec].items() if key not in NOT_IN_0_3)
-    lines = [f"# torchtitan job config for {model.name}: {plan.mesh.describe()} (from `partita export`)",
-             "# torchtitan 0.2.x: torchrun ... -m torchtitan.train --job.config_file THIS_FILE",
-             f"# torchtitan >= 0.3 (no TOML): add {overrides}"]
-    if "model" not in cfg:
-        lines.append(f"# [model]: set name and flavor to the torchtitan model matching {model.name}")
+    name = flavor(model)
+    lines = [f"# torchtitan job config for {model.name}: {plan.mesh.describe()} (from `partita export`; keys as in "
+             f"{VERSIONS})",
+             "# torchtitan 0.2.x: torchrun ... -m torchtitan.train --job.config_file THIS_FILE"]
+    overrides = " ".join(overrides_0_3(plan, cfg))
+    if name:
+        lines.append(f"# torchtitan >= 0.3 (no TOML): --module {CONFIG_MODULE} --config {CONFIGS[name]} {overrides}")
+    else:
+        lines += [f"# [model]: torchtitan ships no flavour that is {model.name}; register it in "
+                  f"torchtitan/models/llama3/__init__.py first:",
+                  f"#   {registration(model)}",
+                  f"# torchtitan >= 0.3 (no TOML): a config function (torchtitan_recipes) with that model, run with "
+                  f"--module M --config F {overrides}"]
     for section, values in cfg.items():
         lines += ["", f"[{section}]"] + [f"{k} = {_toml(v)}" for k, v in values.items()]
     return "\n".join(lines) + "\n"
 
 
 # Keys left out of the torchtitan >= 0.3 override line: the split (a list, no command-line form
-# there) and the rotate method (0.3 has none).
-NOT_IN_0_3 = ("module_fqns_per_model_part", "context_parallel_rotate_method")
+# there), the rotate method (0.3 has none) and the micro-batch size (0.3 counts micro-batches,
+# num_pp_microbatches, and sizes them in tokens).
+NOT_IN_0_3 = ("module_fqns_per_model_part", "context_parallel_rotate_method", "pipeline_parallel_microbatch_size")
 
 
 def _toml(value) -> str:
@@ -178,6 +249,9 @@ def _cli(value) -> str:
 
 def notes(plan: Plan, model: ModelSpec, cluster: ClusterSpec) -> list[str]:
     out = []
+    if flavor(model) is None:
+        out.append(f"torchtitan ships no flavour that is {model.name}: the TOML names flavor \"{model.name}\", which "
+                   f"torchtitan trains once registered as the file's header says ({registration(model)})")
     if plan.dtype == "fp16":
         out.append("torchtitan trains in bfloat16 or float32, not fp16: the TOML says bfloat16, which this plan's "
                    "devices may lack")
