@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -123,7 +124,7 @@ def solve_shape(p: Problem, *, upper_bound_us: int | None, hint: Layout | None, 
         # first feasible plan (twice the work on llama-2-70b at pp 24, tests/test_search.py).
         solver.parameters.linearization_level = 2
         solver.parameters.add_lp_constraints_lazily = False
-    status = solver.solve(pm.m)
+    status = _solve_interruptibly(solver, pm.m)
     wall, work = time.perf_counter() - start, solver.deterministic_time
     if status == cp_model.MODEL_INVALID:
         raise RuntimeError(f"CP-SAT model invalid for {p.shape}: {pm.m.validate()}")
@@ -139,6 +140,35 @@ def solve_shape(p: Problem, *, upper_bound_us: int | None, hint: Layout | None, 
         bound = (upper_bound_us + 1) if upper_bound_us is not None else NEVER
         return ShapeResult(p.shape, "infeasible", bound, wall_s=wall, work=work)
     return ShapeResult(p.shape, "unknown", p.lower_bound_us, wall_s=wall, work=work)
+
+
+def _solve_interruptibly(solver: cp_model.CpSolver, model: cp_model.CpModel) -> int:
+    """``solver.solve(model)`` on a helper thread, so that the main thread takes Ctrl-C and
+    SIGTERM as the uniform grid does: the search stops at once and the exception goes up.
+    CP-SAT's own SIGINT handler would end only this solve, as if its time were up, and the
+    search would go on to the next shape and exit 0."""
+    solver.parameters.catch_sigint_signal = False
+    result: list[int] = []
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(solver.solve(model))
+        except BaseException as e:  # handed to the main thread
+            failure.append(e)
+
+    thread = threading.Thread(target=run, name="cp-sat", daemon=True)
+    thread.start()
+    try:
+        while thread.is_alive():
+            thread.join(0.05)  # a signal's handler runs here, on the main thread
+    except BaseException:
+        solver.stop_search()
+        thread.join()
+        raise
+    if failure:
+        raise failure[0]
+    return result[0]
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """Hostile inputs and faults (issue 27): files that would never end, explode or exhaust memory,
-absurd numbers, an output that is one of the inputs, a full disk. Each is refused with one line
-on stderr and exit 2, quickly, with no traceback, and every file that existed before is unchanged.
+absurd numbers, an output that is one of the inputs, a full disk, a signal during the search.
+Each is refused with one line on stderr and exit 2 (130 or 143 for a signal) within 20 s, with
+no traceback, and every file that existed before is unchanged. And device memory is one figure.
 
 Cases run ``partita.cli.main`` in-process; one runs the whole program in a subprocess.
 """
@@ -108,7 +109,7 @@ def test_hostile_input_is_one_line(argv, phrase, files, tmp_path, monkeypatch, c
     argv = [a.replace("{d}", str(files)) for a in argv]
     start = time.perf_counter()
     assert main(argv) == 2
-    assert time.perf_counter() - start < 10
+    assert time.perf_counter() - start < 20  # the issue's bound; most take well under a second
     err = capsys.readouterr().err
     assert "Traceback" not in err
     assert len(err.strip().splitlines()) == 1, err
@@ -216,3 +217,77 @@ def test_write_text_through_a_link(tmp_path):
         fileio.write_text(tmp_path, "x")
     with pytest.raises(PartitaError, match="cannot write"):
         fileio.write_text(tmp_path / "no" / "such" / "dir.txt", "x")
+
+
+# ---- signals during the CP-SAT search ------------------------------------------------------
+def _hard_model():
+    """A model CP-SAT does not finish in a minute (60 queens, minimising a weighted sum)."""
+    from ortools.sat.python import cp_model
+
+    m, n = cp_model.CpModel(), 60
+    x = [m.new_int_var(0, n - 1, f"x{i}") for i in range(n)]
+    m.add_all_different(x)
+    m.add_all_different([x[i] + i for i in range(n)])
+    m.add_all_different([x[i] - i for i in range(n)])
+    m.minimize(sum(x[i] * ((i * 7919) % 13) for i in range(n)))
+    return m
+
+
+@pytest.mark.parametrize("signum, code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_a_signal_stops_the_cp_sat_search(signum, code, tmp_path, monkeypatch, capsys):
+    """Ctrl-C or SIGTERM while CP-SAT solves: the search stops at once (CP-SAT's own SIGINT
+    handler would only end that one solve, and the search went on and exited 0), exit 130 or
+    143, one line, and no plan written. The first solve is given a model that runs for a minute,
+    and the signal comes half a second into it."""
+    import signal
+    import threading
+
+    from partita.search import cpsat
+
+    real = cpsat._solve_interruptibly
+    calls = []
+
+    def slow_first_solve(solver, model):
+        if not calls:
+            calls.append(time.perf_counter())
+            solver.parameters.max_time_in_seconds = 60
+            threading.Timer(0.5, os.kill, (os.getpid(), getattr(signal, signum))).start()
+            return real(solver, _hard_model())
+        return real(solver, model)
+
+    monkeypatch.setattr(cpsat, "_solve_interruptibly", slow_first_solve)
+    out = tmp_path / "plan.yaml"
+    if signum == "SIGINT":
+        assert main(["plan", *TINY, "-o", str(out)]) == code
+    else:
+        with pytest.raises(SystemExit) as stopped:
+            main(["plan", *TINY, "-o", str(out)])
+        assert stopped.value.code == code
+    assert calls and time.perf_counter() - calls[0] < 5
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert err.strip() == ("partita: interrupted" if signum == "SIGINT" else "partita: stopped by SIGTERM")
+    assert not list(tmp_path.iterdir())
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the handler is the plan command's alone
+
+
+# ---- device memory: one figure ---------------------------------------------------------------
+def test_the_datasheet_memory_is_the_catalog_memory(tmp_path, capsys):
+    """A cluster YAML writing an H100's datasheet 80 (GB) is the short form's 8xH100 (the
+    driver's 79.65 GiB), the same hardware with the same fingerprint; other figures stay."""
+    from partita.cluster import ClusterSpec, same_hardware
+    from partita.devices import get_device
+    from partita.units import GiB
+
+    short = load_cluster("8xH100")
+    for written in (80, 79.65, 79.6474609375):
+        yaml_form = ClusterSpec.from_dict({"groups": [{"device": "H100", "gpus_per_node": 8, "memory_gib": written}]})
+        assert yaml_form.fingerprint == short.fingerprint and same_hardware(yaml_form, short), written
+    held_back = ClusterSpec.from_dict({"groups": [{"device": "H100", "gpus_per_node": 8, "memory_gib": 79}]})
+    assert held_back.groups[0].memory_bytes == 79 * GiB and not same_hardware(held_back, short)
+    mixed = load_cluster(str(Path(__file__).parents[1] / "configs/clusters/mixed-h100-a100.yaml"))
+    assert mixed.group("h100").memory_bytes == get_device("H100").memory_bytes  # it writes 80
+    assert get_device("L4").memory_from_gib(24) == get_device("L4").memory_bytes
+    assert main(["devices"]) == 0
+    out = capsys.readouterr().out
+    assert "79.65 GiB (80 GB)" in out and "80 GiB" not in out.replace("A100-80GB", "")

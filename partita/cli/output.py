@@ -5,10 +5,12 @@ not after). Files are written before anything is printed, so a closed pipe loses
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Iterator
 
 from rich.console import Console
 
@@ -51,6 +53,26 @@ def refuse_inputs(flag: str, path: Path, inputs: Iterable[str | Path]) -> None:
         if given and fileio.same_file(path, given):
             raise PartitaError(f"{flag} {path}: is the input {given}; writing there would overwrite it, "
                                f"choose another path")
+
+
+@contextlib.contextmanager
+def stop_on_sigterm() -> Iterator[None]:
+    """SIGTERM during long work stops it as Ctrl-C does: the work unwinds (a file half-written
+    is a temporary one, removed), one line says so, and the exit status is 143 (128 + 15)."""
+    def stop(signum: int, frame: object) -> None:
+        signal.signal(signum, signal.SIG_IGN)  # once: a second SIGTERM must not cut the unwinding short
+        print(f"partita: stopped by {signal.Signals(signum).name}", file=sys.stderr)
+        raise SystemExit(128 + signum)
+
+    try:
+        previous = signal.signal(signal.SIGTERM, stop)
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def writable_output(text: str, inputs: Iterable[str | Path] = (), flag: str = "-o") -> Path:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from partita import parallel
 from partita.cli import jsonout
-from partita.cli.output import Quiet, console, save_plan, warn, writable_output
+from partita.cli.output import Quiet, console, save_plan, stop_on_sigterm, warn, writable_output
 from partita.cli.pricing import cost_lines, parse_tokens, training_cost
 from partita.cli.printing import moe_note, print_alternatives, print_plan
 from partita.cluster import ClusterSpec, load_cluster
@@ -34,6 +34,11 @@ if TYPE_CHECKING:  # the search loads only when a plan is made
 
 # ---- partita plan -----------------------------------------------------------------------
 def plan(args: argparse.Namespace) -> int:
+    with stop_on_sigterm():  # the search stops on SIGTERM as on Ctrl-C, writing nothing
+        return _plan(args)
+
+
+def _plan(args: argparse.Namespace) -> int:
     from partita.search.costs.model import CostModel
     from partita.search.engines import get_engine
     from partita.search.planner import PlanRequest, check_numbers, make_plan
