@@ -81,7 +81,7 @@ class NodeGroup:
             device=dev,
             nodes=specio.get_int(data, "nodes", where, default=1),
             gpus_per_node=specio.get_int(data, "gpus_per_node", where, default=dev.gpus_per_node),
-            memory_bytes=int(round(memory_gib * GiB)),
+            memory_bytes=dev.memory_from_gib(memory_gib),
             intra_link=specio.get_str(data, "intra_link", where, default=dev.intra_link, choices=LINKS),
             intra_node_gbps=specio.get_float(data, "intra_node_gbps", where, default=dev.intra_node_gbps),
             network_gbps=specio.get_float(data, "network_gbps", where, default=dev.network_gbps),

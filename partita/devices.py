@@ -46,6 +46,18 @@ class DeviceType:
     # On-demand price of one device for one hour, US dollars (None: no public figure the catalog
     # cites; give ``price_per_gpu_hour`` in the cluster YAML). See PRICE_SOURCE.
     price_per_gpu_hour: float | None = None
+    # The memory the datasheet names the device by, in its marketing GB (80 for an H100, whose
+    # driver reports 79.65 GiB): a cluster YAML that writes it means ``memory_bytes``.
+    datasheet_gb: float | None = None
+
+    def memory_from_gib(self, memory_gib: float) -> int:
+        """A node group's ``memory_gib`` in bytes. The datasheet's figure (``datasheet_gb``) and a
+        figure within 0.1 % of the catalog's (the driver's total, rounded) are the catalog's own,
+        so ``memory_gib: 80`` for an H100 is the hardware of the short form ``8xH100``; any other
+        figure (a MIG slice, memory held back) is taken as written."""
+        if memory_gib == self.datasheet_gb or abs(memory_gib * GiB - self.memory_bytes) <= 1e-3 * self.memory_bytes:
+            return self.memory_bytes
+        return int(round(memory_gib * GiB))
 
     def peak_tflops(self, dtype: str) -> float:
         if dtype == "bf16":
@@ -68,50 +80,50 @@ CATALOG: dict[str, DeviceType] = {
         # (1,979 with sparsity), FP32 67 TFLOPS, NVLink 900 GB/s bidirectional; DGX H100: 8x 400 Gb/s NDR.
         DeviceType(name="H100", memory_bytes=81559 * MiB, bf16_tflops=989, fp16_tflops=989, fp32_tflops=67,
                    hbm_gbps=3350, intra_link="nvlink", intra_node_gbps=450, network_gbps=50, gpus_per_node=8,
-                   source="NVIDIA H100 datasheet, SXM5", price_per_gpu_hour=3.00),
+                   source="NVIDIA H100 datasheet, SXM5", datasheet_gb=80, price_per_gpu_hour=3.00),
         # Same datasheet, PCIe card: 80 GB HBM2e, 2.0 TB/s, BF16 756 dense, FP32 51; PCIe Gen5 x16 128 GB/s bidir.
         DeviceType(name="H100-PCIe", memory_bytes=81559 * MiB, bf16_tflops=756, fp16_tflops=756, fp32_tflops=51,
                    hbm_gbps=2000, intra_link="pcie", intra_node_gbps=64, network_gbps=25, gpus_per_node=8,
-                   source="NVIDIA H100 datasheet, PCIe"),
+                   source="NVIDIA H100 datasheet, PCIe", datasheet_gb=80),
         # NVIDIA H200 datasheet (SXM): 141 GB HBM3e (about 139 GiB usable, as this project's H200 reports), 4.8 TB/s, BF16 989 dense, FP32 67, NVLink 900 GB/s bidir.
         DeviceType(name="H200", memory_bytes=int(139 * GiB), bf16_tflops=989, fp16_tflops=989, fp32_tflops=67,
                    hbm_gbps=4800, intra_link="nvlink", intra_node_gbps=450, network_gbps=50, gpus_per_node=8,
-                   source="NVIDIA H200 datasheet, SXM", price_per_gpu_hour=4.00),
+                   source="NVIDIA H200 datasheet, SXM", datasheet_gb=141, price_per_gpu_hour=4.00),
         # NVIDIA A100 datasheet (SXM4 80GB): HBM2e 2,039 GB/s, BF16 312 dense, FP32 19.5,
         # NVLink 600 GB/s bidir; DGX A100: 8x 200 Gb/s HDR.
         DeviceType(name="A100-80GB", memory_bytes=81920 * MiB, bf16_tflops=312, fp16_tflops=312, fp32_tflops=19.5,
                    hbm_gbps=2039, intra_link="nvlink", intra_node_gbps=300, network_gbps=25, gpus_per_node=8,
-                   source="NVIDIA A100 datasheet, SXM4 80GB", price_per_gpu_hour=1.30),
+                   source="NVIDIA A100 datasheet, SXM4 80GB", datasheet_gb=80, price_per_gpu_hour=1.30),
         # Same datasheet, SXM4 40GB: HBM2 1,555 GB/s.
         DeviceType(name="A100-40GB", memory_bytes=40960 * MiB, bf16_tflops=312, fp16_tflops=312, fp32_tflops=19.5,
                    hbm_gbps=1555, intra_link="nvlink", intra_node_gbps=300, network_gbps=25, gpus_per_node=8,
-                   source="NVIDIA A100 datasheet, SXM4 40GB"),
+                   source="NVIDIA A100 datasheet, SXM4 40GB", datasheet_gb=40),
         # NVIDIA V100 datasheet (SXM2): 900 GB/s HBM2, FP16 tensor 125 TFLOPS, FP32 15.7, no bf16,
         # NVLink 300 GB/s bidir; DGX-1: 4x 100 Gb/s EDR for 8 GPUs.
         DeviceType(name="V100-16GB", memory_bytes=16160 * MiB, bf16_tflops=0, fp16_tflops=125, fp32_tflops=15.7,
                    hbm_gbps=900, intra_link="nvlink", intra_node_gbps=150, network_gbps=6.25, gpus_per_node=8,
-                   source="NVIDIA V100 datasheet, SXM2 16GB"),
+                   source="NVIDIA V100 datasheet, SXM2 16GB", datasheet_gb=16),
         DeviceType(name="V100-32GB", memory_bytes=32510 * MiB, bf16_tflops=0, fp16_tflops=125, fp32_tflops=15.7,
                    hbm_gbps=900, intra_link="nvlink", intra_node_gbps=150, network_gbps=6.25, gpus_per_node=8,
-                   source="NVIDIA V100 datasheet, SXM2 32GB"),
+                   source="NVIDIA V100 datasheet, SXM2 32GB", datasheet_gb=32),
         # NVIDIA L40S datasheet: 48 GB GDDR6, 864 GB/s, BF16 362 dense (733 sparse), FP32 91.6; PCIe Gen4 x16.
         DeviceType(name="L40S", memory_bytes=46068 * MiB, bf16_tflops=362, fp16_tflops=362, fp32_tflops=91.6,
                    hbm_gbps=864, intra_link="pcie", intra_node_gbps=32, network_gbps=12.5, gpus_per_node=8,
-                   source="NVIDIA L40S datasheet"),
+                   source="NVIDIA L40S datasheet", datasheet_gb=48),
         # NVIDIA L4 datasheet: 24 GB GDDR6, 300 GB/s, BF16 121 dense (242 sparse), FP32 30.3; PCIe Gen4 x16.
         DeviceType(name="L4", memory_bytes=23034 * MiB, bf16_tflops=121, fp16_tflops=121, fp32_tflops=30.3,
                    hbm_gbps=300, intra_link="pcie", intra_node_gbps=32, network_gbps=6.25, gpus_per_node=8,
-                   source="NVIDIA L4 datasheet"),
+                   source="NVIDIA L4 datasheet", datasheet_gb=24),
         # NVIDIA A10 datasheet (A10G is AWS's variant of it): 24 GB GDDR6, 600 GB/s, BF16 125 dense
         # (250 sparse), FP32 31.2; PCIe Gen4 x16.
         DeviceType(name="A10G", memory_bytes=23028 * MiB, bf16_tflops=125, fp16_tflops=125, fp32_tflops=31.2,
                    hbm_gbps=600, intra_link="pcie", intra_node_gbps=32, network_gbps=6.25, gpus_per_node=8,
-                   source="NVIDIA A10 datasheet"),
+                   source="NVIDIA A10 datasheet", datasheet_gb=24),
         # AMD Instinct MI300X datasheet: 192 GB HBM3 (eight 24 GiB stacks), 5.3 TB/s, BF16 1,307.4 dense, FP32 163.4;
         # Infinity Fabric links: 7 x 128 GB/s bidir per GPU (64 GB/s per peer per direction, 448 to all peers).
         DeviceType(name="MI300X", memory_bytes=192 * GiB, bf16_tflops=1307.4, fp16_tflops=1307.4, fp32_tflops=163.4,
                    hbm_gbps=5300, intra_link="xgmi", intra_node_gbps=448, network_gbps=50, gpus_per_node=8,
-                   source="AMD Instinct MI300X datasheet"),
+                   source="AMD Instinct MI300X datasheet", datasheet_gb=192),
         # A CPU "device" is one process (rank) on this machine, for tests and laptops, trained with gloo.
         # No datasheet: nominal figures for a couple of modern cores; measure with `partita profile --device cpu`.
         DeviceType(name="cpu", memory_bytes=4 * GiB, bf16_tflops=0.05, fp16_tflops=0.05, fp32_tflops=0.1,

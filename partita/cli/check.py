@@ -169,7 +169,7 @@ def devices(args: argparse.Namespace | None = None) -> int:
                 "source"):
         t.add_column(col)
     for d in CATALOG.values():
-        t.add_row(d.name, f"{d.memory_bytes / GiB:.0f} GiB", f"{d.bf16_tflops:g}", f"{d.fp32_tflops:g}",
+        t.add_row(d.name, f"{d.memory_bytes / GiB:.2f} GiB" + (f" ({d.datasheet_gb:g} GB)" if d.datasheet_gb else ""), f"{d.bf16_tflops:g}", f"{d.fp32_tflops:g}",
                   f"{d.hbm_gbps:g}", f"{d.intra_link} {d.intra_node_gbps:g} GB/s", f"{d.network_gbps:g}",
                   f"{d.price_per_gpu_hour:g}" if d.price_per_gpu_hour is not None else "-", d.source)
     console.print(t)
