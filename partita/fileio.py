@@ -29,7 +29,7 @@ from partita.errors import PartitaError
 
 MAX_FILE_BYTES = 16 * 1024 * 1024
 MAX_LOG_BYTES = 1024 * 1024 * 1024  # metrics.jsonl: a line per step and rank, over long runs
-MAX_DEPTH = 64  # nested mappings and lists; Partita's deepest file (a plan) nests 6
+MAX_DEPTH = 64  # nested mappings and lists; Partita's deepest file (a plan) nests 5
 
 
 def _kind(mode: int) -> str:
