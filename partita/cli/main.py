@@ -171,7 +171,8 @@ def build_parser(with_torch_commands: bool = False) -> argparse.ArgumentParser:
     plan.add_argument("--engine", choices=ENGINES, default="partita",
                       help="the engine that will run the plan, priced as it runs it (its overlaps, ZeRO-3 gathers, "
                            "loss memory): partita (partita launch, the default), or torchtitan, megatron, deepspeed "
-                           "as partita export configures them (docs/engines.md)")
+                           "as partita export configures them (docs/engines.md); for those the plan is one the engine "
+                           "runs as it is, so its export is the plan itself")
     plan.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None,
                       help="training dtype (default: bf16 on GPUs, fp16 where a device has no bf16, fp32 on CPU ranks)")
     plan.add_argument("--memory-margin", type=_memory_margin, default=None, metavar="M",

@@ -75,6 +75,7 @@ def _plan(args: argparse.Namespace) -> int:
     if release and objective != "cost":
         raise PartitaError("--release-idle only changes --objective cost; add --objective cost or drop it")
     frontier = []
+    engine_note = ""
     try:
         with Quiet() if as_json else console.status("searching", spinner="dots") as status:
             if objective == "cost" and release:
@@ -86,6 +87,13 @@ def _plan(args: argparse.Namespace) -> int:
                     for g in cluster.groups:  # the cost is still reported: every group needs a price
                         device_price(g)
                 result, _ = make_plan(req, progress=lambda what: status.update(what))
+            if req.engine != "partita" and not (objective == "cost" and release):
+                from partita.cli.engine_fit import restrict_to_engine
+
+                status.update(f"the closest plans {req.engine} runs as they are")
+                best = result
+                result, engine_note = restrict_to_engine(best, req.engine, lambda k: _alternatives(req, best, k),
+                                                         profiles=profiles)
             if top > 1:
                 status.update(f"the best plans of {top - 1} other shapes")
                 alternatives = _alternatives(req, result, top - 1)
@@ -109,7 +117,7 @@ def _plan(args: argparse.Namespace) -> int:
     alt_paths = [output.with_name(f"{output.stem}-{i + 2}{output.suffix}") for i in range(len(alternatives))]
     for alt, path in zip(alternatives, alt_paths):
         save_plan(alt, path)
-    notes = []
+    notes = [engine_note] if engine_note else []
     if model.is_moe:
         notes.append(moe_note(result, model, req.moe_imbalance))
     idle = idle_devices_note(result, model, cluster, cm=cm, space=space, search=args.search)

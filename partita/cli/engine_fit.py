@@ -1,0 +1,70 @@
+"""``partita plan --engine megatron|torchtitan|deepspeed``: a plan the engine runs as it is.
+
+The search prices every plan as the engine runs it (``search/engines.py``) but chooses among
+Partita's whole space: per-layer strategies, ZeRO levels and schedules an engine may not express
+(Megatron sets tensor parallelism, ZeRO and recomputation once for all layers; torchtitan has no
+ZeRO-1; DeepSpeed's pipeline runs 1F1B on an even split). So for another engine the plan command
+maps the search's best plan, and the best plans of a few other shapes, to the closest plan the
+engine runs in each shape (the export's own variants: ``partita.cli.export.export_plan``),
+priced as the engine runs it, and keeps the fastest that fits. Its export is then the plan
+itself (``partita export`` says "expresses the plan exactly").
+
+The search's bound stays a true lower bound (the engine's plans are a subset of the space it
+covers), so the plan's gap is measured from it; the proof no longer says "optimal" unless the
+search's optimum was itself expressible.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from partita.errors import InfeasibleError, PartitaError
+from partita.plan import Plan
+
+# Other shapes whose best plans are mapped too, beyond the search's best.
+SHAPES = 3
+
+
+def restrict_to_engine(plan: Plan, engine: str, alternatives: Callable[[int], list[Plan]],
+                       profiles=()) -> tuple[Plan, str]:
+    """The fastest plan ``engine`` runs as it is, among the closest ones in the shapes of
+    ``plan`` and of ``alternatives(SHAPES)``; and a note of what changed (empty if nothing did)."""
+    from partita.cli.export import export_plan
+
+    exports, refusals = [], []
+
+    def consider(candidate: Plan):
+        try:
+            ex = export_plan(candidate, engine, profiles=profiles)
+        except PartitaError as e:  # this shape is not one the engine runs (e.g. cp with tp on DeepSpeed)
+            refusals.append(" ".join(str(e).split()))
+            return None
+        if ex.fits:
+            exports.append(ex)
+        return ex
+
+    first = consider(plan)
+    if first is None or first.changes or not first.fits:  # else the search's best is the engine's: nothing beats it
+        for candidate in alternatives(SHAPES):
+            consider(candidate)
+    if not exports:
+        why = f" ({refusals[0]})" if refusals else ""
+        raise InfeasibleError(f"--engine {engine}: no plan {engine} runs fits in the {1 + SHAPES} best shapes the "
+                              f"search found{why}; drop --engine to see Partita's own plan, or give more devices")
+    best = min(exports, key=lambda ex: ex.exported.prediction.step_time_s)
+    chosen = best.exported
+    if plan.solver is not None:
+        objective = round(chosen.prediction.step_time_s * 1e6)
+        bound = min(plan.solver.bound_us, objective)
+        exact = not best.changes and best.original.ranks == plan.ranks and best.original.stages == plan.stages
+        status = plan.solver.status if exact else "feasible"
+        chosen = dataclasses.replace(chosen, solver=dataclasses.replace(
+            plan.solver, status=status, objective_us=objective, bound_us=bound,
+            gap=(objective - bound) / objective if objective else 0.0))
+    if not best.changes and best.original.stages == plan.stages:
+        return chosen, ""
+    moved = "; ".join(best.changes) if best.changes else "another shape"
+    return chosen, (f"--engine {engine}: the search's best plan is not one {engine} runs as it is; this is the fastest "
+                    f"that {engine} runs and fits ({moved}), {chosen.prediction.step_time_s / plan.prediction.step_time_s - 1:+.1%} "
+                    f"against the search's best")
