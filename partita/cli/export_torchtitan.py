@@ -249,6 +249,12 @@ def _cli(value) -> str:
 
 def notes(plan: Plan, model: ModelSpec, cluster: ClusterSpec) -> list[str]:
     out = []
+    missing = [what for what, has in (("tied input and output embeddings", model.tie_embeddings),
+                                      ("q/k/v biases", model.qkv_bias)) if has]
+    if model.family != "llama" or missing:
+        out.append(f"not expressible in torchtitan's llama3 model: "
+                   f"{', '.join(missing) if missing else 'a ' + model.family + ' block (learned positions, LayerNorm, GELU, biases)'}"
+                   f"; the registered flavour trains a llama3 block without them")
     if flavor(model) is None:
         out.append(f"torchtitan ships no flavour that is {model.name}: the TOML names flavor \"{model.name}\", which "
                    f"torchtitan trains once registered as the file's header says ({registration(model)})")
