@@ -31,7 +31,7 @@ from partita import parallel
 from partita.errors import PartitaError
 from partita.model import ModelSpec
 from partita.profile import AttentionCost
-from partita.profiler.timing import Clock, median
+from partita.profiler.timing import Clock, median, out_of_memory
 
 log = logging.getLogger(__name__)
 
@@ -83,8 +83,14 @@ def profile_attention(opts: AttentionOptions,
                 on_point(f"attention heads={heads} seq={seq}")
             try:
                 point = measure_attention(opts, clock, heads=heads, seq_len=seq)
-            except torch.cuda.OutOfMemoryError:
+            except (torch.cuda.OutOfMemoryError, RuntimeError) as e:
+                if not out_of_memory(e):
+                    raise
                 point = None  # reported once the failed point's tensors are released
+            if point is None and seq == min(opts.seq_lens):
+                raise PartitaError(f"out of memory timing attention with {heads} heads at sequence {seq} "
+                                   f"(micro-batch {opts.micro_batch}) on {opts.device}; nothing was written; give "
+                                   f"shorter --attention-seq-lens")
             if point is None:
                 log.warning("attention heads=%d: out of memory at sequence %d; longer ones not measured "
                             "(the planner reads the longest measured rate)", heads, seq)

@@ -44,7 +44,7 @@ from partita.errors import PartitaError
 from partita.model import ROLES, ModelSpec
 from partita.profile import LayerCost
 from partita.profiler.memory import SavedTensors, param_bytes, tensor_storage_bytes
-from partita.profiler.timing import Clock, median
+from partita.profiler.timing import Clock, median, out_of_memory
 from partita.runtime.parallelize import selective_context
 
 log = logging.getLogger(__name__)
@@ -127,8 +127,15 @@ def profile_layers(spec: ModelSpec, opts: LayerOptions, build_layer: BuildLayer 
                 on_point(f"{shard.role} tp={shard.tp} micro-batch={mb}")
             try:
                 point = measure_point(spec, layer, shard, mb, opts, clock)
-            except torch.cuda.OutOfMemoryError:
+            except (torch.cuda.OutOfMemoryError, RuntimeError) as e:
+                if not out_of_memory(e):
+                    raise
                 point = None  # handled below, once the failed point's tensors are released
+            if point is None and mb == min(opts.micro_batches):
+                # nothing of this shard fits: a profile without it would be half-done
+                raise PartitaError(f"out of memory measuring {shard.role} tp={shard.tp} at micro-batch {mb} and "
+                                   f"sequence {opts.seq_len} on {opts.device}; nothing was written; give a shorter "
+                                   f"--seq-len, wider --tp or a smaller micro-batch")
             if point is None:
                 log.warning("%s tp=%d: out of memory at micro-batch %d; larger micro-batches not measured "
                             "(the planner extrapolates proportionally)", shard.role, shard.tp, mb)

@@ -46,3 +46,10 @@ class Clock:
 
 def median(values: Sequence[float]) -> float:
     return float(statistics.median(values))
+
+
+def out_of_memory(e: BaseException) -> bool:
+    """Whether a measurement failed for want of memory: CUDA's ``OutOfMemoryError``, or the CPU
+    allocator's ``RuntimeError`` (it has no type of its own, only its message)."""
+    return isinstance(e, torch.cuda.OutOfMemoryError) or (
+        isinstance(e, RuntimeError) and "can't allocate memory" in str(e))

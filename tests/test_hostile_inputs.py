@@ -291,3 +291,49 @@ def test_the_datasheet_memory_is_the_catalog_memory(tmp_path, capsys):
     assert main(["devices"]) == 0
     out = capsys.readouterr().out
     assert "79.65 GiB (80 GB)" in out and "80 GiB" not in out.replace("A100-80GB", "")
+
+
+# ---- profiling: a full disk, out of memory ----------------------------------------------------
+PROFILE = ["profile", "--device", "cpu", "--model", "tiny-llama", "--micro-batches", "1,2", "--tp", "1",
+           "--repeats", "1", "--warmup", "0"]
+
+
+def test_profile_to_a_full_disk_is_one_line(capsys):
+    assert main([*PROFILE, "-o", "/dev/full"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == "partita: error: no space left on device writing /dev/full", err
+
+
+@pytest.mark.parametrize("failing, allocator", [(1, "cpu"), (1, "cuda"), (2, "cpu")])
+def test_profile_out_of_memory(failing, allocator, tmp_path, monkeypatch, capsys):
+    """The CPU allocator's error (a RuntimeError) and CUDA's OutOfMemoryError alike: at the
+    smallest micro-batch nothing of the layer fits, so the command stops with one line naming
+    the shape and writes no profile; at a larger one that point and the larger are left out (the
+    planner extrapolates), as before."""
+    import torch
+
+    from partita.profiler import layers
+
+    real = layers.measure_point
+
+    def measure(spec, layer, shard, micro_batch, opts, clock):
+        if micro_batch >= failing and shard.role == "block":
+            if allocator == "cpu":
+                raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
+                                   "memory: you tried to allocate 256000000000 bytes. Error code 12")
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 238.42 GiB")
+        return real(spec, layer, shard, micro_batch, opts, clock)
+
+    monkeypatch.setattr(layers, "measure_point", measure)
+    out = tmp_path / "profile.yaml"
+    code = main([*PROFILE, "-o", str(out)])
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    if failing == 1:
+        assert code == 2 and not out.exists()
+        assert len(err.strip().splitlines()) == 1, err
+        assert "out of memory measuring block tp=1 at micro-batch 1 and sequence" in err and "--seq-len" in err
+    else:
+        assert code == 0
+        blocks = [c for c in yaml.safe_load(out.read_text())["layers"] if c["kind"]["role"] == "block"]
+        assert {c["micro_batch"] for c in blocks} == {1}
