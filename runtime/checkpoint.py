@@ -100,18 +100,68 @@ _SCHEDULE = (("steps", "--steps"), ("lr", "--lr"), ("warmup_steps", "--warmup-st
 _BATCHES = (("data", "--data"), ("seed", "--seed"), ("global_batch", "global_batch"), ("seq_len", "seq_len"))
 
 
+# torch.distributed.checkpoint writes every item of a shard file with torch.save, a zip archive.
+_ITEM_MAGIC = b"PK\x03\x04"
+
+
+def damage(root: str | Path, step: int) -> str | None:
+    """Why the checkpoint of ``step`` cannot be loaded, as far as its files tell without loading
+    it (None: intact): its ``.metadata`` does not read, or an item it lists lies past the end of
+    its shard file, or does not start as torch.save writes it (a truncated or overwritten shard)."""
+    where = step_dir(root, step)
+    try:
+        metadata = dcp.FileSystemReader(str(where)).read_metadata()
+        items = list(metadata.storage_data.values())
+    except Exception as e:  # truncated or foreign bytes: pickle and torch raise many kinds
+        return f"{where.name}/.metadata does not read ({type(e).__name__})"
+    for name in sorted({i.relative_path for i in items}):
+        path = where / name
+        try:
+            with open(path, "rb") as f:
+                size = f.seek(0, 2)
+                for item in (i for i in items if i.relative_path == name):
+                    if item.offset + item.length > size:
+                        return f"{where.name}/{name} is truncated ({size:,} bytes, its items need {item.offset + item.length:,})"
+                    f.seek(item.offset)
+                    if f.read(len(_ITEM_MAGIC)) != _ITEM_MAGIC:
+                        return f"{where.name}/{name} is damaged (an item at byte {item.offset:,} is not torch.save's)"
+        except OSError as e:
+            return f"{where.name}/{name} does not read ({e.strerror or e})"
+    return None
+
+
+def intact_step(root: str | Path) -> tuple[int | None, list[str]]:
+    """The newest checkpoint that is intact (``damage``), and one warning line for each newer
+    one that is not, naming it."""
+    warnings = []
+    steps = sorted((int(p.name[len(PREFIX):]) for p in Path(root).glob(f"{PREFIX}*")
+                    if p.name[len(PREFIX):].isdigit() and (p / ".metadata").is_file()), reverse=True)
+    for step in steps:
+        why = damage(root, step)
+        if why is None:
+            if warnings:
+                warnings[-1] += f"; resuming from {step_dir(root, step).name}"
+            return step, warnings
+        warnings.append(f"--resume: checkpoint {step_dir(root, step).name} is damaged: {why}")
+    if warnings:
+        raise PartitaError(f"{warnings[-1]}; no intact checkpoint in {root}, give another --checkpoint-dir or drop "
+                           f"--resume")
+    return None, []
+
+
 def check_resume(root: str | Path, want: CheckpointRecord) -> tuple[int | None, list[str]]:
-    """The step a resume continues from (None: no checkpoint yet) and what the resumed run
-    changes, as warning lines. Refuses another model's checkpoint, and ``want.steps`` at or
-    below the checkpoint's step (nothing would be trained)."""
-    step = latest_step(root)
+    """The step a resume continues from (None: no checkpoint yet): the newest intact checkpoint,
+    with a warning line naming each damaged newer one; and what the resumed run changes, as
+    warning lines. Refuses another model's checkpoint, and ``want.steps`` at or below the
+    checkpoint's step (nothing would be trained)."""
+    step, damaged = intact_step(root)
     if step is None:
         return None, []
     where = step_dir(root, step)
     have = read_record(root, step)
     if have is None:
-        return step, [f"{where} holds no {RECORD} (saved by an older partita): the model and schedule it was saved "
-                      f"with cannot be checked"]
+        return step, damaged + [f"{where} holds no {RECORD} (saved by an older partita): the model and schedule it "
+                                f"was saved with cannot be checked"]
     if have.model_fingerprint != want.model_fingerprint:
         raise PartitaError(f"--resume: {where} holds model {have.model_name!r} (fingerprint "
                            f"{have.model_fingerprint}), the plan trains {want.model_name!r} "
@@ -120,7 +170,7 @@ def check_resume(root: str | Path, want: CheckpointRecord) -> tuple[int | None, 
     if want.steps <= step:
         raise PartitaError(f"--resume: {where} has already trained {step} steps and --steps is {want.steps}; give "
                            f"--steps above {step} to train more")
-    warnings = []
+    warnings = damaged
     schedule = [f"{flag} {getattr(have, name)!r} -> {getattr(want, name)!r}" for name, flag in _SCHEDULE
                 if getattr(have, name) != getattr(want, name)]
     if schedule:

@@ -47,14 +47,25 @@ def files(tmp_path_factory):
     for name, model_name, fingerprint in (("ckpt-gpt2", "tiny-gpt2", load_model("tiny-gpt2").fingerprint),
                                           ("ckpt-llama", "tiny-llama", data["model_fingerprint"])):
         step = d / name / "step-000004"
-        step.mkdir(parents=True)
-        (step / ".metadata").write_bytes(b"")
+        _intact_checkpoint(step)
         (step / "partita.json").write_text(json.dumps(dict(schedule, step=4, model_name=model_name,
                                                            model_fingerprint=fingerprint)))
-    (d / "ckpt-broken" / "step-000004").mkdir(parents=True)
-    (d / "ckpt-broken" / "step-000004" / ".metadata").write_bytes(b"")
+    _intact_checkpoint(d / "ckpt-broken" / "step-000004")
     (d / "ckpt-broken" / "step-000004" / "partita.json").write_text("{not json")
     return d
+
+
+def _intact_checkpoint(step):
+    """A checkpoint directory that reads as whole (its .metadata and shard), whatever it holds:
+    a resume checks the shards before it reads the record beside them."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
+        dcp.save({"x": torch.zeros(2)}, checkpoint_id=str(step))
 
 
 # (argv with {d} for the files folder, exit code, a phrase the one line must hold)
