@@ -54,14 +54,19 @@ class MetricsWriter:
     ranks sharing one file do not interleave within a line."""
 
     def __init__(self, path: str | Path | None) -> None:
-        self.fd = None
+        self.fd, self.path = None, path
         if path is not None:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
 
     def write(self, record: dict[str, Any]) -> None:
+        """A full disk is one line (``no space left on device writing PATH``), not a traceback;
+        every rank appends to the one file, so all of them meet it at the same step."""
         if self.fd is not None:
-            os.write(self.fd, (json.dumps(record, sort_keys=True) + "\n").encode())
+            try:
+                os.write(self.fd, (json.dumps(record, sort_keys=True) + "\n").encode())
+            except OSError as e:
+                raise fileio.write_error(f"--metrics {self.path}", e) from None
 
     def close(self) -> None:
         if self.fd is not None:

@@ -337,3 +337,17 @@ def test_profile_out_of_memory(failing, allocator, tmp_path, monkeypatch, capsys
         assert code == 0
         blocks = [c for c in yaml.safe_load(out.read_text())["layers"] if c["kind"]["role"] == "block"]
         assert {c["micro_batch"] for c in blocks} == {1}
+
+
+def test_metrics_to_a_full_disk_is_one_line_per_rank_not_a_traceback():
+    """What each rank meets when --metrics fills the disk: a PartitaError line (the worker logs
+    it and exits 2), not an OSError traceback."""
+    pytest.importorskip("torch")
+    from partita.runtime.metrics import MetricsWriter
+
+    writer = MetricsWriter("/dev/full")
+    try:
+        with pytest.raises(PartitaError, match="^no space left on device writing --metrics /dev/full$"):
+            writer.write({"step": 1})
+    finally:
+        writer.close()
