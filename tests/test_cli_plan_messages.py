@@ -8,6 +8,7 @@ from pathlib import Path
 import yaml
 
 from partita.cli import plan as commands
+from partita.cli import profiles
 from partita.cli import main
 from partita.cluster import parse_short
 from partita.model_io import load_model
@@ -80,16 +81,16 @@ def test_a_profile_that_cannot_be_used_is_named(tmp_path, capsys):
     good = _profile(tmp_path / "good.yaml")
     other_seq = _profile(tmp_path / "seq.yaml", seq_len=32)
     other_model = _profile(tmp_path / "model.yaml", model="tiny-gpt2")
-    assert commands.layer_costs_unusable(Profile.load(good), model, seq_len=64, dtype="fp32") is None
-    why = commands.layer_costs_unusable(Profile.load(other_seq), model, seq_len=64, dtype="fp32")
+    assert profiles.layer_costs_unusable(Profile.load(good), model, seq_len=64, dtype="fp32") is None
+    why = profiles.layer_costs_unusable(Profile.load(other_seq), model, seq_len=64, dtype="fp32")
     assert "sequence length 32" in why and "--seq-len 32" in why
-    why = commands.layer_costs_unusable(Profile.load(other_model), model, seq_len=64, dtype="fp32")
+    why = profiles.layer_costs_unusable(Profile.load(other_model), model, seq_len=64, dtype="fp32")
     assert "other layer shapes" in why
     # a usable profile plans; an unusable one beside it is named on stderr and left out
     code, out = _plan(tmp_path, "--model", "tiny-llama", "--cluster", "4xcpu", "--profile", good)
     assert code == 0 and Plan.load(out).cost_sources["cpu"] in ("measured", "mixed")
     capsys.readouterr()
-    kept = commands.usable_profiles([other_model, good], model, cluster, seq_len=64, dtype="fp32")
+    kept = profiles.usable_profiles([other_model, good], model, cluster, seq_len=64, dtype="fp32")
     assert kept == (Profile.load(good),)
     err = capsys.readouterr().err
     assert err.startswith("partita: warning: profile") and "model.yaml" in err and "not used" in err

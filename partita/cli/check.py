@@ -12,7 +12,8 @@ from rich.table import Table
 from partita import parallel
 from partita.cli import jsonout
 from partita.cli.output import console
-from partita.cli.plan import idle_devices_note, usable_profiles
+from partita.cli.plan import idle_devices_note
+from partita.cli.profiles import usable_profiles
 from partita.cli.pricing import cost_lines, parse_tokens, training_cost
 from partita.cli.printing import params_text, print_plan
 from partita.cluster import ClusterSpec, load_cluster, same_hardware

@@ -269,7 +269,7 @@ def mixed_device_notes(plan: Plan, cluster: ClusterSpec) -> list[str]:
 # ---- the command ------------------------------------------------------------------------
 def export_command(args: argparse.Namespace) -> int:
     from partita.cli.output import console, writable_output
-    from partita.cli.plan import usable_profiles
+    from partita.cli.profiles import usable_profiles
     from partita.validate import validate_plan
 
     mod = target_module(args.to)
