@@ -175,8 +175,10 @@ def _consider_interleaved(cm: CostModel, req: PlanRequest, plan: Plan, uni: Unif
 def _consider_replicas(cm: CostModel, req: PlanRequest, plan: Plan) -> Plan:
     """Whole replicas on two or more device types, the faster taking larger micro-batches
     (``search/replicas.py``): the fastest found replaces the plan when it is faster. That
-    search is a heuristic outside CP-SAT's space, so the plan then reports status "feasible",
-    with a bound that holds for every plan on the cluster (``replicas.throughput_bound_s``)."""
+    search covers its space exactly when it ends within its budget, so the plan's bound is then
+    the lower of CP-SAT's bound over its space and the replica space's optimum; else the bound
+    that holds for every plan on the cluster (``replicas.throughput_bound_s``) stands in for the
+    replica space."""
     from partita.search.replicas import replica_plan, replica_search, throughput_bound_s
 
     if req.space.micro_batches or plan.prediction is None or plan.solver is None:
@@ -193,10 +195,16 @@ def _consider_replicas(cm: CostModel, req: PlanRequest, plan: Plan) -> Plan:
     if candidate.prediction.step_time_s >= plan.prediction.step_time_s:
         return plan
     objective = to_us(candidate.prediction.step_time_s)
-    bound = min(plan.solver.bound_us, objective, int(throughput_bound_s(cm, req.global_batch) * 1e6))
-    report = dataclasses.replace(plan.solver, status="feasible", objective_us=objective, bound_us=bound,
+    replicas_bound_us = to_us(found.best.step_time_s) if found.complete else int(
+        throughput_bound_s(cm, req.global_batch) * 1e6)
+    bound = min(plan.solver.bound_us, objective, replicas_bound_us)
+    # Proven when CP-SAT proved its space and the replica search covered its own; among 1F1B
+    # plans still, where the other schedules could not be ruled out (``proven_among``).
+    proven = found.complete and plan.solver.status == "optimal"
+    status = "optimal" if proven and bound == objective else "feasible"
+    report = dataclasses.replace(plan.solver, status=status, objective_us=objective, bound_us=bound,
                                  gap=round((objective - bound) / objective, 6) if objective else 0.0,
-                                 candidates=plan.solver.candidates + found.evaluated, proven_among="")
+                                 candidates=plan.solver.candidates + found.evaluated)
     return dataclasses.replace(candidate, solver=report)
 
 

@@ -17,15 +17,22 @@ The search (``replica_search``) is a heuristic over that space, tried after the 
 * every tensor degree the groups' nodes share, pipeline depth, micro-batch count and uniform
   layer choice (ZeRO level, recomputation, sequence parallelism), the blocks split evenly, each
   group running as many whole replicas as it holds (a stage's part on a group aligned with its
-  nodes), visited in the order of a throughput estimate (``_estimate_s``) and cut off once the
-  estimate reaches the best plan;
+  nodes), visited in the order of their floors (``_floor_s``) and cut off once the floor
+  reaches the best plan;
 * for each, the micro-batch sizes by water-filling: every group starts at size 1 and the group
   whose replicas would be slowest least after growing by one row grows, until the rows of a
   micro-batch round are covered; the last group grown gives back the excess, one row from
   each of as many replicas. The step is the slowest group's.
 
-It proves nothing about the space: a plan from here is reported "feasible", with a bound that
-holds for every plan on the cluster (``throughput_bound_s``).
+Every shape of that space (every tensor degree, depth, micro-batch count and layer choice) is
+either water-filled or ruled out by a floor no plan of the shape can beat (``_floor_s``: each
+replica's compute alone, one row a micro-batch, through a 1F1B pipeline split evenly), and the
+water-filling is exact for its shape: the step is the slowest group's, each group's step grows
+with its micro-batch size, so the greedy that grows the group left fastest reaches the least
+slowest step any split of the rows reaches (the min-max exchange argument). So when the search
+ends within its budget (``ReplicaResult.complete``) its best is the optimum of the replica space
+and a bound for it; out of budget, the bound that holds for every plan on the cluster
+(``throughput_bound_s``) stands in.
 """
 
 from __future__ import annotations
@@ -44,8 +51,6 @@ from partita.search.uniform import (MAX_MICRO_BATCH, SearchSpace, device_price, 
                                     stage_counts, stage_layer_names, strategy, tp_allowed,
                                     uniform_choices)
 
-# Micro-batch counts tried per (tp, pp): the smallest that give every replica a row.
-COUNTS_TRIED = 3
 # Evaluations the search may spend (deterministic; each is one replica kind's pipeline priced).
 EVALUATION_BUDGET = 2000
 
@@ -84,6 +89,9 @@ class ReplicaCandidate:
 class ReplicaResult:
     best: ReplicaCandidate | None = None
     evaluated: int = 0
+    # Every shape was water-filled or ruled out within the budget: ``best`` (or, if None, the
+    # incumbent) is then a lower bound on every plan of whole replicas on two or more types.
+    complete: bool = False
 
 
 def replicas_on(group: NodeGroup, tp: int, pp: int) -> int:
@@ -127,18 +135,58 @@ def replica_search(cm: CostModel, *, global_batch: int, space: SearchSpace, incu
         return result
     span = cm.spanning(g.name for g in groups)
     best_s = incumbent_s
-    for estimate, shape in sorted(_shapes(cm, span, groups, global_batch, space), key=lambda t: t[0]):
-        if estimate >= best_s or result.evaluated >= EVALUATION_BUDGET:
-            break
+    # Every shape visited, the lowest floor first (a good incumbent early rules the rest out).
+    floors = sorted(((_floor_s(span, shape, global_batch), i, shape)
+                     for i, shape in enumerate(_shapes(cm, span, groups, global_batch, space))), key=lambda t: t[:2])
+    for floor, _, shape in floors:
+        if floor >= best_s:
+            break  # the floors that follow are no lower
+        if result.evaluated >= EVALUATION_BUDGET:
+            return result
         found = _fill(span, shape, global_batch, best_s, result)
         if found is not None and found.step_time_s < best_s:
             result.best, best_s = found, found.step_time_s
+    result.complete = result.evaluated <= EVALUATION_BUDGET
     return result
 
 
+def _floor_s(cm: CostModel, shape, global_batch: int) -> float:
+    """No plan of the shape is faster: the rows of a micro-batch round split over the groups'
+    replicas as evenly in time as possible (water-filled, as ``_fill``), each replica priced by
+    its layers' compute and recomputation alone through 1F1B's m + pp - 1 stage times of a stage
+    holding at least 1/pp of the layers (collectives and the optimizer only add)."""
+    used, tp, pp, m, _sp, _zero, recompute = shape
+    model = cm.model
+    rows = global_batch // m
+    cache = cm.__dict__.setdefault("_replica_floor", {})  # one replica's compute, by device, tp, size, recompute
+
+    def time(i: int, b: int) -> float:
+        device = used[i][0].device
+        key = (device, tp, b, recompute)
+        if key not in cache:
+            once = 0.0
+            for role, k in (("embed", 1), ("block", model.n_layers), ("head", 1)):
+                t = tp if parallel.tp_rule(model.kinds[role], tp) is None else 1
+                c = cm.compute(role, device, t, b)
+                again = cm.recompute_s(role, device, t, b, recompute) if role == "block" else 0.0
+                once += k * (c.forward_s + c.backward_s + again)
+            cache[key] = once
+        return (m + pp - 1) * cache[key] / pp
+
+    sizes = [1] * len(used)
+    covered = sum(n for _, n in used)
+    while covered < rows:
+        i = min(range(len(used)), key=lambda i: (time(i, sizes[i] + 1), i))
+        sizes[i] += 1
+        covered += used[i][1]
+    # The greedy takes the groups' growth steps in increasing time, so the rows are covered
+    # first at the least slowest time any split reaches (a split over-covering them is no faster).
+    return max(time(i, b) for i, b in enumerate(sizes))
+
+
 def _shapes(cm: CostModel, span: CostModel, groups: Sequence[NodeGroup], global_batch: int, space: SearchSpace):
-    """(estimate, shape) for every shape the search tries: groups used with their replica
-    counts, tp, pp, micro-batch count and layer choices."""
+    """Every shape of the replica space: groups used with their replica counts, tp, pp,
+    micro-batch count and layer choices."""
     model = cm.model
     common = [t for t in divisors(min(g.gpus_per_node for g in groups))
               if all(g.gpus_per_node % t == 0 for g in groups) and tp_allowed(model, t, space)]
@@ -155,7 +203,7 @@ def _shapes(cm: CostModel, span: CostModel, groups: Sequence[NodeGroup], global_
             dp = sum(n for _, n in used)
             if space.price_cap is not None and sum(n * tp * pp * device_price(g) for g, n in used) > space.price_cap:
                 continue
-            ms = [m for m in divisors(global_batch) if m >= pp and global_batch // m >= dp][:COUNTS_TRIED]
+            ms = [m for m in divisors(global_batch) if m >= pp and global_batch // m >= dp]
             for m in ms:
                 rows = global_batch // m
                 if space.micro_batches and not any(b in space.micro_batches for b in range(1, rows + 1)):
@@ -163,8 +211,7 @@ def _shapes(cm: CostModel, span: CostModel, groups: Sequence[NodeGroup], global_
                 for zero in (space.zero_levels if dp > 1 else (0,)):
                     for recompute in space.recompute:
                         for sp in sp_choices(cm, tp, space):
-                            shape = (used, tp, pp, m, sp, zero, recompute)
-                            yield _estimate_s(span, shape, rows), shape
+                            yield (used, tp, pp, m, sp, zero, recompute)
 
 
 def _choice(cm: CostModel, tp: int, sp: bool, zero: int, recompute: str) -> dict:
@@ -173,19 +220,6 @@ def _choice(cm: CostModel, tp: int, sp: bool, zero: int, recompute: str) -> dict
     if key not in cache:
         cache[key] = uniform_choices(cm.model, tp=tp, sp=sp, zero=zero, recompute=recompute)
     return cache[key]
-
-
-def _estimate_s(cm: CostModel, shape, rows: int) -> float:
-    """Every replica busy, each at its per-row rate at the size an even split gives, through
-    the m + pp - 1 stage times of a 1F1B pipeline whose stages split the work evenly."""
-    used, tp, pp, m, sp, zero, recompute = shape
-    choice = _choice(cm, tp, sp, zero, recompute)
-    dp = sum(n for _, n in used)
-    b = max(1, min(MAX_MICRO_BATCH, rows // dp))
-    rate = 0.0  # rows per second, all replicas
-    for g, n in used:
-        rate += n * b * pp / _model_time_s(cm, choice, g, dp, b)
-    return (m + pp - 1) * rows / rate  # 1F1B: m + pp - 1 stage times, a stage at least 1/pp of the work
 
 
 def _model_time_s(cm: CostModel, choice: dict, group: NodeGroup, dp: int, micro_batch: int) -> float:
