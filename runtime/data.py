@@ -1,4 +1,6 @@
-"""Training data: synthetic tokens or a local text file through a byte-level tokenizer.
+"""Training data: synthetic tokens, pre-tokenized token files (``partita.tokens``: a folder
+``partita tokenize`` wrote, llm.c's or nanoGPT's ``.bin`` files), or a local text file through a
+byte-level tokenizer.
 
 Batches are a pure function of (seed, step): every rank draws the same global batch and keeps
 its data-parallel slice, and a resumed run sees exactly the batches the first run would have.
@@ -13,6 +15,7 @@ import numpy as np
 import torch
 
 from partita.errors import PartitaError
+from partita.tokens import TokenWindows, check_tokens, is_token_data, open_tokens
 
 BYTE_VOCAB = 256
 
@@ -23,7 +26,12 @@ class TokenSource:
     def __init__(self, kind: str, *, vocab: int, seq_len: int, global_batch: int, seed: int) -> None:
         self.vocab, self.seq_len, self.global_batch, self.seed = vocab, seq_len, global_batch, seed
         self.text: torch.Tensor | None = None
-        if kind != "synthetic":
+        self.windows: TokenWindows | None = None
+        if kind != "synthetic" and is_token_data(kind):
+            files = open_tokens(kind)
+            check_tokens(files, vocab=vocab, seq_len=seq_len)
+            self.windows = TokenWindows(files, seq_len=seq_len, seed=seed)
+        elif kind != "synthetic":
             self.text = _read_bytes(Path(kind), vocab=vocab, seq_len=seq_len)
 
     def batch(self, step: int, dp: int = 1, dp_index: int = 0, *,
@@ -34,7 +42,11 @@ class TokenSource:
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
         n, s = self.global_batch, self.seq_len
         mine = rows if rows is not None else slice(dp_index * (n // dp), (dp_index + 1) * (n // dp))
-        if self.text is None:
+        if self.windows is not None:  # only this replica's rows are read from the files
+            first = mine.start or 0
+            count = (mine.stop if mine.stop is not None else n) - first
+            rows = torch.from_numpy(self.windows.rows(step * n + first, count))
+        elif self.text is None:
             # Learnable synthetic text: each row counts from a random start by a random stride
             # (mod vocab), so the loss falls as the model learns to continue it.
             start = torch.randint(0, self.vocab, (n, 1), generator=gen)[mine]
@@ -50,6 +62,9 @@ def check_data(kind: str, *, vocab: int, seq_len: int) -> None:
     """Refuse a ``--data`` no batch can be drawn from, without reading the file: the launcher
     calls it before any rank starts, and every rank before its first collective."""
     if kind == "synthetic":
+        return
+    if is_token_data(kind):
+        check_tokens(open_tokens(kind), vocab=vocab, seq_len=seq_len)
         return
     path = Path(kind)
     if not path.exists():

@@ -56,7 +56,9 @@ RUN_CHART = "measured_vs_predicted.png"  # the run's picture, drawn by the calle
 def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("plan", help="plan.yaml written by `partita plan` (or by hand)")
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps to train in all (default 20)")
-    parser.add_argument("--data", default="synthetic", help="'synthetic' tokens or a local text file (bytes as tokens)")
+    parser.add_argument("--data", default="synthetic",
+                        help="'synthetic' tokens, a token folder (`partita tokenize`; llm.c or nanoGPT .bin files), "
+                             "or a local text file (bytes as tokens)")
     parser.add_argument("--checkpoint-dir", default=None, help="directory for torch.distributed.checkpoint saves")
     parser.add_argument("--checkpoint-every", type=int, default=0, help="save every K steps (0: at the end only)")
     parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --checkpoint-dir")

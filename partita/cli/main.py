@@ -250,8 +250,10 @@ def build_parser(with_torch_commands: bool = False) -> argparse.ArgumentParser:
                                 "profile predicts for them against what they measured")
 
     from partita.cli.replan import add_replan_arguments
+    from partita.cli.tokenize import add_tokenize_arguments
 
     add_replan_arguments(sub)
+    add_tokenize_arguments(sub)
 
     launch = sub.add_parser("launch", help="train a plan with torch.distributed (torchrun)")
     profile = sub.add_parser("profile", help="measure layer and collective costs on this machine's devices")
@@ -334,6 +336,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from partita.cli.calibrate import calibrate
 
         return calibrate(args)
+    if args.command == "tokenize":
+        from partita.cli.tokenize import tokenize_command
+
+        return tokenize_command(args)
     if args.command == "replan":
         from partita.cli.replan import replan_command
 
