@@ -35,6 +35,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import partial
 
+from typing import Callable
+
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -360,8 +362,11 @@ def apply_context_parallel(model: Transformer, plan: Plan, meshes: Meshes) -> No
 
 
 def parallelize_stage(model: Transformer, plan: Plan, meshes: Meshes, *, device: torch.device, seed: int,
-                      mp_policy: MixedPrecisionPolicy | None, use_fsdp: bool) -> list[ShardedLayer]:
-    """Turn the full meta model into this rank's part of the plan. Returns the FSDP2 units."""
+                      mp_policy: MixedPrecisionPolicy | None, use_fsdp: bool,
+                      init: Callable[[Transformer], None] | None = None) -> list[ShardedLayer]:
+    """Turn the full meta model into this rank's part of the plan. Returns the FSDP2 units.
+    ``init`` fills the stage's layers once they are whole, before anything shards them (the
+    weights of ``--init-from``: ``hf_weights.load_into``)."""
     stage = meshes.place.stage
     keep_stage_layers(model, stage)
     if plan.ep > 1:
@@ -369,6 +374,8 @@ def parallelize_stage(model: Transformer, plan: Plan, meshes: Meshes, *, device:
 
         apply_expert_parallel(model, meshes)
     materialize(model, device=device, seed=seed)  # full layers: identical on every rank of the stage
+    if init is not None:
+        init(model)
     if plan.tp > 1:
         apply_tensor_parallel(model, stage, meshes)
     if plan.cp > 1:

@@ -64,6 +64,7 @@ class TrainConfig:
     metrics: str | None = None  # metrics.jsonl path, shared by all ranks
     memory_report: bool = False  # measure one step's memory by category (torch's memory trackers)
     run_id: str | None = None  # in every metrics record, so runs appending to one file stay apart
+    init_from: str | None = None  # a Hugging Face model folder to start from (``hf_weights``), else random
     crash_after_step: int | None = None  # tests: exit abruptly after this many steps, as a kill would
     crash_rank: int | None = None  # tests: only this rank dies then, by SIGKILL; None: every rank exits
 
@@ -210,8 +211,13 @@ class Trainer:
         use_fsdp = plan.dp * plan.cp > 1 or mixed  # cp ranks hold partial gradients: averaged over dp x cp
 
         self.model = build_model(spec)  # meta: nothing is allocated for layers this rank does not own
+        init = None
+        if cfg.init_from and resume_from is None:  # a resume's checkpoint holds the weights
+            from partita.runtime.hf_weights import load_into
+
+            init = lambda model: load_into(model, cfg.init_from, spec)  # noqa: E731
         units = parallelize_stage(self.model, plan, self.meshes, device=device, seed=cfg.seed, mp_policy=mp_policy,
-                                  use_fsdp=use_fsdp)
+                                  use_fsdp=use_fsdp, init=init)
         self.optimizer = make_optimizer(self.model, cfg)
         # Expert parallelism: the experts' ids and the ep group, whose ranks hold different experts.
         self._experts: tuple[set[int], dist.ProcessGroup | None] = (frozenset(), None)

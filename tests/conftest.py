@@ -36,6 +36,11 @@ SLOW: dict[str, int] = {
     "test_elastic.py::test_replan_keeps_the_model_and_batch_and_says_what_moves": 8,
     "test_elastic.py::test_elastic_needs_a_checkpoint_dir": 6,
     "test_export.py::test_an_export_that_does_not_fit_exits_3_and_writes_nothing": 30,
+    # Hugging Face weights and token files through the runtime (measured beside a full run, 2026-12-02)
+    "test_hf_weights.py::test_loaded_under_tp_fsdp_and_pp_it_trains_as_one_process_from_the_folder": 120,
+    "test_hf_weights.py::test_a_checkpoint_exports_as_a_folder_that_reads_back_bit_for_bit": 30,
+    "test_tokens.py::test_training_on_token_files_learns_and_a_resume_reproduces_the_losses": 20,
+    "test_engine_fit.py": 16,
     # test_runtime_launch.py
     "test_runtime_launch.py::test_launch_runs_ranks_under_torchrun": 127,
     "test_runtime_launch.py::test_launch_draws_the_run_measured_against_predicted_per_stage": 61,

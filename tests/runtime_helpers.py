@@ -134,6 +134,10 @@ def _reference(plan: Plan, cfg, grad_norms: list[float]) -> tuple[list[float], d
 
     spec = plan.model_spec
     model = materialize(build_model(spec), device="cpu", seed=cfg.seed)
+    if getattr(cfg, "init_from", None):
+        from partita.runtime.hf_weights import load_into
+
+        load_into(model, cfg.init_from, spec)
     optimizer = make_optimizer(model, cfg)
     data = TokenSource(cfg.data, vocab=spec.vocab, seq_len=plan.seq_len, global_batch=plan.global_batch, seed=cfg.seed)
     losses = []

@@ -249,11 +249,13 @@ def build_parser(with_torch_commands: bool = False) -> argparse.ArgumentParser:
                            help="runs of other plans on the same device type, not fitted on: print what the new "
                                 "profile predicts for them against what they measured")
 
+    from partita.cli.export_weights import add_export_weights_arguments
     from partita.cli.replan import add_replan_arguments
     from partita.cli.tokenize import add_tokenize_arguments
 
     add_replan_arguments(sub)
     add_tokenize_arguments(sub)
+    add_export_weights_arguments(sub)
 
     launch = sub.add_parser("launch", help="train a plan with torch.distributed (torchrun)")
     profile = sub.add_parser("profile", help="measure layer and collective costs on this machine's devices")
@@ -336,6 +338,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from partita.cli.calibrate import calibrate
 
         return calibrate(args)
+    if args.command == "export-weights":
+        from partita.cli.export_weights import export_weights_command
+
+        return export_weights_command(args)
     if args.command == "tokenize":
         from partita.cli.tokenize import tokenize_command
 
