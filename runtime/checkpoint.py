@@ -196,13 +196,27 @@ def _train_state(step: int, scaler) -> dict[str, torch.Tensor]:
 def save(root: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, scaler=None,
          record: CheckpointRecord | None = None) -> None:
     """Every rank writes its shards; rank 0 writes ``record`` first, so a checkpoint complete
-    enough to resume from (``.metadata``, written last) always has one."""
+    enough to resume from (``.metadata``, written last) always has one.
+
+    A write that fails on any rank (a full disk) fails the save on every rank alike
+    (torch.distributed.checkpoint gathers the ranks' errors and hands them to all): one
+    ``PartitaError`` line, ``no space left on device writing DIR/step-000012``. The directory
+    has no ``.metadata`` then, so a resume takes the step before it."""
+    where = step_dir(root, step)
     if record is not None and (not dist.is_initialized() or dist.get_rank() == 0):
         write_record(root, record)
     model_state, optim_state = get_state_dict(model, optimizer, options=OPTIONS)
     state = {"model": model_state, "optim": optim_state, "train": _train_state(step, scaler)}
-    dcp.save(state, checkpoint_id=str(step_dir(root, step)))
-    log.info("saved checkpoint %s", step_dir(root, step))
+    try:
+        dcp.save(state, checkpoint_id=str(where))
+    except dcp.CheckpointException as e:  # the ranks' errors, by rank: a write error is the line
+        written = next((exc for _, (exc, _) in sorted(e.failures.items()) if isinstance(exc, OSError)), None)
+        if written is None:
+            raise
+        raise fileio.write_error(where, written) from None
+    except OSError as e:
+        raise fileio.write_error(where, e) from None
+    log.info("saved checkpoint %s", where)
 
 
 def load(root: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, scaler=None) -> int:

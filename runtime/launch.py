@@ -41,7 +41,7 @@ from partita.errors import PartitaError
 from partita.model import ModelSpec
 from partita.model_io import load_model
 from partita.plan import Plan
-from partita.runtime import checkpoint
+from partita.runtime import checkpoint, ranklog
 from partita.runtime.data import check_data
 from partita.runtime.train import TrainConfig, check_config, checkpoint_record
 
@@ -50,6 +50,7 @@ WORKER = "partita.runtime.worker"
 # An environment variable naming a file where a failed run's torchrun records its first failed
 # rank and exit code (JSON), for ``partita launch --elastic``.
 FAILURE_RECORD = "PARTITA_FAILURE_RECORD"
+REFUSED = 2  # a rank's exit code when it refused: its input, or a full disk (one line, ``ranklog``)
 RUN_CHART = "measured_vs_predicted.png"  # the run's picture, drawn by the caller's ``draw_chart``
 
 
@@ -59,6 +60,9 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", default="synthetic",
                         help="'synthetic' tokens, a token folder (`partita tokenize`; llm.c or nanoGPT .bin files), "
                              "or a local text file (bytes as tokens)")
+    parser.add_argument("--init-from", default=None, metavar="HF_DIR",
+                        help="start from a Hugging Face model folder's weights (config.json + *.safetensors; the "
+                             "plan's model) instead of random ones")
     parser.add_argument("--checkpoint-dir", default=None, help="directory for torch.distributed.checkpoint saves")
     parser.add_argument("--checkpoint-every", type=int, default=0, help="save every K steps (0: at the end only)")
     parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --checkpoint-dir")
@@ -88,10 +92,16 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def launch_command(args: argparse.Namespace,
-                   draw_chart: Callable[[Plan, dict, str, Path], bool] | None = None) -> int:
+                   draw_chart: Callable[[Plan, dict, str, Path], bool] | None = None,
+                   report_failure: bool = True) -> int:
     """Run the plan; on one node, print the run's summary and, with ``draw_chart`` (the CLI
     passes ``partita.cli.launch.draw_run_chart``), draw it into the run directory as
-    ``RUN_CHART``: ``draw_chart(plan, summary, metrics, path)`` says whether it drew it."""
+    ``RUN_CHART``: ``draw_chart(plan, summary, metrics, path)`` says whether it drew it.
+
+    The ranks' own output goes to ``rank-R.log`` in ``args.log_dir`` (default ``logs`` beside the
+    metrics; ``partita.runtime.ranklog``), rank 0's progress to the console too. A failed rank is
+    one line (``failure_line``; ``report_failure=False``: the caller prints it) and exit code 2
+    where it refused (a full disk, say), 1 where it died or crashed."""
     plan = Plan.load(args.plan)
     metrics = args.metrics or str(Path("runs") / Path(args.plan).stem / "metrics.jsonl")
     args.run_id = args.run_id or f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
@@ -103,22 +113,35 @@ def launch_command(args: argparse.Namespace,
             print(line)
         return 0
     # The run summary (measured against predicted) lands beside the metrics, for calibration.
-    summary_path = Path(metrics).parent / "summary.json"
-    summary_path.parent.mkdir(parents=True, exist_ok=True)
+    summary_path = run_directory(args.plan, metrics) / "summary.json"
+    log_dir = Path(getattr(args, "log_dir", None) or summary_path.parent / "logs")
+    try:
+        log_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise fileio.write_error(log_dir, e) from None
     summary_path.unlink(missing_ok=True)
     chart_path = summary_path.parent / RUN_CHART
     chart_path.unlink(missing_ok=True)  # a picture of an earlier run must not pass for this one's
+    ranklog.clear(log_dir)  # and no earlier run's log for this one's
+    record = Path(os.environ.get(FAILURE_RECORD) or log_dir / "failure.json")
+    record.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "partita.runtime.launch", "--standalone", "--nnodes=1",
            f"--nproc-per-node={plan.world_size}", "-m", WORKER,
            *worker_arguments(args, metrics), "--summary", str(summary_path)]
     log.info("running %s", shlex.join(cmd))
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
+    env.update({ranklog.LOG_DIR: str(log_dir), FAILURE_RECORD: str(record)})
     rc = run_until_done(cmd, env)
     if rc != 0:
-        print(f"partita: error: training failed (torchrun exited with status {rc}; the ranks' messages are above)",
-              file=sys.stderr)
-        return 1
+        failure = read_failure(record)
+        if failure is None:  # torchrun itself failed, before or around the ranks
+            print(f"partita: error: training failed (torchrun exited with status {rc}; the ranks' logs are in "
+                  f"{log_dir})", file=sys.stderr)
+            return 1
+        if report_failure:
+            print(f"partita: error: {failure_line(failure)}", file=sys.stderr)
+        return REFUSED if failure["exitcode"] == REFUSED else 1
     if summary_path.is_file():
         from partita.runtime.metrics import RunSummary
 
@@ -139,6 +162,15 @@ def launch_command(args: argparse.Namespace,
             print(f"the prediction used datasheet (analytic) costs for {', '.join(analytic)}; measure this machine "
                   f"with `partita profile` and plan with --profile for a closer one")
     return 0
+
+
+def run_directory(plan_path: str, metrics: str) -> Path:
+    """Where a run's summary, chart and rank logs go: beside its metrics, or, for metrics sent
+    to a device or FIFO (``--metrics /dev/null``), ``runs/<plan name>``, not the device's folder."""
+    p = Path(metrics)
+    if p.exists() and not p.is_file():
+        return Path("runs") / Path(plan_path).stem
+    return p.parent
 
 
 def run_until_done(cmd: list[str], env: dict[str, str]) -> int:
@@ -180,6 +212,7 @@ def train_config(args: argparse.Namespace, metrics: str | None = None) -> TrainC
                        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
                        resume=args.resume, metrics=metrics if metrics is not None else args.metrics,
                        memory_report=args.memory_report, run_id=args.run_id,
+                       init_from=getattr(args, "init_from", None),
                        crash_after_step=getattr(args, "crash_after_step", None),
                        crash_rank=getattr(args, "crash_rank", None))
 
@@ -209,6 +242,10 @@ def check_launch(plan: Plan, args: argparse.Namespace, metrics: str | None = Non
             if given and fileio.same_file(cfg.metrics, given):
                 raise PartitaError(f"--metrics {cfg.metrics}: is the input {given}; the ranks would append to it, "
                                    f"choose another path")
+    if cfg.init_from:
+        from partita.runtime.hf_weights import check_folder
+
+        check_folder(cfg.init_from, model)
     warnings = []
     if cfg.checkpoint_dir:
         check_writable_dir(cfg.checkpoint_dir, "--checkpoint-dir")
@@ -236,31 +273,38 @@ def check_checkpoints(plan: Plan, cfg: TrainConfig) -> list[str]:
 
 
 def check_writable_file(path: str, flag: str) -> None:
-    """``path`` is a file this process can append to, or can create (with its folders)."""
+    """``path`` is a file this process can append to, or can create (with its folders), on a
+    file system with space left. An existing file is opened as the ranks open it (append) and
+    written nothing: that is how a device such as ``/dev/full`` says it is full."""
     p = Path(path)
     if p.is_dir():
         raise PartitaError(f"{flag} {path} is a directory; give a file path, e.g. {p / 'metrics.jsonl'}")
     if p.exists():
         if not os.access(p, os.W_OK):
             raise PartitaError(f"{flag} {path}: not writable; give a path you can write")
+        _check_appendable(p, flag)
+        _check_space(p, flag, path)
         return
-    _check_creatable(p.parent, flag, path)
+    _check_space(_check_creatable(p.parent, flag, path), flag, path)
 
 
 def check_writable_dir(path: str, flag: str) -> None:
-    """``path`` is a directory this process can write into, or can create."""
+    """``path`` is a directory this process can write into, or can create, on a file system
+    with space left."""
     p = Path(path)
     if p.exists() and not p.is_dir():
         raise PartitaError(f"{flag} {path} is a file, not a directory; give a directory")
     if p.is_dir():
         if not os.access(p, os.W_OK | os.X_OK):
             raise PartitaError(f"{flag} {path}: directory not writable; give one you can write")
+        _check_space(p, flag, path)
         return
-    _check_creatable(p.parent, flag, path)
+    _check_space(_check_creatable(p.parent, flag, path), flag, path)
 
 
-def _check_creatable(folder: Path, flag: str, path: str) -> None:
-    """The nearest existing ancestor of ``folder`` is a directory this process can write into."""
+def _check_creatable(folder: Path, flag: str, path: str) -> Path:
+    """The nearest existing ancestor of ``folder`` is a directory this process can write into;
+    returns it."""
     folder = Path(os.path.abspath(folder))
     while not folder.exists():
         folder = folder.parent
@@ -268,6 +312,34 @@ def _check_creatable(folder: Path, flag: str, path: str) -> None:
         raise PartitaError(f"{flag} {path}: {folder} is a file, so it cannot hold a folder; give another path")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise PartitaError(f"{flag} {path}: cannot create it, {folder} is not writable; give a path you can write")
+    return folder
+
+
+def _check_appendable(p: Path, flag: str) -> None:
+    """Open ``p`` as the ranks do (``MetricsWriter``: write-only, append) and write zero bytes;
+    non-blocking, so a FIFO without a reader is refused instead of waiting."""
+    try:
+        fd = os.open(p, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK)
+        try:
+            os.write(fd, b"")
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise fileio.write_error(f"{flag} {p}", e) from None
+
+
+def _check_space(p: Path, flag: str, path: str) -> None:
+    """A file system with no block left for this process (root may use the reserved ones) is
+    full: the ranks' first write would fail."""
+    try:
+        if not (p.is_file() or p.is_dir()):
+            return  # a device or FIFO: its write said all there is to say
+        fs = os.statvfs(p)
+    except OSError:
+        return
+    free = fs.f_bfree if os.geteuid() == 0 else fs.f_bavail
+    if fs.f_blocks and free == 0:
+        raise PartitaError(f"no space left on device writing {flag} {path}")
 
 
 def plan_cluster(plan: Plan, where: str = "plan: cluster") -> ClusterSpec:
@@ -341,6 +413,8 @@ def worker_arguments(args: argparse.Namespace, metrics: str) -> list[str]:
         out.append("--resume")
     if args.warmup_steps is not None:
         out += ["--warmup-steps", str(args.warmup_steps)]
+    if getattr(args, "init_from", None):
+        out += ["--init-from", args.init_from]
     if args.memory_report:
         out.append("--memory-report")
     for flag in ("crash_after_step", "crash_rank"):
@@ -365,31 +439,93 @@ def torchrun_commands(plan: Plan, cluster: ClusterSpec, args: argparse.Namespace
 
 
 def torchrun(argv: list[str]) -> int:
-    """``torchrun`` itself, but an interrupt ends it quietly: torch's agent turns SIGINT/SIGTERM
-    into ``SignalException`` after stopping the ranks, and a failed rank into
-    ``ChildFailedError``; both would end in a traceback of torchrun's own."""
+    """``torchrun`` itself, but quiet: torch's agent turns SIGINT/SIGTERM into
+    ``SignalException`` after stopping the ranks, and a failed rank into ``ChildFailedError``;
+    both would end in a traceback of torchrun's own. A failed rank is recorded in the file
+    ``FAILURE_RECORD`` names (``failure_record``), for the launcher's one line, and the exit
+    code is 1."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main
 
     # An interrupt is reported once, by the launcher: not as the agent's "Received 2 death
-    # signal" and one "Sending process ... closing signal SIGINT" line per rank.
-    for name in ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api"):
-        logging.getLogger(name).setLevel(logging.ERROR)
+    # signal" and one "Sending process ... closing signal SIGINT" line per rank; a failed rank
+    # once too, not also as "failed (exitcode: -9) local_rank: 1 ...". The ranks torchrun stops
+    # itself after a failure are noted from its "closing signal" lines: their deaths are not the cause.
+    for name in ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.errors"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    stopped: set[int] = set()
 
+    def note_stopped(record: logging.LogRecord) -> bool:
+        if "closing signal" in str(record.msg) and isinstance(record.args, tuple) and record.args:
+            stopped.add(record.args[0])
+        return False  # none of its lines is shown
+
+    processes = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    processes.setLevel(logging.WARNING)
+    processes.addFilter(note_stopped)
     try:
         main(argv)
     except SignalException as e:
         return 128 + int(e.sigval)
     except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
-        print(f"partita: rank {rank} failed with exit code {failure.exitcode}", file=sys.stderr)
-        record = os.environ.get(FAILURE_RECORD)
-        if record:  # for the elastic launcher (partita.cli.elastic): which rank died, and how
-            fileio.write_text(record, json.dumps({"rank": rank, "exitcode": failure.exitcode,
-                                                  "ranks": sorted(e.failures)}))
+        record = failure_record({rank: (f.exitcode, f.timestamp, f.pid in stopped) for rank, f in e.failures.items()},
+                                os.environ.get(ranklog.LOG_DIR))
+        path = os.environ.get(FAILURE_RECORD)
+        if path:
+            fileio.write_text(path, json.dumps(record))
+        else:  # torchrun started by hand: nobody reads a record, say it here
+            print(f"partita: error: {failure_line(record)}", file=sys.stderr)
         return 1
     return 0
+
+
+def failure_record(failures: dict[int, tuple[int, float, bool]], log_dir: str | None) -> dict:
+    """Which rank's failure caused the run's, from torchrun's failures (rank: exit code, time,
+    whether torchrun stopped it itself): ``rank``, ``exitcode`` and ``ranks`` (all it lists),
+    the rank's one-line refusal if it left one, and its log file.
+
+    The cause is a rank torchrun did not stop; among those one that refused with a line
+    (``ranklog.record_error``), else one killed by a signal (its peers fail after it, with errors
+    of their own), else the first to fail. torchrun's own first failure goes by whole-second
+    times, so it may name a peer, or a rank it stopped."""
+    def cause(rank: int) -> tuple:
+        exitcode, timestamp, stopped = failures[rank]
+        refused = bool(log_dir) and ranklog.read_error(log_dir, rank) is not None
+        return (stopped, not refused, exitcode >= 0, timestamp, rank)
+
+    rank = min(failures, key=cause)
+    exitcode = failures[rank][0]
+    return {"rank": rank, "exitcode": exitcode, "ranks": sorted(failures),
+            "signal": _signal_name(-exitcode) if exitcode < 0 else None,
+            "message": ranklog.read_error(log_dir, rank) if log_dir else None,
+            "log": str(ranklog.log_path(log_dir, rank)) if log_dir else None}
+
+
+def read_failure(path: str | Path) -> dict | None:
+    """The failure ``torchrun`` recorded (``failure_record``), or None."""
+    if not Path(path).is_file():
+        return None
+    data = fileio.load_json(path)
+    return data if isinstance(data, dict) and isinstance(data.get("rank"), int) else None
+
+
+def failure_line(record: dict) -> str:
+    """The one line for a failed run: the refusal a rank left, or the rank and how it ended, with
+    its log file."""
+    log_file = f"; its log: {record['log']}" if record.get("log") else ""
+    if record.get("message"):
+        return f"{record['message']} (rank {record['rank']}{log_file})"
+    how = (f"was killed by {record['signal']}" if record.get("signal")
+           else f"failed with exit code {record['exitcode']}")
+    return f"rank {record['rank']} {how}{log_file}"
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 if __name__ == "__main__":

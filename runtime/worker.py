@@ -18,6 +18,12 @@ if __name__ == "__main__":
     # and reports the interrupt; the launcher prints the one line.
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
+from partita.runtime import ranklog  # noqa: E402 -- no torch
+
+# Under `partita launch`, this rank's own output goes to its log file from here on, before torch
+# is imported, so that all torch prints goes there too; CONSOLE is the console it had.
+CONSOLE = ranklog.to_log_file() if __name__ == "__main__" else None
+
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import gc  # noqa: E402
@@ -80,8 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--summary", default=None, help="rank 0 writes the run summary (JSON) here")
     args = parser.parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
-                        format=f"[rank {rank}] %(message)s", stream=sys.stderr)
+    set_up_logging(rank, CONSOLE)
     quiet_known_warnings()
     try:
         plan = Plan.load(args.plan)
@@ -98,8 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         check_config(cfg)
         check_data(cfg.data, vocab=model.vocab, seq_len=plan.seq_len)
     except PartitaError as e:
-        log.error("%s", e)
-        return 2
+        return refuse(e)
     device = torch.device("cpu")
     if not cpu:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -111,12 +115,39 @@ def main(argv: list[str] | None = None) -> int:
             cfg = dataclasses.replace(cfg, run_id=_shared_run_id())
         run(plan, cfg, device, args.summary)
         finished = True
-    except PartitaError as e:  # refused by every rank alike, before the first collective (Trainer)
-        log.error("%s", e)
-        return 2
+    except PartitaError as e:  # refused by every rank alike: before the first collective (Trainer), or a full disk
+        return refuse(e)
     finally:
         shut_down(finished)
     return 0
+
+
+def set_up_logging(rank: int, console) -> None:
+    """Rank 0 logs its progress (INFO) to the console; the other ranks their warnings. Under
+    ``partita launch`` (``console``: the console, the rank's own output going to its log file)
+    every rank logs everything to its log file, and rank 0 its progress and warnings to the
+    console as well: a failure is the launcher's one line, not a line from every rank."""
+    fmt = logging.Formatter(f"[rank {rank}] %(message)s")
+    if console is None:
+        logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                            format=f"[rank {rank}] %(message)s", stream=sys.stderr)
+        return
+    to_file = logging.StreamHandler(sys.stderr)
+    to_file.setFormatter(fmt)
+    handlers: list[logging.Handler] = [to_file]
+    if rank == 0:
+        to_console = logging.StreamHandler(console)
+        to_console.setFormatter(fmt)
+        to_console.addFilter(lambda record: record.levelno < logging.ERROR)
+        handlers.append(to_console)
+    logging.basicConfig(level=logging.INFO, handlers=handlers)
+
+
+def refuse(e: PartitaError) -> int:
+    """A refusal: logged, left for the launcher's one line (``ranklog.record_error``), exit 2."""
+    log.error("%s", e)
+    ranklog.record_error(str(e))
+    return 2
 
 
 def _shared_run_id() -> str:

@@ -36,6 +36,10 @@ SLOW: dict[str, int] = {
     "test_elastic.py::test_replan_keeps_the_model_and_batch_and_says_what_moves": 8,
     "test_elastic.py::test_elastic_needs_a_checkpoint_dir": 6,
     "test_export.py::test_an_export_that_does_not_fit_exits_3_and_writes_nothing": 30,
+    # runs that fail: a full checkpoint disk, a full metrics disk, a killed rank (measured alone, 2026-12-02)
+    "test_rank_failures.py::test_a_checkpoint_that_fills_the_disk_is_one_line_and_the_older_step_is_kept": 65,
+    "test_rank_failures.py::test_a_disk_that_fills_mid_run_under_metrics_is_one_line": 41,
+    "test_rank_failures.py::test_a_killed_rank_is_one_line_naming_it_its_signal_and_its_log": 36,
     # Hugging Face weights and token files through the runtime (measured beside a full run, 2026-12-02)
     "test_hf_weights.py::test_loaded_under_tp_fsdp_and_pp_it_trains_as_one_process_from_the_folder": 120,
     "test_hf_weights.py::test_a_checkpoint_exports_as_a_folder_that_reads_back_bit_for_bit": 30,

@@ -54,7 +54,7 @@ def check_elastic(args: argparse.Namespace) -> None:
 
 def launch_elastic(args: argparse.Namespace, draw_chart: Callable | None = None) -> int:
     from partita.runtime import checkpoint
-    from partita.runtime.launch import FAILURE_RECORD, launch_command, plan_cluster
+    from partita.runtime.launch import FAILURE_RECORD, failure_line, launch_command, plan_cluster, read_failure
 
     check_elastic(args)
     args.metrics = args.metrics or str(Path("runs") / Path(args.plan).stem / "metrics.jsonl")
@@ -68,11 +68,13 @@ def launch_elastic(args: argparse.Namespace, draw_chart: Callable | None = None)
         os.environ[FAILURE_RECORD] = str(record_path)
         started = time.monotonic()
         try:
-            rc = launch_command(args, draw_chart)
+            rc = launch_command(args, draw_chart, report_failure=False)
         finally:
             os.environ.pop(FAILURE_RECORD, None)
-        failure = _failure(record_path)
-        if rc == 0 or failure is None or failure["exitcode"] == REFUSED:
+        failure = read_failure(record_path) if rc else None
+        if failure is None or failure["exitcode"] == REFUSED:
+            if failure is not None:
+                print(f"partita: error: {failure_line(failure)}", file=sys.stderr)
             return rc
         plan = Plan.load(args.plan)
         lost = sorted(plan.ranks)[failure["rank"]]  # torchrun numbers the plan's ranks from zero
@@ -80,15 +82,17 @@ def launch_elastic(args: argparse.Namespace, draw_chart: Callable | None = None)
         resumed = checkpoint.latest_step(args.checkpoint_dir) or 0
         reached = _last_step(args.metrics, args.run_id)
         where = f"{args.checkpoint_dir} (step {resumed})" if resumed else f"{args.checkpoint_dir} (no step saved yet)"
+        how = f"killed by {failure['signal']}" if failure.get("signal") else f"exit code {failure['exitcode']}"
+        died = f"{how}, its log: {failure['log']}" if failure.get("log") else how
         if remaining < (args.min_ranks or 1):
-            raise InfeasibleError(f"rank {lost} died at step {reached}; {remaining} ranks remain, fewer than "
+            raise InfeasibleError(f"rank {lost} died ({died}) at step {reached}; {remaining} ranks remain, fewer than "
                                   f"--min-ranks {args.min_ranks or 1}; the checkpoint {where} is intact: "
                                   f"resume it with `partita launch PLAN --resume --checkpoint-dir {args.checkpoint_dir}`")
         cluster = shrunk_cluster(plan_cluster(plan), [lost])
         try:
             result = replan(plan, cluster)
         except InfeasibleError as e:
-            raise InfeasibleError(f"rank {lost} died at step {reached}; no plan fits the {remaining} ranks left "
+            raise InfeasibleError(f"rank {lost} died ({died}) at step {reached}; no plan fits the {remaining} ranks left "
                                   f"({' '.join(str(e).split())}); the checkpoint {where} is intact") from None
         replans += 1
         new_path = run_dir / f"{stem}-replan-{replans}.yaml"
@@ -102,18 +106,12 @@ def launch_elastic(args: argparse.Namespace, draw_chart: Callable | None = None)
         if result.batch_note:
             event["note"] = result.batch_note
         _append(args.metrics, event)
-        print(f"partita: rank {lost} died (exit code {failure['exitcode']}) at step {reached}; re-planned for "
+        print(f"partita: rank {lost} died ({died}) at step {reached}; re-planned for "
               f"{remaining} ranks ({result.plan.mesh.describe()}, {new_path}); resuming from step {resumed}, "
               f"{event['lost_steps']} steps to train again", file=sys.stderr)
         args.plan, args.resume = str(new_path), True
+        args.log_dir = str(run_dir / "logs" / f"replan-{replans}")  # the lost rank's log stays where its line said
         args.crash_after_step = args.crash_rank = None  # the tests' fault happens once
-
-
-def _failure(path: Path) -> dict | None:
-    if not path.is_file():
-        return None
-    data = fileio.load_json(path)
-    return data if isinstance(data, dict) and isinstance(data.get("rank"), int) else None
 
 
 def _last_step(metrics: str, run_id: str) -> int:
