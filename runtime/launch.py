@@ -18,7 +18,9 @@ that a ``--resume`` checkpoint is this model's. Bad input is one line and exit c
 
 The ranks run under ``python -m partita.runtime.launch`` (``torchrun`` in this process, so that
 an interrupted run ends with the launcher's one line "interrupted" and exit code 130 instead of
-torchrun's traceback).
+torchrun's traceback). Their own output goes to ``logs/rank-R.log`` beside the metrics
+(``partita.runtime.ranklog``; rank 0's progress to the console too), and a failed run is one line
+naming the rank, how it ended and its log, or the refusal it left (``failure_line``).
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@
 
 Reads the plan, joins the process group (NCCL on GPUs, gloo on CPUs), trains, on rank 0
 writes the run summary (``--summary``) that ``partita launch`` prints as a table, and tears the
-process groups down before Python exits (``shut_down``).
+process groups down before Python exits (``shut_down``). Under ``partita launch`` its output goes
+to its log file (``partita.runtime.ranklog``) and a refusal is left there for the launcher's line.
 """
 
 from __future__ import annotations
