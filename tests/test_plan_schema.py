@@ -41,7 +41,8 @@ def test_a_schema_1_plan_shows_checks_and_exports(path, tmp_path, capsys):
     assert main(["check", str(path), "--cluster", cluster]) == 0
     capsys.readouterr()
     # Every export reads the old file as it reads the same plan written as schema 2 (a plan whose
-    # replicas sit on two device types exits 2 for Megatron either way: it runs replicas alike).
+    # replicas sit on two device types exits 2 for Megatron either way: it runs replicas alike;
+    # a mixture of experts exits 2 for torchtitan and DeepSpeed, which cannot train its experts).
     new = tmp_path / "schema2.yaml"
     Plan.load(path).save(new)
     for target in ("megatron", "torchtitan", "deepspeed"):
@@ -52,7 +53,7 @@ def test_a_schema_1_plan_shows_checks_and_exports(path, tmp_path, capsys):
             texts.append(out.read_text().replace(str(source), "PLAN") if out.exists() else None)
             capsys.readouterr()
         assert codes[0] == codes[1] and texts[0] == texts[1], target
-        assert codes[0] == 0 or "replicas" in path.stem
+        assert codes[0] == 0 or "replicas" in path.stem or ("mixtral" in path.stem and target != "megatron")
 
 
 def test_a_schema_1_plan_launches(tmp_path):
