@@ -76,6 +76,15 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="model init and data seed")
     parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW, warm-up + cosine)")
     parser.add_argument("--warmup-steps", type=int, default=None, help="default: a tenth of --steps")
+    parser.add_argument("--min-lr-ratio", type=float, default=TrainConfig.min_lr_ratio,
+                        help=f"the cosine decays to --lr x this at the last step (default {TrainConfig.min_lr_ratio})")
+    parser.add_argument("--weight-decay", type=float, default=TrainConfig.weight_decay,
+                        help=f"AdamW's decoupled weight decay on matrices and embeddings, not norms or biases "
+                             f"(default {TrainConfig.weight_decay})")
+    parser.add_argument("--betas", type=_betas, default=TrainConfig.betas, metavar="B1,B2",
+                        help=f"AdamW's betas (default {','.join(map(str, TrainConfig.betas))})")
+    parser.add_argument("--grad-clip", type=float, default=TrainConfig.grad_clip,
+                        help=f"clip the global gradient L2 norm to this (default {TrainConfig.grad_clip})")
     parser.add_argument("--memory-report", action="store_true",
                         help="measure one step's memory per rank by category (torch's memory trackers) and print it "
                              "against the plan's breakdown")
@@ -208,9 +217,19 @@ def run_until_done(cmd: list[str], env: dict[str, str]) -> int:
     return rc
 
 
+def _betas(text: str) -> tuple[float, float]:
+    try:
+        b1, b2 = (float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"two numbers B1,B2 such as 0.9,0.95, got {text!r}") from None
+    return b1, b2
+
+
 def train_config(args: argparse.Namespace, metrics: str | None = None) -> TrainConfig:
     """The training settings the flags give (the worker builds the same from the same flags)."""
+    optim = {k: getattr(args, k) for k in ("min_lr_ratio", "weight_decay", "betas", "grad_clip") if hasattr(args, k)}
     return TrainConfig(steps=args.steps, data=args.data, seed=args.seed, lr=args.lr, warmup_steps=args.warmup_steps,
+                       **optim,
                        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
                        resume=args.resume, metrics=metrics if metrics is not None else args.metrics,
                        memory_report=args.memory_report, run_id=args.run_id,
@@ -415,6 +434,12 @@ def worker_arguments(args: argparse.Namespace, metrics: str) -> list[str]:
         out.append("--resume")
     if args.warmup_steps is not None:
         out += ["--warmup-steps", str(args.warmup_steps)]
+    for flag, default in (("min_lr_ratio", TrainConfig.min_lr_ratio), ("weight_decay", TrainConfig.weight_decay),
+                          ("grad_clip", TrainConfig.grad_clip)):
+        if getattr(args, flag, default) != default:
+            out += [f"--{flag.replace('_', '-')}", repr(getattr(args, flag))]
+    if tuple(getattr(args, "betas", TrainConfig.betas)) != TrainConfig.betas:
+        out += ["--betas", ",".join(map(repr, args.betas))]
     if getattr(args, "init_from", None):
         out += ["--init-from", args.init_from]
     if args.memory_report:

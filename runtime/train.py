@@ -95,6 +95,14 @@ def check_config(cfg: TrainConfig) -> None:
         raise PartitaError(f"--checkpoint-every {cfg.checkpoint_every} needs --checkpoint-dir to save into")
     if cfg.resume and not cfg.checkpoint_dir:
         raise PartitaError("--resume needs --checkpoint-dir")
+    if not 0 <= cfg.min_lr_ratio <= 1:
+        raise PartitaError(f"--min-lr-ratio must be between 0 and 1, got {cfg.min_lr_ratio}")
+    if not (math.isfinite(cfg.weight_decay) and cfg.weight_decay >= 0):
+        raise PartitaError(f"--weight-decay must be a finite number >= 0, got {cfg.weight_decay}")
+    if not all(0 <= b < 1 for b in cfg.betas):
+        raise PartitaError(f"--betas must be two numbers in [0, 1), got {','.join(map(str, cfg.betas))}")
+    if not (math.isfinite(cfg.grad_clip) and cfg.grad_clip > 0):
+        raise PartitaError(f"--grad-clip must be a finite number > 0, got {cfg.grad_clip}")
 
 
 def checkpoint_record(plan: Plan, cfg: TrainConfig, step: int) -> checkpoint.CheckpointRecord:
