@@ -160,7 +160,8 @@ def test_cost_objective_picks_the_cheapest_plan_per_token_which_is_not_the_faste
     price, and the chosen plan is the frontier's cheapest; no plan of the A100 group alone (a
     sub-cluster the frontier must cover) is cheaper."""
     from partita.model_io import load_model
-    from partita.search.planner import PlanRequest, make_cost_plan, make_plan, plan_price, usd_per_million_tokens
+    from partita.search.planner import (PlanRequest, cost_bound, make_cost_plan, make_plan, plan_price,
+                                        usd_per_million_tokens)
 
     model = load_model("gpt2")
     from partita.cluster import parse_short
@@ -176,8 +177,11 @@ def test_cost_objective_picks_the_cheapest_plan_per_token_which_is_not_the_faste
     assert times == sorted(times)  # a lower price never buys a faster plan
     chosen = usd_per_million_tokens(plan, plan_price(plan, cluster))
     assert chosen == min(p.usd_per_mtok for p in frontier)
-    # Every point is proven, but those of replicas on both device types (search/replicas.py, a heuristic).
-    assert all(p.exact != p.plan.mixed_replicas for p in frontier)
+    # Every point is proven (replicas on both device types too, since search/replicas.py bounds its
+    # space), and the walk reached its end: the cost bound is the chosen plan's cost.
+    assert all(p.exact for p in frontier) and frontier[-1].stopped == "nothing cheaper fits"
+    assert [p.stopped for p in frontier[:-1]] == [""] * (len(frontier) - 1)
+    assert cost_bound(frontier, 1_300_000) == pytest.approx(chosen, rel=1e-4)
     assert chosen < usd_per_million_tokens(fastest, plan_price(fastest, cluster))
     assert plan_price(plan, cluster) < plan_price(fastest, cluster)
     a100 = parse_short("1x4xA100-80GB")
@@ -193,3 +197,22 @@ def test_cost_objective_needs_a_price_for_every_group(tmp_path, capsys):
         assert main(["plan", "--model", "tiny-llama", *argv, "-o", str(tmp_path / "p.yaml")]) == 2
         captured = capsys.readouterr()
         assert len(captured.err.strip().splitlines()) == 1 and phrase in captured.err, captured.err
+
+
+def test_the_cost_bound_covers_the_prices_the_walk_did_not_reach():
+    """A plan priced between two frontier points costs at least the upper point's price at its
+    proven step-time bound; where the walk ran out of time, one below the last point costs at
+    least the cheapest device's price at the last point's bound."""
+    from types import SimpleNamespace
+
+    from partita.search.planner import OUT_OF_TIME, FrontierPoint, cost_bound
+
+    def point(price, bound_s, stopped=""):
+        plan = SimpleNamespace(solver=SimpleNamespace(bound_us=int(bound_s * 1e6)), global_batch=1, seq_len=1_000_000)
+        return FrontierPoint(plan=plan, price_uph=price, usd_per_mtok=0.0, exact=True, stopped=stopped)
+
+    usd = 1 / 3600  # a step of 1 s on devices of $1/h, a million tokens a step: dollars per million tokens
+    walked = [point(10_000_000, 1.0), point(4_000_000, 2.0, "nothing cheaper fits")]
+    assert cost_bound(walked, 1_000_000) == pytest.approx(8 * usd)  # $4/h at 2 s, below $10/h at 1 s
+    cut = [point(10_000_000, 1.0), point(4_000_000, 2.0, OUT_OF_TIME)]
+    assert cost_bound(cut, 1_000_000) == pytest.approx(2 * usd)  # a $1/h device at 2 s or slower

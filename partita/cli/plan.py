@@ -149,7 +149,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 def cost_objective_note(plan: Plan, cluster, frontier: list, release: bool) -> str:
     """What --objective cost chose, in dollars per million tokens, beside the fastest plan."""
-    from partita.search.planner import plan_price, usd_per_million_tokens
+    from partita.search.planner import OUT_OF_TIME, cost_bound, plan_price, usd_per_million_tokens
     from partita.search.uniform import device_price
 
     if not release:
@@ -159,8 +159,16 @@ def cost_objective_note(plan: Plan, cluster, frontier: list, release: bool) -> s
                 f"(--release-idle if idle devices can be released)")
     price = plan_price(plan, cluster)
     fastest = frontier[0]
-    proven = "proven" if all(p.exact for p in frontier) else "not proven (a search on the way stopped early)"
-    line = (f"objective cost (idle devices released): ${usd_per_million_tokens(plan, price):,.4f} per million tokens "
+    cost = usd_per_million_tokens(plan, price)
+    if all(p.exact for p in frontier) and frontier[-1].stopped != OUT_OF_TIME:
+        proven = "proven"
+    else:
+        bound = cost_bound(frontier, min(device_price(g) for g in cluster.groups))
+        why = "the time ran out before the cheaper prices were searched" if frontier[-1].stopped == OUT_OF_TIME \
+            else "a search on the way stopped early"
+        proven = (f"not proven ({why}): no plan costs less than ${bound:,.4f} "
+                  f"(gap {(cost - bound) / cost if cost else 0:.1%})")
+    line = (f"objective cost (idle devices released): ${cost:,.4f} per million tokens "
             f"on {len(plan.ranks)} devices (${price / 1e6:,.2f}/h), {proven}; ")
     if fastest.plan is plan:
         return line + f"it is also the fastest plan ({len(frontier)} price bounds searched)"
