@@ -43,6 +43,7 @@ SLOW: dict[str, int] = {
     # Hugging Face weights and token files through the runtime (measured beside a full run, 2026-12-02)
     "test_hf_weights.py::test_loaded_under_tp_fsdp_and_pp_it_trains_as_one_process_from_the_folder": 120,
     "test_hf_weights.py::test_a_checkpoint_exports_as_a_folder_that_reads_back_bit_for_bit": 30,
+    "test_hf_weights.py::test_the_readme_loop_tokenize_launch_from_weights_and_export": 95,
     "test_tokens.py::test_training_on_token_files_learns_and_a_resume_reproduces_the_losses": 20,
     "test_engine_fit.py": 16,
     # test_runtime_launch.py

@@ -95,3 +95,36 @@ def test_a_checkpoint_exports_as_a_folder_that_reads_back_bit_for_bit(tmp_path):
     again = subprocess.run([sys.executable, "-m", "partita.cli", "export-weights", str(ckpt), "-o", str(out)],
                            capture_output=True, text=True, timeout=300)
     assert again.returncode == 2 and "not an empty folder" in again.stderr and "Traceback" not in again.stderr
+
+
+def test_the_readme_loop_tokenize_launch_from_weights_and_export(tmp_path):
+    """partita tokenize, launch --data --init-from and export-weights from the command line, as the
+    README runs them on a laptop (a tiny llama's folder, a tokenizer the test trains)."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import models, pre_tokenizers, trainers
+
+    folder, _ = _folder("tiny-llama", tmp_path)
+    docs = [" ".join(["alpha beta gamma delta epsilon"] * 40) + f" doc {i}" for i in range(30)]
+    (tmp_path / "corpus.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    tok = tokenizers.Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(docs, trainers.BpeTrainer(vocab_size=100, special_tokens=["[UNK]", "</s>"]))
+    tok.save(str(folder / "tokenizer.json"))
+
+    def run(*argv):
+        proc = subprocess.run([sys.executable, "-m", "partita.cli", *map(str, argv)], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc
+
+    run("plan", "--model", folder / "config.json", "--cluster", "2xcpu", "--global-batch", "4", "--seq-len", "32",
+        "-o", "plan.yaml")
+    run("tokenize", "corpus.jsonl", "--tokenizer", folder, "-o", "data")
+    run("launch", "plan.yaml", "--steps", "3", "--data", "data", "--init-from", folder, "--checkpoint-dir", "ckpt",
+        "--metrics", "m.jsonl")
+    run("export-weights", "ckpt", "-o", "trained", "--model", folder / "config.json")
+    assert (tmp_path / "trained" / "model.safetensors").is_file()
+    check_folder(tmp_path / "trained", BUILTIN["tiny-llama"])
+    bad = subprocess.run([sys.executable, "-m", "partita.cli", "launch", "plan.yaml", "--steps", "1", "--init-from",
+                          tmp_path / "missing"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr and "--init-from" in bad.stderr
