@@ -143,7 +143,7 @@ CASES = [
     (["launch", "{d}/plan.yaml", "--data", "{d}/empty.txt"], 2, "0 bytes is shorter than one sequence"),
     (["launch", "{d}/plan.yaml", "--data", "{d}/short.txt"], 2, "5 bytes is shorter than one sequence"),
     (["launch", "{d}/plan.yaml", "--data", "{d}/nope.txt"], 2, "no such file"),
-    (["launch", "{d}/plan.yaml", "--data", "{d}/folder"], 2, "is not a file"),
+    (["launch", "{d}/plan.yaml", "--data", "{d}/folder"], 2, "a folder with neither meta.json nor .bin files"),
     # launch: numbers
     (["launch", "{d}/plan.yaml", "--lr=-1"], 2, "--lr must be a finite number > 0"),
     (["launch", "{d}/plan.yaml", "--lr", "nan"], 2, "--lr must be a finite number > 0, got nan"),
