@@ -25,8 +25,9 @@ The search (``replica_search``) is a heuristic over that space, tried after the 
   each of as many replicas. The step is the slowest group's.
 
 Every shape of that space (every tensor degree, depth, micro-batch count and layer choice) is
-either water-filled or ruled out by a floor no plan of the shape can beat (``_floor_s``: each
-replica's compute alone, one row a micro-batch, through a 1F1B pipeline split evenly), and the
+either water-filled or ruled out by a floor no plan of the shape can beat (``_floor_s``: the
+rows water-filled with each replica priced by its compute alone, through a 1F1B pipeline split
+evenly), and the
 water-filling is exact for its shape: the step is the slowest group's, each group's step grows
 with its micro-batch size, so the greedy that grows the group left fastest reaches the least
 slowest step any split of the rows reaches (the min-max exchange argument). So when the search
@@ -173,15 +174,29 @@ def _floor_s(cm: CostModel, shape, global_batch: int) -> float:
             cache[key] = once
         return (m + pp - 1) * cache[key] / pp
 
-    sizes = [1] * len(used)
-    covered = sum(n for _, n in used)
-    while covered < rows:
-        i = min(range(len(used)), key=lambda i: (time(i, sizes[i] + 1), i))
-        sizes[i] += 1
-        covered += used[i][1]
     # The greedy takes the groups' growth steps in increasing time, so the rows are covered
     # first at the least slowest time any split reaches (a split over-covering them is no faster).
+    sizes, _, _ = _water_fill(time, [n for _, n in used], rows)
     return max(time(i, b) for i, b in enumerate(sizes))
+
+
+def _water_fill(step, replicas: Sequence[int], rows: int, limit: float = math.inf):
+    """Micro-batch sizes, one per group, covering ``rows`` a micro-batch round: every group at
+    one row a replica, then the group whose ``step(i, size + 1)`` is least grows by one row a
+    replica until the rows are covered. Returns (sizes, the last group grown, rows covered), or
+    None once a step reaches ``limit`` (no split of the rows beats it)."""
+    sizes = [1] * len(replicas)
+    if any(step(i, 1) >= limit for i in range(len(replicas))):
+        return None  # every group runs at least one row per replica
+    covered, last = sum(replicas), 0
+    while covered < rows:
+        i = min(range(len(replicas)), key=lambda i: (step(i, sizes[i] + 1), i))
+        if step(i, sizes[i] + 1) >= limit:
+            return None
+        sizes[i] += 1
+        covered += replicas[i]
+        last = i
+    return sizes, last, covered
 
 
 def _shapes(cm: CostModel, span: CostModel, groups: Sequence[NodeGroup], global_batch: int, space: SearchSpace):
@@ -255,18 +270,10 @@ def _fill(cm: CostModel, shape, global_batch: int, best_s: float, result: Replic
                 cache[(i, b)] = ev.step_time_s if ev.fits else math.inf
         return cache[(i, b)]
 
-    sizes = [1] * len(used)
-    if any(step(i, 1) >= best_s for i in range(len(used))):
-        return None  # every group runs at least one row per replica
-    covered = sum(n for _, n in used)
-    last = 0
-    while covered < rows:
-        i = min(range(len(used)), key=lambda i: (step(i, sizes[i] + 1), i))
-        if step(i, sizes[i] + 1) >= best_s:
-            return None
-        sizes[i] += 1
-        covered += used[i][1]
-        last = i
+    filled = _water_fill(step, [n for _, n in used], rows, best_s)
+    if filled is None:
+        return None
+    sizes, last, covered = filled
     smaller = [0] * len(used)
     smaller[last] = covered - rows
     slowest = max(step(i, b) for i, b in enumerate(sizes))
