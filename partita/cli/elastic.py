@@ -25,14 +25,12 @@ re-plans with ``partita replan`` and relaunches under torchrun's own elastic ren
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 from pathlib import Path
 from typing import Callable
 
-from partita import fileio
 from partita.cli.output import save_plan
 from partita.cli.replan import replan, shrunk_cluster
 from partita.errors import InfeasibleError, PartitaError
@@ -55,6 +53,7 @@ def check_elastic(args: argparse.Namespace) -> None:
 def launch_elastic(args: argparse.Namespace, draw_chart: Callable | None = None) -> int:
     from partita.runtime import checkpoint
     from partita.runtime.launch import FAILURE_RECORD, failure_line, launch_command, plan_cluster, read_failure
+    from partita.runtime.metrics import MetricsWriter
 
     check_elastic(args)
     args.metrics = args.metrics or str(Path("runs") / Path(args.plan).stem / "metrics.jsonl")
@@ -105,7 +104,11 @@ def launch_elastic(args: argparse.Namespace, draw_chart: Callable | None = None)
                  "seconds": round(time.monotonic() - started, 3)}
         if result.batch_note:
             event["note"] = result.batch_note
-        _append(args.metrics, event)
+        writer = MetricsWriter(args.metrics)  # one line, one O_APPEND write, as the ranks write theirs
+        try:
+            writer.write(event)
+        finally:
+            writer.close()
         print(f"partita: rank {lost} died ({died}) at step {reached}; re-planned for "
               f"{remaining} ranks ({result.plan.mesh.describe()}, {new_path}); resuming from step {resumed}, "
               f"{event['lost_steps']} steps to train again", file=sys.stderr)
@@ -121,14 +124,3 @@ def _last_step(metrics: str, run_id: str) -> int:
         return 0
     steps = [r["step"] for r in read_metrics(metrics, run_id) if isinstance(r.get("step"), int)]
     return max(steps, default=0)
-
-
-def _append(path: str, record: dict) -> None:
-    """One line, one write on an O_APPEND descriptor (as the ranks write theirs)."""
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, (json.dumps(record) + "\n").encode())
-    except OSError as e:
-        raise fileio.write_error(path, e) from None
-    finally:
-        os.close(fd)
