@@ -44,14 +44,16 @@ def _hull_cuts(f: np.ndarray) -> list[tuple[float, float]]:
     return cuts
 
 
-def pipeline_reach(most: np.ndarray, caps: tuple[int, ...], keep: bool = False
-                   ) -> tuple[list[np.ndarray], np.ndarray]:
+def pipeline_reach(most: np.ndarray, caps: tuple[int, ...], keep: bool = False,
+                   allowed: np.ndarray | None = None) -> tuple[list[np.ndarray], np.ndarray]:
     """The most blocks a pipeline of each depth holds, each of its stages on one group and group
     g hosting at most ``caps[g]`` of them: ``reach[t, depth]`` (-1: none), for stages that take
     at most ``most[t, r, g, place]`` blocks in slot r on group g (place 1: the first stage, the
     deepest slot used; 0: any other) and at least one. A programme over slots whose state is the
     number of stages used on each group; ``states[r]`` (kept with ``keep``, for the first t) is
-    the most blocks slots 0..r-1 hold, none of them the first stage."""
+    the most blocks slots 0..r-1 hold, none of them the first stage. ``allowed`` (a boolean per
+    state, ``price_states``) leaves out the states a pipeline may not reach: the cost
+    objective's devices over its price bound."""
     T, K, G = most.shape[0], most.shape[1], most.shape[2]
     shape = (T,) + tuple(min(c, K) + 1 for c in caps)
     V = np.full(shape, -1, dtype=np.int64)
@@ -66,6 +68,8 @@ def pipeline_reach(most: np.ndarray, caps: tuple[int, ...], keep: bool = False
             src, dst = [slice(None)] * (G + 1), [slice(None)] * (G + 1)
             src[g + 1], dst[g + 1] = slice(0, -1), slice(1, None)
             prev = V[tuple(src)]
+            if allowed is not None:  # the state a stage on g leads to must be allowed
+                prev = np.where(allowed[tuple(dst[1:])][None], prev, -1)
             add = most[:, r, g, 1][lift]
             done = np.maximum(done, np.where((prev >= 0) & (add >= 1), prev + add, -1).reshape(T, -1).max(axis=1, initial=-1))
             if r + 1 < K:
@@ -76,6 +80,18 @@ def pipeline_reach(most: np.ndarray, caps: tuple[int, ...], keep: bool = False
         if keep:
             states.append(V[0])
     return states, reach
+
+
+def price_states(p: Problem, caps: tuple[int, ...], slots: int) -> np.ndarray | None:
+    """[stages on each group]: whether a pipeline of up to ``slots`` stages with that many on
+    each group costs at most the cost objective's price bound (``Problem.price_cap``); None
+    without one. The states of ``pipeline_reach`` for the same caps and slots."""
+    if p.price_cap is None:
+        return None
+    K = slots
+    axes = np.meshgrid(*[np.arange(min(c, K) + 1) for c in caps], indexing="ij")
+    price = sum(n * int(p.stage_price[g]) for g, n in enumerate(axes))
+    return np.asarray(price <= p.price_cap)
 
 
 def _slot_floor(p: Problem, r: int, k: int) -> int:
@@ -291,7 +307,8 @@ class StageFit:
         most = np.zeros((1, pp, len(self.p.groups), 2), dtype=np.int64)
         most[0, :pp - 1, :, 0] = fit[:, :pp - 1].T
         most[0, pp - 1, :, 1] = fit[:, pp - 1]
-        return pipeline_reach(most, self.p.stages_per_group)[1][0, pp] >= self.p.n_blocks
+        caps = self.p.stages_per_group
+        return pipeline_reach(most, caps, allowed=price_states(self.p, caps, pp))[1][0, pp] >= self.p.n_blocks
 
     def _fit(self, pp: int, tau: float, empty_slots: bool) -> np.ndarray:
         """[group, slot]: the most blocks each slot of a pipeline pp deep takes within tau."""

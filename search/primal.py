@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from partita.plan import LayerStrategy, gives_whole
-from partita.search.cpsat_fit import pipeline_reach
+from partita.search.cpsat_fit import pipeline_reach, price_states
 from partita.search.cpsat_problem import Problem
 from partita.search.uniform import Layout
 
@@ -211,13 +211,15 @@ def _undominated(p: Problem, g: int, order: list[int]) -> list[int]:
     return _pareto(vec)
 
 
-def pipeline_slots(times: np.ndarray, caps: tuple[int, ...], n_blocks: int, depths: list[int]
-                   ) -> tuple[float, dict[int, list[int]]] | None:
+def pipeline_slots(times: np.ndarray, caps: tuple[int, ...], n_blocks: int, depths: list[int],
+                   allowed: np.ndarray | None = None) -> tuple[float, dict[int, list[int]]] | None:
     """The least tau at which a pipeline of some allowed depth holds every block, and for each
     depth that does at that tau the group of each slot (slot 0 first). ``times[r, g, place]``
     are the stage curves (place 0: not the first stage, 1: the first). None if nothing holds
     the blocks at any tau. tau is one of the curves' values, found by a 32-way search over them
-    (each step one pass of the programme for 32 values at once)."""
+    (each step one pass of the programme for 32 values at once). ``allowed``: the states of
+    stages per group a pipeline may use (``cpsat_fit.price_states``: the cost objective's price
+    bound), None for all."""
     K = times.shape[0]
     # [r, g, place, n - 1]: the slowest of 1..n blocks, so the counts within tau are a prefix
     # (a count is taken only if every smaller one is within tau too).
@@ -231,7 +233,7 @@ def pipeline_slots(times: np.ndarray, caps: tuple[int, ...], n_blocks: int, dept
         return (rising[None] <= taus[:, None, None, None, None]).sum(axis=-1)
 
     def holds(taus: np.ndarray) -> np.ndarray:
-        reach = pipeline_reach(most(taus), caps)[1]
+        reach = pipeline_reach(most(taus), caps, allowed=allowed)[1]
         return np.any(reach[:, wanted] >= n_blocks, axis=1)
 
     if not wanted or not holds(values[-1:])[0]:
@@ -248,13 +250,16 @@ def pipeline_slots(times: np.ndarray, caps: tuple[int, ...], n_blocks: int, dept
             lo = int(picks[-1])
     tau = float(values[hi])
     at_tau = most(np.array([tau]))
-    states, reach = pipeline_reach(at_tau, caps, keep=True)
-    placed = {d: _backtrack(states, at_tau[0], d, int(reach[0, d]), caps) for d in wanted if reach[0, d] >= n_blocks}
+    states, reach = pipeline_reach(at_tau, caps, keep=True, allowed=allowed)
+    placed = {d: _backtrack(states, at_tau[0], d, int(reach[0, d]), caps, allowed)
+              for d in wanted if reach[0, d] >= n_blocks}
     return tau, placed
 
 
-def _backtrack(states: list[np.ndarray], most: np.ndarray, depth: int, total: int, caps: tuple[int, ...]) -> list[int]:
-    """The group of each slot 0..depth-1 of a pipeline that attains ``total`` blocks."""
+def _backtrack(states: list[np.ndarray], most: np.ndarray, depth: int, total: int, caps: tuple[int, ...],
+               allowed: np.ndarray | None = None) -> list[int]:
+    """The group of each slot 0..depth-1 of a pipeline that attains ``total`` blocks (its states
+    among those ``allowed``)."""
     G = len(caps)
     r = depth - 1
     V = states[r]
@@ -262,7 +267,8 @@ def _backtrack(states: list[np.ndarray], most: np.ndarray, depth: int, total: in
         if most[r, g, 1] < 1:
             continue
         for u in zip(*np.nonzero(V >= 0)):
-            if u[g] < caps[g] and V[u] + most[r, g, 1] == total:
+            end = tuple(n + (h == g) for h, n in enumerate(u))
+            if u[g] < caps[g] and V[u] + most[r, g, 1] == total and (allowed is None or allowed[end]):
                 groups = [g]
                 u = list(u)
                 for s in range(r - 1, -1, -1):
@@ -344,7 +350,7 @@ def _plans_for(p: Problem, curves: list, caps: tuple[int, ...]) -> list[Layout]:
                 times[r, g, place] = curves[r][g][place].time_us + boundary + gathers
     times[K - 1, :, 0] = INF  # the deepest slot can only be the first stage
     depths = sorted(set(p.pipeline) if p.pipeline else range(1, K + 1))
-    found = pipeline_slots(times, caps, p.n_blocks, depths)
+    found = pipeline_slots(times, caps, p.n_blocks, depths, price_states(p, caps, K))
     if found is None:
         return []
     tau, placed = found
