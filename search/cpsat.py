@@ -51,6 +51,7 @@ heuristic (``primal``); and here the solve of one shape (``solve_shape``), the s
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import threading
@@ -214,7 +215,6 @@ class ShapeSearch:
     results: list[ShapeResult] = field(default_factory=list)  # one per shape or subproblem settled
     candidates: int = 0  # shapes some group hosts
     fits: dict[tuple, StageFit] = field(default_factory=dict)  # each problem's stage-fit bounds
-    curves: dict[Shape, dict] = field(default_factory=dict)  # whole-block curves, shared by a shape's subproblems
     bounds: dict[tuple, int] = field(default_factory=dict)  # each queued problem's best lower bound, us
     levels: dict[tuple, list[Problem]] = field(default_factory=dict)  # each shape's split by ZeRO edge
     queue: list[Problem] = field(default_factory=list)  # problems still to solve, most promising first
@@ -265,14 +265,20 @@ class ShapeSearch:
         if p.key not in self.fits and time.perf_counter() > self.deadline:
             self.results.append(ShapeResult(p.shape, "unknown", p.lower_bound_us))
             return False
-        fit = self.fits.get(p.key) or self.fits.setdefault(p.key, StageFit(p, self.curves.setdefault(p.shape, {})))
-        if fit.bound_us() >= NEVER:  # no pipeline depth holds the blocks: a proof
+        fit = self.fits.get(p.key) or self.fits.setdefault(p.key, StageFit(p, self._curves(p.shape)))
+        if fit.bound_us() >= NEVER or not fit.holds_within_price():  # no pipeline holds the blocks: a proof
             self.results.append(ShapeResult(p.shape, "infeasible", NEVER))
             return False
         if self.best is not None and fit.prunes(self.target()):
             self.results.append(ShapeResult(p.shape, "pruned", self.target()))
             return False
         return True
+
+    def _curves(self, shape: Shape) -> dict:
+        """The shape's whole-block curves, shared by its subproblems and, on the cost model (its
+        ``stage_cache``), by the cost objective's searches, whose price bounds leave them alike."""
+        key = ("curves", shape, dataclasses.replace(self.req.space, price_cap=None))
+        return self.cm.stage_cache.setdefault(key, {})
 
     def open(self, problems: list[Problem]) -> None:
         """Queue the problems still open, most promising first: a better incumbent early lets

@@ -310,6 +310,14 @@ class StageFit:
         caps = self.p.stages_per_group
         return pipeline_reach(most, caps, allowed=price_states(self.p, caps, pp))[1][0, pp] >= self.p.n_blocks
 
+    def holds_within_price(self) -> bool:
+        """Can some pipeline whose devices cost at most the cost objective's price bound hold
+        every block in memory at all (``holds_exact`` at no time bound, every depth)? True
+        without a price bound; False is a proof that the shape has no plan within it."""
+        if self.p.price_cap is None:
+            return True
+        return any(self.holds_exact(pp, math.inf) for pp in range(1, self.p.slots + 1))
+
     def _fit(self, pp: int, tau: float, empty_slots: bool) -> np.ndarray:
         """[group, slot]: the most blocks each slot of a pipeline pp deep takes within tau."""
         stage = (self.curves_any if empty_slots else self.curves)[:, :pp].copy()

@@ -209,7 +209,21 @@ def shapes(cm: CostModel, global_batch: int, space: SearchSpace) -> list[Shape]:
 
 
 def build_problem(cm: CostModel, shape: Shape, space: SearchSpace) -> Problem | None:
-    """Integer tables for one shape, or None if no group can host a stage of it."""
+    """Integer tables for one shape, or None if no group can host a stage of it. Kept on the cost
+    model (``CostModel.stage_cache``) without the price bound, which alone differs between the
+    cost objective's searches on one cost model (``cost_objective.make_cost_plan``): each of them takes
+    the tables as they are, with its own bound."""
+    key = ("problem", shape, dataclasses.replace(space, price_cap=None))
+    if key not in cm.stage_cache:
+        cm.stage_cache[key] = _build_problem(cm, shape, dataclasses.replace(space, price_cap=None))
+    base = cm.stage_cache[key]
+    if base is None or space.price_cap is None:
+        return base
+    return dataclasses.replace(base, price_cap=space.price_cap,
+                               stage_price=tuple(shape.stage_size * device_price(g) for g in base.groups))
+
+
+def _build_problem(cm: CostModel, shape: Shape, space: SearchSpace) -> Problem | None:
     groups = tuple(g for g in cm.cluster.groups if hosts(g, shape.stage_size, shape.tp))
     if not groups:
         return None
@@ -233,9 +247,7 @@ def build_problem(cm: CostModel, shape: Shape, space: SearchSpace) -> Problem | 
                    extra_alone=tuple(tuple(extra(g, True, True, k) for k in heads) for g in range(len(groups))),
                    output_bytes=to_grains(activation_message_bytes(cm, shape.micro_batch, shape.tp)),
                    gather_us=tuple(_gather_us(cm, g, shape) for g in groups),
-                   step_overhead_us=to_us(cm.step_overhead_s), price_cap=space.price_cap,
-                   stage_price=tuple(shape.stage_size * device_price(g) for g in groups)
-                   if space.price_cap is not None else ())
+                   step_overhead_us=to_us(cm.step_overhead_s))
 
 
 EDGE_LEVEL_RATIO = 1.25  # edge values within this ratio of the level's least share a subproblem

@@ -24,7 +24,7 @@ from partita.search.evaluate import evaluate_plan
 from partita.search.plans import (SAFETY_WALL_S, SearchTimeout, attach_prediction, interleaved_to_plan, layout_to_plan,
                                   timeout_error)
 from partita.search.infeasible import infeasible_error
-from partita.search.uniform import SearchSpace, UniformResult, device_price, uniform_search
+from partita.search.uniform import SearchSpace, UniformResult, uniform_search
 from partita.units import to_us
 
 log = logging.getLogger(__name__)
@@ -224,14 +224,23 @@ def collector_paused() -> Iterator[None]:
             gc.enable()
 
 
-def make_plan(req: PlanRequest, progress: Callable[[str], None] | None = None) -> tuple[Plan, UniformResult]:
+def make_plan(req: PlanRequest, progress: Callable[[str], None] | None = None, *,
+              cost_model: CostModel | None = None) -> tuple[Plan, UniformResult]:
     """Run the search the request asks for and return a validated plan and the uniform result
-    (with the garbage collector paused: ``collector_paused``)."""
+    (with the garbage collector paused: ``collector_paused``). ``cost_model``: the request's own
+    (``cost_model(req)``), kept by a caller that runs several searches of one request."""
     with collector_paused():
-        return _make_plan(req, progress)
+        return _make_plan(req, progress, cost_model)
 
 
-def _make_plan(req: PlanRequest, progress: Callable[[str], None] | None = None) -> tuple[Plan, UniformResult]:
+def cost_model(req: PlanRequest) -> CostModel:
+    """The cost model of a request's model, cluster, sequence, dtype, profiles and engine."""
+    return CostModel(req.model, req.cluster, seq_len=req.seq_len, dtype=req.dtype, profiles=req.profiles,
+                     engine=get_engine(req.engine))
+
+
+def _make_plan(req: PlanRequest, progress: Callable[[str], None] | None = None,
+               cm: CostModel | None = None) -> tuple[Plan, UniformResult]:
     """Run the search the request asks for and return a validated plan and the uniform result.
 
     The dimensions that change what a rank is (context parallelism: a rank of the search is a
@@ -246,8 +255,7 @@ def _make_plan(req: PlanRequest, progress: Callable[[str], None] | None = None) 
     check_request(req)
     start = time.perf_counter()
     deadline = start + (req.time_limit_s if req.time_limit_s is not None else SAFETY_WALL_S)
-    cm = CostModel(req.model, req.cluster, seq_len=req.seq_len, dtype=req.dtype, profiles=req.profiles,
-                   engine=get_engine(req.engine))
+    cm = cm or cost_model(req)
     options = dimension_options(req, cm)
     if len(options) == 1 and options[0] == Dimensions() and not req.model.is_moe:
         plan, uni = _search(cm, req, deadline, progress)
@@ -477,107 +485,6 @@ def _search(cm: CostModel, req: PlanRequest, deadline: float,
             progress("replicas on several device types")
         plan = _consider_replicas(cm, req, plan)
     return plan, uni
-
-
-@dataclass(frozen=True)
-class FrontierPoint:
-    """A plan on the time/price frontier: the fastest plan whose devices cost at most what the
-    previous point's cost, less one micro-dollar an hour."""
-
-    plan: Plan
-    price_uph: int  # its devices, micro-dollars per hour
-    usd_per_mtok: float  # dollars per million tokens
-    exact: bool  # its search proved it the fastest within its price bound
-    stopped: str = ""  # the last point's: why the walk stopped ("nothing cheaper fits", OUT_OF_TIME, ...)
-
-
-def usd_per_million_tokens(plan: Plan, price_uph: int) -> float:
-    return plan.prediction.step_time_s * price_uph / 1e6 / 3600 / (plan.global_batch * plan.seq_len) * 1e6
-
-
-def plan_price(plan: Plan, cluster) -> int:
-    """What the devices a plan runs on cost per hour, micro-dollars (idle devices released)."""
-    return sum(device_price(cluster.group(name)) for _, name in plan.rank_groups())
-
-
-OUT_OF_TIME = "out of time"
-
-
-def make_cost_plan(req: PlanRequest, progress: Callable[[str], None] | None = None
-                   ) -> tuple[Plan, list[FrontierPoint]]:
-    """The plan of least dollars per token when idle devices can be released (the cost
-    objective), and the time/price frontier it was chosen from.
-
-    Cost per token is step time x the price of the devices used (the tokens per step are
-    fixed). The first search is the time objective's (the fastest plan); each next one asks for
-    the fastest plan whose devices cost strictly less than the last one's. A plan skipped in
-    between costs at least as much per hour as the last point and is no faster, so the cheapest
-    point is the cost optimum, proven when every search on the way proved its point and the walk
-    reached its end (``cost_bound``). It stops when nothing cheaper fits, when even the cheapest
-    device at the last point's proven step-time bound cannot beat the best cost, or when the time
-    is up: the walk has ``--time-limit`` (or the safety bound) in all, each search what is left."""
-    for g in req.cluster.groups:
-        device_price(g)  # every group needs a price: one clear line otherwise
-    least = min(device_price(g) for g in req.cluster.groups)
-    deadline = time.perf_counter() + (req.time_limit_s if req.time_limit_s is not None else SAFETY_WALL_S)
-    frontier: list[FrontierPoint] = []
-    cap = None
-    while True:
-        left = deadline - time.perf_counter()
-        if frontier and left <= 0:
-            stopped = OUT_OF_TIME
-            break
-        # What is left of the walk's time, not a fresh safety bound; the request's work limit.
-        sub = dataclasses.replace(req, time_limit_s=max(left, 0.01), work_limit=work_limit(req),
-                                  space=dataclasses.replace(req.space, price_cap=cap))
-        if progress:
-            progress(f"cost frontier: point {len(frontier) + 1}" + (f" (devices under ${cap / 1e6:,.2f}/h)" if cap else ""))
-        try:
-            plan, _ = make_plan(sub)
-        except InfeasibleError:
-            if not frontier:
-                raise
-            stopped = "nothing cheaper fits"
-            break
-        except SearchTimeout:
-            if not frontier:
-                raise
-            stopped = OUT_OF_TIME  # what is found stands, unproven
-            break
-        price = plan_price(plan, req.cluster)
-        exact = plan.solver is not None and plan.solver.status in ("optimal", "exhaustive")
-        frontier.append(FrontierPoint(plan=plan, price_uph=price, usd_per_mtok=usd_per_million_tokens(plan, price),
-                                      exact=exact))
-        best = min(p.usd_per_mtok for p in frontier)
-        if price <= least:
-            stopped = "nothing cheaper fits"  # no device costs less than this plan's devices
-            break
-        if _least_usd_per_mtok(frontier[-1], least) >= best:
-            stopped = "no cheaper plan can beat the best"
-            break
-        cap = price - 1
-    frontier[-1] = dataclasses.replace(frontier[-1], stopped=stopped)
-    chosen = min(frontier, key=lambda p: p.usd_per_mtok)
-    return chosen.plan, frontier
-
-
-def _least_usd_per_mtok(point: FrontierPoint, price_uph: int) -> float:
-    """The cost per million tokens, on devices costing ``price_uph``, of a plan as fast as the
-    point's search proved no plan within its price bound can beat (its bound; 0 if none)."""
-    bound_s = point.plan.solver.bound_us / 1e6 if point.plan.solver else 0.0
-    return bound_s * price_uph / 1e6 / 3600 / (point.plan.global_batch * point.plan.seq_len) * 1e6
-
-
-def cost_bound(frontier: list[FrontierPoint], least_uph: int) -> float:
-    """A proven lower bound on the cost per million tokens of every plan, from the walk: a plan
-    priced between two points costs at least the upper point's price at its step-time bound, and
-    one below the last point, where the walk stopped short of its end, at least the cheapest
-    device's price at the last point's bound. The chosen plan is proven the cost optimum when this
-    equals its cost (the walk reached its end and every search proved its point)."""
-    bound = min(_least_usd_per_mtok(p, p.price_uph) for p in frontier)
-    if frontier[-1].stopped == OUT_OF_TIME:
-        bound = min(bound, _least_usd_per_mtok(frontier[-1], least_uph))
-    return bound
 
 
 def _out_of_time_plan(cm: CostModel, req: PlanRequest, uni: UniformResult) -> Plan:

@@ -160,8 +160,8 @@ def test_cost_objective_picks_the_cheapest_plan_per_token_which_is_not_the_faste
     price, and the chosen plan is the frontier's cheapest; no plan of the A100 group alone (a
     sub-cluster the frontier must cover) is cheaper."""
     from partita.model_io import load_model
-    from partita.search.planner import (PlanRequest, cost_bound, make_cost_plan, make_plan, plan_price,
-                                        usd_per_million_tokens)
+    from partita.search.cost_objective import cost_bound, make_cost_plan, plan_price, usd_per_million_tokens
+    from partita.search.planner import PlanRequest, make_plan
 
     model = load_model("gpt2")
     from partita.cluster import parse_short
@@ -205,14 +205,18 @@ def test_the_cost_bound_covers_the_prices_the_walk_did_not_reach():
     least the cheapest device's price at the last point's bound."""
     from types import SimpleNamespace
 
-    from partita.search.planner import OUT_OF_TIME, FrontierPoint, cost_bound
+    from partita.search.cost_objective import OUT_OF_TIME, FrontierPoint, cost_bound
 
-    def point(price, bound_s, stopped=""):
+    def point(price, bound_s, stopped="", floor=None):
         plan = SimpleNamespace(solver=SimpleNamespace(bound_us=int(bound_s * 1e6)), global_batch=1, seq_len=1_000_000)
-        return FrontierPoint(plan=plan, price_uph=price, usd_per_mtok=0.0, exact=True, stopped=stopped)
+        return FrontierPoint(plan=plan, price_uph=price, usd_per_mtok=0.0, exact=True, stopped=stopped,
+                             floor_uph=floor)
 
     usd = 1 / 3600  # a step of 1 s on devices of $1/h, a million tokens a step: dollars per million tokens
     walked = [point(10_000_000, 1.0), point(4_000_000, 2.0, "nothing cheaper fits")]
     assert cost_bound(walked, 1_000_000) == pytest.approx(8 * usd)  # $4/h at 2 s, below $10/h at 1 s
     cut = [point(10_000_000, 1.0), point(4_000_000, 2.0, OUT_OF_TIME)]
     assert cost_bound(cut, 1_000_000) == pytest.approx(2 * usd)  # a $1/h device at 2 s or slower
+    # A walk that stepped from $10/h down to $6/h: the first search speaks for the prices from $6/h.
+    jumped = [point(10_000_000, 1.0, floor=6_000_000), point(4_000_000, 2.0, "nothing cheaper fits")]
+    assert cost_bound(jumped, 1_000_000) == pytest.approx(6 * usd)

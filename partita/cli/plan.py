@@ -79,7 +79,7 @@ def _plan(args: argparse.Namespace) -> int:
     try:
         with Quiet() if as_json else console.status("searching", spinner="dots") as status:
             if objective == "cost" and release:
-                from partita.search.planner import make_cost_plan
+                from partita.search.cost_objective import make_cost_plan
 
                 result, frontier = make_cost_plan(req, progress=lambda what: status.update(what))
             else:
@@ -149,7 +149,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 def cost_objective_note(plan: Plan, cluster, frontier: list, release: bool) -> str:
     """What --objective cost chose, in dollars per million tokens, beside the fastest plan."""
-    from partita.search.planner import OUT_OF_TIME, cost_bound, plan_price, usd_per_million_tokens
+    from partita.search.cost_objective import OUT_OF_TIME, cost_bound, plan_price, usd_per_million_tokens
     from partita.search.uniform import device_price
 
     if not release:
