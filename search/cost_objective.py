@@ -66,6 +66,7 @@ def make_cost_plan(req: PlanRequest, progress: Callable[[str], None] | None = No
     # ``cpsat_problem.build_problem``) serve every search, whose price bounds alone differ.
     cm = cost_model(req)
     frontier: list[FrontierPoint] = []
+    found: list[FrontierPoint] = []  # the plans found besides the frontier's (``_cheapest_group``)
     cap = None
     while True:
         left = deadline - time.perf_counter()
@@ -95,21 +96,42 @@ def make_cost_plan(req: PlanRequest, progress: Callable[[str], None] | None = No
         exact = plan.solver is not None and plan.solver.status in ("optimal", "exhaustive")
         frontier.append(FrontierPoint(plan=plan, price_uph=price, usd_per_mtok=usd_per_million_tokens(plan, price),
                                       exact=exact))
-        best = min(p.usd_per_mtok for p in frontier)
+        if len(frontier) == 1:
+            found += _cheapest_group(req, cm, price, deadline)
+        best = min(p.usd_per_mtok for p in frontier + found)
         if price <= least:
             stopped = "nothing cheaper fits"  # no device costs less than this plan's devices
             break
-        cap = _next_price_cap(frontier)
+        cap = _next_price_cap(frontier, found)
         if cap < least or _least_usd_per_mtok(frontier[-1], least) >= best:
             frontier[-1] = dataclasses.replace(frontier[-1], floor_uph=min(cap + 1, price))
             stopped = "no cheaper plan can beat the best"
             break
     frontier[-1] = dataclasses.replace(frontier[-1], stopped=stopped)
-    chosen = min(frontier, key=lambda p: p.usd_per_mtok)
+    chosen = min(frontier + found, key=lambda p: p.usd_per_mtok)
     return chosen.plan, frontier
 
 
-def _next_price_cap(frontier: list[FrontierPoint]) -> int:
+def _cheapest_group(req: PlanRequest, cm, fastest_uph: int, deadline: float) -> list[FrontierPoint]:
+    """The fastest plan on devices costing at most the cheapest node group's, when that is below
+    the fastest plan's price: on a cluster whose dear devices cost far more per token than its
+    cheap ones, a plan of the walk's far end found first lets ``_next_price_cap`` step over the
+    dear prices instead of walking down them a stage at a time. Empty if none fits in time."""
+    cheapest = min(sum(device_price(g) for _ in range(g.size)) for g in req.cluster.groups)
+    left = deadline - time.perf_counter()
+    if len(req.cluster.groups) < 2 or cheapest >= fastest_uph or left <= 0:
+        return []
+    sub = dataclasses.replace(req, time_limit_s=left, work_limit=work_limit(req),
+                              space=dataclasses.replace(req.space, price_cap=cheapest))
+    try:
+        plan, _ = make_plan(sub, cost_model=cm)
+    except (InfeasibleError, SearchTimeout):
+        return []
+    price = plan_price(plan, req.cluster)
+    return [FrontierPoint(plan=plan, price_uph=price, usd_per_mtok=usd_per_million_tokens(plan, price), exact=False)]
+
+
+def _next_price_cap(frontier: list[FrontierPoint], found: list[FrontierPoint] = ()) -> int:
     """The next search's price bound: below the last point's price, and below the price at which
     a plan as fast as the last search's bound would cost as much per token as the best point (a
     plan priced above that and within the last search's bound is no faster than that bound, so it
@@ -118,7 +140,7 @@ def _next_price_cap(frontier: list[FrontierPoint]) -> int:
     cap = last.price_uph - 1
     bound_s = last.plan.solver.bound_us / 1e6 if last.plan.solver else 0.0
     if bound_s > 0:
-        best_price_s = min(p.price_uph * p.plan.prediction.step_time_s for p in frontier)
+        best_price_s = min(p.price_uph * p.plan.prediction.step_time_s for p in [*frontier, *found])
         cap = min(cap, math.ceil(best_price_s / bound_s) - 1)
     return cap
 

@@ -220,3 +220,25 @@ def test_the_cost_bound_covers_the_prices_the_walk_did_not_reach():
     # A walk that stepped from $10/h down to $6/h: the first search speaks for the prices from $6/h.
     jumped = [point(10_000_000, 1.0, floor=6_000_000), point(4_000_000, 2.0, "nothing cheaper fits")]
     assert cost_bound(jumped, 1_000_000) == pytest.approx(6 * usd)
+
+
+def test_cost_objective_with_dear_devices_finds_the_cheap_ones_first(tmp_path):
+    """H100s at $500,000 an hour beside A100s at a cent: the walk searches the cheapest group's
+    price first (``cost_objective._cheapest_group``) and steps over the dear prices, so the plan is
+    on the A100s alone and proven, in a few searches (it walked down the H100 prices a stage at a
+    time before, and a minute's limit ended on a $2,000,000/h plan)."""
+    from partita.cluster import load_cluster
+    from partita.model_io import load_model
+    from partita.search.cost_objective import make_cost_plan, plan_price
+    from partita.search.planner import PlanRequest
+
+    spec = tmp_path / "c.yaml"
+    spec.write_text("schema_version: 1\nname: dear\ngroups:\n"
+                    "  - {name: h100, device: H100, nodes: 1, gpus_per_node: 4, price_per_gpu_hour: 500000}\n"
+                    "  - {name: a100, device: A100-80GB, nodes: 1, gpus_per_node: 4, price_per_gpu_hour: 0.01}\n")
+    cluster = load_cluster(str(spec))
+    model = load_model("gpt2")
+    plan, frontier = make_cost_plan(PlanRequest(model=model, cluster=cluster, seq_len=model.seq_len, global_batch=32))
+    assert {name for _, name in plan.rank_groups()} == {"a100"}
+    assert plan_price(plan, cluster) <= 4 * 10_000
+    assert all(p.exact for p in frontier) and len(frontier) <= 4
