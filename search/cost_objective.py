@@ -12,6 +12,7 @@ from typing import Callable
 
 from partita.errors import InfeasibleError
 from partita.plan import Plan
+from partita.search.costs.model import CostModel
 from partita.search.planner import PlanRequest, cost_model, make_plan, work_limit
 from partita.search.plans import SAFETY_WALL_S, SearchTimeout
 from partita.search.uniform import device_price
@@ -34,7 +35,13 @@ class FrontierPoint:
 
 
 def usd_per_million_tokens(plan: Plan, price_uph: int) -> float:
-    return plan.prediction.step_time_s * price_uph / 1e6 / 3600 / (plan.global_batch * plan.seq_len) * 1e6
+    return _usd_per_mtok(plan, plan.prediction.step_time_s, price_uph)
+
+
+def _usd_per_mtok(plan: Plan, step_s: float, price_uph: int) -> float:
+    """Dollars per million tokens of a step of ``step_s`` on devices costing ``price_uph``, at the
+    plan's tokens per step."""
+    return step_s * price_uph / 1e6 / 3600 / (plan.global_batch * plan.seq_len) * 1e6
 
 
 def plan_price(plan: Plan, cluster) -> int:
@@ -73,13 +80,10 @@ def make_cost_plan(req: PlanRequest, progress: Callable[[str], None] | None = No
         if frontier and left <= 0:
             stopped = OUT_OF_TIME
             break
-        # What is left of the walk's time, not a fresh safety bound; the request's work limit.
-        sub = dataclasses.replace(req, time_limit_s=max(left, 0.01), work_limit=work_limit(req),
-                                  space=dataclasses.replace(req.space, price_cap=cap))
         if progress:
             progress(f"cost frontier: point {len(frontier) + 1}" + (f" (devices under ${cap / 1e6:,.2f}/h)" if cap else ""))
         try:
-            plan, _ = make_plan(sub, cost_model=cm)
+            plan = _fastest_under(req, cm, cap, left)
         except InfeasibleError:
             if not frontier:
                 raise
@@ -92,10 +96,9 @@ def make_cost_plan(req: PlanRequest, progress: Callable[[str], None] | None = No
             break
         if frontier:
             frontier[-1] = dataclasses.replace(frontier[-1], floor_uph=cap + 1)
-        price = plan_price(plan, req.cluster)
-        exact = plan.solver is not None and plan.solver.status in ("optimal", "exhaustive")
-        frontier.append(FrontierPoint(plan=plan, price_uph=price, usd_per_mtok=usd_per_million_tokens(plan, price),
-                                      exact=exact))
+        frontier.append(_point(plan, req.cluster,
+                               exact=plan.solver is not None and plan.solver.status in ("optimal", "exhaustive")))
+        price = frontier[-1].price_uph
         if len(frontier) == 1:
             found += _cheapest_group(req, cm, price, deadline)
         best = min(p.usd_per_mtok for p in frontier + found)
@@ -104,7 +107,7 @@ def make_cost_plan(req: PlanRequest, progress: Callable[[str], None] | None = No
             break
         cap = _next_price_cap(frontier, found)
         if cap < least or _least_usd_per_mtok(frontier[-1], least) >= best:
-            frontier[-1] = dataclasses.replace(frontier[-1], floor_uph=min(cap + 1, price))
+            frontier[-1] = dataclasses.replace(frontier[-1], floor_uph=cap + 1)
             stopped = "no cheaper plan can beat the best"
             break
     frontier[-1] = dataclasses.replace(frontier[-1], stopped=stopped)
@@ -112,23 +115,33 @@ def make_cost_plan(req: PlanRequest, progress: Callable[[str], None] | None = No
     return chosen.plan, frontier
 
 
-def _cheapest_group(req: PlanRequest, cm, fastest_uph: int, deadline: float) -> list[FrontierPoint]:
+def _fastest_under(req: PlanRequest, cm: CostModel, cap: int | None, left_s: float) -> Plan:
+    """The time objective's plan on devices costing at most ``cap`` an hour (None: any), in what
+    is left of the walk's time (not a fresh safety bound), with the request's work limit."""
+    sub = dataclasses.replace(req, time_limit_s=max(left_s, 0.01), work_limit=work_limit(req),
+                              space=dataclasses.replace(req.space, price_cap=cap))
+    plan, _ = make_plan(sub, cost_model=cm)
+    return plan
+
+
+def _point(plan: Plan, cluster, *, exact: bool) -> FrontierPoint:
+    price = plan_price(plan, cluster)
+    return FrontierPoint(plan=plan, price_uph=price, usd_per_mtok=usd_per_million_tokens(plan, price), exact=exact)
+
+
+def _cheapest_group(req: PlanRequest, cm: CostModel, fastest_uph: int, deadline: float) -> list[FrontierPoint]:
     """The fastest plan on devices costing at most the cheapest node group's, when that is below
     the fastest plan's price: on a cluster whose dear devices cost far more per token than its
     cheap ones, a plan of the walk's far end found first lets ``_next_price_cap`` step over the
     dear prices instead of walking down them a stage at a time. Empty if none fits in time."""
-    cheapest = min(sum(device_price(g) for _ in range(g.size)) for g in req.cluster.groups)
+    cheapest = min(g.size * device_price(g) for g in req.cluster.groups)
     left = deadline - time.perf_counter()
     if len(req.cluster.groups) < 2 or cheapest >= fastest_uph or left <= 0:
         return []
-    sub = dataclasses.replace(req, time_limit_s=left, work_limit=work_limit(req),
-                              space=dataclasses.replace(req.space, price_cap=cheapest))
     try:
-        plan, _ = make_plan(sub, cost_model=cm)
+        return [_point(_fastest_under(req, cm, cheapest, left), req.cluster, exact=False)]
     except (InfeasibleError, SearchTimeout):
         return []
-    price = plan_price(plan, req.cluster)
-    return [FrontierPoint(plan=plan, price_uph=price, usd_per_mtok=usd_per_million_tokens(plan, price), exact=False)]
 
 
 def _next_price_cap(frontier: list[FrontierPoint], found: list[FrontierPoint] = ()) -> int:
@@ -149,7 +162,7 @@ def _least_usd_per_mtok(point: FrontierPoint, price_uph: int) -> float:
     """The cost per million tokens, on devices costing ``price_uph``, of a plan as fast as the
     point's search proved no plan within its price bound can beat (its bound; 0 if none)."""
     bound_s = point.plan.solver.bound_us / 1e6 if point.plan.solver else 0.0
-    return bound_s * price_uph / 1e6 / 3600 / (point.plan.global_batch * point.plan.seq_len) * 1e6
+    return _usd_per_mtok(point.plan, bound_s, price_uph)
 
 
 def cost_bound(frontier: list[FrontierPoint], least_uph: int) -> float:

@@ -88,8 +88,7 @@ def price_states(p: Problem, caps: tuple[int, ...], slots: int) -> np.ndarray | 
     without one. The states of ``pipeline_reach`` for the same caps and slots."""
     if p.price_cap is None:
         return None
-    K = slots
-    axes = np.meshgrid(*[np.arange(min(c, K) + 1) for c in caps], indexing="ij")
+    axes = np.meshgrid(*[np.arange(min(c, slots) + 1) for c in caps], indexing="ij")
     price = sum(n * int(p.stage_price[g]) for g, n in enumerate(axes))
     return np.asarray(price <= p.price_cap)
 
@@ -313,10 +312,14 @@ class StageFit:
     def holds_within_price(self) -> bool:
         """Can some pipeline whose devices cost at most the cost objective's price bound hold
         every block in memory at all (``holds_exact`` at no time bound, every depth)? True
-        without a price bound; False is a proof that the shape has no plan within it."""
+        without a price bound; False is a proof that the shape has no plan within it. Kept per
+        state of the curves (``tighten`` may turn it False)."""
         if self.p.price_cap is None:
             return True
-        return any(self.holds_exact(pp, math.inf) for pp in range(1, self.p.slots + 1))
+        cache = self.__dict__.setdefault("_within_price", {})
+        if self.tight not in cache:
+            cache[self.tight] = any(self.holds_exact(pp, math.inf) for pp in range(1, self.p.slots + 1))
+        return cache[self.tight]
 
     def _fit(self, pp: int, tau: float, empty_slots: bool) -> np.ndarray:
         """[group, slot]: the most blocks each slot of a pipeline pp deep takes within tau."""

@@ -213,9 +213,10 @@ def build_problem(cm: CostModel, shape: Shape, space: SearchSpace) -> Problem | 
     model (``CostModel.stage_cache``) without the price bound, which alone differs between the
     cost objective's searches on one cost model (``cost_objective.make_cost_plan``): each of them takes
     the tables as they are, with its own bound."""
-    key = ("problem", shape, dataclasses.replace(space, price_cap=None))
+    unpriced = dataclasses.replace(space, price_cap=None)
+    key = ("problem", shape, unpriced)
     if key not in cm.stage_cache:
-        cm.stage_cache[key] = _build_problem(cm, shape, dataclasses.replace(space, price_cap=None))
+        cm.stage_cache[key] = _build_problem(cm, shape, unpriced)
     base = cm.stage_cache[key]
     if base is None or space.price_cap is None:
         return base
