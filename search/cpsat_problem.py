@@ -220,8 +220,28 @@ def build_problem(cm: CostModel, shape: Shape, space: SearchSpace) -> Problem | 
     base = cm.stage_cache[key]
     if base is None or space.price_cap is None:
         return base
-    return dataclasses.replace(base, price_cap=space.price_cap,
-                               stage_price=tuple(shape.stage_size * device_price(g) for g in base.groups))
+    # Under a price bound a shape has at most the stages its devices can buy: fewer slots (and
+    # each group's stages) make a smaller model and a tighter work bound W (m - 1 + K) / K.
+    prices = tuple(shape.stage_size * device_price(g) for g in base.groups)
+    per_group, most = affordable_stages(base.stages_per_group, prices, space.price_cap)
+    slots = max(1, min(base.slots, most))
+    return dataclasses.replace(base, price_cap=space.price_cap, stage_price=prices, stages_per_group=per_group,
+                               slots=slots, lower_bound_us=max(base.lower_bound_us, _lower_bound_us(
+                                   cm, shape, base.block, base.embed, base.head, slots)))
+
+
+def affordable_stages(per_group: Sequence[int], prices: Sequence[int], cap: int) -> tuple[tuple[int, ...], int]:
+    """What devices costing at most ``cap`` an hour can host of a shape: the stages on each group
+    (its share, and no more than the bound buys of it alone) and the most in one pipeline (the
+    cheapest stages first, each group up to its share)."""
+    each = tuple(min(n, cap // price) if price > 0 else n for n, price in zip(per_group, prices))
+    most, spent = 0, 0
+    for price, n in sorted(zip(prices, each)):
+        take = n if price == 0 else min(n, (cap - spent) // price)
+        most, spent = most + take, spent + take * price
+        if take < n:
+            break
+    return each, most
 
 
 def _build_problem(cm: CostModel, shape: Shape, space: SearchSpace) -> Problem | None:
@@ -339,7 +359,11 @@ def shape_bound_us(cm: CostModel, shape: Shape, space: SearchSpace) -> int | Non
     groups = tuple(g for g in cm.cluster.groups if hosts(g, shape.stage_size, shape.tp))
     if not groups:
         return None
-    slots = _slots(cm, shape, space, tuple(g.size // shape.stage_size for g in groups))
+    per_group = tuple(g.size // shape.stage_size for g in groups)
+    slots = _slots(cm, shape, space, per_group)
+    if space.price_cap is not None:  # as build_problem bounds it
+        prices = tuple(shape.stage_size * device_price(g) for g in groups)
+        slots = max(1, min(slots, affordable_stages(per_group, prices, space.price_cap)[1]))
 
     def least(role: str) -> int:
         return min(to_us(cm.layer_time(role, g, s, dp=shape.dp, micro_batch=shape.micro_batch).total_s)

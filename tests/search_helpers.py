@@ -16,7 +16,7 @@ from partita.search.costs.model import CostModel
 from partita.search.costs.stage import choice_of
 from partita.search.evaluate import evaluate_counts, evaluate_plan
 from partita.search.planner import PlanRequest, make_plan
-from partita.search.uniform import SearchSpace
+from partita.search.uniform import SearchSpace, layout_price
 from partita.units import GiB
 
 SMALL = ModelSpec(name="small", family="llama", hidden=1024, n_layers=2, heads=8, kv_heads=4, ffn=4096, vocab=1024,
@@ -40,7 +40,8 @@ def plan_small(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace = SPAC
 
 def brute_force_best(cm: CostModel, global_batch: int, space: SearchSpace) -> float | None:
     """The fastest plan that fits, by enumerating every shape, pipeline degree, stage
-    placement, block split and multiset of per-block choices (blocks are identical)."""
+    placement, block split and multiset of per-block choices (blocks are identical); under
+    ``space.price_cap`` only the placements whose devices cost at most that an hour."""
     best = None
     for shape in cpsat_problem.shapes(cm, global_batch, space):
         groups = [g for g in cm.cluster.groups if g.gpus_per_node % shape.tp == 0 and g.size >= shape.stage_size]
@@ -53,6 +54,8 @@ def brute_force_best(cm: CostModel, global_batch: int, space: SearchSpace) -> fl
         for pp in range(1, min(n, sum(cap.values()), shape.num_micro_batches) + 1):  # 1F1B: m >= pp
             for seq in itertools.product(groups, repeat=pp):
                 if any(Counter(g.name for g in seq)[k] > v for k, v in cap.items()):
+                    continue
+                if space.price_cap is not None and layout_price(seq, shape.stage_size) > space.price_cap:
                     continue
                 for split in _compositions(n, pp):
                     per_stage = [list(itertools.combinations_with_replacement(choices["block"], k)) for k in split]

@@ -1,5 +1,8 @@
 """The uniform grid and the CP-SAT search: against a brute-force oracle, the evaluator and each other."""
 
+import dataclasses
+import itertools
+
 import pytest
 from hypothesis import HealthCheck, example, given, settings, strategies as st
 
@@ -9,10 +12,11 @@ from partita.errors import InfeasibleError
 from partita.model import ModelSpec
 from partita.model_io import load_model
 from partita.search import cpsat, cpsat_fit, cpsat_problem
+from partita.search.cost_objective import plan_price
 from partita.search.costs.model import CostModel
 from partita.search.evaluate import evaluate_layout, evaluate_plan
 from partita.search.planner import PlanRequest, make_plan
-from partita.search.uniform import SearchSpace
+from partita.search.uniform import SearchSpace, device_price
 from partita.units import GiB, to_us
 from partita.validate import validate_plan
 from search_helpers import SMALL, SPACE, assert_matches_oracle, plan_small, two_type_cluster
@@ -25,6 +29,57 @@ from search_helpers import SMALL, SPACE, assert_matches_oracle, plan_small, two_
 def test_cpsat_matches_brute_force_oracle(mem_a, mem_b, global_batch):
     plan = assert_matches_oracle(SMALL, two_type_cluster(mem_a, mem_b), SPACE, global_batch)
     assert plan is None or plan.solver.status == "optimal"
+
+
+@pytest.mark.parametrize("cap_usd, fits", [(3.9, False), (5.2, True), (8.2, True)])
+def test_cpsat_under_a_price_cap_matches_brute_force_oracle(cap_usd, fits):
+    """The cost objective's capped searches (fewer slots, and fewer stages a group may host,
+    from what the cap buys: ``cpsat_problem.affordable_stages``) lose no plan the cap allows.
+    Replicated weights in 3.6 GiB need a pipeline of four stages: 2 H100 at $3 and 4 A100 at
+    $1.30 an hour; $3.90 buys three stages (nothing fits), $5.20 exactly the four A100s."""
+    model = ModelSpec(name="small4", family="llama", hidden=1024, n_layers=4, heads=8, kv_heads=4, ffn=4096,
+                      vocab=1024, seq_len=512, default_global_batch=4)
+    space = SearchSpace(zero_levels=(0,), sequence_parallel=(False,), tensor_parallel=(1,),
+                        price_cap=int(round(cap_usd * 1e6)))
+    cluster = two_type_cluster(3.6, 3.6, n_a=2, n_b=4)
+    plan = assert_matches_oracle(model, cluster, space, 8)
+    assert (plan is not None) == fits
+    if plan is not None:
+        assert plan.solver.status == "optimal" and plan.pp == 4 and plan_price(plan, cluster) <= space.price_cap
+    # The grid alone may find these plans: each capped problem must itself keep every pipeline
+    # the cap buys (its slots), and no more than it buys.
+    cm = CostModel(model, cluster, seq_len=model.seq_len)
+    for shape in cpsat_problem.shapes(cm, 8, space):
+        priced, whole = (cpsat_problem.build_problem(cm, shape, sp)
+                         for sp in (space, dataclasses.replace(space, price_cap=None)))
+        if whole is None:
+            continue
+        prices = [shape.stage_size * device_price(g) for g in whole.groups]
+        deepest = max(sum(n) for n in itertools.product(*(range(c + 1) for c in whole.stages_per_group))
+                      if sum(k * p for k, p in zip(n, prices)) <= space.price_cap)
+        assert priced.slots == max(1, min(whole.slots, deepest))
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(per_group=st.lists(st.integers(0, 5), min_size=1, max_size=3), data=st.data())
+def test_affordable_stages_is_the_deepest_pipeline_the_cap_buys(per_group, data):
+    prices = data.draw(st.lists(st.integers(0, 7), min_size=len(per_group), max_size=len(per_group)))
+    cap = data.draw(st.integers(0, 40))
+    each, most = cpsat_problem.affordable_stages(per_group, prices, cap)
+    counts = [n for n in itertools.product(*(range(c + 1) for c in per_group))
+              if sum(k * p for k, p in zip(n, prices)) <= cap]
+    assert most == max(sum(n) for n in counts)
+    assert each == tuple(max(n[g] for n in counts) for g in range(len(per_group)))
+
+
+def test_affordable_stages_buys_the_cheapest_first():
+    """Stages on each group: its share, at most what the cap buys of it alone; in one pipeline:
+    the cheapest stages first."""
+    assert cpsat_problem.affordable_stages((2, 4), (3, 1), 5) == ((1, 4), 4)  # 4 x $1, then $1 left
+    assert cpsat_problem.affordable_stages((2, 4), (3, 1), 7) == ((2, 4), 5)  # 4 x $1 and one $3
+    assert cpsat_problem.affordable_stages((2, 4), (3, 1), 0) == ((0, 0), 0)
+    assert cpsat_problem.affordable_stages((2, 4), (3, 1), 100) == ((2, 4), 6)
+    assert cpsat_problem.affordable_stages((2, 4), (3, 0), 2) == ((0, 4), 4)  # a free group
 
 
 def test_an_optimal_deep_pipeline_has_no_gap():
