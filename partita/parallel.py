@@ -113,11 +113,21 @@ def tp_locality_rule(tp: int, gpus_per_node: int) -> str | None:
 
 
 def cp_locality_rule(cp: int, tp: int, gpus_per_node: int) -> str | None:
-    """A context-parallel group of cp x tp ranks stays inside one node (``docs/context-parallel.md``)."""
-    if cp > 1 and gpus_per_node % (cp * tp):
-        return (f"a context-parallel group of cp x tp = {cp} x {tp} = {cp * tp} ranks must fit in one node of "
-                f"{gpus_per_node}")
-    return None
+    """A context-parallel group of cp x tp ranks sits inside one node, or spans whole nodes with
+    each of its tp groups inside one (tp divides the node and cp x tp is a multiple of it: Llama
+    3's tp 8 x cp 16 over 16 nodes of 8); its K/V passes then cross the network
+    (``docs/context-parallel.md``)."""
+    if cp == 1 or gpus_per_node % (cp * tp) == 0:
+        return None
+    if gpus_per_node % tp == 0 and (cp * tp) % gpus_per_node == 0:
+        return None
+    return (f"a context-parallel group of cp x tp = {cp} x {tp} = {cp * tp} ranks must fit in one node of "
+            f"{gpus_per_node} or span whole nodes (cp x tp a multiple of {gpus_per_node}, tp dividing it)")
+
+
+def cp_nodes(cp: int, tp: int, gpus_per_node: int) -> int:
+    """The nodes one context-parallel group of cp x tp ranks spans (1: it sits inside one)."""
+    return max(1, cp * tp // gpus_per_node)
 
 
 # ---- pipeline schedules ----------------------------------------------------------------------

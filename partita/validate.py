@@ -27,8 +27,9 @@ def validate_plan(plan: Plan, model: ModelSpec, cluster: ClusterSpec) -> None:
 
 
 def _check_context_parallel(plan: Plan, model: ModelSpec, cluster: ClusterSpec) -> None:
-    """Context parallelism: the limits of its variant for every layer (``parallel.cp_rule``) and
-    the ring on CUDA ranks only; sequence parallelism on each rank's shard is
+    """Context parallelism: the limits of its variant for every layer (``parallel.cp_rule``), its
+    groups inside a node or over whole nodes (``parallel.cp_locality_rule``), and the ring on CUDA
+    ranks only; sequence parallelism on each rank's shard is
     ``_check_runtime_limits``'s. (With replicas on different node groups it is refused in
     ``_check_degrees``: not priced, not run.)"""
     if plan.cp == 1:
@@ -38,6 +39,10 @@ def _check_context_parallel(plan: Plan, model: ModelSpec, cluster: ClusterSpec) 
                                seq_len=plan.seq_len)
         if why:
             raise PartitaError(f"layer {l.name}: {why}; choose another cp (or cp_variant), or cp 1")
+    for s in plan.stages:
+        why = parallel.cp_locality_rule(plan.cp, plan.tp, cluster.group(s.group).gpus_per_node)
+        if why:
+            raise PartitaError(f"stage {s.index}: {why}; choose another cp or tp")
     if plan.cp_variant == "ring" and any(cluster.group(s.group).device_type.is_cpu for s in plan.stages):
         raise PartitaError("ring context parallelism (torch's context_parallel) runs on CUDA ranks only; use "
                            "cp_variant all_to_all on CPU ranks")

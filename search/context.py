@@ -43,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from partita import parallel
 from partita.cluster import ClusterSpec, NodeGroup
 from partita.devices import get_device
 from partita.errors import PartitaError
@@ -353,22 +354,44 @@ class ClusterView(ClusterSpec):
         return self.devices.short
 
 
-def cluster_view(cluster: ClusterSpec, cp: int) -> ClusterSpec:
+def cluster_view(cluster: ClusterSpec, cp: int, span_tp: int = 0) -> ClusterSpec:
     """The cluster as the search sees it under context parallelism of degree ``cp``: one "rank"
     is a cp group of consecutive devices (``Plan`` orders tp innermost, then cp), so a node holds
     gpus_per_node / cp of them, each priced as cp devices. Every device keeps its own memory.
-    cp groups stay inside a node: cp must divide every group's GPUs per node."""
-    for g in cluster.groups:
-        if g.gpus_per_node % cp:
-            raise PartitaError(f"context-parallel degree {cp} does not divide the {g.gpus_per_node} GPUs per node of "
-                               f"group {g.name!r}; cp groups stay inside a node: choose cp dividing "
-                               f"{g.gpus_per_node}")
+
+    ``span_tp`` (0: none): the view for cp groups that span nodes at that tensor-parallel degree
+    (``parallel.cp_locality_rule``): where cp x tp exceeds a group's node, its k = cp x tp / gpus
+    per node consecutive nodes are one node of the view, holding one cp group's tp ranks; nodes
+    left over (nodes mod k) are not used. Its tp collectives stay in a real node; the K/V passes
+    cross the network (``cp_link``), as do pipeline sends (``CostModel.pp_link``)."""
     if cp == 1:
         return cluster
-    groups = tuple(dataclasses.replace(g, gpus_per_node=g.gpus_per_node // cp,
-                                       price_per_gpu_hour=g.price * cp if g.price is not None else None)
-                   for g in cluster.groups)
-    return ClusterView(name=cluster.name, groups=groups, inter_group_gbps=cluster.inter_group_gbps, devices=cluster)
+    groups = []
+    for g in cluster.groups:
+        k = parallel.cp_nodes(cp, span_tp, g.gpus_per_node) if span_tp else 1
+        if k == 1 and g.gpus_per_node % cp:
+            raise PartitaError(f"context-parallel degree {cp} does not divide the {g.gpus_per_node} GPUs per node of "
+                               f"group {g.name!r}; a cp group stays inside a node unless cp x tp spans whole nodes: "
+                               f"choose cp dividing {g.gpus_per_node}, or a cp x tp that is a multiple of it")
+        if k > 1 and (span_tp * cp) % g.gpus_per_node:
+            raise PartitaError(f"cp x tp = {cp} x {span_tp} spans part of a node of group {g.name!r} "
+                               f"({g.gpus_per_node} GPUs); choose cp x tp dividing or a multiple of {g.gpus_per_node}")
+        if g.nodes // k == 0:
+            continue  # too few nodes for one cp group
+        groups.append(dataclasses.replace(g, nodes=g.nodes // k, gpus_per_node=k * g.gpus_per_node // cp,
+                                          price_per_gpu_hour=g.price * cp if g.price is not None else None))
+    if not groups:
+        raise PartitaError(f"a context-parallel group of cp x tp = {cp} x {span_tp} spans "
+                           f"{max(parallel.cp_nodes(cp, span_tp, g.gpus_per_node) for g in cluster.groups)} nodes; "
+                           f"no node group of {cluster.short} has that many: choose a smaller --cp or --tp")
+    return ClusterView(name=cluster.name, groups=tuple(groups), inter_group_gbps=cluster.inter_group_gbps,
+                       devices=cluster)
+
+
+def span_tp_of(cluster: ClusterSpec, cp: int, tp: int) -> int:
+    """The ``cluster_view`` a plan of degrees cp and tp is priced on: tp when its cp groups span
+    nodes of some group, else 0."""
+    return tp if cp > 1 and any(cp * tp > g.gpus_per_node for g in cluster.groups) else 0
 
 
 def check_layout(seq_len: int, cp: int, variant: str) -> None:

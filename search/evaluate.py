@@ -10,6 +10,7 @@ from partita.cluster import NodeGroup
 from partita.devices import get_device
 from partita.parallel import ZERO_BUBBLE
 from partita.plan import LayerStrategy, Plan, Prediction, StageMemory
+from partita.search import context
 from partita.search.costs.model import CostModel
 from partita.search.costs.stage import (LayerChoice, StageCost, boundary_s, choice_of, interleaved_stage_cost,
                                         stage_cost, stage_cost_counts, with_p2p_overlap, with_receives)
@@ -76,7 +77,8 @@ def evaluate_counts(cm: CostModel, stages: Sequence[tuple[NodeGroup, Mapping[Lay
 
 
 def evaluate_plan(plan: Plan, cm: CostModel) -> Evaluation:
-    cm = cm.at_cp(plan.cp, plan.cp_variant)  # a context-parallel plan is priced by its view (search/context.py)
+    # a context-parallel plan is priced by its view (search/context.py)
+    cm = cm.at_cp(plan.cp, plan.cp_variant, context.span_tp_of(cm.real_cluster, plan.cp, plan.tp))
     cm = cm.at_ep(plan.ep, plan.moe_imbalance)  # an expert-parallel one at the routing it was made for
     if plan.mixed_replicas:
         return evaluate_replicas(plan, cm)

@@ -271,10 +271,12 @@ def _make_plan(req: PlanRequest, progress: Callable[[str], None] | None = None,
             break
         space = _option_space(req, opt)
         if space is None:  # no tensor-parallel degree fits beside cp in a node: nothing to search
+            if any(o.cp == opt.cp and o.span_tp for o in options):
+                continue  # cp groups across nodes are searched at this degree instead
             compared.append(ContextOption(cp=opt.cp, variant=opt.variant, fits=False, status="infeasible"))
             failure = failure or InfeasibleError(_no_cp_layout(req, opt.cp, opt.variant))
             continue
-        view = cm.at_cp(opt.cp, opt.variant).at_ep(opt.ep, req.moe_imbalance)
+        view = cm.at_cp(opt.cp, opt.variant, opt.span_tp).at_ep(opt.ep, req.moe_imbalance)
         sub = dataclasses.replace(req, space=space)
         tag = opt.tag(req.model.is_moe)
         try:
@@ -307,12 +309,14 @@ class Dimensions:
     cp: int = 1
     variant: str = "all_to_all"
     ep: int = 1
+    span_tp: int = 0  # cp groups that span nodes at this tp (``context.cluster_view``); 0: inside a node
 
     def tag(self, moe: bool) -> str:
         """How progress lines and the log name this value."""
         if moe:
             return f" (ep {self.ep})"
-        return f" (cp {self.cp}, {self.variant.replace('_', '-')})" if self.cp > 1 else " (cp 1)"
+        across = f", tp {self.span_tp} across nodes" if self.span_tp else ""
+        return f" (cp {self.cp}, {self.variant.replace('_', '-')}{across})" if self.cp > 1 else " (cp 1)"
 
 
 def dimension_options(req: PlanRequest, cm: CostModel) -> list[Dimensions]:
@@ -321,7 +325,23 @@ def dimension_options(req: PlanRequest, cm: CostModel) -> list[Dimensions]:
     (``context_options``)."""
     if req.model.is_moe:
         return [Dimensions(ep=ep) for ep in expert_options(req)]
-    return [Dimensions(cp=cp, variant=variant) for cp, variant in context_options(req, cm)]
+    return [Dimensions(cp=cp, variant=variant, span_tp=span) for cp, variant in context_options(req, cm)
+            for span in _cp_spans(req, cp)]
+
+
+def _cp_spans(req: PlanRequest, cp: int) -> list[int]:
+    """The views to search at cp: 0 (cp groups inside a node) where cp divides every group's
+    GPUs per node, and each tensor-parallel degree whose cp x tp group spans whole nodes of some
+    group (``parallel.cp_locality_rule``): of ``--tp`` if given, else every degree dividing a node."""
+    if cp == 1:
+        return [0]
+    gpns = [g.gpus_per_node for g in req.cluster.groups]
+    spans = [0] if all(n % cp == 0 for n in gpns) else []
+    tps = req.space.tensor_parallel or tuple(t for t in range(1, min(gpns) + 1) if min(gpns) % t == 0)
+    spans += [t for t in sorted(set(tps)) if any(cp * t > n for n in gpns)
+              and all(parallel.cp_locality_rule(cp, t, n) is None for n in gpns)
+              and any(g.nodes >= parallel.cp_nodes(cp, t, g.gpus_per_node) for g in req.cluster.groups)]
+    return spans
 
 
 def _option_space(req: PlanRequest, opt: Dimensions) -> SearchSpace | None:
@@ -333,7 +353,7 @@ def _option_space(req: PlanRequest, opt: Dimensions) -> SearchSpace | None:
     if req.model.is_moe:
         return dataclasses.replace(req.space, recompute=tuple(r for r in req.space.recompute if r != "selective"),
                                    even_shares=opt.ep > 1)
-    return _cp_space(req, opt.cp, opt.variant)
+    return _cp_space(req, opt.cp, opt.variant, opt.span_tp)
 
 
 def expert_options(req: PlanRequest) -> list[int]:
@@ -370,40 +390,44 @@ def context_options(req: PlanRequest, cm: CostModel) -> list[tuple[int, str]]:
     else:
         degrees = [1]
     block = cm.model.kinds["block"]
+    tp0 = min(req.space.tensor_parallel) if req.space.tensor_parallel else 1  # the variant must split its blocks
     out = []
     for cp in degrees:
         if cp == 1:
             out.append((1, "all_to_all"))
             continue
-        if any(g.gpus_per_node % cp for g in cm.cluster.groups) or req.seq_len % cp:
+        if not _cp_spans(req, cp) or req.seq_len % cp:
             if req.context_parallel:
-                raise PartitaError(f"--cp {cp}: cp groups stay inside a node and split the sequence evenly; choose cp "
-                                   f"dividing the GPUs per node ({', '.join(str(g.gpus_per_node) for g in cm.cluster.groups)}) "
-                                   f"and the sequence length {req.seq_len}")
+                raise PartitaError(f"--cp {cp}: a cp group sits inside a node or spans whole nodes, and cp splits the "
+                                   f"sequence evenly; choose cp dividing the GPUs per node "
+                                   f"({', '.join(str(g.gpus_per_node) for g in cm.cluster.groups)}) or cp x tp a "
+                                   f"multiple of them, and cp dividing the sequence length {req.seq_len}")
             continue
         variants = (req.cp_variant,) if req.cp_variant else ("all_to_all", "ring")
         for variant in variants:
             if variant == "ring" and cm.cluster.is_cpu:
                 continue
-            if parallel.cp_rule(block, cp, tp=1, variant=variant, seq_len=req.seq_len) is None:
+            if parallel.cp_rule(block, cp, tp=tp0, variant=variant, seq_len=req.seq_len) is None:
                 out.append((cp, variant))
                 break
         else:
             if req.context_parallel:
-                why = parallel.cp_rule(block, cp, tp=1, variant=variants[0], seq_len=req.seq_len) or "the ring runs on GPUs only"
+                why = parallel.cp_rule(block, cp, tp=tp0, variant=variants[0], seq_len=req.seq_len) or "the ring runs on GPUs only"
                 raise PartitaError(f"--cp {cp}: {why}")
     return out
 
 
-def _cp_space(req: PlanRequest, cp: int, variant: str) -> SearchSpace | None:
+def _cp_space(req: PlanRequest, cp: int, variant: str, span_tp: int = 0) -> SearchSpace | None:
     """The search space at cp: tensor-parallel degrees whose blocks the variant can split cp x tp
-    ways (``parallel.cp_rule``) and whose cp x tp group fits a node (``parallel.cp_locality_rule``);
-    None when no degree is left."""
+    ways (``parallel.cp_rule``) and whose cp x tp group fits a node (``parallel.cp_locality_rule``),
+    or with ``span_tp`` that degree alone (its cp groups span nodes); None when no degree is left."""
     if cp == 1:
         return req.space
     block = req.model.kinds["block"]
     gpn = min(g.gpus_per_node for g in req.cluster.groups)
-    allowed = tuple(t for t in range(1, gpn + 1)
+    candidates = (span_tp,) if span_tp else tuple(t for t in range(1, gpn + 1)
+                                                  if all(g.gpus_per_node % (cp * t) == 0 for g in req.cluster.groups))
+    allowed = tuple(t for t in candidates
                     if all(parallel.cp_locality_rule(cp, t, g.gpus_per_node) is None for g in req.cluster.groups)
                     and parallel.cp_rule(block, cp, tp=t, variant=variant, seq_len=req.seq_len) is None
                     and (not req.space.tensor_parallel or t in req.space.tensor_parallel))
@@ -414,7 +438,11 @@ def _no_cp_layout(req: PlanRequest, cp: int, variant: str) -> str:
     """Why no tensor-parallel degree runs beside context parallelism of degree cp."""
     gpn = min(g.gpus_per_node for g in req.cluster.groups)
     tps = req.space.tensor_parallel or (1,)
+    most = max(g.nodes for g in req.cluster.groups)
+    span = parallel.cp_nodes(cp, min(tps), gpn)
     why = (parallel.cp_locality_rule(cp, min(tps), gpn)
+           or (f"a cp x tp group of {cp} x {min(tps)} = {cp * min(tps)} ranks spans {span} nodes and no node group "
+               f"has more than {most}" if span > most else None)
            or parallel.cp_rule(req.model.kinds["block"], cp, tp=min(tps), variant=variant, seq_len=req.seq_len)
            or f"no tensor-parallel degree of --tp {','.join(map(str, tps))} runs beside it")
     return (f"no plan of {req.model.name} at cp {cp} ({variant.replace('_', '-')}) on {req.cluster.short}: {why}; "

@@ -211,7 +211,7 @@ def context_parallel_lines(p: Plan) -> list[str]:
     if not options:
         return []
     blocks = sum(1 for l in p.layer_strategies() if l.name.startswith("layers."))
-    chosen = next((o for o in options if o.cp == p.cp and o.variant == p.cp_variant), None)
+    chosen = next((o for o in options if o.cp == p.cp and o.variant == p.cp_variant and o.fits and o.tp == p.tp), None)
     parts = []
     for o in options:
         name = f"cp {o.cp}" + (f" {o.variant.replace('_', '-')}" if o.cp > 1 else "")

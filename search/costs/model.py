@@ -63,6 +63,8 @@ class View:
     # expert-parallel views made from it (``CostModel.at_ep``).
     imbalance: float = 1.0
     dp_span: tuple[str, ...] = ()  # the node groups a stage's data-parallel replicas span (2 or more)
+    # cp groups that span nodes at this tensor-parallel degree (``context.cluster_view``); 0: inside a node
+    cp_span_tp: int = 0
 
 
 class CostModel:
@@ -77,7 +79,7 @@ class CostModel:
         self.model = model
         self.view = view
         self.real_cluster = cluster  # the devices
-        self.cluster = context.cluster_view(cluster, view.cp)  # the ranks the search places
+        self.cluster = context.cluster_view(cluster, view.cp, view.cp_span_tp)  # the ranks the search places
         self.plan_seq_len = seq_len
         self.seq_len = seq_len // view.cp  # the tokens one device holds
         self.engine = engine or get_engine(None)  # the engine that runs the plan (search/engines.py)
@@ -143,11 +145,13 @@ class CostModel:
             self._views[view] = other
         return other
 
-    def at_cp(self, cp: int, variant: str = "all_to_all") -> "CostModel":
+    def at_cp(self, cp: int, variant: str = "all_to_all", span_tp: int = 0) -> "CostModel":
         """This cost model under context parallelism of degree ``cp`` (``variant``): a rank is a
         cp group of devices holding s/cp tokens each, so the grid and CP-SAT search it
-        unchanged. Itself at its own cp."""
-        return self.at(dataclasses.replace(self.view, cp=cp, cp_variant=variant if cp > 1 else "all_to_all"))
+        unchanged; ``span_tp``: its cp groups span nodes at that tp (``context.cluster_view``).
+        Itself at its own cp."""
+        return self.at(dataclasses.replace(self.view, cp=cp, cp_variant=variant if cp > 1 else "all_to_all",
+                                           cp_span_tp=span_tp if cp > 1 else 0))
 
     def at_ep(self, ep: int, imbalance: float = 1.0) -> "CostModel":
         """This cost model under expert parallelism of degree ``ep`` with the busiest expert
@@ -229,7 +233,10 @@ class CostModel:
         return links.dp_link(self.real_cluster.group(group.name), dp, tp)
 
     def pp_link(self, a: NodeGroup, b: NodeGroup, stage_size: int) -> Link:
-        return links.pp_link(self.cluster, a, b, stage_size)
+        """Between stages of ``stage_size`` ranks of the search, on the devices: under cp a rank
+        is cp of them, and a node of a view whose cp groups span nodes is several real ones."""
+        real = self.real_cluster
+        return links.pp_link(real, real.group(a.name), real.group(b.name), stage_size * self.cp)
 
     def collective_s(self, op: str, nbytes: float, n: int, link: Link, device: str | None = None) -> float:
         return links.collective_s(self.profiles, op, nbytes, n, link, device)
