@@ -29,6 +29,13 @@ The terms each behaviour selects, in one place each:
   linear layer ("module": ``linear_modules``). Each gather is a ring of n - 1 steps that
   pays the network's latency on every step: at a fixed layer and growing dp, latency, not bytes,
   sets the time (docs/calibration.md, "Collectives at scale").
+* ``fp16_grad_reduce``: gradients reduced in fp16 when the plan trains in fp16 (Megatron-LM
+  without ``--accumulate-allreduce-grads-in-fp32``; DeepSpeed's ZeRO, whose
+  ``communication_data_type`` defaults to the gradients' dtype), half the bytes of the fp32
+  reductions FSDP2's ``reduce_dtype`` runs (Partita's runtime, torchtitan). bf16 reduces in fp32
+  on every engine (Megatron forces it: megatron/arguments.py, "bfloat16 requires gradient
+  accumulation and all-reduce to be done in fp32"; DeepSpeed's BF16_Optimizer keeps fp32
+  gradients). Communication only: the memory keeps fp32 gradient buffers (``costs.memory``).
 * ``loss``: "chunked" (Partita's runtime: runtime.schedule.ChunkedCrossEntropy, the logits kept in
   the compute dtype and an fp32 chunk at a time) or "fp32" (the logits cast to fp32 before the
   cross entropy, kept for its backward: torchtitan's ``cross_entropy_loss``, Megatron-Core's
@@ -60,6 +67,7 @@ class Engine:
     p2p_overlap: bool = False
     zero3_gathers: str = "layer"
     loss: str = "chunked"
+    fp16_grad_reduce: bool = False
 
     def __post_init__(self) -> None:
         Software(attention=self.attention, grad_sync=self.grad_sync)  # its checks of the two names
@@ -101,10 +109,10 @@ ENGINES: dict[str, Engine] = {
     # attention (a FlashAttention-2-class kernel on every GPU it runs on), --overlap-grad-reduce,
     # the interleaved schedule's p2p overlap (the training script's default), no --tp-comm-overlap
     # (it needs Transformer Engine's userbuffers bootstrapped; published runs that set it say so).
-    "megatron": Engine("megatron", attention="flash2", p2p_overlap=True, loss="fp32"),
+    "megatron": Engine("megatron", attention="flash2", p2p_overlap=True, loss="fp32", fp16_grad_reduce=True),
     # DeepSpeed as partita export --to deepspeed writes it (ZeRO 0-3 with overlap_comm): ZeRO-3's
     # module-by-module gathers, a Hugging Face model's fp32 loss, torch SDPA.
-    "deepspeed": Engine("deepspeed", zero3_gathers="module", loss="fp32"),
+    "deepspeed": Engine("deepspeed", zero3_gathers="module", loss="fp32", fp16_grad_reduce=True),
 }
 DEFAULT_ENGINE = "partita"
 assert tuple(ENGINES) == parallel.ENGINES, "the rule book names the same engines"

@@ -153,3 +153,24 @@ def test_deepspeed_holds_a_module_gathered_at_a_time_where_fsdp_holds_the_layer(
     assert peaks["deepspeed"].peak_bytes < peaks["deepspeed"].capacity
     module = 20480 * 81920 * 2
     assert peaks["deepspeed"].peak_gathered <= 2 * module + 2**20
+
+
+def test_megatron_and_deepspeed_reduce_fp16_gradients_in_fp16_and_bf16_ones_in_fp32():
+    """``Engine.fp16_grad_reduce``: a ZeRO-1 layer's per-step reduce-scatter moves 2 bytes a
+    parameter under Megatron and DeepSpeed in fp16, 4 under FSDP2's fp32 ``reduce_dtype``
+    (Partita, torchtitan) and under every engine in bf16; nothing else changes."""
+    model, cluster = BUILTIN["llama-3-8b"], parse_short("4x8xA100-80GB")
+    layer = strategy(model, "layers.0", tp=1, sp=False, zero=1, recompute="none")
+
+    def timed(engine, dtype):
+        cm = CostModel(model, cluster, seq_len=4096, dtype=dtype, engine=ENGINES[engine])
+        return cm.reduce_bytes, cm.layer_time("block", cluster.groups[0], layer, dp=32, micro_batch=1)
+
+    for dtype, megatron_bytes in (("fp16", 2), ("bf16", 4)):
+        (pb, pt), (mb, mt), (db, _) = (timed(e, dtype) for e in ("partita", "megatron", "deepspeed"))
+        assert (pb, mb, db) == (4, megatron_bytes, megatron_bytes)
+        assert mt.compute_s == pytest.approx(pt.compute_s) and mt.zero_comm_s == pt.zero_comm_s == 0
+        if megatron_bytes == 2:
+            assert mt.dp_sync_s < pt.dp_sync_s
+        else:
+            assert mt.dp_sync_s == pytest.approx(pt.dp_sync_s)

@@ -73,11 +73,11 @@ def zero_traffic(cm, params: int, group: NodeGroup, *, tp: int, zero: int, repli
     # the bytes each, every one paying its n - 1 steps' latency (search/engines.py).
     k = zero3_gathers(cm.engine, cm.model.kinds[role], local_experts=local_experts) if zero == 3 else 1
     ag = k * cm.collective_s("all_gather", params * cm.elem / k, replicas, dlink, device)
-    rs = cm.collective_s("reduce_scatter", params * REDUCE_BYTES, replicas, dlink, device)
+    rs = cm.collective_s("reduce_scatter", params * cm.reduce_bytes, replicas, dlink, device)
     zero_fwd, zero_bwd, dp_sync = 0.0, 0.0, 0.0
     if replicas > 1:
         if zero == 0:
-            dp_sync = cm.collective_s("all_reduce", params * REDUCE_BYTES, replicas, dlink, device)
+            dp_sync = cm.collective_s("all_reduce", params * cm.reduce_bytes, replicas, dlink, device)
         elif zero == 1:
             dp_sync = ag + rs
         elif zero == 2:
@@ -166,16 +166,16 @@ def tied_sync_s(cm, group: NodeGroup, *, replicas: int, tp: int, zero: int) -> f
     shard = replicas if zero >= 1 and replicas > 1 else 1
     tied = cm.tied_params(tp)
     grad = tied * REDUCE_BYTES // shard
-    link = cm.pp_link(group, group, replicas * tp)
+    link = cm.pp_link(group, group, replicas // cm.cp * tp)  # a stage of the search's ranks (a cp group each)
     t = cm.collective_s("all_reduce", grad, 2, link, group.device)
     stream = cm.weight_stream_gbps(group.device)  # CPU ranks: AdamW's passes (roofline.cpu_adam_s)
     copy_params = tied // shard
     t += cpu_adam_s(copy_params, stream) if stream is not None else optimizer_s(group, copy_params)
     if replicas > 1 and zero == 0:
-        t += cm.collective_s("all_reduce", tied * REDUCE_BYTES, replicas, cm.dp_link(group, replicas, tp),
+        t += cm.collective_s("all_reduce", tied * cm.reduce_bytes, replicas, cm.dp_link(group, replicas, tp),
                              group.device)
     elif replicas > 1 and zero == 1:
         dlink = cm.dp_link(group, replicas, tp)
-        t += (cm.collective_s("reduce_scatter", tied * REDUCE_BYTES, replicas, dlink, group.device)
+        t += (cm.collective_s("reduce_scatter", tied * cm.reduce_bytes, replicas, dlink, group.device)
               + cm.collective_s("all_gather", tied * cm.elem, replicas, dlink, group.device))
     return t

@@ -220,6 +220,12 @@ class CostModel:
     def reserve_bytes(self, group: NodeGroup) -> int:
         return memory.reserve_bytes(group)
 
+    @property
+    def reduce_bytes(self) -> int:
+        """Bytes a gradient element moves in a reduction: fp32 (``memory.REDUCE_BYTES``), or fp16
+        under an engine that reduces fp16 gradients as they are (``Engine.fp16_grad_reduce``)."""
+        return self.elem if self.engine.fp16_grad_reduce and self.dtype == "fp16" else memory.REDUCE_BYTES
+
     # ---- links --------------------------------------------------------------------------
     def tp_link(self, group: NodeGroup, tp: int) -> Link:
         return links.link_within(group, tp)
