@@ -22,7 +22,7 @@ INTERLEAVED = ("interleaved-1f1b", "interleaved-zb")  # v >= 2 stages per rank, 
 ZERO_BUBBLE = ("interleaved-zb", "zbv")  # the backward split into input (I) and weight (W) gradients
 # The engines a plan can be priced for and exported to (search/engines.py holds what each does).
 ENGINES = ("partita", "torchtitan", "megatron", "deepspeed")
-CP_VARIANTS = ("all_to_all", "ring")
+CP_VARIANTS = ("all_to_all", "ring", "all_gather")
 
 
 # ---- degrees of one layer kind ---------------------------------------------------------------
@@ -47,11 +47,11 @@ def tp_rule(kind: "LayerKind", tp: int) -> str | None:
 
 
 def cp_rule(kind: "LayerKind", cp: int, *, tp: int = 1, variant: str = "all_to_all", seq_len: int) -> str | None:
-    """Why context parallelism of degree ``cp`` (``variant`` "all_to_all" or "ring") cannot run
+    """Why context parallelism of degree ``cp`` (``variant`` "all_to_all", "ring" or "all_gather") cannot run
     ``kind`` at tensor-parallel degree ``tp`` on ``seq_len`` tokens, or None. Every layer needs
     equal sequence shards; a block under all-to-all gives each of the cp x tp ranks whole query
-    and kv heads, and under the ring the head-tail load balancing cuts the sequence into 2 x cp
-    equal chunks (docs/context-parallel.md)."""
+    and kv heads, and under the ring and the all-gather the head-tail load balancing cuts the
+    sequence into 2 x cp equal chunks (docs/context-parallel.md)."""
     if cp < 1:
         return f"context-parallel degree must be >= 1, got {cp}"
     if seq_len % cp:
@@ -65,7 +65,8 @@ def cp_rule(kind: "LayerKind", cp: int, *, tp: int = 1, variant: str = "all_to_a
                         f"{cp * tp}")
         return None
     if seq_len % (2 * cp):
-        return f"ring attention needs the sequence length ({seq_len}) divisible by 2 x cp = {2 * cp}"
+        what = "ring attention" if variant == "ring" else "all-gather context parallelism"
+        return f"{what} needs the sequence length ({seq_len}) divisible by 2 x cp = {2 * cp}"
     return None
 
 

@@ -12,7 +12,8 @@ Llama 3's order, so a cp group spans ``cp * tp`` consecutive ranks). Pipeline re
 
 Context parallelism (``cp``, ``cp_variant``). Each sequence is split over the ``cp`` ranks of a
 group (``docs/context-parallel.md``): "all_to_all" (Ulysses: heads and kv heads divisible by
-cp x tp) or "ring" (torch's ``context_parallel``, CUDA only: the sequence divisible by 2 x cp).
+cp x tp), "ring" (torch's ``context_parallel``, CUDA only: the sequence divisible by 2 x cp) or
+"all_gather" (Llama 3's: K and V gathered at their kv heads; the sequence divisible by 2 x cp).
 Parameters are replicated over cp, so gradients and ZeRO shards span dp x cp ranks.
 
 Expert parallelism (``ep``, mixture-of-experts models: docs/moe.md). Each data-parallel group

@@ -283,6 +283,91 @@ def apply_all_to_all(model: nn.Module, cp: DeviceMesh | dist.ProcessGroup, *, tp
     return model
 
 
+# ---- the all-gather (Llama 3's) ------------------------------------------------------------------
+
+
+class _GatherShards(torch.autograd.Function):
+    """[b, L, ...] shards -> [cp, b, L, ...]: every rank's shard (rank order). The backward is the
+    gradient's reduce-scatter, run as an all-to-all of each rank's contribution to every shard and
+    a sum (the same bytes; gloo has no reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        x = x.contiguous()
+        out = x.new_empty((dist.get_world_size(group), *x.shape))
+        dist.all_gather(list(out.unbind(0)), x, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous()
+        parts = torch.empty_like(grad)
+        dist.all_to_all_single(parts, grad, group=ctx.group)  # [source rank, ...]: its gradient of this shard
+        return parts.sum(0), None
+
+
+def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup, layout: str) -> torch.Tensor:
+    """[b, s/cp, ...] shard in ``layout`` -> [b, s, ...], the whole sequence in order."""
+    cp = dist.get_world_size(group)
+    parts = _GatherShards.apply(x, group)  # [cp, b, L, ...]
+    b, local, rest = x.shape[0], x.shape[1], x.shape[2:]
+    return to_global_order(parts.transpose(0, 1).reshape(b, cp * local, *rest), cp, layout)
+
+
+def all_gather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: DeviceMesh | dist.ProcessGroup,
+                         *, layout: str = HEAD_TAIL) -> torch.Tensor:
+    """Causal attention of sequence shards by gathering keys and values (Llama 3's context
+    parallelism, Llama Team 2024, arXiv:2407.21783, sec. 3.3.2): q [b, s/cp, H, d], k and v
+    [b, s/cp, KV, d] (this rank's heads, rotary at the shard's global positions) -> the output
+    [b, s/cp, H, d] of this rank's tokens. K and V are all-gathered at their KV heads (under
+    grouped-query attention far fewer bytes than the queries' H), then each contiguous chunk of
+    the shard attends to the keys up to its own end, causal at the lower right
+    (``torch.nn.attention.bias.causal_lower_right``: no mask is built). Under ``head_tail`` a
+    rank's two chunks together meet s + s/(2 cp) keys, the same on every rank."""
+    from torch.nn.attention.bias import causal_lower_right
+    import torch.nn.functional as F
+
+    group = _group(cp)
+    size, index = dist.get_world_size(group), dist.get_rank(group)
+    b, local, heads, d = q.shape
+    check_sequence(local * size, size, layout)
+    keys, values = (gather_sequence(t, group, layout).transpose(1, 2) for t in (k, v))  # [b, KV, s, d]
+    chunks = 2 if layout == HEAD_TAIL else 1
+    length = local // chunks
+    starts = shard_positions(local * size, size, index, layout)[::length].tolist()  # each chunk's first position
+    gqa = heads != keys.shape[1]
+    out = []
+    for c, start in enumerate(starts):
+        qc = q[:, c * length:(c + 1) * length].transpose(1, 2)
+        end = start + length
+        out.append(F.scaled_dot_product_attention(qc, keys[:, :, :end], values[:, :, :end],
+                                                  attn_mask=causal_lower_right(length, end), enable_gqa=gqa))
+    return torch.cat(out, dim=2).transpose(1, 2)
+
+
+class AllGatherAttention(Attention):
+    """``Attention`` on a sequence shard: rotary at the shard's global positions, then
+    ``all_gather_attention`` (a class swap, as ``AllToAllAttention``)."""
+
+    cp_group: dist.ProcessGroup
+    cp_layout: str
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s_local, _ = x.shape
+        q, k, v = _shard_qkv(self, x, self.cp_layout)
+        out = all_gather_attention(q, k, v, self.cp_group, layout=self.cp_layout)
+        return self.wo(out.reshape(b, s_local, -1))
+
+
+def apply_all_gather(model: nn.Module, cp: DeviceMesh | dist.ProcessGroup, *, layout: str = HEAD_TAIL) -> nn.Module:
+    """All-gather context parallelism on every attention (and gpt2 position table) ``model``
+    holds, in place, as ``apply_all_to_all``; any head counts (the gathered K/V keep theirs)."""
+    check_layout(layout)
+    _swap_all(model, AllGatherAttention, _group(cp), layout)
+    return model
+
+
 # ---- ring attention (CUDA only) ---------------------------------------------------------------
 
 

@@ -346,14 +346,17 @@ def set_gradient_sync(units: list[ShardedLayer], *, last_micro_batch: bool) -> N
 # The token layout of an all-to-all plan's shards: contiguous works for any sequence that splits
 # cp ways (the all-to-all needs no load balancing); the ring always uses torch's head_tail.
 ALL_TO_ALL_LAYOUT = "contiguous"
+CP_LAYOUT = {"all_to_all": ALL_TO_ALL_LAYOUT, "all_gather": "head_tail"}  # the tokens a rank holds, by variant
 
 
 def apply_context_parallel(model: Transformer, plan: Plan, meshes: Meshes) -> None:
     """Every attention of the stage on this rank's sequence shard over the plan's cp group."""
-    from partita.runtime.context import apply_all_to_all, apply_ring
+    from partita.runtime.context import apply_all_gather, apply_all_to_all, apply_ring
 
     if plan.cp_variant == "ring":
         apply_ring(model, meshes.cp)
+    elif plan.cp_variant == "all_gather":
+        apply_all_gather(model, meshes.cp, layout=CP_LAYOUT["all_gather"])
     else:
         apply_all_to_all(model, meshes.cp, tp=plan.tp, layout=ALL_TO_ALL_LAYOUT)
 

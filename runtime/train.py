@@ -370,14 +370,14 @@ class Trainer:
 
 
 def context_shards(plan: Plan, place, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's tokens of each sequence under all-to-all context parallelism (the ring's
+    """This rank's tokens of each sequence under all-to-all or all-gather context parallelism (the ring's
     ``context_parallel`` shards them itself, head_tail, inside ``Trainer._ring_context``)."""
     if plan.cp == 1 or plan.cp_variant == "ring":
         return inputs, targets
     from partita.runtime.context import shard_sequence
-    from partita.runtime.parallelize import ALL_TO_ALL_LAYOUT
+    from partita.runtime.parallelize import CP_LAYOUT
 
-    return tuple(shard_sequence(t, cp=plan.cp, index=place.cp_index, layout=ALL_TO_ALL_LAYOUT)
+    return tuple(shard_sequence(t, cp=plan.cp, index=place.cp_index, layout=CP_LAYOUT[plan.cp_variant])
                  for t in (inputs, targets))
 
 

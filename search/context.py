@@ -10,7 +10,7 @@ H and KV the query and kv heads a rank holds *before* context parallelism (heads
 kv_heads/tp under tensor parallelism: pass those). Each function is per rank, per micro-batch,
 per attention layer; the cost model multiplies by layers and micro-batches.
 
-Two variants (``VARIANTS``), matching ``partita.runtime.context``:
+Three variants (``VARIANTS``), matching ``partita.runtime.context``:
 
 * ``all_to_all`` (DeepSpeed-Ulysses: Jacobs et al. 2023, "DeepSpeed Ulysses: System
   Optimizations for Enabling Training of Extreme Long Sequence Transformer Models",
@@ -27,6 +27,12 @@ Two variants (``VARIANTS``), matching ``partita.runtime.context``:
   holding chunks r and 2*cp-1-r, as Llama 3 does (Llama Team 2024, "The Llama 3 Herd of
   Models", arXiv:2407.21783, sec. 3.3.2, which all-gathers K/V instead of passing them; the
   ``allgather`` rotate method here).
+
+* ``all_gather`` (Llama 3's: Llama Team 2024, arXiv:2407.21783, sec. 3.3.2): each rank all-gathers
+  the keys and values of the whole sequence at their own kv heads (under grouped-query attention
+  far fewer than the queries' heads: 1 a rank for Llama 3 405B at tp 8), then attends for its
+  head_tail chunks (``gather_traffic``); the backward reduce-scatters dK and dV. Exposed: the
+  attention waits for the gather.
 
 What torch's ring does, read from ``torch/distributed/tensor/experimental/_context_parallel/
 _attention.py`` (torch 2.13): the forward runs cp steps; before step i < cp-1 it starts sending
@@ -52,7 +58,7 @@ from partita.profile import attention_time_at
 from partita.search.analytic import Shard, activation_bytes, attention_s
 from partita.search.costs.links import Link, link_within
 
-VARIANTS = ("all_to_all", "ring")
+VARIANTS = ("all_to_all", "ring", "all_gather")
 ROTATES = ("alltoall", "allgather")
 GRAD_ACCUM_BYTES = 4  # the ring's dQ, dK, dV accumulators and merged output are fp32 (convert_to_f32)
 STAT_BYTES = 4  # logsumexp
@@ -171,6 +177,29 @@ def all_to_all_bus_bytes(buffer_bytes: float, cp: int) -> float:
     return (cp - 1) / cp * buffer_bytes
 
 
+def gather_traffic(*, batch: int, seq: int, kv_heads: int, head_dim: int, elem: int, cp: int) -> Traffic:
+    """The all-gather variant: forward, one all-gather each of K and V over the whole sequence at
+    the rank's ``kv_heads`` (a b s KV d e buffer, (cp-1)/cp of it arriving); backward, the
+    reduce-scatter of each one's gradient, the same bytes (``runtime.context._GatherShards``).
+    A recomputed block gathers once more in its backward. Zero at cp = 1."""
+    _check_positive(batch=batch, kv_heads=kv_heads, head_dim=head_dim, elem=elem)
+    _local_tokens(seq, cp)
+    if cp == 1:
+        return Traffic("all_gather", (), (), 0.0, 0.0)
+    buffer = batch * seq * kv_heads * head_dim * elem
+    wire = 2 * (cp - 1) / cp * buffer
+    return Traffic("all_gather", (buffer, buffer), (buffer, buffer), wire, wire)
+
+
+def gather_saved_bytes(*, batch: int, seq: int, heads: int, kv_heads: int, head_dim: int, elem: int, cp: int) -> int:
+    """What the all-gather variant keeps beyond the local attention's own tensors, without
+    recomputation: the gathered K and V (the chunks' attention keeps views of them) beyond the
+    rank's own, 2 b (s - L) KV d e, and its output as a storage of its own (the chunks' outputs
+    joined), b L H d e. As a transient (recomputed blocks): the gathered K and V, 2 b s KV d e."""
+    local = _local_tokens(seq, cp)
+    return 2 * batch * (seq - local) * kv_heads * head_dim * elem + batch * local * heads * head_dim * elem
+
+
 def all_to_all_traffic(*, batch: int, seq: int, heads: int, kv_heads: int, head_dim: int, elem: int,
                        cp: int) -> Traffic:
     """Forward: q, k, v and the output, each this rank's [b, L, heads, d] buffer:
@@ -274,6 +303,7 @@ def cp_activation_bytes(kind: LayerKind, *, variant: str, cp: int, tp: int, micr
       byte on CPU ranks (``tests/test_runtime_context``).
     * ring: torch's ring op keeps q, k, v and the merged output and logsumexp of the local
       tokens, as the local SDPA does: nothing added (GPU-only; not measured here).
+    * all_gather, no recomputation: ``gather_saved_bytes``.
     * recompute "selective" or "full": the kept tensors are products' outputs or the layer
       input, all sequence shards: nothing added.
     Embed and head layers keep per-token tensors only; cp divides them. At cp 1, the plain count.
@@ -282,9 +312,13 @@ def cp_activation_bytes(kind: LayerKind, *, variant: str, cp: int, tp: int, micr
     local = _local_tokens(seq_len, cp)
     base = activation_bytes(kind, tp=tp, micro_batch=micro_batch, seq_len=local, dtype=dtype,
                             sequence_parallel=sequence_parallel, recompute=recompute, on_cpu=on_cpu)
-    if cp == 1 or kind.role != "block" or variant != "all_to_all" or recompute != "none":
+    if cp == 1 or kind.role != "block" or variant == "ring" or recompute != "none":
         return base
     sh = Shard.of(kind, tp=tp, micro_batch=micro_batch, seq_len=local, dtype=dtype)
+    if variant == "all_gather":
+        return base + gather_saved_bytes(batch=micro_batch, seq=seq_len, heads=sh.heads,
+                                         kv_heads=max(1, kind.kv_heads // tp), head_dim=sh.head_dim, elem=sh.elem,
+                                         cp=cp)
     return base + sh.tokens * sh.heads * sh.head_dim * sh.elem
 
 
@@ -449,6 +483,17 @@ def attention_time(cm, group: NodeGroup, tp: int, micro_batch: int) -> Attention
         fwd, bwd = attention_core_s(cm, device, whole)
         return AttentionTime(fwd, bwd, 0.0, 0.0, local_f, local_b)
     link = cp_link(cm, group, tp)
+    if cm.cp_variant == "all_gather":
+        # 1/cp of the whole sequence's causal attention on this rank's heads (head_tail: every
+        # rank alike, ``attention_flops``), at the kernel's rate for the whole length; the gathers
+        # before it and the gradients' reduce-scatters after its backward are exposed.
+        whole = Shard.of(kind, tp=tp, micro_batch=micro_batch, seq_len=cm.plan_seq_len, dtype=cm.dtype)
+        fwd, bwd = (t / cm.cp for t in attention_core_s(cm, device, whole))
+        traffic = gather_traffic(batch=micro_batch, seq=cm.plan_seq_len, kv_heads=max(1, kind.kv_heads // tp),
+                                 head_dim=local.head_dim, elem=cm.elem, cp=cm.cp)
+        ag = sum(cm.collective_s("all_gather", m, cm.cp, link, device) for m in traffic.forward_messages)
+        rs = sum(cm.collective_s("reduce_scatter", m, cm.cp, link, device) for m in traffic.backward_messages)
+        return AttentionTime(fwd, bwd, ag, rs, local_f, local_b)
     heads = ring_kv_heads(local.heads, local.heads)
     traffic = ring_traffic(batch=micro_batch, seq=cm.plan_seq_len, kv_heads=heads, head_dim=local.head_dim,
                            elem=cm.elem, cp=cm.cp)

@@ -380,7 +380,8 @@ def context_options(req: PlanRequest, cm: CostModel) -> list[tuple[int, str]]:
     """The (cp, variant) pairs to search, cp 1 first. Named degrees (``PlanRequest.context_parallel``)
     or, for long sequences (``CP_MIN_SEQ_LEN``), every degree > 1 that divides each node group's
     GPUs per node (cp groups stay inside a node) and the sequence. Variant: the request's, else
-    all-to-all where the model's heads and kv heads allow it (at tp 1) and the ring otherwise (on
+    all-to-all where the model's heads and kv heads allow it (at the smallest tp), else the
+    all-gather (any heads; the sequence in 2 cp chunks), else the ring (on
     GPUs, for a sequence divisible by 2 cp)."""
     if req.context_parallel:
         degrees = sorted(set(req.context_parallel))
@@ -403,7 +404,7 @@ def context_options(req: PlanRequest, cm: CostModel) -> list[tuple[int, str]]:
                                    f"({', '.join(str(g.gpus_per_node) for g in cm.cluster.groups)}) or cp x tp a "
                                    f"multiple of them, and cp dividing the sequence length {req.seq_len}")
             continue
-        variants = (req.cp_variant,) if req.cp_variant else ("all_to_all", "ring")
+        variants = (req.cp_variant,) if req.cp_variant else ("all_to_all", "all_gather", "ring")
         for variant in variants:
             if variant == "ring" and cm.cluster.is_cpu:
                 continue

@@ -223,3 +223,33 @@ def test_a_spec_with_gqa_heads_is_checked_like_the_runtime():
     spec = ModelSpec.from_dict(dict(load_model("tiny-llama").to_dict(), name="t", heads=8, kv_heads=4))
     assert parallel.cp_rule(spec.kinds["block"], 2, variant="all_to_all", seq_len=16, tp=2) is None
     assert parallel.cp_rule(spec.kinds["block"], 4, variant="all_to_all", seq_len=16, tp=2) is not None
+
+
+def test_the_all_gather_variant_moves_kv_heads_and_does_1_over_cp_of_the_attention():
+    """Llama 3's context parallelism (``gather_traffic``): K and V gathered at the rank's kv heads
+    (llama-3-405b at tp 8: 1 of them, where the runtime's ring passes the 16 query heads'
+    repeated K/V); the attention 1/cp of the whole sequence's; the gathers and the gradients'
+    reduce-scatters exposed."""
+    from partita.cluster import parse_short
+    from partita.model import BUILTIN
+    from partita.search import context
+    from partita.search.costs.model import CostModel
+
+    t = context.gather_traffic(batch=1, seq=131072, kv_heads=1, head_dim=128, elem=2, cp=16)
+    assert t.forward_messages == t.backward_messages == (131072 * 128 * 2,) * 2
+    assert t.forward_wire_bytes == pytest.approx(2 * 15 / 16 * 131072 * 128 * 2)
+    model, cluster = BUILTIN["llama-3-405b"], parse_short("16x8xH100")
+    base = CostModel(model, cluster, seq_len=131072)
+    gather, ring = (base.at_cp(16, v, span_tp=8) for v in ("all_gather", "ring"))
+    group = gather.cluster.groups[0]
+    g, r = (context.attention_time(cm, group, 8, 1) for cm in (gather, ring))
+    whole = context.attention_core_s(base, "H100", context.Shard.of(model.kinds["block"], tp=8, micro_batch=1,
+                                                                     seq_len=131072, dtype="bf16"))
+    assert g.forward_s == pytest.approx(whole[0] / 16) and g.backward_s == pytest.approx(whole[1] / 16)
+    assert 0 < g.exposed_forward_s < r.exposed_forward_s / 4
+    saved = context.cp_activation_bytes(model.kinds["block"], variant="all_gather", cp=16, tp=8, micro_batch=1,
+                                        seq_len=131072, dtype="bf16")
+    plain = context.cp_activation_bytes(model.kinds["block"], variant="ring", cp=16, tp=8, micro_batch=1,
+                                        seq_len=131072, dtype="bf16")
+    assert saved - plain == context.gather_saved_bytes(batch=1, seq=131072, heads=16, kv_heads=1, head_dim=128,
+                                                       elem=2, cp=16)

@@ -45,8 +45,8 @@ def _value(argv: list[str], flag: str) -> str:
     return argv[argv.index(flag) + 1]
 
 
-@pytest.mark.parametrize("variant, comm_type", [("all_to_all", "a2a"), ("ring", "p2p")])
-def test_megatron_runs_both_variants_exactly(variant, comm_type):
+@pytest.mark.parametrize("variant, comm_type", [("all_to_all", "a2a"), ("ring", "p2p"), ("all_gather", "allgather")])
+def test_megatron_runs_every_variant_exactly(variant, comm_type):
     ex = export_plan(cp_plan(variant=variant), "megatron")
     assert ex.changes == ()
     # the same plan, priced as Megatron runs it (search/engines.py)

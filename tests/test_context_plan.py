@@ -1,6 +1,6 @@
 """Context parallelism as a plan degree: the plan file, the validator, the search, and training.
 
-The gloo runs train plans with ``cp`` > 1 (all-to-all attention, ``runtime/context.py``) through
+The gloo runs train plans with ``cp`` > 1 (all-to-all and all-gather attention, ``runtime/context.py``) through
 the ``Trainer`` and compare the losses, the gradient norms and every parameter with one process
 training on the whole batch (``runtime_helpers.run_reference``), at the tolerances of
 ``test_runtime_shares``; the models use grouped-query attention (fewer kv heads than heads).
@@ -44,6 +44,9 @@ PLANS = {
     "dp2-cp2-zero3": make_plan(LLAMA, dp=2, cp=2, layer=dict(zero=3), per_layer={"head": dict(zero=0)}),
     "pp2-cp2-recompute": make_plan(LLAMA, pp=2, cp=2, boundaries=[1], layer=dict(zero=1, recompute="full")),
     "gpt2-cp2": make_plan(GPT2, cp=2),
+    # the all-gather variant (Llama 3's): cp 4 over 2 kv heads, and beside tp 2 with sequence parallelism
+    "all-gather-cp4": make_plan(LLAMA, cp=4, cp_variant="all_gather", layer=dict(zero=1)),
+    "all-gather-cp2-tp2": make_plan(LLAMA_GQA, cp=2, tp=2, cp_variant="all_gather", layer=TP2_SP),
 }
 
 
@@ -161,7 +164,12 @@ def test_cp_requests_that_cannot_work_fail_in_one_line():
     with pytest.raises(PartitaError, match="--cp 3"):
         make_plan(_request(LLAMA, "4xcpu", seq_len=64, global_batch=4, context_parallel=(3,)))
     with pytest.raises(PartitaError, match=r"kv_heads \(2\)"):
-        make_plan(_request(LLAMA, "4xcpu", seq_len=64, global_batch=4, context_parallel=(4,)))
+        make_plan(_request(LLAMA, "4xcpu", seq_len=64, global_batch=4, context_parallel=(4,), cp_variant="all_to_all"))
+    # More ranks than kv heads: the all-gather variant runs it (the gathered K/V keep their heads).
+    plan, _ = make_plan(_request(LLAMA, "4xcpu", seq_len=64, global_batch=4, context_parallel=(4,)))
+    assert (plan.cp, plan.cp_variant) == (4, "all_gather")
+    with pytest.raises(PartitaError, match=r"divisible by 2 x cp = 8"):
+        make_plan(_request(LLAMA, "4xcpu", seq_len=60, global_batch=4, context_parallel=(4,), cp_variant="all_gather"))
 
 
 def test_the_cost_model_prices_cp_at_s_over_cp():

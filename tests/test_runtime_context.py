@@ -315,3 +315,41 @@ def test_ring_attention_on_gpus_has_the_loss_of_one_gpu(tmp_path):
         for n, p in model.named_parameters():
             want = p.grad.float().cpu()
             assert (got["grads"][n] - want).norm() <= 3e-2 * want.norm(), f"rank {r} {n}"
+
+
+# ---- the all-gather variant (Llama 3's) ---------------------------------------------------------
+
+
+def _gather_rank(rank: int, spec_dict: dict, cp: int, tp: int) -> dict:
+    """``_model_rank`` under the all-gather variant (head_tail shards)."""
+    spec = ModelSpec.from_dict(spec_dict)
+    mesh = init_device_mesh("cpu", (cp, tp), mesh_dim_names=("cp", "tp"))
+    model = _model(spec)
+    if tp > 1:
+        _tensor_parallel(model, mesh["tp"])
+    context.apply_all_gather(model, mesh["cp"])
+    cp_group, cp_rank = mesh["cp"].get_group(), mesh["cp"].get_local_rank()
+    inputs, targets = (context.shard_sequence(t, cp=cp, index=cp_rank, layout="head_tail") for t in _batch(spec))
+    loss = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
+    (loss / cp).backward()
+    total = loss.detach() / cp
+    dist.all_reduce(total, group=cp_group)
+    grads = {}
+    for name, p in model.named_parameters():
+        g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad.clone()
+        dist.all_reduce(g, group=cp_group)
+        grads[name] = g
+    return {"loss": total, "grads": grads}
+
+
+@pytest.mark.parametrize("spec, cp, tp", [(LLAMA, 2, 1), (GPT2, 2, 1), (LLAMA_GQA, 4, 1), (LLAMA_GQA, 2, 2),
+                                          (LLAMA, 4, 1)],
+                         ids=["llama-cp2", "gpt2-cp2", "llama-gqa-cp4", "llama-gqa-cp2xtp2", "llama-cp4-more-ranks-than-kv-heads"])
+def test_a_model_under_all_gather_has_the_loss_and_gradients_of_one_process(spec, cp, tp):
+    """K and V gathered at their own kv heads (cp 4 over tiny-llama's 2 kv heads: more ranks
+    than kv heads, which all-to-all cannot split), each chunk attending up to its end."""
+    want = _reference_model(spec)
+    for rank, got in enumerate(run_ranks(_gather_rank, cp * tp, spec.to_dict(), cp, tp)):
+        torch.testing.assert_close(got["loss"], want["loss"], msg=lambda m: f"rank {rank} loss: {m}")
+        for name, g in got["grads"].items():
+            torch.testing.assert_close(g, want["grads"][name], msg=lambda m: f"rank {rank} {name}: {m}")

@@ -15,7 +15,7 @@ cost model (``search/evaluate.py``); with none fitting, the one closest to fitti
 Both predictions and every change are printed, and the file holds the exported plan's settings.
 
 Context parallelism (``cp`` > 1) maps where the target has it (``context_variant``): Megatron
-runs both variants (``--cp-comm-type a2a`` / ``p2p``), torchtitan the ring only, DeepSpeed the
+runs all three (``--cp-comm-type a2a`` / ``p2p`` / ``allgather``), torchtitan the ring only, DeepSpeed the
 all-to-all only (Ulysses); a plan whose variant the target lacks exports with the other one,
 priced, and the change listed.
 """

@@ -80,7 +80,7 @@ FILE = "megatron.args"
 MEGATRON_VERSION = "NVIDIA/Megatron-LM d98e8a64 (2026-08-22)"  # the source every flag was checked against
 FSDP_STRATEGY = {2: "optim_grads", 3: "optim_grads_params"}
 SELECTIVE_MODULES = ("core_attn", "layernorm")  # TransformerConfig.recompute_modules closest to Partita's selective
-CP_COMM_TYPE = {"all_to_all": "a2a", "ring": "p2p"}  # --cp-comm-type by Partita's cp_variant
+CP_COMM_TYPE = {"all_to_all": "a2a", "ring": "p2p", "all_gather": "allgather"}  # --cp-comm-type by Partita's cp_variant
 
 
 def variants(plan: Plan, model: ModelSpec) -> Iterator[Plan]:

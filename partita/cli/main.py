@@ -182,9 +182,10 @@ def build_parser(with_torch_commands: bool = False) -> argparse.ArgumentParser:
                       help="context-parallel degrees to search, e.g. 1,4,8: each sequence split over cp devices "
                            "of a node (default: 1, and for sequences of 16384 tokens or more every degree that "
                            "divides the node; 1 alone turns it off)")
-    plan.add_argument("--cp-variant", choices=("all_to_all", "ring"), default=None,
+    plan.add_argument("--cp-variant", choices=("all_to_all", "ring", "all_gather"), default=None,
                       help="context parallelism's attention: all_to_all (Ulysses; heads and kv heads divisible by "
-                           "cp x tp) or ring (CUDA only); default: all_to_all where the heads allow it, else ring")
+                           "cp x tp), all_gather (Llama 3's: K and V gathered at their kv heads) or ring (CUDA "
+                           "only); default: all_to_all where the heads allow it, else all_gather, else ring")
     plan.add_argument("--ep", type=_int_list,
                       help="expert-parallel degrees to search for a mixture-of-experts model, e.g. 1,8 (default: "
                            "every degree dividing the experts and the GPUs per node)")

@@ -98,6 +98,8 @@ def layer_memory(cm, role: str, device: str, *, tp: int, sp: bool, zero: int, re
         return m
     if cm.cp > 1 and cm.cp_variant == "ring":
         m = ring_memory(cm, m, tp=tp, micro_batch=micro_batch)
+    if cm.cp > 1 and cm.cp_variant == "all_gather":
+        m = gather_memory(cm, m, tp=tp, micro_batch=micro_batch)
     if cm.ep > 1:
         m = expert_memory(cm, m, zero=zero, dp=dp, num_micro_batches=num_micro_batches)
     return m
@@ -201,6 +203,16 @@ def ring_memory(cm, m: LayerMemory, *, tp: int, micro_batch: int) -> LayerMemory
                                 kv_heads=ring_kv_heads(sh.heads, sh.heads), head_dim=sh.head_dim, elem=cm.elem,
                                 cp=cm.cp)
     extra = round_up_to_grain(max(ring.forward, ring.backward))
+    return dataclasses.replace(m, transient=m.transient + extra, backward_own=m.backward_own + extra)
+
+
+def gather_memory(cm, m: LayerMemory, *, tp: int, micro_batch: int) -> LayerMemory:
+    """A block under the all-gather variant holds the gathered K and V of the whole sequence
+    while its attention runs, forward and backward (``context.gather_traffic``'s buffers): a
+    transient (beyond what its activations keep without recomputation, ``cp_activation_bytes``)."""
+    kind = cm.model.kinds["block"]
+    sh = Shard.of(kind, tp=tp, micro_batch=micro_batch, seq_len=cm.seq_len, dtype=cm.dtype)
+    extra = round_up_to_grain(2 * micro_batch * cm.plan_seq_len * max(1, kind.kv_heads // tp) * sh.head_dim * cm.elem)
     return dataclasses.replace(m, transient=m.transient + extra, backward_own=m.backward_own + extra)
 
 
