@@ -52,3 +52,5 @@ else
 fi
 timeout 120 "$PY" -m pytest -q tests/test_runtime_gpu.py tests/test_profiler_gpu.py tests/test_context_profile.py \
     2>&1 | tee "$OUT/gpu_tests.txt"
+# the all-gather variant's CUDA kernels (a lower-right causal bias with grouped-query heads), one GPU
+timeout 60 "$PY" -m pytest -q tests/test_runtime_context.py -k all_gather_chunks_on_a_gpu 2>&1 | tee "$OUT/all_gather_gpu.txt"

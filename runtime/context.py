@@ -325,18 +325,25 @@ def all_gather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: 
     the shard attends to the keys up to its own end, causal at the lower right
     (``torch.nn.attention.bias.causal_lower_right``: no mask is built). Under ``head_tail`` a
     rank's two chunks together meet s + s/(2 cp) keys, the same on every rank."""
-    from torch.nn.attention.bias import causal_lower_right
-    import torch.nn.functional as F
-
     group = _group(cp)
     size, index = dist.get_world_size(group), dist.get_rank(group)
-    b, local, heads, d = q.shape
+    local = q.shape[1]
     check_sequence(local * size, size, layout)
     keys, values = (gather_sequence(t, group, layout).transpose(1, 2) for t in (k, v))  # [b, KV, s, d]
     chunks = 2 if layout == HEAD_TAIL else 1
-    length = local // chunks
-    starts = shard_positions(local * size, size, index, layout)[::length].tolist()  # each chunk's first position
-    gqa = heads != keys.shape[1]
+    starts = shard_positions(local * size, size, index, layout)[::local // chunks].tolist()  # each chunk's first
+    return chunk_attention(q, keys, values, starts)
+
+
+def chunk_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, starts: Sequence[int]) -> torch.Tensor:
+    """q [b, L, H, d], its equal contiguous chunks starting at global positions ``starts``,
+    against the whole sequence's keys and values [b, KV, s, d]: each chunk attends to the keys up
+    to its own end, causal at the lower right. [b, L, H, d]."""
+    from torch.nn.attention.bias import causal_lower_right
+    import torch.nn.functional as F
+
+    length = q.shape[1] // len(starts)
+    gqa = q.shape[2] != keys.shape[1]
     out = []
     for c, start in enumerate(starts):
         qc = q[:, c * length:(c + 1) * length].transpose(1, 2)

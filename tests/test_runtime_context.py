@@ -353,3 +353,29 @@ def test_a_model_under_all_gather_has_the_loss_and_gradients_of_one_process(spec
         torch.testing.assert_close(got["loss"], want["loss"], msg=lambda m: f"rank {rank} loss: {m}")
         for name, g in got["grads"].items():
             torch.testing.assert_close(g, want["grads"][name], msg=lambda m: f"rank {rank} {name}: {m}")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA kernels behind the all-gather's chunks")
+@pytest.mark.parametrize("cp", [2, 4])
+def test_all_gather_chunks_on_a_gpu_match_full_causal_attention(cp):
+    """The kernels the all-gather variant dispatches on a GPU (a lower-right causal bias with
+    grouped-query heads, bf16), one rank's head_tail chunks at a time, against SDPA over the whole
+    sequence: forward and the q, k, v gradients (benchmarks/gpu_session.sh runs it)."""
+    b, s, h, kv, d = 1, 4096, 8, 2, 128
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(b, s, n, d, device="cuda", dtype=torch.bfloat16, generator=gen, requires_grad=True)
+               for n in (h, kv, kv))
+    whole = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                           enable_gqa=True).transpose(1, 2)
+    grad = torch.randn_like(whole)
+    want = torch.autograd.grad(whole, (q, k, v), grad)
+    got_grads = [torch.zeros_like(t) for t in (q, k, v)]
+    for r in range(cp):
+        pos = context.shard_positions(s, cp, r, "head_tail", device="cuda")
+        starts = pos[::s // (2 * cp)].tolist()
+        out = context.chunk_attention(q[:, pos], k.transpose(1, 2), v.transpose(1, 2), starts)
+        torch.testing.assert_close(out, whole[:, pos], rtol=2e-2, atol=2e-2)
+        for acc, g in zip(got_grads, torch.autograd.grad(out, (q, k, v), grad[:, pos])):
+            acc += g
+    for name, g, w in zip("qkv", got_grads, want):
+        assert (g.float() - w.float()).norm() <= 3e-2 * w.float().norm(), name
