@@ -326,7 +326,35 @@ def dimension_options(req: PlanRequest, cm: CostModel) -> list[Dimensions]:
     if req.model.is_moe:
         return [Dimensions(ep=ep) for ep in expert_options(req)]
     return [Dimensions(cp=cp, variant=variant, span_tp=span) for cp, variant in context_options(req, cm)
-            for span in _cp_spans(req, cp)]
+            for span in _cp_spans(req, cp)
+            if not span or req.context_parallel or _spans_reach(req, cp, span)]
+
+
+def _reaching_degrees(req: PlanRequest) -> list[int]:
+    """For the free search of a long sequence: the cp degrees over several nodes that let a
+    global batch too small to fill the cluster reach it (dp x pp <= the global batch, so at most
+    global batch x tp x cp devices): for each tp dividing the node, the least power of two cp with
+    tp x cp x global batch >= the devices, when that cp x tp spans nodes. None when cp inside a
+    node already reaches every device."""
+    gpn = min(g.gpus_per_node for g in req.cluster.groups)
+    total = req.cluster.world_size
+    if req.global_batch * gpn >= total:
+        return []
+    out = set()
+    for tp in (t for t in range(1, gpn + 1) if gpn % t == 0):
+        cp = 1
+        while tp * cp * req.global_batch < total:
+            cp *= 2
+        if tp * cp > gpn and req.seq_len % (2 * cp) == 0:
+            out.add(cp)
+    return sorted(out)
+
+
+def _spans_reach(req: PlanRequest, cp: int, span_tp: int) -> bool:
+    """A free search's view of cp groups over nodes at tp ``span_tp`` is searched only where it
+    is the least cp at that tp that reaches every device (``_reaching_degrees``)."""
+    total = req.cluster.world_size
+    return cp * span_tp * req.global_batch >= total > cp // 2 * span_tp * req.global_batch
 
 
 def _cp_spans(req: PlanRequest, cp: int) -> list[int]:
@@ -387,7 +415,7 @@ def context_options(req: PlanRequest, cm: CostModel) -> list[tuple[int, str]]:
         degrees = sorted(set(req.context_parallel))
     elif req.seq_len >= CP_MIN_SEQ_LEN:
         gpn = min(g.gpus_per_node for g in cm.cluster.groups)
-        degrees = [1] + [d for d in range(2, gpn + 1) if gpn % d == 0]
+        degrees = [1] + [d for d in range(2, gpn + 1) if gpn % d == 0] + _reaching_degrees(req)
     else:
         degrees = [1]
     block = cm.model.kinds["block"]

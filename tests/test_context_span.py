@@ -83,3 +83,18 @@ def test_llama3_128k_layout_plans_with_its_own_degrees_and_fits():
     plan, _ = make_plan(req)
     assert (plan.tp, plan.cp, plan.pp) == (8, 16, 16) and all(m.peak_bytes <= m.capacity_bytes for m in plan.prediction.memory)
     assert plan.prediction.breakdown["context_parallel_comm"] > 0
+
+
+def test_a_global_batch_too_small_for_the_cluster_searches_cp_over_nodes():
+    """The free search of a long sequence adds, for each tp, the least cp over nodes that lets
+    global batch x tp x cp reach every device (``planner._reaching_degrees``), and no others."""
+    from partita.search import planner
+
+    model = load_model("llama-3-405b")
+    req = PlanRequest(model=model, cluster=parse_short("2048x8xH100"), seq_len=131072, global_batch=128)
+    assert planner._reaching_degrees(req) == [16, 32, 64, 128]
+    spans = {(o.cp, o.span_tp) for o in planner.dimension_options(req, CostModel(model, req.cluster, seq_len=131072))
+             if o.span_tp}
+    assert spans == {(16, 8), (32, 4), (64, 2), (128, 1)}
+    enough = PlanRequest(model=model, cluster=parse_short("128x8xH100"), seq_len=131072, global_batch=128)
+    assert planner._reaching_degrees(enough) == []  # global batch x 8 already fills 1,024 GPUs
