@@ -251,11 +251,15 @@ def test_a_signal_stops_the_cp_sat_search(signum, code, tmp_path, monkeypatch, c
         if not calls:
             calls.append(time.perf_counter())
             solver.parameters.max_time_in_seconds = 60
+            solver.parameters.max_deterministic_time = 1e9  # the search's work limit would end it early
             threading.Timer(0.5, os.kill, (os.getpid(), getattr(signal, signum))).start()
             return real(solver, _hard_model())
         return real(solver, model)
 
     monkeypatch.setattr(cpsat, "_solve_interruptibly", slow_first_solve)
+    # A shell's background job starts with SIGINT ignored, and Python then installs no handler of
+    # its own: Ctrl-C's handler as an interactive `partita plan` has it.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     out = tmp_path / "plan.yaml"
     if signum == "SIGINT":
         assert main(["plan", *TINY, "-o", str(out)]) == code
@@ -269,6 +273,7 @@ def test_a_signal_stops_the_cp_sat_search(signum, code, tmp_path, monkeypatch, c
     assert err.strip() == ("partita: interrupted" if signum == "SIGINT" else "partita: stopped by SIGTERM")
     assert not list(tmp_path.iterdir())
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the handler is the plan command's alone
+    signal.signal(signal.SIGINT, previous)
 
 
 # ---- device memory: one figure ---------------------------------------------------------------
