@@ -228,9 +228,11 @@ def context_parallel_lines(p: Plan) -> list[str]:
         if not base.fits:
             lines.append(f"  cp {p.cp} chosen for memory: without context parallelism no plan fits; {tokens}")
         elif chosen is not None:
-            why = ("for memory: " if chosen.recomputed_blocks < base.recomputed_blocks or chosen.tp < base.tp else "")
-            lines.append(f"  cp {p.cp} chosen {why}{tokens}, so it recomputes {chosen.recomputed_blocks} blocks at tp "
-                         f"{chosen.tp} where cp 1 recomputes {base.recomputed_blocks} at tp {base.tp}")
+            why = "for memory: " if chosen.recomputed_blocks < base.recomputed_blocks else ""
+            faster = base.objective_us / chosen.objective_us if chosen.objective_us else 1.0
+            lines.append(f"  cp {p.cp} chosen {why}{faster:.2f}x faster than cp 1; {tokens}, so it recomputes "
+                         f"{chosen.recomputed_blocks} blocks at tp {chosen.tp} where cp 1 recomputes "
+                         f"{base.recomputed_blocks} at tp {base.tp}")
     elif p.cp == 1 and len(options) > 1:
         lines.append("  cp 1 chosen: no context-parallel plan is faster")
     return lines
