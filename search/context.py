@@ -192,12 +192,16 @@ def gather_traffic(*, batch: int, seq: int, kv_heads: int, head_dim: int, elem: 
 
 
 def gather_saved_bytes(*, batch: int, seq: int, heads: int, kv_heads: int, head_dim: int, elem: int, cp: int) -> int:
-    """What the all-gather variant keeps beyond the local attention's own tensors, without
-    recomputation: the gathered K and V (the chunks' attention keeps views of them) beyond the
-    rank's own, 2 b (s - L) KV d e, and its output as a storage of its own (the chunks' outputs
-    joined), b L H d e. As a transient (recomputed blocks): the gathered K and V, 2 b s KV d e."""
+    """What the all-gather variant keeps, without recomputation, against the local attention's
+    count (``analytic.activation_bytes``: k and v of the rank's L tokens at H heads, repeated
+    before SDPA): the chunks' attention keeps the gathered K and V of all s tokens at their KV
+    heads instead (``enable_gqa``: never repeated; the rank's own k and v, only gathered, are not
+    kept), 2 b s KV d e - 2 b L H d e, and the output as a storage of its own (the chunks'
+    outputs joined), b L H d e. Signed: under grouped-query attention with H / KV > 2 cp it keeps
+    less than the local count. As a transient (recomputed blocks): the gathered K and V."""
     local = _local_tokens(seq, cp)
-    return 2 * batch * (seq - local) * kv_heads * head_dim * elem + batch * local * heads * head_dim * elem
+    d = batch * head_dim * elem
+    return 2 * seq * kv_heads * d - 2 * local * heads * d + local * heads * d
 
 
 def all_to_all_traffic(*, batch: int, seq: int, heads: int, kv_heads: int, head_dim: int, elem: int,

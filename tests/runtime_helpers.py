@@ -207,10 +207,11 @@ def assert_matches_one_process(plan: Plan, cfg, losses: list[float], params: dic
     assert losses[-1] != losses[0]  # training moved
 
 
-def all_to_all_block_saved_bytes(rank: int, spec_dict: dict, batch: int, seq: int, layout: str = "contiguous") -> int:
+def all_to_all_block_saved_bytes(rank: int, spec_dict: dict, batch: int, seq: int, layout: str = "contiguous",
+                                 variant: str = "all_to_all") -> int:
     """On one of the world's ranks (``run_ranks``): the bytes autograd keeps for one block's
-    backward when its attention runs all-to-all over the world (a cp group), the rank holding
-    ``seq / cp`` tokens of ``batch`` sequences."""
+    backward when its attention runs all-to-all (or ``variant`` "all_gather", head_tail) over the
+    world (a cp group), the rank holding ``seq / cp`` tokens of ``batch`` sequences."""
     from partita.model import ModelSpec
     from partita.profiler.memory import SavedTensors
     from partita.runtime import context
@@ -221,7 +222,10 @@ def all_to_all_block_saved_bytes(rank: int, spec_dict: dict, batch: int, seq: in
     block = build_layer(spec, "block", device="cpu")
     init_layer(block, "layers.0", seed=0, n_layers=spec.n_layers)
     holder.block = block
-    context.apply_all_to_all(holder, dist.group.WORLD, layout=layout)
+    if variant == "all_gather":
+        context.apply_all_gather(holder, dist.group.WORLD)
+    else:
+        context.apply_all_to_all(holder, dist.group.WORLD, layout=layout)
     cp = dist.get_world_size()
     x = torch.randn(batch, seq // cp, spec.hidden, generator=torch.Generator().manual_seed(rank)).requires_grad_()
     with SavedTensors(exclude=list(block.parameters())) as saved:
