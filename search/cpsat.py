@@ -181,8 +181,12 @@ class Incumbent:
     us: int
 
 
-def solve_plan(cm: CostModel, req, uniform: UniformResult, *, deadline: float, work_limit: float) -> Plan:
+def solve_plan(cm: CostModel, req, uniform: UniformResult, *, deadline: float, work_limit: float,
+               beat_us: int | None = None) -> Plan:
     """Search every shape, best bound first; return the best plan (never worse than uniform).
+    ``beat_us``: a plan outside the 1F1B space already this fast (the interleaved schedules'
+    best): a shape that cannot beat it is pruned, its bound that time, so the plan returned is
+    the best 1F1B plan below it, or the warm start with that bound.
 
     Stops at ``work_limit`` (CP-SAT deterministic time summed over shapes: the same plan on a
     busy machine as on an idle one) or at the wall-clock ``deadline``, whichever comes first;
@@ -191,7 +195,8 @@ def solve_plan(cm: CostModel, req, uniform: UniformResult, *, deadline: float, w
     start = time.perf_counter()
     warm = uniform.fastest()
     search = ShapeSearch(cm, req, deadline=deadline, work_limit=work_limit,
-                         best=Incumbent(warm[0], warm[1], to_us(warm[1].step_time_s)) if warm else None)
+                         best=Incumbent(warm[0], warm[1], to_us(warm[1].step_time_s)) if warm else None,
+                         beat_us=beat_us)
     search.open(search.problems())
     search.primal()
     while search.queue:
@@ -220,12 +225,14 @@ class ShapeSearch:
     queue: list[Problem] = field(default_factory=list)  # problems still to solve, most promising first
     earlier: dict[tuple, ShapeResult] = field(default_factory=dict)  # first attempts out of work, to retry once
     work_used: float = 0.0
+    beat_us: int | None = None  # a faster plan of another schedule (``solve_plan``)
 
     def target(self) -> int:
         """What a shape must beat to be worth solving: the incumbent, less the gap the request
         accepts (``PlanRequest.gap``: a shape pruned or proven unable to beat this bounds the
         optimum within that gap)."""
-        return _target_us(self.best, self.req.gap)
+        target = _target_us(self.best, self.req.gap)
+        return target if self.beat_us is None else min(target, self.beat_us)
 
     def time_left(self) -> bool:
         return self.deadline - time.perf_counter() > 0
@@ -347,7 +354,10 @@ class ShapeSearch:
         # The model is the same with or without a gap (CP-SAT's path through it is sensitive to
         # its upper bound: one less than the incumbent either way); with a gap CP-SAT stops once
         # its own bound is within it.
-        r = solve_shape(p, upper_bound_us=best.us - 1 if best is not None else None, hint=hint, gap=req.gap,
+        ceiling = best.us if best is not None else None
+        if self.beat_us is not None:
+            ceiling = self.beat_us if ceiling is None else min(ceiling, self.beat_us)
+        r = solve_shape(p, upper_bound_us=ceiling - 1 if ceiling is not None else None, hint=hint, gap=req.gap,
                         time_limit_s=wall_left, workers=req.workers, seed=req.seed, fit=self.fits[p.key],
                         work_limit=work)
         self.work_used += r.work
@@ -396,7 +406,7 @@ class ShapeSearch:
             raise timeout_error(cm, req)
         uniform_us = to_us(uniform.best_eval.step_time_s) if uniform.best_eval is not None else 0
         report = _report(req, best, self.results, uniform_us, self.candidates,
-                         time.perf_counter() - start + uniform.wall_s)
+                         time.perf_counter() - start + uniform.wall_s, beat_us=self.beat_us)
         return layout_to_plan(cm, best.layout, global_batch=req.global_batch, solver=report)
 
 
@@ -450,7 +460,7 @@ def _primal_incumbent(cm: CostModel, queue: list[Problem], levels: dict[tuple, l
 
 
 def _report(req, best: Incumbent, results: list[ShapeResult], uniform_us: int, candidates: int,
-            wall_s: float) -> SolverReport:
+            wall_s: float, beat_us: int | None = None) -> SolverReport:
     """Status, bound and gap of the search: optimal only when the bound meets the plan within
     the integer rounding of its terms (every shape settled, or the bounds close enough)."""
     bound = min([best.us] + [r.bound_us for r in results])
@@ -462,7 +472,7 @@ def _report(req, best: Incumbent, results: list[ShapeResult], uniform_us: int, c
     # micro-batch the schedule's formula takes them, and its per-step terms (data-parallel sync,
     # the window that hides it, optimizer step) are rounded apart: three more.
     slack = (lay.num_micro_batches - 1 + lay.pp + 3) * (max(len(l) for l in lay.stage_layers) + 3) / 2
-    if exact and objective - bound > slack + req.gap * objective:
+    if exact and objective - bound > slack + req.gap * objective and (beat_us is None or bound < beat_us - slack):
         # A shape proven better than the plan returned means the solver and the evaluator
         # disagree on a cost; never call that optimal.
         log.warning("a shape's proven optimum (%d us) beats the plan returned (%d us): the CP-SAT model and the "

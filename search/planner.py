@@ -133,19 +133,29 @@ def work_limit(req: PlanRequest) -> float:
     return max(DEFAULT_WORK_LIMIT, req.time_limit_s or 0.0)
 
 
-def _consider_interleaved(cm: CostModel, req: PlanRequest, plan: Plan, uni: UniformResult, deadline: float) -> Plan:
+def _interleaved(cm: CostModel, req: PlanRequest, uni: UniformResult, deadline: float):
+    """The interleaved schedules' search over the grid's fastest pipelines, or None where the
+    request leaves no other schedule (no pipelines, or 1F1B alone)."""
+    from partita.search.interleaved import interleaved_search
+
+    pinned = req.space.schedules
+    if (req.space.pipeline and max(req.space.pipeline) < 2) or pinned == ("1f1b",):
+        return None
+    return interleaved_search(cm, global_batch=req.global_batch, space=req.space, candidates=uni.pipelined,
+                              deadline=deadline)
+
+
+def _consider_interleaved(cm: CostModel, req: PlanRequest, plan: Plan, uni: UniformResult, deadline: float,
+                          found=None) -> Plan:
     """The uniform grid's fastest pipelines under interleaved 1F1B, interleaved zero-bubble and
     ZB-V (``search/interleaved.py``): the fastest that fits replaces the 1F1B plan when it is
     faster. The 1F1B search's proof covers 1F1B plans only, so the plan then reports status
     "feasible", with the lower of the two searches' bounds (the post-pass's holds for every
     schedule it tries)."""
-    from partita.search.interleaved import interleaved_search
-
     pinned = req.space.schedules
-    if (req.space.pipeline and max(req.space.pipeline) < 2) or pinned == ("1f1b",):
+    found = found if found is not None else _interleaved(cm, req, uni, deadline)
+    if found is None:
         return plan  # no pipelines (every schedule is the same), or 1F1B alone asked for
-    found = interleaved_search(cm, global_batch=req.global_batch, space=req.space, candidates=uni.pipelined,
-                               deadline=deadline)
     forced = bool(pinned) and "1f1b" not in pinned  # the 1F1B plan is no answer
     if forced and found.best is None:
         raise InfeasibleError(f"no pipeline of {cm.model.name} on {req.cluster.short} runs under --schedule "
@@ -513,6 +523,7 @@ def _search(cm: CostModel, req: PlanRequest, deadline: float,
     if progress:
         progress("uniform grid")
     uni = uniform_search(cm, global_batch=req.global_batch, space=req.space, deadline=deadline)
+    found = None  # the interleaved schedules' search (``_interleaved``), once run
     if req.search == "uniform":
         if uni.best is None:
             raise infeasible_error(cm, uni, req.global_batch, req.space) if uni.complete else timeout_error(cm, req)
@@ -528,13 +539,21 @@ def _search(cm: CostModel, req: PlanRequest, deadline: float,
     else:
         from partita.search.cpsat import solve_plan
 
+        # The other schedules first: a faster interleaved plan prunes every 1F1B shape CP-SAT
+        # would otherwise prove unable to beat it (the 405B on 16,384 H100: 50 s -> see
+        # docs/benchmarks.md); the plan and its bound are the same.
+        if not cm.model.is_moe:
+            if progress:
+                progress("interleaved pipelines")
+            found = _interleaved(cm, req, uni, deadline)
+        beat = to_us(found.best_eval.step_time_s) if found is not None and found.best is not None else None
         if progress:
             progress("CP-SAT search")
-        plan = solve_plan(cm, req, uni, deadline=deadline, work_limit=work_limit(req))
+        plan = solve_plan(cm, req, uni, deadline=deadline, work_limit=work_limit(req), beat_us=beat)
     if time.perf_counter() < deadline and not cm.model.is_moe:  # mixtures of experts: 1F1B (docs/moe.md)
-        if progress:
+        if progress and found is None:
             progress("interleaved pipelines")
-        plan = _consider_interleaved(cm, req, plan, uni, deadline)
+        plan = _consider_interleaved(cm, req, plan, uni, deadline, found)
     if req.search == "cpsat" and cm.cp == 1 and not cm.model.is_moe and time.perf_counter() < deadline:
         # (replicas on several device types are dense models' only: the runtime's experts
         # assume one device type, and context parallelism's ranks are cp groups)
