@@ -226,19 +226,27 @@ def _shard_qkv(attn: Attention, x: torch.Tensor, layout: str) -> tuple[torch.Ten
     return q, k, v
 
 
-class AllToAllAttention(Attention):
-    """``Attention`` on a sequence shard: rotary at the shard's global positions, then
-    ``all_to_all_attention``. Same parameters and names as ``Attention`` (a class swap, made by
-    ``apply_all_to_all``), so tensor-parallel styles, FSDP and checkpoints see no difference."""
+class _ShardAttention(Attention):
+    """``Attention`` on a sequence shard: rotary at the shard's global positions, then the
+    variant's attention of the shards (``attend``). Same parameters and names as ``Attention``
+    (a class swap, made by ``_swap_all``), so tensor-parallel styles, FSDP and checkpoints see no
+    difference."""
 
     cp_group: dist.ProcessGroup
     cp_layout: str
+    attend: staticmethod
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s_local, _ = x.shape
         q, k, v = _shard_qkv(self, x, self.cp_layout)
-        out = all_to_all_attention(q, k, v, self.cp_group, layout=self.cp_layout)
+        out = self.attend(q, k, v, self.cp_group, layout=self.cp_layout)
         return self.wo(out.reshape(b, s_local, -1))
+
+
+class AllToAllAttention(_ShardAttention):
+    """``_ShardAttention`` by ``all_to_all_attention`` (``apply_all_to_all``)."""
+
+    attend = staticmethod(all_to_all_attention)
 
 
 class ShardEmbed(Embed):
@@ -353,18 +361,10 @@ def chunk_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, s
     return torch.cat(out, dim=2).transpose(1, 2)
 
 
-class AllGatherAttention(Attention):
-    """``Attention`` on a sequence shard: rotary at the shard's global positions, then
-    ``all_gather_attention`` (a class swap, as ``AllToAllAttention``)."""
+class AllGatherAttention(_ShardAttention):
+    """``_ShardAttention`` by ``all_gather_attention`` (``apply_all_gather``)."""
 
-    cp_group: dist.ProcessGroup
-    cp_layout: str
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s_local, _ = x.shape
-        q, k, v = _shard_qkv(self, x, self.cp_layout)
-        out = all_gather_attention(q, k, v, self.cp_group, layout=self.cp_layout)
-        return self.wo(out.reshape(b, s_local, -1))
+    attend = staticmethod(all_gather_attention)
 
 
 def apply_all_gather(model: nn.Module, cp: DeviceMesh | dist.ProcessGroup, *, layout: str = HEAD_TAIL) -> nn.Module:

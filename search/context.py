@@ -321,7 +321,7 @@ def cp_activation_bytes(kind: LayerKind, *, variant: str, cp: int, tp: int, micr
     sh = Shard.of(kind, tp=tp, micro_batch=micro_batch, seq_len=local, dtype=dtype)
     if variant == "all_gather":
         return base + gather_saved_bytes(batch=micro_batch, seq=seq_len, heads=sh.heads,
-                                         kv_heads=max(1, kind.kv_heads // tp), head_dim=sh.head_dim, elem=sh.elem,
+                                         kv_heads=rank_kv_heads(kind, tp), head_dim=sh.head_dim, elem=sh.elem,
                                          cp=cp)
     return base + sh.tokens * sh.heads * sh.head_dim * sh.elem
 
@@ -493,8 +493,7 @@ def attention_time(cm, group: NodeGroup, tp: int, micro_batch: int) -> Attention
         # before it and the gradients' reduce-scatters after its backward are exposed.
         whole = Shard.of(kind, tp=tp, micro_batch=micro_batch, seq_len=cm.plan_seq_len, dtype=cm.dtype)
         fwd, bwd = (t / cm.cp for t in attention_core_s(cm, device, whole))
-        traffic = gather_traffic(batch=micro_batch, seq=cm.plan_seq_len, kv_heads=max(1, kind.kv_heads // tp),
-                                 head_dim=local.head_dim, elem=cm.elem, cp=cm.cp)
+        traffic = block_gather_traffic(cm, tp, micro_batch)
         ag = sum(cm.collective_s("all_gather", m, cm.cp, link, device) for m in traffic.forward_messages)
         rs = sum(cm.collective_s("reduce_scatter", m, cm.cp, link, device) for m in traffic.backward_messages)
         return AttentionTime(fwd, bwd, ag, rs, local_f, local_b)
@@ -509,6 +508,20 @@ def attention_time(cm, group: NodeGroup, tp: int, micro_batch: int) -> Attention
                          local_f, local_b)
 
 
+def rank_kv_heads(kind: LayerKind, tp: int) -> int:
+    """The kv heads one tensor-parallel rank holds (one at least: tp beyond them replicates it)."""
+    return max(1, kind.kv_heads // tp)
+
+
+def block_gather_traffic(cm, tp: int, micro_batch: int) -> Traffic:
+    """``gather_traffic`` of one block of the cost model ``cm`` at tp: its K and V buffers, which
+    the attention also holds while it runs (``costs.memory.gather_memory``)."""
+    kind = cm.model.kinds["block"]
+    head_dim = Shard.of(kind, tp=tp, micro_batch=micro_batch, seq_len=cm.seq_len, dtype=cm.dtype).head_dim
+    return gather_traffic(batch=micro_batch, seq=cm.plan_seq_len, kv_heads=rank_kv_heads(kind, tp), head_dim=head_dim,
+                          elem=cm.elem, cp=cm.cp)
+
+
 def all_to_all_s(cm, group: NodeGroup, tp: int, micro_batch: int) -> float:
     """One attention forward's 4 all-to-alls (q, k, v, output) on the cp group's link; the
     backward runs the same 4 on the gradients. 0 for the ring."""
@@ -517,7 +530,7 @@ def all_to_all_s(cm, group: NodeGroup, tp: int, micro_batch: int) -> float:
     kind = cm.model.kinds["block"]
     sh = Shard.of(kind, tp=tp, micro_batch=micro_batch, seq_len=cm.seq_len, dtype=cm.dtype)
     traffic = all_to_all_traffic(batch=micro_batch, seq=cm.plan_seq_len, heads=sh.heads,
-                                 kv_heads=max(1, kind.kv_heads // tp), head_dim=sh.head_dim, elem=cm.elem, cp=cm.cp)
+                                 kv_heads=rank_kv_heads(kind, tp), head_dim=sh.head_dim, elem=cm.elem, cp=cm.cp)
     link = cp_link(cm, group, tp)
     return sum(cm.collective_s("all_to_all", m, cm.cp, link, group.device) for m in traffic.forward_messages)
 

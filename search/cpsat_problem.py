@@ -222,12 +222,19 @@ def build_problem(cm: CostModel, shape: Shape, space: SearchSpace) -> Problem | 
         return base
     # Under a price bound a shape has at most the stages its devices can buy: fewer slots (and
     # each group's stages) make a smaller model and a tighter work bound W (m - 1 + K) / K.
-    prices = tuple(shape.stage_size * device_price(g) for g in base.groups)
-    per_group, most = affordable_stages(base.stages_per_group, prices, space.price_cap)
-    slots = max(1, min(base.slots, most))
+    prices, per_group, slots = _price_bounded(shape, base.groups, base.stages_per_group, base.slots, space.price_cap)
     return dataclasses.replace(base, price_cap=space.price_cap, stage_price=prices, stages_per_group=per_group,
                                slots=slots, lower_bound_us=max(base.lower_bound_us, _lower_bound_us(
                                    cm, shape, base.block, base.embed, base.head, slots)))
+
+
+def _price_bounded(shape: Shape, groups: Sequence[NodeGroup], per_group: Sequence[int], slots: int,
+                   cap: int) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    """A shape's stage prices on ``groups``, and its stages per group and slots under the price
+    bound ``cap`` (``affordable_stages``; one slot at least)."""
+    prices = tuple(shape.stage_size * device_price(g) for g in groups)
+    each, most = affordable_stages(per_group, prices, cap)
+    return prices, each, max(1, min(slots, most))
 
 
 def affordable_stages(per_group: Sequence[int], prices: Sequence[int], cap: int) -> tuple[tuple[int, ...], int]:
@@ -362,8 +369,7 @@ def shape_bound_us(cm: CostModel, shape: Shape, space: SearchSpace) -> int | Non
     per_group = tuple(g.size // shape.stage_size for g in groups)
     slots = _slots(cm, shape, space, per_group)
     if space.price_cap is not None:  # as build_problem bounds it
-        prices = tuple(shape.stage_size * device_price(g) for g in groups)
-        slots = max(1, min(slots, affordable_stages(per_group, prices, space.price_cap)[1]))
+        slots = _price_bounded(shape, groups, per_group, slots, space.price_cap)[2]
 
     def least(role: str) -> int:
         return min(to_us(cm.layer_time(role, g, s, dp=shape.dp, micro_batch=shape.micro_batch).total_s)

@@ -36,7 +36,7 @@ from partita.devices import get_device
 from partita.model import LayerKind
 from partita.plan import boundary_split
 from partita.search.analytic import Shard, activation_bytes
-from partita.search.context import cp_activation_bytes, ring_kv_heads, ring_transient_bytes
+from partita.search.context import block_gather_traffic, cp_activation_bytes, ring_kv_heads, ring_transient_bytes
 from partita.search.engines import DEEPSPEED_REDUCE_BUCKET, largest_module_params
 from partita.units import GiB, MiB, loss_chunk_tokens, round_up_to_grain
 
@@ -210,9 +210,7 @@ def gather_memory(cm, m: LayerMemory, *, tp: int, micro_batch: int) -> LayerMemo
     """A block under the all-gather variant holds the gathered K and V of the whole sequence
     while its attention runs, forward and backward (``context.gather_traffic``'s buffers): a
     transient (beyond what its activations keep without recomputation, ``cp_activation_bytes``)."""
-    kind = cm.model.kinds["block"]
-    sh = Shard.of(kind, tp=tp, micro_batch=micro_batch, seq_len=cm.seq_len, dtype=cm.dtype)
-    extra = round_up_to_grain(2 * micro_batch * cm.plan_seq_len * max(1, kind.kv_heads // tp) * sh.head_dim * cm.elem)
+    extra = round_up_to_grain(sum(block_gather_traffic(cm, tp, micro_batch).forward_messages))
     return dataclasses.replace(m, transient=m.transient + extra, backward_own=m.backward_own + extra)
 
 
