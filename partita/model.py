@@ -225,6 +225,12 @@ class LayerKind:
 
     # ---- a mixture-of-experts block's parts (0 for others) ------------------------------
     @property
+    def moe_params(self) -> int:
+        """The MoE's weights (router, routed experts, shared expert and gate): what tensor
+        parallelism leaves whole, running them on each rank's tokens (``parallel.moe_tp_rule``)."""
+        return self.router_params + self.expert_params + self.shared_expert_params
+
+    @property
     def router_params(self) -> int:
         """The router: one hidden -> experts projection, no bias."""
         return self.hidden * self.experts

@@ -34,11 +34,10 @@ def tp_rule(kind: "LayerKind", tp: int) -> str | None:
         return None
     if tp < 1:
         return f"tensor-parallel degree must be >= 1, got {tp}"
-    if kind.role == "block" and kind.is_moe:
-        return (f"a mixture-of-experts block is not split by tensor parallelism (tp {tp}); its experts are "
-                f"split by expert parallelism (ep)")
     if kind.role == "block":
-        for what, n in (("heads", kind.heads), ("kv_heads", kind.kv_heads), ("ffn", kind.ffn)):
+        # A MoE block splits its attention only; its experts stay whole on each rank's tokens (moe_tp_rule).
+        split = (("heads", kind.heads), ("kv_heads", kind.kv_heads)) + ((("ffn", kind.ffn),) if not kind.is_moe else ())
+        for what, n in split:
             if n % tp:
                 return f"{what} {n} is not divisible by tensor-parallel degree {tp}"
     elif kind.vocab % tp:
@@ -67,6 +66,18 @@ def cp_rule(kind: "LayerKind", cp: int, *, tp: int = 1, variant: str = "all_to_a
     if seq_len % (2 * cp):
         what = "ring attention" if variant == "ring" else "all-gather context parallelism"
         return f"{what} needs the sequence length ({seq_len}) divisible by 2 x cp = {2 * cp}"
+    return None
+
+
+def moe_tp_rule(kind: "LayerKind", tp: int, sequence_parallel: bool) -> str | None:
+    """Why a mixture-of-experts block cannot run at tensor-parallel degree ``tp`` with or without
+    sequence parallelism, or None. Its attention is split tp ways; its MoE runs on each rank's
+    sequence shard with whole experts (tokens, not weights, are what tp splits there: Megatron-LM's
+    expert tensor parallelism 1), which needs the shards sequence parallelism makes (Megatron-LM
+    refuses MoE with tp > 1 without --sequence-parallel alike)."""
+    if kind.role == "block" and kind.is_moe and tp > 1 and not sequence_parallel:
+        return (f"a mixture-of-experts block at tp {tp} runs its experts on sequence shards: it needs "
+                "sequence parallelism (sequence_parallel true, --sp)")
     return None
 
 

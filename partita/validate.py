@@ -50,9 +50,8 @@ def _check_context_parallel(plan: Plan, model: ModelSpec, cluster: ClusterSpec) 
 
 def _check_expert_parallel(plan: Plan, model: ModelSpec) -> None:
     """Expert parallelism (docs/moe.md): ep divides the experts and dp (``parallel.ep_rule``);
-    not with context parallelism (the load-balancing loss is per whole sequence) nor replicas on
-    several node groups; a mixture-of-experts block recomputes all or nothing (selective
-    recomputation's kept products are not priced for routed experts)."""
+    not with replicas on several node groups; a mixture-of-experts block recomputes all or
+    nothing (selective recomputation's kept products are not priced for routed experts)."""
     if model.is_moe:
         for l in plan.layer_strategies():
             if model.role_of(l.name) == "block" and l.recompute == "selective":
@@ -61,9 +60,6 @@ def _check_expert_parallel(plan: Plan, model: ModelSpec) -> None:
         why = parallel.schedule_model_rule(plan.schedule, model)
         if why:
             raise PartitaError(why)
-        if plan.cp > 1:
-            raise PartitaError(f"context parallelism (cp {plan.cp}) of a mixture-of-experts model is not supported "
-                               "(its load-balancing loss is per whole sequence); use cp 1")
     if plan.ep == 1:
         return
     why = parallel.ep_rule(model.kinds["block"], plan.ep, plan.dp)
@@ -254,7 +250,8 @@ def _check_layers(plan: Plan, model: ModelSpec) -> None:
             where = f"stage {s.index} layer {l.name}"
             if l.tensor_parallel not in (1, plan.tp):
                 raise PartitaError(f"{where}: tensor_parallel {l.tensor_parallel} must be 1 or the stage's tp {plan.tp}")
-            why = parallel.tp_rule(model.kind_of(l.name), l.tensor_parallel)
+            why = (parallel.tp_rule(model.kind_of(l.name), l.tensor_parallel)
+                   or parallel.moe_tp_rule(model.kind_of(l.name), l.tensor_parallel, l.sequence_parallel))
             if why:
                 raise PartitaError(f"{where}: {why}")
             if l.sequence_parallel and l.tensor_parallel == 1:

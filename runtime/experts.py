@@ -84,6 +84,16 @@ def _expert_major(by_source: torch.Tensor) -> torch.Tensor:
     return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
 
 
+def apply_sequence_split(model: Transformer, meshes: Meshes) -> None:
+    """Under tensor (with sequence parallelism) or context parallelism every MoE block runs on
+    this rank's tokens of each sequence with whole experts, so its balancing loss sums its
+    statistics over the ``Meshes.seq`` ranks (``models.load_balance_loss``)."""
+    group = meshes.seq.get_group()
+    for module in model.modules():
+        if isinstance(module, MoE):
+            module.sequence_group = group
+
+
 def apply_expert_parallel(model: Transformer, meshes: Meshes) -> None:
     """Every MoE block of the stage keeps its ep rank's experts (the others deleted while still on
     the meta device) and dispatches over the ep group."""

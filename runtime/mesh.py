@@ -13,6 +13,13 @@ shards span dp x cp ranks. Under expert parallelism (ep > 1) ``dp`` is itself th
 all-to-alls) and ``dp_rep`` strides over the groups (each expert's replicas: its gradients are
 reduced and its ZeRO shards split there only). Every sub-mesh is a slice of this one mesh (FSDP2
 over tensor parallelism requires that).
+
+A mixture-of-experts block under tensor or context parallelism runs its MoE on this rank's
+sequence shard with whole (unsplit) experts, so the cp x tp ranks of a sequence are data
+replicas of the MoE's weights (docs/moe.md): they are sharded and reduced over ``moe_dp``, the
+data-parallel dims and ``cp`` and ``tp`` flattened, and an ep rank's experts over ``expert_dp``,
+(``dp_rep``, ``cp``, ``tp``) flattened; the balancing loss's per-sequence statistics are summed
+over ``seq`` (``cp`` x ``tp``).
 """
 
 from __future__ import annotations
@@ -95,14 +102,34 @@ class Meshes:
         return self.world["ep"]
 
     @property
+    def sequence_split(self) -> bool:
+        """Whether a rank holds part of each sequence's tokens in a MoE (cp x tp > 1)."""
+        return self.world["cp"].size() * self.world["tp"].size() > 1
+
+    @property
     def expert_dp(self) -> DeviceMesh:
-        """The replicas of this rank's experts (``dp_rep``): their ZeRO shards and gradient reductions."""
-        return self.world["dp_rep"]
+        """The replicas of this rank's experts (``dp_rep``, x cp x tp when the sequence is split):
+        their ZeRO shards and gradient reductions."""
+        return self.world["expert_dp" if self.sequence_split else "dp_rep"]
 
     @property
     def expert_dp_replicate(self) -> DeviceMesh:
-        """(``dp_rep``, ``dp_shard``): FSDP2's hybrid mode for ZeRO-0 experts (plain replication)."""
-        return self.world["dp_rep", "dp_shard"]
+        """(``expert_dp``, ``dp_shard``): FSDP2's hybrid mode for ZeRO-0 experts (plain replication)."""
+        return self.world["expert_dp" if self.sequence_split else "dp_rep", "dp_shard"]
+
+    @property
+    def moe_dp(self) -> DeviceMesh:
+        """The replicas of a MoE's weights when the sequence is split (``moe_dp``: dp x cp x tp)."""
+        return self.world["moe_dp"]
+
+    @property
+    def moe_dp_replicate(self) -> DeviceMesh:
+        return self.world["moe_dp", "dp_shard"]
+
+    @property
+    def seq(self) -> DeviceMesh:
+        """The cp x tp ranks that hold one sequence's tokens between them (``seq``)."""
+        return self.world["seq"]
 
 
 def rank_grid(plan: Plan) -> torch.Tensor:
@@ -112,14 +139,22 @@ def rank_grid(plan: Plan) -> torch.Tensor:
 
 
 def build_meshes(plan: Plan, device_type: str) -> Meshes:
-    """Build the world mesh for an initialised default process group (and, under context
-    parallelism, its flattened ``dp_cp`` dimension)."""
+    """Build the world mesh for an initialised default process group (and its flattened
+    dimensions: ``dp_cp`` under context parallelism; a mixture of experts' ``moe_dp``,
+    ``expert_dp`` and ``seq`` when the sequence is split, module docstring)."""
     if plan.ep > 1:  # dp = (dp_rep, ep), ep innermost: an ep group is ep consecutive dp indices
         grid = rank_grid(plan).view(plan.pp, plan.dp // plan.ep, plan.ep, 1, plan.cp, plan.tp)
         world = DeviceMesh(device_type, grid, mesh_dim_names=("pp", "dp_rep", "ep", "dp_shard", "cp", "tp"))
         world["dp_rep", "ep"]._flatten("dp")
-        return Meshes(world=world, place=RankPlace.of(plan, dist.get_rank()))
-    world = DeviceMesh(device_type, rank_grid(plan), mesh_dim_names=MESH_DIMS)
+        data_dims = ("dp_rep", "ep")
+    else:
+        world = DeviceMesh(device_type, rank_grid(plan), mesh_dim_names=MESH_DIMS)
+        data_dims = ("dp",)
     if plan.cp > 1:
-        world["dp", "cp"]._flatten("dp_cp")
+        world[(*data_dims, "cp")]._flatten("dp_cp")
+    if plan.model_spec.is_moe and plan.cp * plan.tp > 1:
+        world[(*data_dims, "cp", "tp")]._flatten("moe_dp")
+        world["cp", "tp"]._flatten("seq")
+        if plan.ep > 1:
+            world["dp_rep", "cp", "tp"]._flatten("expert_dp")
     return Meshes(world=world, place=RankPlace.of(plan, dist.get_rank()))

@@ -143,18 +143,44 @@ class _AddAuxLoss(torch.autograd.Function):
         return grad, torch.full(ctx.aux_shape, ctx.factor, dtype=torch.float32, device=grad.device), None
 
 
-def load_balance_loss(probs: torch.Tensor, chosen: torch.Tensor, *, sequences: int) -> torch.Tensor:
+class _SumOverShards(torch.autograd.Function):
+    """All-reduce (sum) over the ranks that split each sequence, with the identity as its
+    backward: the sum feeds a loss every one of those ranks computes alike, and each rank's part
+    of its gradient is the gradient of its own tokens' share (Megatron-LM's
+    reduce-from-tensor-parallel region)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        out = x.clone()
+        torch.distributed.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def load_balance_loss(probs: torch.Tensor, chosen: torch.Tensor, *, sequences: int, group=None) -> torch.Tensor:
     """The balancing loss of each sequence: E x sum_e f_e P_e, with f_e the share of the
     sequence's k x s routing slots that went to expert e and P_e the router's mean probability of
     e over its tokens (Switch Transformer's loss, taken per sequence as DeepSeek-V2's
     sequence-wise loss is). Per sequence so that a batch's loss is a mean over its sequences,
     whichever ranks and micro-batches they are split over. ``probs`` [b*s, E] fp32, ``chosen``
-    [b*s, k]; returns [b]."""
+    [b*s, k] of this rank's tokens; returns [b]. When ranks hold parts of each sequence (tensor
+    or context parallelism, ``group`` their process group), f_e's counts and P_e's sums are
+    summed over them first (one all-reduce of 2 b E fp32 values; Megatron-LM sums them over its
+    tp x cp group likewise), so every rank has the whole sequence's loss."""
     experts = probs.shape[-1]
     slots = chosen.view(sequences, -1)
-    share = torch.zeros(sequences, experts, device=probs.device).scatter_add_(
-        1, slots, torch.ones(slots.shape, device=probs.device)) / slots.shape[1]
-    return experts * (share * probs.view(sequences, -1, experts).mean(1)).sum(-1)
+    counts = torch.zeros(sequences, experts, device=probs.device).scatter_add_(
+        1, slots, torch.ones(slots.shape, device=probs.device))
+    sums = probs.view(sequences, -1, experts).sum(1)
+    tokens = torch.tensor(float(slots.shape[1] // chosen.shape[-1]), device=probs.device)
+    if group is not None:
+        stats = _SumOverShards.apply(torch.cat([counts, sums, tokens.expand(sequences, 1)], dim=1), group)
+        counts, sums, tokens = stats[:, :experts], stats[:, experts:2 * experts], stats[:, -1:]
+    k = chosen.shape[-1]
+    return experts * ((counts / (tokens * k)) * (sums / tokens)).sum(-1)
 
 
 class Experts(nn.ModuleDict):
@@ -193,6 +219,7 @@ class MoE(nn.Module):
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False, **kw) if shared_ffn else None
         self.aux_loss_factor = 1.0
         self.dispatch = self.run_local  # replaced under expert parallelism (runtime/experts.py)
+        self.sequence_group = None  # the ranks that split each sequence, if any (runtime/experts.py)
 
     def route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(fp32 router probabilities [t, E], chosen experts [t, k], their weights [t, k])."""
@@ -216,7 +243,7 @@ class MoE(nn.Module):
         if self.shared_expert is not None:
             y = y + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
         if self.training and torch.is_grad_enabled():
-            aux = load_balance_loss(probs, chosen, sequences=b).sum()
+            aux = load_balance_loss(probs, chosen, sequences=b, group=self.sequence_group).sum()
             y = _AddAuxLoss.apply(y, aux, AUX_LOSS_COEF * self.aux_loss_factor / b)
         return y.view(b, s, h)
 
@@ -350,7 +377,8 @@ def build_layer(spec: ModelSpec, role: str, *, tp: int = 1, device: str | torch.
         return Embed(spec, vocab=spec.vocab // tp, device=device, dtype=dtype)
     if role == "head":
         return Head(spec, vocab=spec.vocab // tp, device=device, dtype=dtype)
-    return Block(spec, heads=spec.heads // tp, kv_heads=spec.kv_heads // tp, ffn=spec.ffn // tp,
+    # A MoE block's experts stay whole under tp (on the rank's sequence shard: parallel.moe_tp_rule).
+    return Block(spec, heads=spec.heads // tp, kv_heads=spec.kv_heads // tp, ffn=spec.ffn if spec.is_moe else spec.ffn // tp,
                  device=device, dtype=dtype)
 
 

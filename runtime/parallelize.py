@@ -86,22 +86,28 @@ def _layout(strategy: LayerStrategy) -> str:
     return FULL if gives_whole(strategy.tensor_parallel, strategy.sequence_parallel) else SEQ
 
 
-def _block_styles(family: str, seq: bool) -> dict[str, object]:
+def _block_styles(family: str, seq: bool, moe: bool = False) -> dict[str, object]:
     """Megatron's split of a block: q/k/v and the MLP's first matrices by columns, the output
-    projections by rows; with sequence parallelism the norms run on sequence shards."""
+    projections by rows; with sequence parallelism the norms run on sequence shards. A
+    mixture-of-experts block (always with sequence parallelism, ``parallel.moe_tp_rule``) splits
+    its attention so and runs its MoE on the rank's sequence shard with whole experts: no
+    collective of its own (Megatron-LM's expert tensor parallelism of 1)."""
     out = Shard(1) if seq else Replicate()
     styles: dict[str, object] = {
         "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
         "attention.wo": RowwiseParallel(output_layouts=out),
-        "feed_forward.w1": ColwiseParallel(), "feed_forward.w2": RowwiseParallel(output_layouts=out),
     }
-    if family == "llama":
-        styles["feed_forward.w3"] = ColwiseParallel()
+    if not moe:
+        styles.update({"feed_forward.w1": ColwiseParallel(), "feed_forward.w2": RowwiseParallel(output_layouts=out)})
+        if family == "llama":
+            styles["feed_forward.w3"] = ColwiseParallel()
     if seq:
         gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
                                     use_local_output=True)
+        local = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),),
+                                   use_local_output=True)
         styles.update({"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel(),
-                       "attention": gather, "feed_forward": gather})
+                       "attention": gather, "feed_forward": local if moe else gather})
     return styles
 
 
@@ -132,12 +138,12 @@ def _convert(src: str, dst: str, *, inputs: bool) -> nn.Module | None:
                                use_local_output=True)
 
 
-def _layer_styles(role: str, family: str, seq: bool) -> dict[str, object]:
+def _layer_styles(role: str, family: str, seq: bool, moe: bool = False) -> dict[str, object]:
     if role == "embed":
         return _embed_styles(family, seq)
     if role == "head":
         return _head_styles(seq)
-    return _block_styles(family, seq)
+    return _block_styles(family, seq, moe)
 
 
 def boundary_layout(plan: Plan) -> str:
@@ -166,7 +172,7 @@ def apply_tensor_parallel(model: Transformer, stage: Stage, meshes: Meshes) -> N
             role = model.spec.role_of(strategy.name)
             takes, gives = _takes_gives(strategy, role)
             if strategy.tensor_parallel > 1:
-                parallelize_module(layer, mesh, _layer_styles(role, family, _layout(strategy) == SEQ))
+                parallelize_module(layer, mesh, _layer_styles(role, family, _layout(strategy) == SEQ, model.spec.is_moe))
             convert_in = _convert(previous, takes, inputs=True) if previous is not None else None
             if convert_in is not None:  # a hook on the layer itself, so recomputation replays it
                 parallelize_module(layer, mesh, convert_in)
@@ -276,7 +282,7 @@ def apply_fsdp(model: Transformer, stage: Stage, meshes: Meshes, mp_policy: Mixe
         if tied and strategy.name in ("embed", "head"):
             continue  # the tied pair shares a weight: it lives in the root unit (checked before)
         layer = model.get_submodule(strategy.name)
-        if meshes.expert_parallel:
+        if meshes.expert_parallel or (model.spec.is_moe and meshes.sequence_split):
             units += _shard_experts(layer, strategy, meshes, mp_policy)
         mesh = meshes.dp_replicate if strategy.zero == 0 else meshes.dp
         fully_shard(layer, mesh=mesh, reshard_after_forward=strategy.zero == 3, mp_policy=mp_policy)
@@ -292,21 +298,46 @@ def apply_fsdp(model: Transformer, stage: Stage, meshes: Meshes, mp_policy: Mixe
 
 def _shard_experts(layer: nn.Module, strategy: LayerStrategy, meshes: Meshes,
                    mp_policy: MixedPrecisionPolicy) -> list[ShardedLayer]:
-    """A block's experts as their own FSDP2 unit over their replicas (``Meshes.expert_dp``) at the
-    block's ZeRO level. Each expert's gradient already sums its ep group's tokens, so the
-    reduction divides by the whole dp (as the dense parameters' average does), not by the
-    replicas only (torchtitan's expert FSDP does the same).""" 
+    """A block's MoE weights as FSDP2 units of their own at the block's ZeRO level: under expert
+    parallelism its experts over their replicas (``Meshes.expert_dp``), and when the sequence is
+    split (tp or cp > 1) the whole MoE over ``Meshes.moe_dp`` (its router and shared expert; its
+    experts too without ep), since each of the cp x tp ranks of a sequence computes their
+    gradient on its own tokens. Each unit sums its ranks' gradients and divides by dp x cp, as the
+    dense parameters' average does: an expert's gradient already sums its ep group's tokens, and
+    the tp ranks' parts add up to the gradient of their sequences (torchtitan's expert FSDP
+    divides alike)."""
     from partita.runtime.models import MoE
 
     units = []
     for moe in [m for m in layer.modules() if isinstance(m, MoE)]:
-        mesh = meshes.expert_dp_replicate if strategy.zero == 0 else meshes.expert_dp
-        fully_shard(moe.experts, mesh=mesh, reshard_after_forward=strategy.zero == 3, mp_policy=mp_policy)
-        moe.experts.set_gradient_divide_factor(float(meshes.dp.size()))
-        if mesh.size() > 1:  # a sum, then the division (gloo has no PREMUL_SUM); on one rank torch divides
-            moe.experts.set_force_sum_reduction_for_comms(True)  # without a collective, and would divide twice
-        units.append(ShardedLayer(name=f"{strategy.name}.experts", module=moe.experts, zero=strategy.zero))
+        parts = []
+        if meshes.expert_parallel:
+            parts.append((moe.experts, "experts", meshes.expert_dp_replicate if strategy.zero == 0 else meshes.expert_dp))
+        if meshes.sequence_split:
+            parts.append((moe, "moe", meshes.moe_dp_replicate if strategy.zero == 0 else meshes.moe_dp))
+        for module, what, mesh in parts:
+            fully_shard(module, mesh=mesh, reshard_after_forward=strategy.zero == 3, mp_policy=mp_policy)
+            _divide_gradients(module, mesh, float(meshes.dp.size()), hybrid=strategy.zero == 0)
+            name = f"{strategy.name}.experts" if what == "experts" else f"{strategy.name}.feed_forward"
+            units.append(ShardedLayer(name=name, module=module, zero=strategy.zero))
     return units
+
+
+def _divide_gradients(module: FSDPModule, mesh, factor: float, *, hybrid: bool) -> None:
+    """A unit's reduced gradient is the sum over ``mesh`` divided by ``factor``. Sharded: FSDP2's
+    own divide factor, the reduction forced to a sum (gloo has no PREMUL_SUM; on one rank torch
+    divides without a collective, and would divide twice). Hybrid mode (ZeRO 0, one-rank shards):
+    FSDP2 applies a custom factor twice there (its one-rank copy, then the post-division: a
+    gradient 1/factor too small, measured with ep 2 x dp_rep 2), so it averages over the mesh and
+    an all-reduce hook rescales the average to the sum / ``factor``."""
+    if hybrid:
+        scale = mesh.size() / factor
+        if scale != 1.0:
+            module.set_all_reduce_hook(lambda grad: grad.mul_(scale))
+        return
+    module.set_gradient_divide_factor(factor)
+    if mesh.size() > 1:
+        module.set_force_sum_reduction_for_comms(True)
 
 
 def set_backward_prefetch(root: FSDPModule, stage: Stage, units: list[ShardedLayer]) -> None:
@@ -383,6 +414,10 @@ def parallelize_stage(model: Transformer, plan: Plan, meshes: Meshes, *, device:
         apply_tensor_parallel(model, stage, meshes)
     if plan.cp > 1:
         apply_context_parallel(model, plan, meshes)
+    if model.spec.is_moe and meshes.sequence_split:
+        from partita.runtime.experts import apply_sequence_split
+
+        apply_sequence_split(model, meshes)
     apply_recompute(model, stage)
     if plan.tp > 1:
         apply_stage_ends(model, stage, meshes, boundary_layout(plan))

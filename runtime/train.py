@@ -216,7 +216,8 @@ class Trainer:
         mixed = compute_dtype != torch.float32
         mp_policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32) if mixed else None
         # FSDP2 over one rank shards and reduces nothing; it stays only where it brings mixed precision.
-        use_fsdp = plan.dp * plan.cp > 1 or mixed  # cp ranks hold partial gradients: averaged over dp x cp
+        # cp ranks hold partial gradients (averaged over dp x cp), and so do the tp ranks of a MoE
+        use_fsdp = plan.dp * plan.cp > 1 or mixed or (spec.is_moe and plan.tp > 1)
 
         self.model = build_model(spec)  # meta: nothing is allocated for layers this rank does not own
         init = None
@@ -294,7 +295,8 @@ class Trainer:
             def one_step() -> tuple[torch.Tensor | None, float]:
                 scale = self.scaler.get_scale() if self.scaler else 1.0
                 if self.spec.is_moe:  # the balancing loss is scaled as the micro-batches' losses are
-                    set_aux_loss_factor(self.model, scale * self._loss_factor())
+                    # x cp: each cp rank's loss is its own tokens' mean, its gradient averaged over cp
+                    set_aux_loss_factor(self.model, scale * self._loss_factor() * plan.cp)
                 with self._ring_context(inputs, targets):
                     loss_sum = self.runner.run(inputs, targets, scale)
                 return loss_sum, self._update(pp_group)

@@ -55,10 +55,18 @@ class Shard:
     ffn: int
     vocab: int
     elem: int  # bytes per element of the compute dtype
+    # A mixture of experts under tensor parallelism runs its MoE on the rank's 1/tp of the tokens
+    # with whole experts (``parallel.moe_tp_rule``): ``ffn`` is then whole and this is tp.
+    moe_split: int = 1
 
     @property
     def tokens(self) -> int:
         return self.batch * self.seq
+
+    @property
+    def moe_tokens(self) -> int:
+        """The tokens this rank's MoE runs (its sequence shard under tensor parallelism)."""
+        return self.tokens // self.moe_split
 
     @classmethod
     def of(cls, kind: LayerKind, *, tp: int, micro_batch: int, seq_len: int, dtype: str) -> "Shard":
@@ -70,9 +78,10 @@ class Shard:
         if kind.learned_positions and seq_len > kind.learned_positions:
             raise PartitaError(f"sequence length {seq_len} exceeds the model's {kind.learned_positions} learned "
                                f"positions; train with seq_len <= {kind.learned_positions}")
+        moe = kind.role == "block" and kind.is_moe
         return cls(batch=micro_batch, seq=seq_len, hidden=kind.hidden, heads=kind.heads // tp,
-                   kv_heads=kind.kv_heads // tp, head_dim=kind.head_dim, ffn=kind.ffn // tp,
-                   vocab=kind.vocab // tp, elem=element_bytes(dtype))
+                   kv_heads=kind.kv_heads // tp, head_dim=kind.head_dim, ffn=kind.ffn if moe else kind.ffn // tp,
+                   vocab=kind.vocab // tp, elem=element_bytes(dtype), moe_split=tp if moe else 1)
 
 
 # ---- what the forward runs ------------------------------------------------------------------
@@ -85,11 +94,13 @@ def forward_matmuls(kind: LayerKind, sh: Shard) -> list[tuple[str, int, int, int
         return [("output", t, sh.vocab, h)]
     attention = [("wq", t, q, h), ("wk", t, kv, h), ("wv", t, kv, h), ("wo", t, h, q)]
     if kind.is_moe:  # the router, the k expert rows of every token (balanced), the shared expert
-        routed = t * kind.experts_per_token
-        moe = [("router", t, kind.experts, h), ("w1", routed, f, h), ("w3", routed, f, h), ("w2", routed, h, f)]
+        tm = sh.moe_tokens
+        routed = tm * kind.experts_per_token
+        moe = [("router", tm, kind.experts, h), ("w1", routed, f, h), ("w3", routed, f, h), ("w2", routed, h, f)]
         if kind.shared_expert_ffn:
             sf = kind.shared_expert_ffn
-            moe += [("shared w1", t, sf, h), ("shared w3", t, sf, h), ("shared w2", t, h, sf), ("shared gate", t, 1, h)]
+            moe += [("shared w1", tm, sf, h), ("shared w3", tm, sf, h), ("shared w2", tm, h, sf),
+                    ("shared gate", tm, 1, h)]
         return attention + moe
     if kind.family == "llama":
         return attention + [("w1", t, f, h), ("w3", t, f, h), ("w2", t, h, f)]
@@ -139,8 +150,8 @@ def moe_elementwise(kind: LayerKind, sh: Shard) -> list[tuple[str, float]]:
     """A mixture-of-experts MLP's memory-bound kernels (``runtime.models.MoE``): the router's
     fp32 softmax and top-k, the gather of each token's k rows grouped by expert and their
     scatter back, SwiGLU's activation on the expert rows, the weighted sum of a token's k
-    outputs, and the shared expert's activation and gate."""
-    e, t, h, k = sh.elem, sh.tokens, sh.hidden, kind.experts_per_token
+    outputs, and the shared expert's activation and gate (on the rank's MoE tokens)."""
+    e, t, h, k = sh.elem, sh.moe_tokens, sh.hidden, kind.experts_per_token
     rows = t * k * h * e  # the k expert rows of every token
     mlp = t * k * sh.ffn * e
     ops = [("router softmax", t * kind.experts * (e + 8)), ("top-k", t * kind.experts * 4),
@@ -157,8 +168,8 @@ def moe_activation_bytes(kind: LayerKind, sh: Shard) -> int:
     before its MLP (its norm's output, counted there): the router's fp32 probabilities and the
     chosen weights, the k gathered rows every token sends to its experts (each expert's w1 and
     w3 input), SwiGLU's four ffn-wide tensors on those rows, the experts' outputs (the weighted
-    sum's input), and the shared expert's SwiGLU and gate."""
-    e, t, h, k = sh.elem, sh.tokens, sh.hidden, kind.experts_per_token
+    sum's input), and the shared expert's SwiGLU and gate (on the rank's MoE tokens)."""
+    e, t, h, k = sh.elem, sh.moe_tokens, sh.hidden, kind.experts_per_token
     kept = t * kind.experts * 4 + t * k * (INDEX_BYTES + e) + 2 * t * k * h * e + 4 * t * k * sh.ffn * e
     if kind.shared_expert_ffn:
         kept += 4 * t * kind.shared_expert_ffn * e + 2 * t * e
@@ -336,6 +347,8 @@ def activation_bytes(kind: LayerKind, *, tp: int, micro_batch: int, seq_len: int
             raise PartitaError(f"selective recomputation applies to decoder blocks, not the {kind.role}")
         return t * h * e // sp + e * sum(m * n for _, m, n, _ in forward_matmuls(kind, sh)[:-1])
     norm_output = t * h * e  # saved by the linears that follow the norm
+    # A MoE under tensor parallelism takes its norm's output on the rank's sequence shard.
+    ffn_input = norm_output // sh.moe_split
     if kind.role == "head":
         loss = t * sh.vocab * 4 + t * INDEX_BYTES + 4
         return _norm_bytes(kind, sh, on_cpu) // sp + norm_output + loss
@@ -346,7 +359,7 @@ def activation_bytes(kind: LayerKind, *, tp: int, micro_batch: int, seq_len: int
     else:
         rotary = 0
         mlp = 2 * t * sh.ffn * e
-    return 2 * (_norm_bytes(kind, sh, on_cpu) // sp + norm_output) + attention + rotary + mlp
+    return 2 * (_norm_bytes(kind, sh, on_cpu) // sp) + norm_output + ffn_input + attention + rotary + mlp
 
 
 def _norm_bytes(kind: LayerKind, sh: Shard, on_cpu: bool) -> int:
@@ -371,13 +384,13 @@ def param_bytes(kind: LayerKind, *, tp: int, dtype: str) -> int:
         return e * (kind.vocab // tp * h + kind.learned_positions * h)
     if kind.role == "head":
         return e * (kind.vocab // tp * h + norm)
-    split = kind.matmul_params // tp
+    split = (kind.matmul_params - kind.moe_params) // tp
+    replicated = kind.moe_params  # a MoE's weights stay whole under tensor parallelism
     if kind.family == "gpt2":
         split += (q + 2 * kv + kind.ffn) // tp  # wq, wk, wv, w1 biases
-        replicated = 2 * h  # wo and w2 biases
+        replicated += 2 * h  # wo and w2 biases
     else:
         split += (q + 2 * kv) // tp if kind.qkv_bias else 0
-        replicated = 0
     return e * (split + replicated + 2 * norm)
 
 

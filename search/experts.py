@@ -22,8 +22,17 @@ bytes an element (``runtime.experts`` runs exactly this):
   router, shared expert) is sharded over dp. The expert part's transient terms (its
   ZeRO gathers, its unsharded gradient) add to the dense part's (an upper bound).
 
+Under tensor parallelism (with sequence parallelism, ``parallel.moe_tp_rule``) a MoE block splits
+its attention tp ways and runs its MoE on the rank's 1/tp of the tokens with whole experts
+(``analytic.Shard.moe_split``): one all-gather and one reduce-scatter a pass (the attention's),
+the all-to-alls carry the rank's t/tp tokens, and the MoE's weights are replicated over the tp
+ranks, which are data replicas of them: they are sharded and reduced over dp x cp x tp (the
+experts over dp x cp / ep x tp), ``moe_parts``. Under tp or cp the balancing loss sums its
+per-sequence statistics over the cp x tp ranks: one all-reduce of (2 E + 1) b fp32 values a
+forward (``sequence_stats_s``).
+
 ep must divide the experts and dp. The cost model (``costs.model.CostModel``) adds these terms to
-a block when its layout has ep > 1: its time here (``with_ep_time``, ``zero_traffic``), its memory
+a block when its layout has ep > 1: its time here (``with_moe_time``, ``zero_traffic``), its memory
 in ``costs.memory.expert_memory``, where a layout whose dp ep does not divide is priced as not
 fitting (``costs.memory.UNRUNNABLE_BYTES``). The grid and CP-SAT search it unchanged.
 """
@@ -65,6 +74,36 @@ class AllToAllBytes:
         return AllToAllBytes(self.buffer * n, self.wire * n, self.forward * n, self.backward * n)
 
 
+@dataclass(frozen=True)
+class MoePart:
+    """Weights of a MoE block sharded apart from its dense part: ``params`` on the rank, whose
+    replicas are dp x cp / ``ep`` x ``split`` ranks; ``local_experts`` whole experts among them."""
+
+    params: int
+    ep: int
+    split: int
+    local_experts: int
+
+    def replicas(self, dp: int, cp: int) -> int:
+        return dp * cp // self.ep * self.split
+
+
+def moe_parts(cm, role: str, tp: int) -> tuple[MoePart, ...]:
+    """The parts of a ``role`` layer at tensor-parallel degree ``tp`` that are sharded apart
+    (module docstring): under ep the rank's E/ep experts; under tp the MoE's other weights
+    (router, shared expert, and the experts at ep 1). None for other layers."""
+    kind = cm.model.kinds[role]
+    if role != "block" or not kind.is_moe:
+        return ()
+    parts = []
+    if cm.ep > 1:
+        parts.append(MoePart(cm.expert_params(), cm.ep, tp, kind.experts // cm.ep))
+    if tp > 1:
+        rest = kind.moe_params - (kind.expert_params if cm.ep > 1 else 0)
+        parts.append(MoePart(rest, 1, tp, kind.experts if cm.ep == 1 else 0))
+    return tuple(parts)
+
+
 def check_layout(model: ModelSpec, ep: int, imbalance: float) -> None:
     """Raise unless the cost model can price expert parallelism of degree ``ep`` with the busiest
     expert rank receiving ``imbalance`` x the balanced share of tokens."""
@@ -76,13 +115,13 @@ def check_layout(model: ModelSpec, ep: int, imbalance: float) -> None:
         raise PartitaError(f"the routing imbalance is the busiest rank's tokens over the mean: >= 1, got {imbalance}")
 
 
-def all_to_all_bytes(cm, *, recompute: str, micro_batch: int) -> AllToAllBytes:
+def all_to_all_bytes(cm, *, recompute: str, micro_batch: int, tp: int = 1) -> AllToAllBytes:
     """The all-to-alls of one MoE block per rank and micro-batch at the cost model ``cm``'s ep
-    (none at ep 1): module docstring."""
+    (none at ep 1), on the rank's 1/tp of the tokens: module docstring."""
     ep, model = cm.ep, cm.model
     if ep == 1 or not model.is_moe:
         return AllToAllBytes(0, 0.0, (), ())
-    rows = micro_batch * cm.seq_len * model.experts_per_token * model.hidden * cm.elem
+    rows = micro_batch * cm.seq_len // tp * model.experts_per_token * model.hidden * cm.elem
     forward = (COUNT_BYTES * model.experts, rows, rows)
     backward = (rows, rows) + (forward if recompute != "none" else ())
     buffer = sum(forward) + sum(backward)
@@ -97,7 +136,7 @@ def ep_link(cm, group: NodeGroup, tp: int) -> Link:
 
 def all_to_all_s(cm, group: NodeGroup, tp: int, micro_batch: int, recompute: str) -> tuple[float, float]:
     """(forward, backward) seconds of one block's all-to-alls on the ep group's link."""
-    traffic = all_to_all_bytes(cm, recompute=recompute, micro_batch=micro_batch)
+    traffic = all_to_all_bytes(cm, recompute=recompute, micro_batch=micro_batch, tp=tp)
     link = ep_link(cm, group, tp)
     price = lambda sizes: sum(cm.collective_s("all_to_all", b, cm.ep, link, group.device)  # noqa: E731
                               for b in sizes)
@@ -113,35 +152,54 @@ def imbalance_s(cm, group: NodeGroup, tp: int, micro_batch: int, recompute: str)
     kind = cm.model.kinds["block"]
     dev = get_device(group.device)
     sh = Shard.of(kind, tp=tp, micro_batch=micro_batch, seq_len=cm.seq_len, dtype=cm.dtype)
-    rows = sh.tokens * kind.experts_per_token
+    rows = sh.moe_tokens * kind.experts_per_token
     f, h = sh.ffn, sh.hidden
     products = 2 * matmul_time_s(dev, rows, f, h, cm.dtype) + matmul_time_s(dev, rows, h, f, cm.dtype)
     extra = (cm.moe_imbalance - 1.0) * cm.time_constants(group.device).compute_scale * products
     return extra, 2 * extra + (extra if recompute != "none" else 0.0)
 
 
+def sequence_stats_s(cm, group: NodeGroup, tp: int, micro_batch: int, recompute: str) -> tuple[float, float]:
+    """(forward, backward) seconds of the balancing loss's all-reduce over the cp x tp ranks of
+    each sequence (module docstring): once a forward, again when the block is recomputed."""
+    if cm.cp * tp == 1:
+        return 0.0, 0.0
+    nbytes = (2 * cm.model.experts + 1) * micro_batch * 4
+    one = cm.collective_s("all_reduce", nbytes, cm.cp * tp, link_within(cm.real_cluster.group(group.name), cm.cp * tp),
+                          group.device)
+    return one, one if recompute != "none" else 0.0
+
+
 def zero_traffic(cm, group: NodeGroup, *, tp: int, zero: int, dp: int) -> tuple[float, float, float]:
-    """The block's experts' ZeRO traffic (``layer_time.zero_traffic``) over their dp/ep replicas
-    (x cp), on the data-parallel group's link."""
-    replicas = dp * cm.cp
-    return params_zero_traffic(cm, cm.expert_params(), group, tp=tp, zero=zero, replicas=replicas // cm.ep,
-                               dlink=cm.dp_link(group, replicas, tp), local_experts=cm.model.experts // cm.ep)
+    """The ZeRO traffic (``layer_time.zero_traffic``) of a block's MoE parts (``moe_parts``),
+    each over its replicas, on the data-parallel group's link."""
+    total = (0.0, 0.0, 0.0)
+    for part in moe_parts(cm, "block", tp):
+        replicas = part.replicas(dp, cm.cp)
+        t = params_zero_traffic(cm, part.params, group, tp=tp, zero=zero, replicas=replicas,
+                                dlink=cm.dp_link(group, replicas, tp), local_experts=part.local_experts)
+        total = tuple(a + b for a, b in zip(total, t))
+    return total
 
 
-def with_ep_time(cm, t, group: NodeGroup, *, tp: int, zero: int, recompute: str, dp: int, micro_batch: int):
-    """A block's ``costs.layer_time.LayerTime`` ``t`` (the dense part's, with the experts' ZeRO
-    traffic beside its compute: ``zero_traffic``) with the all-to-alls, the imbalance's extra
-    expert compute and the experts' optimizer update added."""
-    replicas = dp * cm.cp // cm.ep
-    a2a_f, a2a_b = all_to_all_s(cm, group, tp, micro_batch, recompute)
-    imb_f, imb_b = imbalance_s(cm, group, tp, micro_batch, recompute)
+def with_moe_time(cm, t, group: NodeGroup, *, tp: int, zero: int, recompute: str, dp: int, micro_batch: int):
+    """A MoE block's ``costs.layer_time.LayerTime`` ``t`` (the dense part's, with its MoE parts'
+    ZeRO traffic beside its compute: ``zero_traffic``) with the all-to-alls, the imbalance's
+    extra expert compute, the balancing loss's all-reduce and the MoE parts' optimizer update
+    added."""
+    a2a_f, a2a_b = all_to_all_s(cm, group, tp, micro_batch, recompute) if cm.ep > 1 else (0.0, 0.0)
+    imb_f, imb_b = imbalance_s(cm, group, tp, micro_batch, recompute) if cm.ep > 1 else (0.0, 0.0)
+    st_f, st_b = sequence_stats_s(cm, group, tp, micro_batch, recompute)
     k = cm.time_constants(group.device)
-    shard = replicas if zero >= 1 and replicas > 1 else 1
-    local = cm.expert_params() // shard
     stream = cm.weight_stream_gbps(group.device)
-    optimizer = cpu_adam_s(local, stream) if stream is not None else k.compute_scale * optimizer_s(group, local)
-    # The all-to-alls are on the critical path (counted with tp's collectives).
+    optimizer = 0.0
+    for part in moe_parts(cm, "block", tp):
+        replicas = part.replicas(dp, cm.cp)
+        local = part.params // (replicas if zero >= 1 and replicas > 1 else 1)
+        optimizer += cpu_adam_s(local, stream) if stream is not None else k.compute_scale * optimizer_s(group, local)
+    # The all-to-alls and the statistics' all-reduce are on the critical path (counted with tp's collectives).
+    comm_f, comm_b = a2a_f + st_f, a2a_b + st_b
     return dataclasses.replace(
-        t, forward_s=t.forward_s + a2a_f + imb_f, backward_s=t.backward_s + a2a_b + imb_b,
-        compute_s=t.compute_s + imb_f + imb_b, tp_comm_s=t.tp_comm_s + a2a_f + a2a_b,
+        t, forward_s=t.forward_s + comm_f + imb_f, backward_s=t.backward_s + comm_b + imb_b,
+        compute_s=t.compute_s + imb_f + imb_b, tp_comm_s=t.tp_comm_s + comm_f + comm_b,
         optimizer_s=t.optimizer_s + optimizer)

@@ -35,6 +35,8 @@ PLANS = {
     "ep2-dp2-zero3": with_ep(make_plan(MOE, dp=4, layer=dict(zero=3), per_layer={"head": dict(zero=0)}), 2),
     "ep2-shared-zero0-recompute": with_ep(make_plan(SHARED, dp=2, layer=dict(zero=0, recompute="full")), 2),
     "ep2-pp2": with_ep(make_plan(MOE, dp=2, pp=2, boundaries=[1], layer=dict(zero=2)), 2),
+    # two replicas of each expert at ZeRO 0 (FSDP2's hybrid mode: parallelize._divide_gradients)
+    "ep2-dp4-zero0": with_ep(make_plan(MOE, dp=4, layer=dict(zero=0)), 2),
 }
 
 
@@ -135,3 +137,57 @@ def test_expert_parallel_plans_are_validated():
         validate_plan(make_plan(MOE, dp=2, layer=dict(recompute="selective")), spec, cluster)
     with pytest.raises(PartitaError, match="mixture-of-experts model"):
         validate_plan(with_ep(make_plan("tiny-llama", dp=2), 2), BUILTIN["tiny-llama"], cluster)
+
+
+# Tensor and context parallelism of a mixture of experts (docs/moe.md): the attention split tp
+# ways with sequence parallelism, the MoE on each rank's sequence shard with whole experts; the
+# balancing loss's statistics summed over the cp x tp ranks of each sequence.
+TP2 = dict(tensor_parallel=2, sequence_parallel=True)
+SPLIT_PLANS = {
+    "tp2-dp2-zero1": make_plan(MOE, dp=2, tp=2, layer=dict(TP2, zero=1)),
+    "tp2-ep2-zero3": with_ep(make_plan(MOE, dp=2, tp=2, layer=dict(TP2, zero=3), per_layer={"head": dict(TP2, zero=0)}), 2),
+    "tp2-shared-recompute-pp2": make_plan(SHARED, tp=2, pp=2, boundaries=[1], layer=dict(TP2, recompute="full")),
+    "cp2-dp2-zero2": make_plan(MOE, dp=2, cp=2, layer=dict(zero=2)),
+    "cp2-ep2-shared": with_ep(make_plan(SHARED, dp=2, cp=2, layer=dict(zero=0)), 2),
+    "cp2-tp2-all-gather": make_plan(MOE, cp=2, tp=2, cp_variant="all_gather", layer=dict(TP2)),
+}
+
+
+@pytest.mark.parametrize("name", list(SPLIT_PLANS))
+def test_a_moe_under_tensor_or_context_parallelism_trains_like_one_process(name, tmp_path):
+    plan = SPLIT_PLANS[name]
+    validate_plan(plan, plan.model_spec, parse_short("4xcpu" if plan.world_size <= 4 else "8xcpu"))
+    cfg = dataclasses.replace(CFG, metrics=str(tmp_path / "metrics.jsonl"))
+    losses, params = run_parallel(plan, cfg)
+    ref_losses, ref_params = run_reference(plan, cfg)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-5)
+    assert set(params) == set(ref_params)
+    for key, ref in ref_params.items():
+        torch.testing.assert_close(params[key], ref, rtol=1e-4, atol=5e-5, msg=lambda m: f"{key}: {m}")
+    assert losses[-1] != losses[0]
+
+
+def test_all_to_all_bytes_on_sequence_shards_match_the_cost_model():
+    """At tp 2 each rank dispatches its own sequence shard: half the rows of tp 1."""
+    from partita.search.costs.model import CostModel
+    from partita.search.experts import AllToAllBytes, all_to_all_bytes
+
+    plan = SPLIT_PLANS["tp2-ep2-zero3"]
+    cfg = dataclasses.replace(CFG, steps=1)
+    counted = run_ranks(_count_rank, plan.world_size, plan.to_dict(), cfg)
+    cm = CostModel(MOE, parse_short("4xcpu"), seq_len=plan.seq_len, dtype=plan.dtype).at_ep(plan.ep)
+    blocks = [l for l in plan.layer_strategies() if MOE.role_of(l.name) == "block"]
+    predicted = sum((all_to_all_bytes(cm, recompute=l.recompute, micro_batch=plan.micro_batch, tp=plan.tp)
+                     for l in blocks), AllToAllBytes(0, 0.0, (), ())) * plan.num_micro_batches
+    assert sum(c["buffer"] for c in counted) == plan.world_size * predicted.buffer
+    assert predicted.buffer < all_to_all_bytes(cm, recompute="none", micro_batch=plan.micro_batch).buffer * len(blocks) * 2
+
+
+def test_moe_tensor_and_context_parallel_plans_are_validated():
+    cluster = parse_short("4xcpu")
+    no_sp = make_plan(MOE, dp=2, tp=2, layer=dict(tensor_parallel=2))
+    with pytest.raises(PartitaError, match="needs sequence parallelism"):
+        validate_plan(no_sp, MOE, cluster)
+    validate_plan(SPLIT_PLANS["cp2-dp2-zero2"], MOE, cluster)  # cp of a mixture of experts runs
+    with pytest.raises(PartitaError, match="selective"):
+        validate_plan(make_plan(MOE, dp=2, tp=2, layer=dict(TP2, recompute="selective")), MOE, cluster)

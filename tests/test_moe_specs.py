@@ -68,7 +68,13 @@ def test_expert_parallel_limits():
     assert "not divisible by expert-parallel degree 3" in parallel.ep_rule(block, 3, dp=3)
     assert "data-parallel degree 2" in parallel.ep_rule(block, 4, dp=2)
     assert "mixture-of-experts" in parallel.ep_rule(BUILTIN["tiny-llama"].kinds["block"], 2, dp=2)
-    assert "expert parallelism" in parallel.tp_rule(block, 2)
+    # tp splits a MoE block's attention (heads 4, kv heads 2) and leaves its experts whole, on
+    # sequence shards: it needs sequence parallelism
+    assert parallel.tp_rule(block, 2) is None
+    assert "kv_heads 2 is not divisible by tensor-parallel degree 4" in parallel.tp_rule(block, 4)
+    assert "sequence parallelism" in parallel.moe_tp_rule(block, 2, sequence_parallel=False)
+    assert parallel.moe_tp_rule(block, 2, sequence_parallel=True) is None
+    assert parallel.moe_tp_rule(BUILTIN["tiny-llama"].kinds["block"], 2, sequence_parallel=False) is None
 
 
 def test_qwen2_moe_with_dense_layers_is_refused():

@@ -98,6 +98,8 @@ def layer_time(cm, role: str, group: NodeGroup, *, tp: int, sp: bool, zero: int,
     link = cm.tp_link(group, tp)
     # TP collectives: (forward, backward) counts of activation-sized all-reduces.
     n_fwd, n_bwd = {"embed": (1, 0), "block": (2, 2), "head": (0, 1)}[role]
+    if role == "block" and cm.model.is_moe:  # the attention's pair only: the MoE runs on sequence shards
+        n_fwd, n_bwd = 1, 1
     one = cm.collective_s("all_reduce", act_bytes, tp, link, device)
     if sp:  # all-gather + reduce-scatter of the same volume, and ring steps
         one = (cm.collective_s("all_gather", act_bytes, tp, link, device)

@@ -100,8 +100,11 @@ def layer_memory(cm, role: str, device: str, *, tp: int, sp: bool, zero: int, re
         m = ring_memory(cm, m, tp=tp, micro_batch=micro_batch)
     if cm.cp > 1 and cm.cp_variant == "all_gather":
         m = gather_memory(cm, m, tp=tp, micro_batch=micro_batch)
-    if cm.ep > 1:
-        m = expert_memory(cm, m, zero=zero, dp=dp, num_micro_batches=num_micro_batches)
+    if cm.model.is_moe and dp % cm.ep:
+        return dataclasses.replace(m, weights=UNRUNNABLE_BYTES)
+    for part in cm.moe_parts(role, tp):
+        m = expert_memory(cm, m, params=part.params, replicas=part.replicas(dp, cm.cp), zero=zero,
+                          num_micro_batches=num_micro_batches)
     return m
 
 
@@ -214,13 +217,12 @@ def gather_memory(cm, m: LayerMemory, *, tp: int, micro_batch: int) -> LayerMemo
     return dataclasses.replace(m, transient=m.transient + extra, backward_own=m.backward_own + extra)
 
 
-def expert_memory(cm, m: LayerMemory, *, zero: int, dp: int, num_micro_batches: int) -> LayerMemory:
-    """A block's routed experts at expert-parallel degree ep: E/ep of them on the rank
-    (``cm.expert_params``), sharded over their dp/ep replicas (x cp). A dp that ep does not
-    divide cannot run: priced at ``UNRUNNABLE_BYTES``."""
-    if dp % cm.ep:
-        return dataclasses.replace(m, weights=UNRUNNABLE_BYTES)
-    params, e, replicas = cm.expert_params(), cm.elem, dp // cm.ep * cm.cp
+def expert_memory(cm, m: LayerMemory, *, params: int, replicas: int, zero: int, num_micro_batches: int) -> LayerMemory:
+    """A block's MoE part sharded apart (``experts.moe_parts``: the rank's E/ep routed experts
+    under ep, the MoE's other weights under tp): ``params`` on the rank, sharded over its
+    ``replicas``. (A dp that ep does not divide cannot run: ``layer_memory`` prices it at
+    ``UNRUNNABLE_BYTES``.)"""
+    e = cm.elem
     z = zero if replicas > 1 else 0
     shard = replicas if z >= 1 else 1
     # The experts are an FSDP2 unit whenever dp > 1 (always, at ep > 1): a compute-dtype copy
@@ -242,8 +244,9 @@ def block_backward_transient(cm, tp: int, micro_batch: int) -> int:
     intermediates and the hidden-wide gradient it passes on (measured: exactly this on CPU
     ranks, for tp 1 and 2)."""
     t = micro_batch * cm.seq_len
-    routed = t * max(1, cm.model.experts_per_token)  # a mixture of experts: each token's k expert rows
-    return 3 * routed * (cm.model.ffn // tp) * cm.elem + t * cm.model.hidden * cm.elem
+    if cm.model.is_moe:  # each of the rank's MoE tokens' k expert rows, on whole experts (t/tp tokens under tp)
+        return 3 * (t // tp) * cm.model.experts_per_token * cm.model.ffn * cm.elem + t * cm.model.hidden * cm.elem
+    return 3 * t * (cm.model.ffn // tp) * cm.elem + t * cm.model.hidden * cm.elem
 
 
 def loss_transient(cm, tp: int, micro_batch: int) -> int:

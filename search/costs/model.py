@@ -15,7 +15,7 @@ replicas span. Each dimension adds its terms where the view says so, in one plac
   in flight (``memory.ring_memory``).
 * ep > 1 (``partita.search.experts``): a block's routed experts leave its dense parameters
   (``param_count``), and their ZeRO traffic, all-to-alls, imbalance and optimizer are
-  ``experts.zero_traffic`` and ``experts.with_ep_time``; their memory ``memory.expert_memory``.
+  ``experts.zero_traffic`` and ``experts.with_moe_time``; their memory ``memory.expert_memory``.
 * dp_span: the data-parallel collectives run at the pace of every group the replicas span
   (``dp_link``).
 
@@ -253,12 +253,20 @@ class CostModel:
         replicated parts are counted whole on each shard; they are tiny). A head tied to the
         embedding owns only its norm: the shared weight is counted with the embedding (the
         runtime keeps both in one stage). Under expert parallelism a block's routed experts
-        are apart (``expert_params``)."""
+        and, under tp, its MoE's other weights are apart (``experts.moe_parts``)."""
         kind = self.model.kinds[role]
         if role == "head" and self.model.tie_embeddings:
             return kind.params - kind.matmul_params
-        params = kind.matmul_params // tp + (kind.params - kind.matmul_params) // (1 if role != "embed" else tp)
-        return params - kind.expert_params if role == "block" and self.ep > 1 else params
+        whole = kind.moe_params if role == "block" else 0  # a MoE's weights stay whole under tp
+        params = (kind.matmul_params - whole) // tp + whole + (kind.params - kind.matmul_params) // (1 if role != "embed" else tp)
+        if role == "block" and kind.is_moe:  # the parts apart: all E experts under ep (a rank holds E/ep), the rest under tp
+            params -= (kind.expert_params if self.ep > 1 else 0) + (kind.moe_params - kind.expert_params * (self.ep > 1)
+                                                                    if tp > 1 else 0)
+        return params
+
+    def moe_parts(self, role: str, tp: int) -> tuple:
+        """A MoE block's parts sharded apart from its dense part (``experts.moe_parts``)."""
+        return experts.moe_parts(self, role, tp)
 
     def expert_params(self) -> int:
         """The routed experts' parameters on one rank: E/ep of them."""
@@ -285,15 +293,15 @@ class CostModel:
                              dp: int, micro_batch: int) -> LayerTime:
         """The dense terms over dp x cp replicas (``layer_time.layer_time``), then the view's."""
         group = self.cluster.group(group_name)
-        with_experts = role == "block" and self.ep > 1 and dp % self.ep == 0
-        expert_zero = experts.zero_traffic(self, group, tp=tp, zero=zero, dp=dp) if with_experts else None
+        moe = role == "block" and self.model.is_moe and dp % self.ep == 0
+        expert_zero = experts.zero_traffic(self, group, tp=tp, zero=zero, dp=dp) if moe else None
         t = layer_time.layer_time(self, role, group, tp=tp, sp=sp, zero=zero, recompute=recompute,
                                   replicas=dp * self.cp, micro_batch=micro_batch, extra_zero=expert_zero)
         if role == "block" and self.cp > 1:
             t = context.with_cp_time(self, t, group, tp=tp, recompute=recompute, micro_batch=micro_batch)
-        if with_experts:
-            t = experts.with_ep_time(self, t, group, tp=tp, zero=zero, recompute=recompute, dp=dp,
-                                     micro_batch=micro_batch)
+        if moe:
+            t = experts.with_moe_time(self, t, group, tp=tp, zero=zero, recompute=recompute, dp=dp,
+                                      micro_batch=micro_batch)
         return t
 
     def layer_memory(self, role: str, device: str, s: LayerStrategy, *, dp: int, micro_batch: int,
