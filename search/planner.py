@@ -108,9 +108,6 @@ def check_request(req: PlanRequest) -> None:
     if not 1.0 <= req.moe_imbalance < math.inf:
         raise PartitaError(f"--moe-imbalance is the busiest rank's tokens over the mean: a finite number >= 1, "
                            f"got {req.moe_imbalance:g}")
-    if req.model.is_moe and any(cp > 1 for cp in req.context_parallel):
-        raise PartitaError(f"--cp: {req.model.name} is a mixture of experts, which runs at cp 1 (its load-balancing "
-                           "loss is per whole sequence); drop --cp")
     for schedule in req.space.schedules:
         if schedule not in parallel.SCHEDULES:
             raise PartitaError(f"--schedule {schedule!r}: choose from {', '.join(parallel.SCHEDULES)}")
@@ -305,8 +302,10 @@ def _make_plan(req: PlanRequest, progress: Callable[[str], None] | None = None,
         assert failure is not None
         raise failure
     plan, uni = min(found, key=lambda t: t[0].prediction.step_time_s)
+    if req.model.is_moe:  # each cp degree's best over the ep degrees
+        compared = _best_per_cp(compared)
     plan = dataclasses.replace(plan, solver=_over_options(plan.solver, [p.solver for p, _ in found], compared,
-                                                          complete=complete, list_cp=not req.model.is_moe))
+                                                          complete=complete, list_cp=any(o.cp > 1 for o in options)))
     validate_plan(plan, req.model, req.cluster)
     return plan, uni
 
@@ -323,21 +322,34 @@ class Dimensions:
 
     def tag(self, moe: bool) -> str:
         """How progress lines and the log name this value."""
-        if moe:
-            return f" (ep {self.ep})"
         across = f", tp {self.span_tp} across nodes" if self.span_tp else ""
-        return f" (cp {self.cp}, {self.variant.replace('_', '-')}{across})" if self.cp > 1 else " (cp 1)"
+        cp = f"cp {self.cp}, {self.variant.replace('_', '-')}{across}" if self.cp > 1 else "cp 1"
+        if moe:
+            return f" (ep {self.ep})" if self.cp == 1 else f" (ep {self.ep}, {cp})"
+        return f" ({cp})"
 
 
 def dimension_options(req: PlanRequest, cm: CostModel) -> list[Dimensions]:
-    """The values to search, the plainest first: a mixture of experts' expert-parallel degrees
-    (``expert_options``; it runs at cp 1), else the context-parallel degrees
-    (``context_options``)."""
-    if req.model.is_moe:
-        return [Dimensions(ep=ep) for ep in expert_options(req)]
-    return [Dimensions(cp=cp, variant=variant, span_tp=span) for cp, variant in context_options(req, cm)
+    """The values to search, the plainest first: the context-parallel degrees
+    (``context_options``), each with a mixture of experts' expert-parallel degrees
+    (``expert_options``)."""
+    eps = expert_options(req) if req.model.is_moe else [1]
+    return [Dimensions(cp=cp, variant=variant, span_tp=span, ep=ep) for cp, variant in context_options(req, cm)
             for span in _cp_spans(req, cp)
-            if not span or req.context_parallel or _spans_reach(req, cp, span)]
+            if not span or req.context_parallel or _spans_reach(req, cp, span)
+            for ep in eps]
+
+
+def _best_per_cp(compared: list[ContextOption]) -> list[ContextOption]:
+    """Of several values at one context-parallel degree and variant (a mixture of experts' ep
+    degrees), the best that fits, in the order first searched."""
+    best: dict[tuple[int, str], ContextOption] = {}
+    for o in compared:
+        key = (o.cp, o.variant)
+        old = best.get(key)
+        if old is None or (o.fits and (not old.fits or o.objective_us < old.objective_us)):
+            best[key] = o
+    return list(best.values())
 
 
 def _reaching_degrees(req: PlanRequest) -> list[int]:
@@ -388,10 +400,11 @@ def _option_space(req: PlanRequest, opt: Dimensions) -> SearchSpace | None:
     priced), and under expert parallelism every replica runs the same micro-batches
     (``parallel.ep_shares_rule``); under cp the tensor-parallel degrees the variant can split
     (``_cp_space``)."""
-    if req.model.is_moe:
-        return dataclasses.replace(req.space, recompute=tuple(r for r in req.space.recompute if r != "selective"),
+    space = _cp_space(req, opt.cp, opt.variant, opt.span_tp)
+    if space is not None and req.model.is_moe:
+        return dataclasses.replace(space, recompute=tuple(r for r in space.recompute if r != "selective"),
                                    even_shares=opt.ep > 1)
-    return _cp_space(req, opt.cp, opt.variant, opt.span_tp)
+    return space
 
 
 def expert_options(req: PlanRequest) -> list[int]:

@@ -230,8 +230,17 @@ def grid(cm: CostModel, global_batch: int, space: SearchSpace) -> Iterator[tuple
 
 def sp_choices(cm: CostModel, tp: int, space: SearchSpace) -> tuple[bool, ...]:
     """Sequence parallelism needs tp > 1 and the tokens a rank holds to split tp ways evenly
-    (``parallel.sequence_parallel_rule``, which the validator asks too)."""
-    return space.sequence_parallel if tp > 1 and parallel.sequence_parallel_rule(cm.seq_len, tp) is None else (False,)
+    (``parallel.sequence_parallel_rule``, which the validator asks too); a mixture of experts at
+    tp > 1 needs it (``parallel.moe_tp_rule``): none is left where it cannot have it."""
+    if tp == 1:
+        return (False,)
+    if parallel.sequence_parallel_rule(cm.seq_len, tp) is not None:
+        choices: tuple[bool, ...] = (False,)
+    else:
+        choices = space.sequence_parallel
+    if cm.model.is_moe:
+        return tuple(sp for sp in choices if parallel.moe_tp_rule(cm.model.kinds["block"], tp, sp) is None)
+    return choices
 
 
 def max_stages(cm: CostModel, fewest_micro_batches: int) -> int:

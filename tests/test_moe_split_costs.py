@@ -1,0 +1,94 @@
+"""A mixture of experts under tensor and context parallelism, priced (search/experts.py, docs/moe.md):
+the attention split tp ways, the MoE on each rank's sequence shard with whole experts, the MoE's
+weights replicated over tp and sharded over dp x cp x tp; and the planner's search over tp and cp
+for a mixture of experts (no torch)."""
+
+import pytest
+
+from partita import parallel
+from partita.cluster import parse_short
+from partita.model import BUILTIN
+from partita.plan import LayerStrategy
+from partita.search.analytic import Shard, activation_bytes, forward_matmuls
+from partita.search.costs.model import CostModel
+from partita.search.experts import all_to_all_bytes, moe_parts
+from partita.search.planner import PlanRequest, make_plan
+from partita.search.uniform import SearchSpace, sp_choices
+from partita.units import round_up_to_grain
+
+MIXTRAL = BUILTIN["mixtral-8x7b"]
+H100 = parse_short("4x8xH100")
+KIND = MIXTRAL.kinds["block"]
+
+
+def flops(tp: int) -> int:
+    sh = Shard.of(KIND, tp=tp, micro_batch=1, seq_len=4096, dtype="bf16")
+    return sum(2 * m * n * k for _, m, n, k in forward_matmuls(KIND, sh))
+
+
+def test_tp_halves_a_moe_blocks_work_and_keeps_its_experts_whole():
+    sh = Shard.of(KIND, tp=2, micro_batch=1, seq_len=4096, dtype="bf16")
+    assert sh.ffn == KIND.ffn and sh.moe_tokens == 2048 and sh.heads == KIND.heads // 2
+    assert flops(2) == flops(1) // 2
+    # Its activations: the MoE's on half the tokens (attention's heads halved), so about half.
+    full = activation_bytes(KIND, tp=1, micro_batch=1, seq_len=4096, dtype="bf16", sequence_parallel=False)
+    split = activation_bytes(KIND, tp=2, micro_batch=1, seq_len=4096, dtype="bf16", sequence_parallel=True)
+    assert 0.45 * full < split < 0.55 * full
+
+
+def test_the_moes_weights_are_sharded_over_dp_x_tp():
+    cm = CostModel(MIXTRAL, H100, seq_len=4096)
+    s = LayerStrategy(name="layers.0", tensor_parallel=2, sequence_parallel=True, zero=3, recompute="full")
+    m = cm.layer_memory("block", "H100", s, dp=8, micro_batch=1, num_micro_batches=4)
+    dense = KIND.params - KIND.moe_params  # attention (split tp ways) and norms
+    attention = KIND.matmul_params - KIND.moe_params
+    assert cm.param_count("block", 2) == attention // 2 + (dense - attention)
+    expected = round_up_to_grain(4 * (attention // 2 + dense - attention) // 8) + round_up_to_grain(4 * KIND.moe_params // 16)
+    assert m.weights == expected
+    # under ep 4 the rank's 2 experts over dp/ep x tp = 4 replicas, the router over dp x tp = 16
+    parts = moe_parts(cm.at_ep(4), "block", 2)
+    assert [(p.params, p.replicas(8, 1)) for p in parts] == [(KIND.expert_params // 4, 4),
+                                                              (KIND.router_params + KIND.shared_expert_params, 16)]
+    assert moe_parts(cm, "block", 1) == () and moe_parts(cm, "head", 2) == ()
+
+
+def test_a_moe_block_at_tp_runs_the_attentions_collectives_only():
+    cm = CostModel(MIXTRAL, H100, seq_len=4096)
+    g = cm.cluster.groups[0]
+    t = cm.layer_time("block", g, LayerStrategy(name="layers.0", tensor_parallel=2, sequence_parallel=True),
+                      dp=1, micro_batch=1)
+    act = 4096 * KIND.hidden * 2
+    link = cm.tp_link(g, 2)
+    pair = cm.collective_s("all_gather", act, 2, link, "H100") + cm.collective_s("reduce_scatter", act, 2, link, "H100")
+    stats = cm.collective_s("all_reduce", (2 * KIND.experts + 1) * 4, 2, link, "H100")
+    assert t.tp_comm_s == pytest.approx(2 * pair + stats)
+    # the all-to-alls carry the rank's half of the tokens
+    view = cm.at_ep(4)
+    assert all_to_all_bytes(view, recompute="none", micro_batch=1, tp=2).forward[1] * 2 == \
+        all_to_all_bytes(view, recompute="none", micro_batch=1).forward[1]
+
+
+def test_sequence_parallelism_is_the_only_choice_for_a_moe_at_tp():
+    cm = CostModel(MIXTRAL, H100, seq_len=4096)
+    assert sp_choices(cm, 2, SearchSpace()) == (True,)
+    assert sp_choices(cm, 2, SearchSpace(sequence_parallel=(False,))) == ()
+    assert sp_choices(CostModel(BUILTIN["llama-2-7b"], H100, seq_len=4096), 2, SearchSpace()) == (False, True)
+    assert parallel.tp_rule(KIND, 8) is None and "kv_heads 8" in parallel.tp_rule(KIND, 16)
+
+
+def test_mixtral_plans_at_tp_2():
+    req = PlanRequest(model=MIXTRAL, cluster=H100, seq_len=4096, global_batch=1024, workers=1, seed=0,
+                      space=SearchSpace(tensor_parallel=(2,)))
+    plan, _ = make_plan(req)
+    assert plan.tp == 2
+    blocks = [l for l in plan.layer_strategies() if MIXTRAL.role_of(l.name) == "block"]
+    assert all(l.tensor_parallel == 2 and l.sequence_parallel for l in blocks)
+
+
+def test_mixtral_at_32k_picks_context_parallelism():
+    req = PlanRequest(model=MIXTRAL, cluster=parse_short("8x8xH100"), seq_len=32768, global_batch=1024, workers=1,
+                      seed=0)
+    plan, _ = make_plan(req)
+    assert plan.cp >= 2
+    compared = {o.cp: o for o in plan.solver.context_parallel}
+    assert compared[1].fits and compared[plan.cp].objective_us < compared[1].objective_us
