@@ -114,9 +114,6 @@ def check_request(req: PlanRequest) -> None:
         why = parallel.schedule_model_rule(schedule, req.model)
         if why:
             raise PartitaError(f"--schedule {schedule}: {why}")
-    if req.model.is_moe and req.space.schedules and "1f1b" not in req.space.schedules:
-        raise PartitaError(f"--schedule {','.join(req.space.schedules)}: the search plans mixture-of-experts models "
-                           "under 1f1b (docs/moe.md); add 1f1b")
     if req.expert_parallel and req.expert_parallel != (1,) and not req.model.is_moe:
         raise PartitaError(f"--ep: {req.model.name} is not a mixture-of-experts model; expert parallelism needs one")
     if req.work_limit is not None and req.work_limit <= 0:
@@ -555,15 +552,14 @@ def _search(cm: CostModel, req: PlanRequest, deadline: float,
         # The other schedules first: a faster interleaved plan prunes every 1F1B shape CP-SAT
         # would otherwise prove unable to beat it (the 405B on 16,384 H100: 50 s -> see
         # docs/benchmarks.md); the plan and its bound are the same.
-        if not cm.model.is_moe:
-            if progress:
-                progress("interleaved pipelines")
-            found = _interleaved(cm, req, uni, deadline)
+        if progress:
+            progress("interleaved pipelines")
+        found = _interleaved(cm, req, uni, deadline)
         beat = to_us(found.best_eval.step_time_s) if found is not None and found.best is not None else None
         if progress:
             progress("CP-SAT search")
         plan = solve_plan(cm, req, uni, deadline=deadline, work_limit=work_limit(req), beat_us=beat)
-    if time.perf_counter() < deadline and not cm.model.is_moe:  # mixtures of experts: 1F1B (docs/moe.md)
+    if time.perf_counter() < deadline:
         if progress and found is None:
             progress("interleaved pipelines")
         plan = _consider_interleaved(cm, req, plan, uni, deadline, found)

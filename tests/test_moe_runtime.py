@@ -19,7 +19,7 @@ from partita.model import BUILTIN
 from partita.plan import Plan  # noqa: E402
 from partita.runtime.train import TrainConfig  # noqa: E402
 from partita.validate import validate_plan  # noqa: E402
-from runtime_helpers import make_plan, run_parallel, run_ranks, run_reference  # noqa: E402
+from runtime_helpers import interleaved, make_plan, run_parallel, run_ranks, run_reference  # noqa: E402
 
 CFG = TrainConfig(steps=2, warmup_steps=1, lr=1e-3)
 MOE = dataclasses.replace(BUILTIN["tiny-moe"], name="tiny-moe-2", n_layers=2)
@@ -150,6 +150,11 @@ SPLIT_PLANS = {
     "cp2-dp2-zero2": make_plan(MOE, dp=2, cp=2, layer=dict(zero=2)),
     "cp2-ep2-shared": with_ep(make_plan(SHARED, dp=2, cp=2, layer=dict(zero=0)), 2),
     "cp2-tp2-all-gather": make_plan(MOE, cp=2, tp=2, cp_variant="all_gather", layer=dict(TP2)),
+    # interleaved 1F1B: two virtual stages a rank, each a block (the experts' all-to-alls per chunk)
+    "ep2-pp2-interleaved": interleaved(with_ep(make_plan(BUILTIN["tiny-moe"], dp=2, pp=2, num_micro_batches=4,
+                                                         layer=dict(zero=1)), 2), [[2, 1], [1, 2]]),
+    "tp2-pp2-interleaved": interleaved(make_plan(BUILTIN["tiny-moe"], tp=2, pp=2, num_micro_batches=4,
+                                                 layer=dict(TP2)), [[2, 1], [1, 2]]),
 }
 
 
