@@ -50,13 +50,8 @@ def _check_context_parallel(plan: Plan, model: ModelSpec, cluster: ClusterSpec) 
 
 def _check_expert_parallel(plan: Plan, model: ModelSpec) -> None:
     """Expert parallelism (docs/moe.md): ep divides the experts and dp (``parallel.ep_rule``);
-    not with replicas on several node groups; a mixture-of-experts block recomputes all or
-    nothing (selective recomputation's kept products are not priced for routed experts)."""
+    not with replicas on several node groups, nor under a zero-bubble schedule."""
     if model.is_moe:
-        for l in plan.layer_strategies():
-            if model.role_of(l.name) == "block" and l.recompute == "selective":
-                raise PartitaError(f"layer {l.name}: selective recomputation of a mixture-of-experts block is not "
-                                   "supported; use recompute none or full")
         why = parallel.schedule_model_rule(plan.schedule, model)
         if why:
             raise PartitaError(why)

@@ -199,6 +199,16 @@ def apply_tensor_parallel(model: Transformer, stage: Stage, meshes: Meshes) -> N
 SELECTIVE_SAVED_OPS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
 
 
+# The profiler's record_function markers are not computation: FSDP2 units inside a recomputed
+# block (a MoE's experts under ep, tp or cp) mark their hooks with them, and a unit whose
+# parameters are still gathered marks more of them in the recomputation than in the forward
+# (ZeRO 1: measured, "record_function invocation index 2 ... not found in storage"). SAC runs
+# the ops of this public set directly, uncounted.
+torch.utils.checkpoint.SAC_IGNORED_OPS.update(
+    {torch.ops.profiler._record_function_enter.default, torch.ops.profiler._record_function_enter_new.default,
+     torch.ops.profiler._record_function_exit.default, torch.ops.profiler._record_function_exit._RecordFunction})
+
+
 def selective_context(products: int):
     """The pair of contexts (forward, recomputation) of one selectively checkpointed call of a
     block with ``products`` matrix products: keep the outputs of all but the last, in the order

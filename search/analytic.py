@@ -268,8 +268,9 @@ def backward_time_s(kind: LayerKind, dev: DeviceType, sh: Shard, dtype: str, att
 # ---- memory ---------------------------------------------------------------------------------
 def activation_bytes(kind: LayerKind, *, tp: int, micro_batch: int, seq_len: int, dtype: str,
                      sequence_parallel: bool = False, recompute: str = "none",
-                     on_cpu: bool = False) -> int:
-    """Bytes autograd keeps from one micro-batch's forward for the backward, on one rank.
+                     on_cpu: bool = False, local_experts: int = 0) -> int:
+    """Bytes autograd keeps from one micro-batch's forward for the backward, on one rank
+    (``local_experts``: the routed experts a rank of a mixture of experts holds, E/ep; 0: all).
 
     Counted as distinct storages (a tensor saved by several ops, like the norm output that
     wq, wk and wv all save, counts once), parameters excluded. With b = micro_batch, s = seq_len,
@@ -345,7 +346,8 @@ def activation_bytes(kind: LayerKind, *, tp: int, micro_batch: int, seq_len: int
     if recompute == "selective":
         if kind.role != "block":
             raise PartitaError(f"selective recomputation applies to decoder blocks, not the {kind.role}")
-        return t * h * e // sp + e * sum(m * n for _, m, n, _ in forward_matmuls(kind, sh)[:-1])
+        products = sum(m * n for _, m, n, _ in forward_matmuls(kind, sh))
+        return t * h * e // sp + e * (products - last_product_elements(kind, sh, local_experts))
     norm_output = t * h * e  # saved by the linears that follow the norm
     # A MoE under tensor parallelism takes its norm's output on the rank's sequence shard.
     ffn_input = norm_output // sh.moe_split
@@ -360,6 +362,20 @@ def activation_bytes(kind: LayerKind, *, tp: int, micro_batch: int, seq_len: int
         rotary = 0
         mlp = 2 * t * sh.ffn * e
     return 2 * (_norm_bytes(kind, sh, on_cpu) // sp) + norm_output + ffn_input + attention + rotary + mlp
+
+
+def last_product_elements(kind: LayerKind, sh: Shard, local_experts: int = 0) -> int:
+    """The output elements of a block's last matrix product in the runtime's order, which
+    selective recomputation does not keep (``runtime.parallelize.selective_context``): the MLP's
+    w2 (t x h); a mixture of experts' shared expert's w2 (t' x h, it runs after the routed
+    experts), else its last routed expert's w2 (its share of the t' k rows under balanced
+    routing: t' k h / E_local)."""
+    if kind.is_moe:
+        if kind.shared_expert_ffn:
+            return sh.moe_tokens * sh.hidden
+        return sh.moe_tokens * kind.experts_per_token * sh.hidden // (local_experts or kind.experts)
+    _, m, n, _ = forward_matmuls(kind, sh)[-1]
+    return m * n
 
 
 def _norm_bytes(kind: LayerKind, sh: Shard, on_cpu: bool) -> int:

@@ -392,15 +392,13 @@ def _cp_spans(req: PlanRequest, cp: int) -> list[int]:
 
 
 def _option_space(req: PlanRequest, opt: Dimensions) -> SearchSpace | None:
-    """The search space at one value (None: nothing to search). A mixture-of-experts block
-    recomputes all or nothing (``validate``: selective recomputation of routed experts is not
-    priced), and under expert parallelism every replica runs the same micro-batches
+    """The search space at one value (None: nothing to search). Under expert parallelism every
+    replica runs the same micro-batches
     (``parallel.ep_shares_rule``); under cp the tensor-parallel degrees the variant can split
     (``_cp_space``)."""
     space = _cp_space(req, opt.cp, opt.variant, opt.span_tp)
     if space is not None and req.model.is_moe:
-        return dataclasses.replace(space, recompute=tuple(r for r in space.recompute if r != "selective"),
-                                   even_shares=opt.ep > 1)
+        return dataclasses.replace(space, even_shares=opt.ep > 1)
     return space
 
 

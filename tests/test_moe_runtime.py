@@ -133,8 +133,7 @@ def test_expert_parallel_plans_are_validated():
     assert "ep" not in make_plan(MOE, dp=2).to_dict()
     with pytest.raises(PartitaError, match="data-parallel degree 2 is not divisible by expert-parallel degree 4"):
         validate_plan(with_ep(plan, 4), spec, cluster)
-    with pytest.raises(PartitaError, match="selective"):
-        validate_plan(make_plan(MOE, dp=2, layer=dict(recompute="selective")), spec, cluster)
+    validate_plan(make_plan(MOE, dp=2, layer=dict(recompute="selective")), spec, cluster)  # selective runs
     with pytest.raises(PartitaError, match="mixture-of-experts model"):
         validate_plan(with_ep(make_plan("tiny-llama", dp=2), 2), BUILTIN["tiny-llama"], cluster)
 
@@ -153,6 +152,10 @@ SPLIT_PLANS = {
     # interleaved 1F1B: two virtual stages a rank, each a block (the experts' all-to-alls per chunk)
     "ep2-pp2-interleaved": interleaved(with_ep(make_plan(BUILTIN["tiny-moe"], dp=2, pp=2, num_micro_batches=4,
                                                          layer=dict(zero=1)), 2), [[2, 1], [1, 2]]),
+    # selective recomputation: the products' outputs kept (every expert's), the rest run again
+    # (the all-to-alls and the statistics' all-reduce among it)
+    "tp2-ep2-selective": with_ep(make_plan(SHARED, dp=2, tp=2, layer=dict(TP2, zero=2, recompute="selective")), 2),
+    "ep2-selective": with_ep(make_plan(MOE, dp=2, layer=dict(zero=0, recompute="selective")), 2),
     "tp2-pp2-interleaved": interleaved(make_plan(BUILTIN["tiny-moe"], tp=2, pp=2, num_micro_batches=4,
                                                  layer=dict(TP2)), [[2, 1], [1, 2]]),
 }
@@ -194,5 +197,3 @@ def test_moe_tensor_and_context_parallel_plans_are_validated():
     with pytest.raises(PartitaError, match="needs sequence parallelism"):
         validate_plan(no_sp, MOE, cluster)
     validate_plan(SPLIT_PLANS["cp2-dp2-zero2"], MOE, cluster)  # cp of a mixture of experts runs
-    with pytest.raises(PartitaError, match="selective"):
-        validate_plan(make_plan(MOE, dp=2, tp=2, layer=dict(TP2, recompute="selective")), MOE, cluster)

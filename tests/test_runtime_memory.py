@@ -14,11 +14,14 @@ another's backward working set.) A category that is small next to the total may 
 already): the mixed plans and PP+FSDP's lone ZeRO-3 block on the last stage depend on it.
 """
 
+import dataclasses
+
 import pytest
 
 torch = pytest.importorskip("torch")
 
 from partita.cluster import parse_short  # noqa: E402
+from partita.model import BUILTIN  # noqa: E402
 from partita.plan import Plan  # noqa: E402
 from partita.runtime.train import TrainConfig  # noqa: E402
 from partita.search.costs.model import CostModel  # noqa: E402
@@ -126,3 +129,26 @@ def test_a_tied_heads_copy_is_priced():
         assert abs(peak - sum(want.values())) <= 0.10 * sum(want.values()), (rank, got, want)
         for category in ("weights", "gathered_weights", "gradients", "optimizer"):
             assert abs(got[category] - want[category]) <= 0.10 * want[category], (rank, category, got, want)
+
+
+# Mixtures of experts (docs/moe.md): the whole rank's tracked peak against the prediction. Their
+# categories are not compared: the expert parts' transients are priced by the dense rules, an
+# upper bound (measured at tp 2 with full recomputation: activations and transient 167 KB
+# against 327 KB predicted, the total 9.8 % under).
+MOE_SPEC = dataclasses.replace(BUILTIN["tiny-moe"], name="tiny-moe-2", n_layers=2)
+_TP2 = dict(tensor_parallel=2, sequence_parallel=True)
+MOE_MEMORY_PLANS = {
+    "ep2-selective": make_plan(MOE_SPEC, dp=2, layer=dict(zero=1, recompute="selective")).with_mesh(ep=2),
+    "tp2-selective": make_plan(MOE_SPEC, dp=2, tp=2, layer=dict(_TP2, zero=1, recompute="selective")),
+    "cp2": make_plan(MOE_SPEC, dp=2, cp=2, layer=dict(zero=1)),
+}
+
+
+@pytest.mark.parametrize("name", list(MOE_MEMORY_PLANS))
+def test_a_mixture_of_experts_peak_is_near_the_prediction(name):
+    plan = MOE_MEMORY_PLANS[name]
+    prediction = predicted(plan)
+    for rank, measured in enumerate(run_ranks(_measure_rank, plan.world_size, plan.to_dict(), CFG)):
+        want = sum(prediction[measured["stage"]][1].values())
+        peak = sum(measured["memory"].values())
+        assert abs(peak - want) <= 0.12 * want, f"{name}, rank {rank}: peak {peak} B, predicted {want} B"

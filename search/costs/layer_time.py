@@ -109,6 +109,8 @@ def layer_time(cm, role: str, group: NodeGroup, *, tp: int, sp: bool, zero: int,
         tp_fwd += 3 * cm.collective_s("all_reduce", micro_batch * cm.seq_len * 4, tp, link, device)
     if recompute == "full":
         tp_bwd += tp_fwd
+    elif recompute == "selective" and cm.model.is_moe:
+        tp_bwd += tp_fwd  # the last product is in the MoE, after the attention's collectives: all run again
     elif recompute == "selective":
         # All but the last product's reduction (the recomputation stops before w2): with SP
         # both all-gathers and wo's reduce-scatter, without it wo's all-reduce.

@@ -130,12 +130,14 @@ def dense_memory(cm, role: str, device: str, *, tp: int, sp: bool, zero: int, re
     local_params = params // shard
     kind: LayerKind = cm.model.kinds[role]
     on_cpu = get_device(device).is_cpu
-    kw = dict(tp=tp, micro_batch=micro_batch, seq_len=cm.seq_len, dtype=cm.dtype, sequence_parallel=sp, on_cpu=on_cpu)
+    local_experts = cm.model.experts // cm.ep if kind.is_moe else 0
+    kw = dict(tp=tp, micro_batch=micro_batch, seq_len=cm.seq_len, dtype=cm.dtype, sequence_parallel=sp, on_cpu=on_cpu,
+              local_experts=local_experts)
     full = activation_bytes(kind, recompute="none", **kw)
     plain = activation_bytes(kind, recompute=recompute, **kw)  # the rank's tokens, as a profile measures them
     kept = cp_activation_bytes(kind, variant=cm.cp_variant, cp=cm.cp, tp=tp, micro_batch=micro_batch,
                                seq_len=cm.plan_seq_len, dtype=cm.dtype, sequence_parallel=sp, recompute=recompute,
-                               on_cpu=on_cpu)
+                               on_cpu=on_cpu, local_experts=local_experts)
     if role == "head" and tp == 1 and cm.engine.loss == "chunked":
         # The runtime's chunked loss keeps the logits themselves (compute dtype) and each token's
         # fp32 log-sum-exp where log_softmax kept an fp32 copy (``chunked_loss_saved``).
