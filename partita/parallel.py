@@ -77,7 +77,7 @@ def moe_tp_rule(kind: "LayerKind", tp: int, sequence_parallel: bool) -> str | No
     refuses MoE with tp > 1 without --sequence-parallel alike)."""
     if kind.role == "block" and kind.is_moe and tp > 1 and not sequence_parallel:
         return (f"a mixture-of-experts block at tp {tp} runs its experts on sequence shards: it needs "
-                "sequence parallelism (sequence_parallel true, --sp)")
+                "sequence parallelism (sequence_parallel: true)")
     return None
 
 

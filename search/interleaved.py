@@ -105,6 +105,8 @@ def interleaved_search(cm: CostModel, *, global_batch: int, space: SearchSpace, 
         # m max T, zero-bubble too: their fill and drain add sum T / 3v - max T / 3v >= 0), so
         # at least m x W / pp, with W the least work of one micro-batch (each layer at its
         # cheapest choice on the shape's fastest group). Memory is ignored: a valid bound.
+        if not sp_choices(cm, tp, space):
+            continue  # a mixture of experts at tp > 1 without sequence parallelism: no layout
         least = 0.0
         for role, name, count in (("embed", "embed", 1), ("block", "layers.0", model.n_layers), ("head", "head", 1)):
             least += count * min(cm.layer_time(role, g, strategy(model, name, tp=tp, sp=sp, zero=z, recompute=rc),

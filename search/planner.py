@@ -114,6 +114,17 @@ def check_request(req: PlanRequest) -> None:
         why = parallel.schedule_model_rule(schedule, req.model)
         if why:
             raise PartitaError(f"--schedule {schedule}: {why}")
+    tps = req.space.tensor_parallel
+    if req.model.is_moe and tps and min(tps) > 1:  # every degree asked for needs sequence parallelism
+        block = req.model.kinds["block"]
+        why = next((parallel.moe_tp_rule(block, t, False) for t in tps), None)
+        if True not in req.space.sequence_parallel:
+            raise PartitaError(f"--tp {','.join(map(str, tps))}: {why}; drop --no-sequence-parallel or add --tp 1")
+        cps = req.context_parallel or (1,)
+        if all(parallel.sequence_parallel_rule(req.seq_len // cp, t) for t in tps for cp in cps):
+            raise PartitaError(f"--tp {','.join(map(str, tps))}: {why}, which splits each rank's "
+                               f"{req.seq_len // min(cps)} tokens of a sequence tp ways; choose a sequence length "
+                               "tp divides, or add --tp 1")
     if req.expert_parallel and req.expert_parallel != (1,) and not req.model.is_moe:
         raise PartitaError(f"--ep: {req.model.name} is not a mixture-of-experts model; expert parallelism needs one")
     if req.work_limit is not None and req.work_limit <= 0:

@@ -92,3 +92,19 @@ def test_mixtral_at_32k_picks_context_parallelism():
     assert plan.cp >= 2
     compared = {o.cp: o for o in plan.solver.context_parallel}
     assert compared[1].fits and compared[plan.cp].objective_us < compared[1].objective_us
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--tp", "3"], "heads 32 is not divisible by tensor-parallel degree 3; choose a degree that divides heads and "
+                    "kv_heads"),
+    (["--tp", "2", "--no-sequence-parallel"], "needs sequence parallelism"),
+    (["--tp", "2", "--seq-len", "4095"], "choose a sequence length tp divides"),
+    (["--cp", "3"], "cp dividing the sequence length 4096"),
+])
+def test_bad_moe_layouts_get_one_line(args, says, capsys, tmp_path):
+    from partita.cli import main
+
+    assert main(["plan", "--model", "mixtral-8x7b", "--cluster", "4x8xH100", *args, "-o", str(tmp_path / "p.yaml")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert says in err and len(err.splitlines()) == 1 and "Traceback" not in err
+    assert not (tmp_path / "p.yaml").exists()

@@ -223,7 +223,8 @@ def _space(args: argparse.Namespace, model: ModelSpec, cluster: ClusterSpec, glo
     for tp in args.tp or ():
         why = parallel.tp_rule(model.kinds["block"], tp) if tp > 0 else "it must be >= 1"
         if why:
-            raise PartitaError(f"--tp {tp}: {why}; choose a degree that divides heads, kv_heads and ffn")
+            parts = "heads and kv_heads" if model.is_moe else "heads, kv_heads and ffn"  # a MoE's experts stay whole
+            raise PartitaError(f"--tp {tp}: {why}; choose a degree that divides {parts}")
         if not any(n % tp == 0 for n in node_sizes):
             raise PartitaError(f"--tp {tp}: a tensor-parallel group stays inside one node, and the nodes here have "
                                f"{' or '.join(map(str, node_sizes))} devices; choose a degree that divides the node size")
