@@ -359,6 +359,23 @@ def _slots(cm: CostModel, shape: Shape, space: SearchSpace, per_group: Sequence[
     return min(slots, max(space.pipeline)) if space.pipeline else slots
 
 
+def fastest_candidates(strategies: Sequence[LayerStrategy]) -> list[LayerStrategy]:
+    """The strategies among which a layer's least time per micro-batch lies: those at the lowest
+    ZeRO level and, where it is allowed, without recomputation. A layer's forward + backward
+    never shrinks with either: recomputation adds its pass (and its collectives) to the
+    backward, ZeRO 0 and 1 move nothing per micro-batch (the same time), 2 gathers in the
+    forward and 3 gathers again in the backward, and ``timing.overlapped_s`` does not fall as
+    the traffic beside a pass grows (tests/test_cpsat_bound.py checks the minimum against every
+    strategy's)."""
+    if not strategies:
+        return []
+    zero = min(s.zero for s in strategies)
+    kept = [s for s in strategies if s.zero == zero]
+    if any(s.recompute == "none" for s in kept):
+        kept = [s for s in kept if s.recompute == "none"]
+    return kept
+
+
 def shape_bound_us(cm: CostModel, shape: Shape, space: SearchSpace) -> int | None:
     """The shape's ``Problem.lower_bound_us`` from the layers' times alone, without building its
     tables (their memory columns are most of the work): the same number, since the table keeps
@@ -373,7 +390,7 @@ def shape_bound_us(cm: CostModel, shape: Shape, space: SearchSpace) -> int | Non
 
     def least(role: str) -> int:
         return min(to_us(cm.layer_time(role, g, s, dp=shape.dp, micro_batch=shape.micro_batch).total_s)
-                   for g in groups for s in strategies_for(cm, role, shape, space))
+                   for g in groups for s in fastest_candidates(strategies_for(cm, role, shape, space)))
 
     work = cm.model.n_layers * least("block") + least("embed") + least("head")
     m = shape.num_micro_batches
