@@ -35,7 +35,6 @@ from dataclasses import dataclass
 from partita.cluster import NodeGroup
 from partita.search.costs.compute import optimizer_s
 from partita.search.costs.links import Link
-from partita.search.costs.memory import REDUCE_BYTES
 from partita.search.engines import zero3_gathers
 from partita.search.roofline import cpu_adam_s
 from partita.search.timing import OPTIMIZER_OPS_PER_TENSOR, overlapped_s, param_tensors
@@ -161,7 +160,8 @@ def tp_exposed_s(compute_s: float, comm_s: float, tp: int, slowdown: float) -> f
 
 def tied_sync_s(cm, group: NodeGroup, *, replicas: int, tp: int, zero: int) -> float:
     """Per step, a pipeline whose tied embedding and head sit on different stages sums the
-    two copies' gradients between each pair of ranks (fp32, the ZeRO shard), after the last
+    two copies' gradients between each pair of ranks (in the engine's reduce dtype, ``cm.reduce_bytes``: the
+    ZeRO shard), after the last
     backward: exposed. Priced on the last stage's link to another stage (on a mixed cluster
     the first stage's group may be slower; not modelled). The copy's own data-parallel
     reduction at ZeRO 0-1 is exposed as well (it waits for the last micro-batch); at ZeRO 2-3
@@ -169,7 +169,7 @@ def tied_sync_s(cm, group: NodeGroup, *, replicas: int, tp: int, zero: int) -> f
     optimizer update is counted here too (on this stage only)."""
     shard = replicas if zero >= 1 and replicas > 1 else 1
     tied = cm.tied_params(tp)
-    grad = tied * REDUCE_BYTES // shard
+    grad = tied * cm.reduce_bytes // shard
     link = cm.pp_link(group, group, replicas // cm.cp * tp)  # a stage of the search's ranks (a cp group each)
     t = cm.collective_s("all_reduce", grad, 2, link, group.device)
     stream = cm.weight_stream_gbps(group.device)  # CPU ranks: AdamW's passes (roofline.cpu_adam_s)
