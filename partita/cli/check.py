@@ -144,8 +144,7 @@ def models(args: argparse.Namespace | None = None) -> int:
         t.add_column(col, justify="right" if col not in ("name", "family") else "left")
     for m in BUILTIN.values():
         # The context-parallel degrees the all-to-all variant allows at tp 1 (the ring: any).
-        cps = [c for c in (2, 4, 8, 16, 32) if parallel.cp_rule(m.kinds["block"], c, seq_len=m.seq_len * c) is None
-               and not m.is_moe]  # a mixture of experts runs at cp 1 (docs/moe.md)
+        cps = [c for c in (2, 4, 8, 16, 32) if parallel.cp_rule(m.kinds["block"], c, seq_len=m.seq_len * c) is None]
         params = f"{m.n_params / 1e9:.2f} B" if m.n_params > 1e8 else f"{m.n_params / 1e6:.2f} M"
         if m.is_moe:  # a mixture of experts: total and active per token
             params += f" ({params_text(m.n_active_params)} active, {m.experts_per_token} of {m.experts} experts)"
