@@ -259,10 +259,14 @@ class CostModel:
             return kind.params - kind.matmul_params
         whole = kind.moe_params if role == "block" else 0  # a MoE's weights stay whole under tp
         params = (kind.matmul_params - whole) // tp + whole + (kind.params - kind.matmul_params) // (1 if role != "embed" else tp)
-        if role == "block" and kind.is_moe:  # the parts apart: all E experts under ep (a rank holds E/ep), the rest under tp
-            params -= (kind.expert_params if self.ep > 1 else 0) + (kind.moe_params - kind.expert_params * (self.ep > 1)
-                                                                    if tp > 1 else 0)
-        return params
+        if role != "block" or not kind.is_moe:
+            return params
+        # The parts apart: under ep all E routed experts (a rank holds E/ep of them apart), under
+        # tp the rest of the MoE's weights too.
+        apart = kind.expert_params if self.ep > 1 else 0
+        if tp > 1:
+            apart = kind.moe_params
+        return params - apart
 
     def moe_parts(self, role: str, tp: int) -> tuple:
         """A MoE block's parts sharded apart from its dense part (``experts.moe_parts``)."""
