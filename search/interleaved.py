@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from partita.parallel import schedule_counts_rule, schedule_layers_rule, schedules_for
 from partita.search.costs.model import CostModel
@@ -51,6 +51,9 @@ class InterleavedResult:
     best_eval: Evaluation | None = None
     evaluated: int = 0
     bound_us: float = float("inf")  # no plan of the grid's shapes under any schedule is faster (seconds x 1e6)
+    # Each grid entry's work bound (us) and the entry (stage groups, tp, dp, micro-batch, m):
+    # ``interleaved_bound.memory_bound_us`` tightens those below a plan's step.
+    entries: list = field(default_factory=list)
 
 
 def place(schedule: str, g: int, pp: int) -> tuple[int, int]:
@@ -114,6 +117,7 @@ def interleaved_search(cm: CostModel, *, global_batch: int, space: SearchSpace, 
                                  for g in set(stage_groups) for sp in sp_choices(cm, tp, space)
                                  for z in (space.zero_levels if dp > 1 else (0,)) for rc in space.recompute)
         result.bound_us = min(result.bound_us, m * least / pp * 1e6)
+        result.entries.append((m * least / pp * 1e6, (stage_groups, tp, dp, mb, m)))
     for _, (stage_groups, _blocks, tp, dp, mb, m, sp, zero, recompute) in candidates:
         if deadline is not None and time.perf_counter() > deadline:
             break

@@ -142,9 +142,7 @@ def _interleaved(cm: CostModel, req: PlanRequest, uni: UniformResult, deadline: 
     """The interleaved schedules' search over the grid's fastest pipelines, or None where the
     request leaves no other schedule (no pipelines, or 1F1B alone)."""
     from partita.search.interleaved import interleaved_search
-
-    pinned = req.space.schedules
-    if (req.space.pipeline and max(req.space.pipeline) < 2) or pinned == ("1f1b",):
+    if (req.space.pipeline and max(req.space.pipeline) < 2) or req.space.schedules == ("1f1b",):
         return None
     return interleaved_search(cm, global_batch=req.global_batch, space=req.space, candidates=uni.pipelined,
                               deadline=deadline)
@@ -152,11 +150,10 @@ def _interleaved(cm: CostModel, req: PlanRequest, uni: UniformResult, deadline: 
 
 def _consider_interleaved(cm: CostModel, req: PlanRequest, plan: Plan, uni: UniformResult, deadline: float,
                           found=None) -> Plan:
-    """The uniform grid's fastest pipelines under interleaved 1F1B, interleaved zero-bubble and
-    ZB-V (``search/interleaved.py``): the fastest that fits replaces the 1F1B plan when it is
-    faster. The 1F1B search's proof covers 1F1B plans only, so the plan then reports status
-    "feasible", with the lower of the two searches' bounds (the post-pass's holds for every
-    schedule it tries)."""
+    """The grid's fastest pipelines under the other schedules (``search/interleaved.py``) replace a
+    slower 1F1B plan. Their bound (``interleaved_bound``) and the 1F1B search's within the gap prove
+    the plan over every schedule; the 1F1B search's alone, among 1F1B plans (``proven_among``)."""
+    from partita.search.interleaved_bound import memory_bound_us
     pinned = req.space.schedules
     found = found if found is not None else _interleaved(cm, req, uni, deadline)
     if found is None:
@@ -166,24 +163,28 @@ def _consider_interleaved(cm: CostModel, req: PlanRequest, plan: Plan, uni: Unif
         raise InfeasibleError(f"no pipeline of {cm.model.name} on {req.cluster.short} runs under --schedule "
                               f"{','.join(pinned)} and fits (tried the {len(uni.pipelined)} fastest uniform "
                               f"pipelines); add 1f1b to --schedule, or allow more stages or micro-batches")
-    if not forced and (found.best is None or plan.prediction is None
-                       or found.best_eval.step_time_s >= plan.prediction.step_time_s):
-        old = plan.solver
-        if old is not None and old.status == "optimal" and found.bound_us < old.objective_us:
-            # CP-SAT proved the plan among 1F1B pipelines; a plan under another schedule might
-            # still be faster (their bound, m x W / pp, is below it): say what is proven.
-            return dataclasses.replace(plan, solver=dataclasses.replace(old, proven_among="1f1b"))
-        return plan
-    objective = to_us(found.best_eval.step_time_s)
     old = plan.solver
-    if old is not None and old.method == "uniform":  # the grid's proof covers the grid only
-        status, bound = "feasible", min(old.bound_us, int(found.bound_us), objective)
-    else:
-        status = "feasible"
-        bound = min(old.bound_us if old is not None else objective, int(found.bound_us), objective)
-    report = dataclasses.replace(old, status=status, objective_us=objective, bound_us=bound,
-                                 gap=round((objective - bound) / objective, 6) if objective else 0.0,
-                                 candidates=old.candidates + found.evaluated) if old is not None else None
+    keep = not forced and (found.best is None or plan.prediction is None or
+                           found.best_eval.step_time_s >= plan.prediction.step_time_s)
+    best = plan.prediction if keep else found.best_eval  # the step the interleaved plans must beat
+    il_bound = memory_bound_us(cm, found.entries, below_us=best.step_time_s * 1e6 if best else math.inf,
+                               global_batch=req.global_batch, space=req.space,
+                               schedules=parallel.schedules_for(cm.model, pinned))
+    if keep:
+        if old is None or il_bound >= old.bound_us or old.status == "exhaustive":
+            return plan
+        if old.status == "optimal" and il_bound < old.objective_us * (1 - req.gap):  # proven among 1F1B's
+            return dataclasses.replace(plan, solver=dataclasses.replace(old, proven_among="1f1b"))
+        gap = round((old.objective_us - int(il_bound)) / old.objective_us, 6) if old.objective_us else 0.0
+        return dataclasses.replace(plan, solver=dataclasses.replace(old, bound_us=int(il_bound), gap=gap))
+    if old is None:
+        return interleaved_to_plan(cm, found.best, global_batch=req.global_batch, solver=None)
+    objective = to_us(found.best_eval.step_time_s)
+    bound = min(old.bound_us, int(il_bound), objective)
+    proven = old.method != "uniform" and old.status == "optimal" and objective - bound <= req.gap * objective
+    report = dataclasses.replace(old, status="optimal" if proven else "feasible", objective_us=objective,
+                                 bound_us=bound, gap=round((objective - bound) / objective, 6) if objective else 0.0,
+                                 candidates=old.candidates + found.evaluated, proven_among="")
     return interleaved_to_plan(cm, found.best, global_batch=req.global_batch, solver=report)
 
 

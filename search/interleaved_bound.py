@@ -1,0 +1,191 @@
+"""A memory-aware lower bound on every interleaved plan of one grid entry.
+
+The interleaved search (``search/interleaved.py``) splits the blocks evenly over the pp x v
+virtual stages (``interleaved.chunk_names``), so each rank's blocks and virtual stages are
+fixed by (pp, v, schedule); what a plan still chooses is each layer's strategy. For each rank
+the least time of its blocks within its memory is a small linear programme (each block may
+mix choices fractionally), over the terms of the evaluator's memory (``costs.stage``) it never
+undercounts:
+
+* every layer's static state (weights, gradients, optimizer state, and the kept compute copy
+  unless the layer frees it after its backward) and the device's reserve;
+* the activations of the pairs the schedule keeps in flight besides the running one
+  (``StageCost.activations``): under interleaved 1F1B virtual stage c holds n_c pairs
+  (``schedules.chunk_in_flight``), one fewer for the running one's, and at least
+  min(1, P / (sum n - 1)) of them count when only P = in_flight - 1 do (the largest first,
+  ``held_bytes``); the zero-bubble schedules charge every pair at the largest virtual stage's,
+  at least the rank's mean;
+* one output message per pair in flight.
+
+Time: each rank's layers' forward and backward, the embedding and head at their fastest, and
+its sides of its boundaries where the engine does not overlap them (interleaved 1F1B with
+``p2p_overlap`` hides some: none counted there); the step is then at least the schedule's
+closed form (``schedules.closed_form_s``, increasing in every rank's time) plus the least
+ZeRO edge, exposed sync, optimizer step and the fixed overhead. tests/test_interleaved_bound.py
+holds the bound below the evaluator for every uniform plan of small instances.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+from typing import Sequence
+
+from partita.cluster import NodeGroup
+from partita.parallel import ZERO_BUBBLE, schedule_counts_rule
+from partita.search.costs.memory import activation_message_bytes
+from partita.search.costs.model import CostModel
+from partita.search.costs.stage import boundary_s
+from partita.search.evaluate import _next_groups
+from partita.search.interleaved import VARIANTS, chunk_names
+from partita.search.schedules import chunk_in_flight, closed_form_s, in_flight_chunks
+from partita.search.uniform import SearchSpace, replica_counts, sp_choices, strategy
+
+
+def _choices(cm: CostModel, group: NodeGroup, name: str, *, tp: int, dp: int, mb: int, m: int,
+             space: SearchSpace, schedule: str) -> list[tuple[float, int, int, float, float, float]]:
+    """(time, static bytes, activations, dp sync, optimizer, ZeRO edge) of each choice the
+    schedule runs for this layer (``parallel.schedule_layers_rule``: the zero-bubble schedules
+    take ZeRO 0/1 without recomputation)."""
+    out = []
+    zeros = space.zero_levels if dp > 1 else (0,)
+    recomputes = space.recompute if name.startswith("layers.") else ("none",)
+    for sp in sp_choices(cm, tp, space):
+        for z in zeros:
+            for rc in recomputes:
+                if schedule in ZERO_BUBBLE and (z >= 2 or rc != "none"):
+                    continue
+                s = strategy(cm.model, name, tp=tp, sp=sp, zero=z, recompute=rc)
+                role = cm.model.role_of(name)
+                t = cm.layer_time(role, group, s, dp=dp, micro_batch=mb)
+                mem = cm.layer_memory(role, group.device, s, dp=dp, micro_batch=mb, num_micro_batches=m)
+                static = mem.weights + mem.gradients + mem.optimizer + (0 if mem.releases_copy else mem.gathered_weights)
+                out.append((t.forward_s + t.backward_s, static, mem.activations, t.dp_sync_s, t.optimizer_s,
+                            t.zero_edge_s))
+    return out
+
+
+def _hull(points: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Lower convex envelope of (memory, time) points: memory increasing, time decreasing."""
+    pts: list[tuple[float, float]] = []
+    for x, y in sorted(points):
+        if pts and y >= pts[-1][1]:
+            continue
+        while len(pts) >= 2 and (pts[-1][1] - pts[-2][1]) * (x - pts[-2][0]) >= (y - pts[-2][1]) * (pts[-1][0] - pts[-2][0]):
+            pts.pop()
+        pts.append((x, y))
+    return pts
+
+
+def least_time_s(classes: Sequence[tuple[int, Sequence[tuple[float, float]]]], room: float) -> float:
+    """The least total time of ``count`` blocks of each class, each block taking a (memory,
+    time) point of its class or a mix of them, within ``room`` bytes together: the linear
+    programme's optimum (start every block at its leanest point, then buy the cheapest time per
+    byte first); inf if even the leanest do not fit."""
+    used, total, steps = 0.0, 0.0, []
+    for count, points in classes:
+        if not count:
+            continue
+        hull = _hull(points)
+        used += count * hull[0][0]
+        total += count * hull[0][1]
+        steps += [((b[1] - a[1]) / (b[0] - a[0]), count * (b[0] - a[0]), count * (b[1] - a[1]))
+                  for a, b in zip(hull, hull[1:])]
+    if used > room:
+        return math.inf
+    left = room - used
+    for _, dm, dt in sorted(steps):
+        take = min(1.0, left / dm)
+        total += take * dt
+        left -= take * dm
+        if take < 1.0:
+            break
+    return total
+
+
+def variant_bound_s(cm: CostModel, stage_groups: Sequence[NodeGroup], *, tp: int, dp: int, mb: int, m: int,
+                    space: SearchSpace, schedule: str, v: int) -> float:
+    """No plan of this grid entry under ``schedule`` with v virtual stages per rank, its blocks
+    split evenly (``interleaved.chunk_names``), is faster than this (seconds); inf where none
+    fits."""
+    pp = len(stage_groups)
+    names = chunk_names(cm.model.n_layers, pp, v, schedule)
+    msg = activation_message_bytes(cm, mb, tp)
+    kw = dict(tp=tp, dp=dp, mb=mb, m=m, space=space, schedule=schedule)
+
+    @lru_cache(maxsize=None)
+    def of(group: NodeGroup, name: str):
+        return _choices(cm, group, name, **kw)
+
+    times, edge, sync, optimizer = [], 0.0, 0.0, 0.0
+    for r, group in enumerate(stage_groups):
+        blocks = of(group, "layers.0")
+        room = group.memory_bytes - cm.reserve_bytes(group)
+        fixed_t = 0.0
+        for end in ("embed", "head"):
+            if any(end in chunk for chunk in names[r]):
+                room -= min(c[1] for c in of(group, end))
+                fixed_t += min(c[0] for c in of(group, end))
+        pairs = in_flight_chunks(schedule, r, pp, v, m)
+        room -= msg * pairs
+        sizes = [sum(n.startswith("layers.") for n in chunk) for chunk in names[r]]
+        if schedule in ZERO_BUBBLE:  # every pair at the largest virtual stage's: at least the mean
+            weights = [[(pairs - 1) / v] * v]
+        else:
+            held = chunk_in_flight(schedule, r, pp, v, m)
+            share = min(1.0, (pairs - 1) / max(1, sum(held) - 1))
+            weights = [[share * (n - (c == ranked)) for c, n in enumerate(held)] for ranked in range(v)]
+        best = min(least_time_s([(size, [(c[1] + w * c[2], c[0]) for c in blocks]) for size, w in zip(sizes, ws)], room)
+                   for ws in weights)
+        if not math.isfinite(best):
+            return math.inf
+        if schedule != "interleaved-1f1b" or not cm.engine.p2p_overlap:
+            fixed_t += _sides_s(cm, stage_groups, r, v, schedule, dp=dp, tp=tp, mb=mb)
+        times.append(best + fixed_t)
+        n_blocks = sum(sizes)
+        edge = max(edge, min(c[5] for c in blocks))
+        least_sync = min(c[3] for c in blocks)
+        sync = max(sync, n_blocks * least_sync if schedule in ZERO_BUBBLE else least_sync)
+        optimizer = max(optimizer, n_blocks * min(c[4] for c in blocks))
+    return closed_form_s(schedule, times, m, v) + m * edge + sync + optimizer + cm.step_overhead_s
+
+
+def _sides_s(cm: CostModel, groups: Sequence[NodeGroup], r: int, v: int, schedule: str, *, dp: int, tp: int,
+             mb: int) -> float:
+    """Rank r's sides of its boundaries per micro-batch: its sends and its receives, as the
+    evaluator charges them (``evaluate_interleaved``); the V's turn stays on the rank."""
+    b = lambda a, c: boundary_s(cm, a, c, dp=dp, tp=tp, micro_batch=mb)  # noqa: E731
+    pp = len(groups)
+    if schedule == "zbv":
+        sends = sum(b(groups[r], n) for c, n in enumerate(_next_groups(schedule, groups, r, v))
+                    if n is not None and not (c == 0 and r == pp - 1))
+        return sends + sum(b(groups[j], groups[r]) for j in (r - 1, r + 1) if 0 <= j < pp)
+    own = sum(b(groups[r], n) for n in _next_groups(schedule, groups, r, v) if n is not None)
+    before = sum(b(groups[r - 1], n) for n in _next_groups(schedule, groups, (r - 1) % pp, v) if n is not None)
+    return own + before
+
+
+def entry_bound_s(cm: CostModel, stage_groups: Sequence[NodeGroup], *, tp: int, dp: int, mb: int, m: int,
+                  global_batch: int, space: SearchSpace, schedules: Sequence[str]) -> float:
+    """The least ``variant_bound_s`` over the (schedule, v) pairs torch runs for this entry."""
+    pp = len(stage_groups)
+    shares = replica_counts(global_batch, dp, mb, m)
+    return min((variant_bound_s(cm, stage_groups, tp=tp, dp=dp, mb=mb, m=m, space=space, schedule=s, v=v)
+                for s, v in VARIANTS if s in schedules and pp * v <= cm.model.n_layers
+                and not schedule_counts_rule(s, pp, v, shares)), default=math.inf)
+
+
+def memory_bound_us(cm: CostModel, entries: Sequence[tuple[float, tuple]], *, below_us: float, global_batch: int,
+                    space: SearchSpace, schedules: Sequence[str]) -> float:
+    """The least bound over the interleaved search's grid entries (``InterleavedResult.entries``),
+    each entry's work bound tightened by ``entry_bound_s`` where it is below ``below_us``
+    (the others cannot beat that step anyway)."""
+    bound = math.inf
+    for cheap, (groups, tp, dp, mb, m) in sorted(entries, key=lambda e: e[0]):
+        if cheap >= min(bound, below_us):
+            bound = min(bound, cheap)
+            break  # sorted: no later entry is lower
+        tight = entry_bound_s(cm, groups, tp=tp, dp=dp, mb=mb, m=m, global_batch=global_batch, space=space,
+                              schedules=schedules) * 1e6
+        bound = min(bound, max(cheap, tight))
+    return bound

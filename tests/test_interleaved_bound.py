@@ -1,0 +1,65 @@
+"""The interleaved schedules' memory-aware bound (``search/interleaved_bound.py``) never
+exceeds the evaluator's step for a plan that fits: every uniform plan and seeded random mixes
+of choices per block, on small instances, every schedule and v torch runs."""
+
+import math
+import random
+from collections import Counter
+
+import pytest
+
+from partita.cluster import parse_short
+from partita.model import BUILTIN
+from partita.parallel import schedule_counts_rule, schedule_layers_rule
+from partita.search.costs.model import CostModel
+from partita.search.costs.stage import choice_of
+from partita.search.evaluate import evaluate_interleaved
+from partita.search.interleaved import VARIANTS, chunk_names
+from partita.search.interleaved_bound import least_time_s, variant_bound_s
+from partita.search.uniform import SearchSpace, sp_choices, strategy
+
+CASES = [  # model, cluster, seq, tp, dp, pp, mb, m
+    ("llama-2-7b", "2x8xA100-40GB", 4096, 4, 1, 4, 1, 8),
+    ("llama-2-7b", "1x8xA100-40GB", 4096, 2, 1, 4, 2, 4),
+    ("gpt2-medium", "1x8xV100-32GB", 1024, 1, 2, 4, 4, 8),
+    ("llama-2-13b", "4x8xA100-40GB", 4096, 8, 1, 4, 1, 16),
+]
+
+
+def test_the_linear_programme_buys_the_cheapest_time_per_byte_first():
+    # two blocks, each lean (10 B, 5 s) or fast (20 B, 1 s): 30 B buy one fast block
+    assert least_time_s([(2, [(10, 5.0), (20, 1.0)])], 30) == pytest.approx(6.0)
+    assert least_time_s([(2, [(10, 5.0), (20, 1.0)])], 25) == pytest.approx(8.0)  # half a block: a mix
+    assert least_time_s([(2, [(10, 5.0), (20, 1.0)])], 19) == math.inf
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-tp{c[3]}-pp{c[5]}")
+def test_no_plan_that_fits_is_faster_than_the_bound(case):
+    name, cluster_s, seq, tp, dp, pp, mb, m = case
+    model, cluster = BUILTIN[name], parse_short(cluster_s)
+    cm = CostModel(model, cluster, seq_len=seq)
+    space = SearchSpace()
+    group = cluster.groups[0]
+    rng = random.Random(7)
+    blocks = [strategy(model, "layers.0", tp=tp, sp=sp, zero=z, recompute=rc) for sp in sp_choices(cm, tp, space)
+              for z in (space.zero_levels if dp > 1 else (0,)) for rc in space.recompute]
+    checked = fitting = 0
+    for schedule, v in VARIANTS:
+        if pp * v > model.n_layers or schedule_counts_rule(schedule, pp, v, (m,) * dp):
+            continue
+        bound = variant_bound_s(cm, [group] * pp, tp=tp, dp=dp, mb=mb, m=m, space=space, schedule=schedule, v=v)
+        allowed = [b for b in blocks if not schedule_layers_rule(schedule, [("layers.0", b.zero, b.recompute)])]
+        names = chunk_names(model.n_layers, pp, v, schedule)
+        plans = [[b] for b in allowed] + [rng.sample(allowed, min(3, len(allowed))) for _ in range(12)]
+        for pick in plans:
+            ends = {n: choice_of(model, strategy(model, n, tp=tp, sp=pick[0].sequence_parallel, zero=pick[0].zero,
+                                                 recompute="none")) for n in ("embed", "head")}
+            counts = [[Counter(ends[n] if n in ends else choice_of(model, rng.choice(pick)) for n in chunk)
+                       for chunk in stage] for stage in names]
+            ev = evaluate_interleaved(cm, [(group, c) for c in counts], dp=dp, tp=tp, micro_batch=mb,
+                                      num_micro_batches=m, schedule=schedule)
+            checked += 1
+            if ev.fits:
+                fitting += 1
+                assert bound <= ev.step_time_s * (1 + 1e-9), (schedule, v, pick)
+    assert checked and fitting  # the instances test something
