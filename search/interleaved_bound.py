@@ -33,7 +33,7 @@ from typing import Sequence
 
 from partita.cluster import NodeGroup
 from partita.parallel import ZERO_BUBBLE, schedule_counts_rule
-from partita.search.costs.memory import activation_message_bytes
+from partita.search.costs.memory import activation_message_bytes, round_up_to_grain
 from partita.search.costs.model import CostModel
 from partita.search.costs.stage import boundary_s
 from partita.search.evaluate import _next_groups
@@ -43,8 +43,8 @@ from partita.search.uniform import SearchSpace, replica_counts, sp_choices, stra
 
 
 def _choices(cm: CostModel, group: NodeGroup, name: str, *, tp: int, dp: int, mb: int, m: int,
-             space: SearchSpace, schedule: str) -> list[tuple[float, int, int, float, float, float]]:
-    """(time, static bytes, activations, dp sync, optimizer, ZeRO edge) of each choice the
+             space: SearchSpace, schedule: str) -> list[tuple]:
+    """(time, static bytes, activations, dp sync, optimizer, ZeRO edge, strategy) of each choice the
     schedule runs for this layer (``parallel.schedule_layers_rule``: the zero-bubble schedules
     take ZeRO 0/1 without recomputation)."""
     out = []
@@ -61,7 +61,7 @@ def _choices(cm: CostModel, group: NodeGroup, name: str, *, tp: int, dp: int, mb
                 mem = cm.layer_memory(role, group.device, s, dp=dp, micro_batch=mb, num_micro_batches=m)
                 static = mem.weights + mem.gradients + mem.optimizer + (0 if mem.releases_copy else mem.gathered_weights)
                 out.append((t.forward_s + t.backward_s, static, mem.activations, t.dp_sync_s, t.optimizer_s,
-                            t.zero_edge_s))
+                            t.zero_edge_s, s))
     return out
 
 
@@ -127,7 +127,7 @@ def variant_bound_s(cm: CostModel, stage_groups: Sequence[NodeGroup], *, tp: int
                 room -= min(c[1] for c in of(group, end))
                 fixed_t += min(c[0] for c in of(group, end))
         pairs = in_flight_chunks(schedule, r, pp, v, m)
-        room -= msg * pairs
+        room -= msg * pairs + _buffers_bytes(cm, stage_groups, names, r, schedule=schedule, tp=tp, mb=mb, m=m)
         sizes = [sum(n.startswith("layers.") for n in chunk) for chunk in names[r]]
         if schedule in ZERO_BUBBLE:  # every pair at the largest virtual stage's: at least the mean
             weights = [[(pairs - 1) / v] * v]
@@ -150,6 +150,24 @@ def variant_bound_s(cm: CostModel, stage_groups: Sequence[NodeGroup], *, tp: int
     return closed_form_s(schedule, times, m, v) + m * edge + sync + optimizer + cm.step_overhead_s
 
 
+def _buffers_bytes(cm: CostModel, groups: Sequence[NodeGroup], names, r: int, *, schedule: str, tp: int, mb: int,
+                   m: int) -> int:
+    """Rank r's receive buffers and its head's logits kept in flight, as the evaluator counts
+    them (``memory.pipeline_memory`` per virtual stage, ``interleaved_stage_cost``): whatever
+    its layers' choices."""
+    v = len(names[r])
+    msg = activation_message_bytes(cm, mb, tp)
+    nexts = _next_groups(schedule, groups, r, v)
+    held = chunk_in_flight(schedule, r, len(groups), v, m)
+    total = 0
+    for c, chunk in enumerate(names[r]):
+        total += m * msg * (("embed" not in chunk) + (nexts[c] is not None))
+        if "head" in chunk:
+            head_tp = strategy(cm.model, "head", tp=tp, sp=False, zero=0, recompute="none").tensor_parallel
+            total += held[c] * round_up_to_grain(mb * cm.seq_len * (cm.model.vocab // head_tp) * cm.elem)
+    return total
+
+
 def _sides_s(cm: CostModel, groups: Sequence[NodeGroup], r: int, v: int, schedule: str, *, dp: int, tp: int,
              mb: int) -> float:
     """Rank r's sides of its boundaries per micro-batch: its sends and its receives, as the
@@ -165,27 +183,131 @@ def _sides_s(cm: CostModel, groups: Sequence[NodeGroup], r: int, v: int, schedul
     return own + before
 
 
-def entry_bound_s(cm: CostModel, stage_groups: Sequence[NodeGroup], *, tp: int, dp: int, mb: int, m: int,
-                  global_batch: int, space: SearchSpace, schedules: Sequence[str]) -> float:
-    """The least ``variant_bound_s`` over the (schedule, v) pairs torch runs for this entry."""
+def entry_bounds_s(cm: CostModel, stage_groups: Sequence[NodeGroup], *, tp: int, dp: int, mb: int, m: int,
+                   global_batch: int, space: SearchSpace, schedules: Sequence[str]) -> dict[tuple[str, int], float]:
+    """``variant_bound_s`` for each (schedule, v) pair torch runs for this entry."""
     pp = len(stage_groups)
     shares = replica_counts(global_batch, dp, mb, m)
-    return min((variant_bound_s(cm, stage_groups, tp=tp, dp=dp, mb=mb, m=m, space=space, schedule=s, v=v)
-                for s, v in VARIANTS if s in schedules and pp * v <= cm.model.n_layers
-                and not schedule_counts_rule(s, pp, v, shares)), default=math.inf)
+    return {(s, v): variant_bound_s(cm, stage_groups, tp=tp, dp=dp, mb=mb, m=m, space=space, schedule=s, v=v)
+            for s, v in VARIANTS if s in schedules and pp * v <= cm.model.n_layers
+            and not schedule_counts_rule(s, pp, v, shares)}
 
 
-def memory_bound_us(cm: CostModel, entries: Sequence[tuple[float, tuple]], *, below_us: float, global_batch: int,
-                    space: SearchSpace, schedules: Sequence[str]) -> float:
+def tighten(cm: CostModel, found, *, below_us: float, global_batch: int, space: SearchSpace,
+            schedules: Sequence[str], tries: int = 8) -> float:
     """The least bound over the interleaved search's grid entries (``InterleavedResult.entries``),
-    each entry's work bound tightened by ``entry_bound_s`` where it is below ``below_us``
-    (the others cannot beat that step anyway)."""
-    bound = math.inf
-    for cheap, (groups, tp, dp, mb, m) in sorted(entries, key=lambda e: e[0]):
+    each entry's work bound tightened by ``entry_bounds_s`` where it is below ``below_us`` (the
+    others cannot beat that step anyway); and, for the ``tries`` (entry, schedule, v) of least
+    bound below it, a plan whose blocks mix choices (``mixed_layout``), kept in ``found`` when
+    it fits and beats ``found.best``."""
+    bound, open_ = math.inf, []
+    for cheap, entry in sorted(found.entries, key=lambda e: e[0]):
         if cheap >= min(bound, below_us):
             bound = min(bound, cheap)
             break  # sorted: no later entry is lower
-        tight = entry_bound_s(cm, groups, tp=tp, dp=dp, mb=mb, m=m, global_batch=global_batch, space=space,
-                              schedules=schedules) * 1e6
-        bound = min(bound, max(cheap, tight))
+        groups, tp, dp, mb, m = entry
+        tight = entry_bounds_s(cm, groups, tp=tp, dp=dp, mb=mb, m=m, global_batch=global_batch, space=space,
+                               schedules=schedules)
+        bound = min(bound, max(cheap, min(tight.values(), default=math.inf) * 1e6))
+        open_ += [(us * 1e6, entry, variant) for variant, us in tight.items() if us * 1e6 < below_us]
+    for _, (groups, tp, dp, mb, m), (schedule, v) in sorted(open_, key=lambda e: e[0])[:tries]:
+        mixed = mixed_layout(cm, groups, tp=tp, dp=dp, mb=mb, m=m, space=space, schedule=schedule, v=v)
+        if mixed is not None and (found.best_eval is None or mixed[1].step_time_s < found.best_eval.step_time_s):
+            found.best, found.best_eval = mixed
+            found.evaluated += 1
     return bound
+
+
+def mixed_layout(cm: CostModel, stage_groups: Sequence[NodeGroup], *, tp: int, dp: int, mb: int, m: int,
+                 space: SearchSpace, schedule: str, v: int, tries: int = 6):
+    """A plan of the entry under (schedule, v) whose blocks mix choices within each rank's memory,
+    as the bound's programme does, in whole blocks: each rank's blocks start at their leanest
+    choice and buy the most time per byte one block at a time; a rank the evaluator finds over
+    its memory is redone with its room less the excess (``tries`` rounds). (InterleavedLayout,
+    Evaluation) of one that fits, or None."""
+    from collections import Counter
+
+    from partita.search.costs.stage import canonical_order, choice_of
+    from partita.search.evaluate import evaluate_interleaved
+    from partita.search.interleaved import InterleavedLayout
+
+    pp = len(stage_groups)
+    names = chunk_names(cm.model.n_layers, pp, v, schedule)
+    msg = activation_message_bytes(cm, mb, tp)
+    kw = dict(tp=tp, dp=dp, mb=mb, m=m, space=space, schedule=schedule)
+    less = [0.0] * pp  # bytes each rank's room is cut by, from the evaluator's excess
+    for _ in range(tries):
+        stages = []
+        for r, group in enumerate(stage_groups):
+            blocks = _choices(cm, group, "layers.0", **kw)
+            ends = {end: min(_choices(cm, group, end, **kw), key=lambda c: c[0])[6] for end in ("embed", "head")}
+            pairs = in_flight_chunks(schedule, r, pp, v, m)
+            held = (pairs - 1) / v if schedule in ZERO_BUBBLE else None
+            counts = chunk_in_flight(schedule, r, pp, v, m)
+            room = (group.memory_bytes - cm.reserve_bytes(group) - msg * pairs - less[r]
+                    - _buffers_bytes(cm, stage_groups, names, r, schedule=schedule, tp=tp, mb=mb, m=m))
+            room -= sum(min(c[1] for c in _choices(cm, group, end, **kw)) for end in ends
+                        if any(end in chunk for chunk in names[r]))
+            picks = _whole_blocks([(sum(n.startswith("layers.") for n in chunk),
+                                    [(c[1] + (held if held is not None else counts[i]) * c[2], c[0], c[6])
+                                     for c in blocks]) for i, chunk in enumerate(names[r])], room)
+            if picks is None:
+                return None
+            chunks = []
+            for chunk, pick in zip(names[r], picks):
+                layer = iter(pick)
+                chunks.append(Counter(choice_of(cm.model, ends[n] if n in ends else next(layer)) for n in chunk))
+            stages.append(chunks)
+        ev = evaluate_interleaved(cm, list(zip(stage_groups, stages)), dp=dp, tp=tp, micro_batch=mb,
+                                  num_micro_batches=m, schedule=schedule)
+        if ev.fits:
+            break
+        for r, st in enumerate(ev.stages):
+            less[r] += max(0, st.peak_bytes - st.capacity) * 1.01 + (st.peak_bytes > st.capacity)
+    else:
+        return None
+    layers = []
+    for r, group in enumerate(stage_groups):
+        rank = []
+        for chunk, counts in zip(names[r], stages[r]):
+            order = canonical_order(cm, group.device, counts, dp=dp, micro_batch=mb, num_micro_batches=m)
+            ordered = iter([c for c in order for _ in range(counts[c])])
+            for n in chunk:
+                role, t, sp, z, rc = next(ordered)
+                rank.append(strategy(cm.model, n, tp=tp, sp=sp, zero=z, recompute=rc))
+        layers.append(tuple(rank))
+    return InterleavedLayout(stage_groups=tuple(stage_groups), stage_layers=tuple(layers), dp=dp, tp=tp,
+                             micro_batch=mb, num_micro_batches=m, schedule=schedule,
+                             chunk_sizes=tuple(tuple(len(c) for c in stage) for stage in names)), ev
+
+
+def _whole_blocks(classes, room: float):
+    """Whole-block choices per class (count, [(memory, time, strategy)]) within ``room``: the
+    leanest first, then one block at a time along its class's envelope, the most time saved
+    per byte first; None if the leanest do not fit."""
+    hulls, level = [], []
+    for count, points in classes:
+        hull = _hull([(p[0], p[1]) for p in points])
+        strategies = {(p[0], p[1]): p[2] for p in points}
+        hulls.append([(x, y, strategies[(x, y)]) for x, y in hull])
+        level.append([0] * count)
+    used = sum(len(lv) * h[0][0] for lv, h in zip(level, hulls))
+    if used > room:
+        return None
+    while True:
+        best = None
+        for c, (lv, h) in enumerate(zip(level, hulls)):
+            if not lv or min(lv) + 1 >= len(h):
+                continue
+            i = lv.index(min(lv))
+            a, b = h[lv[i]], h[lv[i] + 1]
+            if used + b[0] - a[0] <= room:
+                rate = (b[1] - a[1]) / (b[0] - a[0])
+                if best is None or rate < best[0]:
+                    best = (rate, c, i, b[0] - a[0])
+        if best is None:
+            break
+        _, c, i, dm = best
+        level[c][i] += 1
+        used += dm
+    return [[h[j][2] for j in lv] for lv, h in zip(level, hulls)]

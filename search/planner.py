@@ -153,7 +153,7 @@ def _consider_interleaved(cm: CostModel, req: PlanRequest, plan: Plan, uni: Unif
     """The grid's fastest pipelines under the other schedules (``search/interleaved.py``) replace a
     slower 1F1B plan. Their bound (``interleaved_bound``) and the 1F1B search's within the gap prove
     the plan over every schedule; the 1F1B search's alone, among 1F1B plans (``proven_among``)."""
-    from partita.search.interleaved_bound import memory_bound_us
+    from partita.search.interleaved_bound import tighten
     pinned = req.space.schedules
     found = found if found is not None else _interleaved(cm, req, uni, deadline)
     if found is None:
@@ -164,12 +164,11 @@ def _consider_interleaved(cm: CostModel, req: PlanRequest, plan: Plan, uni: Unif
                               f"{','.join(pinned)} and fits (tried the {len(uni.pipelined)} fastest uniform "
                               f"pipelines); add 1f1b to --schedule, or allow more stages or micro-batches")
     old = plan.solver
+    beat = [e.step_time_s * 1e6 for e in (plan.prediction if not forced else None, found.best_eval) if e is not None]
+    il_bound = tighten(cm, found, below_us=min(beat, default=math.inf), global_batch=req.global_batch,
+                       space=req.space, schedules=parallel.schedules_for(cm.model, pinned))
     keep = not forced and (found.best is None or plan.prediction is None or
                            found.best_eval.step_time_s >= plan.prediction.step_time_s)
-    best = plan.prediction if keep else found.best_eval  # the step the interleaved plans must beat
-    il_bound = memory_bound_us(cm, found.entries, below_us=best.step_time_s * 1e6 if best else math.inf,
-                               global_batch=req.global_batch, space=req.space,
-                               schedules=parallel.schedules_for(cm.model, pinned))
     if keep:
         if old is None or il_bound >= old.bound_us or old.status == "exhaustive":
             return plan
