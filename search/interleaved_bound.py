@@ -223,7 +223,7 @@ def mixed_layout(cm: CostModel, stage_groups: Sequence[NodeGroup], *, tp: int, d
     """A plan of the entry under (schedule, v) whose blocks mix choices within each rank's memory,
     as the bound's programme does, in whole blocks: each rank's blocks start at their leanest
     choice and buy the most time per byte one block at a time; a rank the evaluator finds over
-    its memory is redone with its room less the excess (``tries`` rounds). (InterleavedLayout,
+    its memory is redone with the memory it took less the excess (``tries`` rounds). (InterleavedLayout,
     Evaluation) of one that fits, or None."""
     from collections import Counter
 
@@ -235,24 +235,25 @@ def mixed_layout(cm: CostModel, stage_groups: Sequence[NodeGroup], *, tp: int, d
     names = chunk_names(cm.model.n_layers, pp, v, schedule)
     msg = activation_message_bytes(cm, mb, tp)
     kw = dict(tp=tp, dp=dp, mb=mb, m=m, space=space, schedule=schedule)
-    less = [0.0] * pp  # bytes each rank's room is cut by, from the evaluator's excess
+    caps = [math.inf] * pp  # each rank's room, cut below what it used by the evaluator's excess
     for _ in range(tries):
-        stages = []
+        stages, used = [], []
         for r, group in enumerate(stage_groups):
             blocks = _choices(cm, group, "layers.0", **kw)
             ends = {end: min(_choices(cm, group, end, **kw), key=lambda c: c[0])[6] for end in ("embed", "head")}
             pairs = in_flight_chunks(schedule, r, pp, v, m)
             held = (pairs - 1) / v if schedule in ZERO_BUBBLE else None
             counts = chunk_in_flight(schedule, r, pp, v, m)
-            room = (group.memory_bytes - cm.reserve_bytes(group) - msg * pairs - less[r]
-                    - _buffers_bytes(cm, stage_groups, names, r, schedule=schedule, tp=tp, mb=mb, m=m))
+            room = min(caps[r], group.memory_bytes - cm.reserve_bytes(group) - msg * pairs
+                       - _buffers_bytes(cm, stage_groups, names, r, schedule=schedule, tp=tp, mb=mb, m=m))
             room -= sum(min(c[1] for c in _choices(cm, group, end, **kw)) for end in ends
                         if any(end in chunk for chunk in names[r]))
-            picks = _whole_blocks([(sum(n.startswith("layers.") for n in chunk),
+            picks, bytes_ = _whole_blocks([(sum(n.startswith("layers.") for n in chunk),
                                     [(c[1] + (held if held is not None else counts[i]) * c[2], c[0], c[6])
                                      for c in blocks]) for i, chunk in enumerate(names[r])], room)
             if picks is None:
                 return None
+            used.append(bytes_)
             chunks = []
             for chunk, pick in zip(names[r], picks):
                 layer = iter(pick)
@@ -263,7 +264,8 @@ def mixed_layout(cm: CostModel, stage_groups: Sequence[NodeGroup], *, tp: int, d
         if ev.fits:
             break
         for r, st in enumerate(ev.stages):
-            less[r] += max(0, st.peak_bytes - st.capacity) * 1.01 + (st.peak_bytes > st.capacity)
+            if st.peak_bytes > st.capacity:
+                caps[r] = used[r] - (st.peak_bytes - st.capacity) - 1
     else:
         return None
     layers = []
@@ -282,9 +284,9 @@ def mixed_layout(cm: CostModel, stage_groups: Sequence[NodeGroup], *, tp: int, d
 
 
 def _whole_blocks(classes, room: float):
-    """Whole-block choices per class (count, [(memory, time, strategy)]) within ``room``: the
-    leanest first, then one block at a time along its class's envelope, the most time saved
-    per byte first; None if the leanest do not fit."""
+    """Whole-block choices per class (count, [(memory, time, strategy)]) within ``room``, and the
+    memory they take: the leanest first, then one block at a time along its class's envelope,
+    the most time saved per byte first; (None, 0) if the leanest do not fit."""
     hulls, level = [], []
     for count, points in classes:
         hull = _hull([(p[0], p[1]) for p in points])
@@ -293,7 +295,7 @@ def _whole_blocks(classes, room: float):
         level.append([0] * count)
     used = sum(len(lv) * h[0][0] for lv, h in zip(level, hulls))
     if used > room:
-        return None
+        return None, 0.0
     while True:
         best = None
         for c, (lv, h) in enumerate(zip(level, hulls)):
@@ -310,4 +312,4 @@ def _whole_blocks(classes, room: float):
         _, c, i, dm = best
         level[c][i] += 1
         used += dm
-    return [[h[j][2] for j in lv] for lv, h in zip(level, hulls)]
+    return [[h[j][2] for j in lv] for lv, h in zip(level, hulls)], used

@@ -63,3 +63,24 @@ def test_no_plan_that_fits_is_faster_than_the_bound(case):
                 fitting += 1
                 assert bound <= ev.step_time_s * (1 + 1e-9), (schedule, v, pick)
     assert checked and fitting  # the instances test something
+
+
+def test_a_mixed_plan_fits_and_is_never_below_the_bound():
+    """``mixed_layout`` on Llama 3 405B's own shape (tp 8 x pp 16 on 16,384 H100, interleaved
+    v = 4): it fits, mixes recomputation across blocks, and lands between the bound and the
+    uniform full-recompute layout Meta ran."""
+    from partita.search.interleaved_bound import mixed_layout
+
+    model, cluster = BUILTIN["llama-3-405b"], parse_short("2048x8xH100")
+    cm = CostModel(model, cluster, seq_len=8192)
+    groups, kw = [cluster.groups[0]] * 16, dict(tp=8, dp=128, mb=1, m=16, space=SearchSpace())
+    bound = variant_bound_s(cm, groups, schedule="interleaved-1f1b", v=4, **kw)
+    layout, ev = mixed_layout(cm, groups, schedule="interleaved-1f1b", v=4, **kw)
+    assert ev.fits and bound <= ev.step_time_s
+    assert len({s.recompute for stage in layout.stage_layers for s in stage if s.name.startswith("layers.")}) > 1
+    full = choice_of(model, strategy(model, "layers.0", tp=8, sp=True, zero=1, recompute="full"))
+    ends = {n: choice_of(model, strategy(model, n, tp=8, sp=True, zero=1, recompute="none")) for n in ("embed", "head")}
+    counts = [[Counter(ends.get(n, full) for n in chunk) for chunk in stage] for stage in chunk_names(126, 16, 4)]
+    uniform = evaluate_interleaved(cm, [(groups[0], c) for c in counts], dp=128, tp=8, micro_batch=1,
+                                   num_micro_batches=16)
+    assert uniform.fits and ev.step_time_s < uniform.step_time_s
