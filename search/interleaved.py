@@ -9,10 +9,10 @@ count (``parallel.schedule_counts_rule``), the runtime runs their layer choices
 ZeRO 0/1 without recomputation) and every virtual stage holds at least one block: the blocks
 split as evenly as possible over the pp * v virtual stages (in the schedule's order: virtual
 stage c of stage i is the model's (c * pp + i)-th slice, under ZB-V the V), every layer making
-the candidate's choice, priced by the evaluator (``evaluate.evaluate_interleaved``). This is a
-heuristic, not a proof: the planner keeps the fastest when it beats the 1F1B plan and then
-reports status "feasible", with a lower bound that holds for every plan of the grid's shapes
-under every schedule (``bound_us``) as well as for 1F1B.
+the candidate's choice, priced by the evaluator (``evaluate.evaluate_interleaved``). The planner
+keeps the fastest when it beats the 1F1B plan; the grid entries' work bounds (``bound_us``,
+``entries``) are tightened by memory, and plans whose blocks mix choices added, by
+``interleaved_bound.tighten``.
 """
 
 from __future__ import annotations
