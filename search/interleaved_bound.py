@@ -210,6 +210,8 @@ def tighten(cm: CostModel, found, *, below_us: float, global_batch: int, space: 
                                schedules=schedules)
         bound = min(bound, max(cheap, min(tight.values(), default=math.inf) * 1e6))
         open_ += [(us * 1e6, entry, variant) for variant, us in tight.items() if us * 1e6 < below_us]
+    if space.price_cap is not None:
+        return bound  # the grid's entries are not held to a price bound: no plans from them
     for _, (groups, tp, dp, mb, m), (schedule, v) in sorted(open_, key=lambda e: e[0])[:tries]:
         mixed = mixed_layout(cm, groups, tp=tp, dp=dp, mb=mb, m=m, space=space, schedule=schedule, v=v)
         if mixed is not None and (found.best_eval is None or mixed[1].step_time_s < found.best_eval.step_time_s):
