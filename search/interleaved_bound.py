@@ -86,6 +86,8 @@ def least_time_s(classes: Sequence[tuple[int, Sequence[tuple[float, float]]]], r
     for count, points in classes:
         if not count:
             continue
+        if not points:
+            return math.inf  # the schedule runs none of the block's choices
         hull = _hull(points)
         used += count * hull[0][0]
         total += count * hull[0][1]
@@ -291,6 +293,8 @@ def _whole_blocks(classes, room: float):
     the most time saved per byte first; (None, 0) if the leanest do not fit."""
     hulls, level = [], []
     for count, points in classes:
+        if count and not points:
+            return None, 0.0
         hull = _hull([(p[0], p[1]) for p in points])
         strategies = {(p[0], p[1]): p[2] for p in points}
         hulls.append([(x, y, strategies[(x, y)]) for x, y in hull])
