@@ -122,6 +122,8 @@ def variant_bound_s(cm: CostModel, stage_groups: Sequence[NodeGroup], *, tp: int
     times, edge, sync, optimizer = [], 0.0, 0.0, 0.0
     for r, group in enumerate(stage_groups):
         blocks = of(group, "layers.0")
+        if not blocks or not of(group, "embed") or not of(group, "head"):
+            return math.inf  # the schedule runs none of a layer's choices
         room = group.memory_bytes - cm.reserve_bytes(group)
         fixed_t = 0.0
         for end in ("embed", "head"):
@@ -244,6 +246,8 @@ def mixed_layout(cm: CostModel, stage_groups: Sequence[NodeGroup], *, tp: int, d
         stages, used = [], []
         for r, group in enumerate(stage_groups):
             blocks = _choices(cm, group, "layers.0", **kw)
+            if not blocks or not all(_choices(cm, group, end, **kw) for end in ("embed", "head")):
+                return None
             ends = {end: min(_choices(cm, group, end, **kw), key=lambda c: c[0])[6] for end in ("embed", "head")}
             pairs = in_flight_chunks(schedule, r, pp, v, m)
             held = (pairs - 1) / v if schedule in ZERO_BUBBLE else None
