@@ -31,11 +31,14 @@ import math
 from functools import lru_cache
 from typing import Sequence
 
+import numpy as np
+
 from partita.cluster import NodeGroup
 from partita.parallel import ZERO_BUBBLE, schedule_counts_rule
 from partita.search.costs.memory import activation_message_bytes, round_up_to_grain
 from partita.search.costs.model import CostModel
 from partita.search.costs.stage import boundary_s
+from partita.search.cpsat_fit import _hull as cpsat_hull
 from partita.search.evaluate import _next_groups
 from partita.search.interleaved import VARIANTS, chunk_names
 from partita.search.schedules import chunk_in_flight, closed_form_s, in_flight_chunks
@@ -66,15 +69,9 @@ def _choices(cm: CostModel, group: NodeGroup, name: str, *, tp: int, dp: int, mb
 
 
 def _hull(points: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
-    """Lower convex envelope of (memory, time) points: memory increasing, time decreasing."""
-    pts: list[tuple[float, float]] = []
-    for x, y in sorted(points):
-        if pts and y >= pts[-1][1]:
-            continue
-        while len(pts) >= 2 and (pts[-1][1] - pts[-2][1]) * (x - pts[-2][0]) >= (y - pts[-2][1]) * (pts[-1][0] - pts[-2][0]):
-            pts.pop()
-        pts.append((x, y))
-    return pts
+    """Lower convex envelope of (memory, time) points (``cpsat_fit._hull``), as pairs."""
+    xs, ys = cpsat_hull(np.array([p[0] for p in points], float), np.array([p[1] for p in points], float))
+    return [(float(x), float(y)) for x, y in zip(xs, ys)]
 
 
 def least_time_s(classes: Sequence[tuple[int, Sequence[tuple[float, float]]]], room: float) -> float:
