@@ -38,7 +38,6 @@ from partita.parallel import ZERO_BUBBLE, schedule_counts_rule
 from partita.search.costs.memory import activation_message_bytes, round_up_to_grain
 from partita.search.costs.model import CostModel
 from partita.search.costs.stage import boundary_s
-from partita.search.cpsat_fit import _hull as cpsat_hull
 from partita.search.evaluate import _next_groups
 from partita.search.interleaved import VARIANTS, chunk_names
 from partita.search.schedules import chunk_in_flight, closed_form_s, in_flight_chunks
@@ -47,9 +46,10 @@ from partita.search.uniform import SearchSpace, replica_counts, sp_choices, stra
 
 def _choices(cm: CostModel, group: NodeGroup, name: str, *, tp: int, dp: int, mb: int, m: int,
              space: SearchSpace, schedule: str) -> list[tuple]:
-    """(time, static bytes, activations, dp sync, optimizer, ZeRO edge, strategy) of each choice the
-    schedule runs for this layer (``parallel.schedule_layers_rule``: the zero-bubble schedules
-    take ZeRO 0/1 without recomputation)."""
+    """(time, static bytes, activations, dp sync, optimizer, ZeRO edge, strategy, overlap window,
+    transient bytes) of each choice the schedule runs for this layer (``parallel.schedule_layers_rule``:
+    the zero-bubble schedules take ZeRO 0/1 without recomputation, and hide no sync behind their
+    backward: ``evaluate._split_backward``)."""
     out = []
     zeros = space.zero_levels if dp > 1 else (0,)
     recomputes = space.recompute if name.startswith("layers.") else ("none",)
@@ -63,92 +63,183 @@ def _choices(cm: CostModel, group: NodeGroup, name: str, *, tp: int, dp: int, mb
                 t = cm.layer_time(role, group, s, dp=dp, micro_batch=mb)
                 mem = cm.layer_memory(role, group.device, s, dp=dp, micro_batch=mb, num_micro_batches=m)
                 static = mem.weights + mem.gradients + mem.optimizer + (0 if mem.releases_copy else mem.gathered_weights)
+                window = 0.0 if schedule in ZERO_BUBBLE else t.overlap_window_s
                 out.append((t.forward_s + t.backward_s, static, mem.activations, t.dp_sync_s, t.optimizer_s,
-                            t.zero_edge_s, s))
+                            t.zero_edge_s, s, window, mem.transient))
     return out
 
 
-def _hull(points: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
-    """Lower convex envelope of (memory, time) points (``cpsat_fit._hull``), as pairs."""
-    xs, ys = cpsat_hull(np.array([p[0] for p in points], float), np.array([p[1] for p in points], float))
-    return [(float(x), float(y)) for x, y in zip(xs, ys)]
+UNITS = 4096  # the knapsack's memory grain: a rank's room in this many parts
+
+
+def _pareto(points: Sequence[tuple]) -> list[tuple]:
+    """The points no other is at most as large and as slow as, leanest first."""
+    out = []
+    for p in sorted(points, key=lambda p: (p[0], p[1])):
+        if not out or p[1] < out[-1][1]:
+            out.append(p)
+    return out
+
+
+def least_whole(classes: Sequence[tuple[int, Sequence[tuple]]], room: float, *, plan: bool = False):
+    """The least total cost of ``count`` blocks of each class, each block taking one (memory,
+    cost, ...) point of its class, within ``room`` bytes together: a knapsack over the room in
+    ``UNITS`` parts. For a bound (``plan`` False) each point's memory is rounded down, so no
+    choice that fits is missed; for a plan up, so what it picks fits. (total, picks: per class
+    the points its blocks take), or (inf, None) if even the leanest do not fit."""
+    if room < 0:
+        return math.inf, None
+    unit = max(room, 1.0) / UNITS
+    best = np.zeros(UNITS + 1)  # least cost within u units, of the blocks so far
+    steps = []
+    for k, (count, points) in enumerate(classes):
+        if not count:
+            continue
+        front = _pareto(points)
+        if not front:
+            return math.inf, None  # the schedule runs none of the block's choices
+        need = [math.ceil(p[0] / unit - 1e-9) if plan else math.floor(p[0] / unit) for p in front]
+        for _ in range(count):
+            cand = np.full((len(front), UNITS + 1), np.inf)
+            for j, (w, p) in enumerate(zip(need, front)):
+                if w <= UNITS:
+                    cand[j, w:] = best[:UNITS + 1 - w] + p[1]
+            arg = cand.argmin(axis=0)
+            best = cand[arg, np.arange(UNITS + 1)]
+            steps.append((k, front, need, arg))
+    if not math.isfinite(best[UNITS]):
+        return math.inf, None
+    picks: dict[int, list] = {k: [] for k in range(len(classes))}
+    u = UNITS
+    for k, front, need, arg in reversed(steps):
+        j = int(arg[u])
+        picks[k].append(front[j])
+        u -= need[j]
+    return float(best[UNITS]), [picks[k] for k in range(len(classes))]
 
 
 def least_time_s(classes: Sequence[tuple[int, Sequence[tuple[float, float]]]], room: float) -> float:
-    """The least total time of ``count`` blocks of each class, each block taking a (memory,
-    time) point of its class or a mix of them, within ``room`` bytes together: the linear
-    programme's optimum (start every block at its leanest point, then buy the cheapest time per
-    byte first); inf if even the leanest do not fit."""
-    used, total, steps = 0.0, 0.0, []
-    for count, points in classes:
-        if not count:
-            continue
-        if not points:
-            return math.inf  # the schedule runs none of the block's choices
-        hull = _hull(points)
-        used += count * hull[0][0]
-        total += count * hull[0][1]
-        steps += [((b[1] - a[1]) / (b[0] - a[0]), count * (b[0] - a[0]), count * (b[1] - a[1]))
-                  for a, b in zip(hull, hull[1:])]
-    if used > room:
-        return math.inf
-    left = room - used
-    for _, dm, dt in sorted(steps):
-        take = min(1.0, left / dm)
-        total += take * dt
-        left -= take * dm
-        if take < 1.0:
-            break
-    return total
+    """``least_whole``'s bound: the least total time of the blocks within ``room`` (inf if the
+    leanest do not fit)."""
+    return least_whole(classes, room)[0]
+
+
+def _rank_terms(cm: CostModel, stage_groups: Sequence[NodeGroup], names, r: int, of, *, tp: int, dp: int, mb: int,
+                m: int, schedule: str, v: int):
+    """Rank r's (room for its blocks, each virtual stage's block count, weightings of their
+    activations (``variant_bound_s`` takes the best), the choices of each end layer it holds,
+    its sides of its boundaries per micro-batch); None if the schedule runs none of a layer's
+    choices."""
+    group = stage_groups[r]
+    pp = len(stage_groups)
+    blocks = of(group, "layers.0")
+    if not blocks or not of(group, "embed") or not of(group, "head"):
+        return None
+    room = group.memory_bytes - cm.reserve_bytes(group)
+    ends = [of(group, end) for end in ("embed", "head") if any(end in chunk for chunk in names[r])]
+    room -= sum(min(c[1] for c in end) for end in ends)
+    # The running micro-batch: its virtual stage's activations and, at its last layer, that
+    # layer's transient (``stage._stage_cost``'s peak), at least the least of any layer here.
+    room -= min(c[8] for c in list(blocks) + [c for end in ends for c in end])
+    pairs = in_flight_chunks(schedule, r, pp, v, m)
+    room -= activation_message_bytes(cm, mb, tp) * pairs + _buffers_bytes(cm, stage_groups, names, r,
+                                                                           schedule=schedule, tp=tp, mb=mb, m=m)
+    sizes = [sum(n.startswith("layers.") for n in chunk) for chunk in names[r]]
+    # Each virtual stage's blocks are charged at w_c pairs, any w with sum w <= pairs: the pairs
+    # waiting (the largest first, ``held_bytes``; zero-bubble at the largest virtual stage's)
+    # plus the running one (its transient is over at least its own activations) hold at least
+    # that. Two such w, each a bound: in proportion, and the virtual stages with most blocks first.
+    most = chunk_in_flight(schedule, r, pp, v, m) if schedule not in ZERO_BUBBLE else (pairs,) * v
+    even = [min(n, pairs * n / sum(most)) for n in most] if schedule not in ZERO_BUBBLE else [pairs / v] * v
+    largest, left = [0.0] * v, pairs
+    for c in sorted(range(v), key=lambda c: -sizes[c]):
+        largest[c] = min(most[c], left)
+        left -= largest[c]
+    sides = 0.0
+    if schedule != "interleaved-1f1b" or not cm.engine.p2p_overlap:
+        sides = _sides_s(cm, stage_groups, r, v, schedule, dp=dp, tp=tp, mb=mb)
+    return room, sizes, [even, largest], ends, sides
+
+
+def _priced(blocks, ends, sizes, weightings, room: float, sides: float, cost) -> float:
+    """A rank's least total ``cost`` (per micro-batch time -> per-layer cost, the sides at
+    ``cost`` of pure time) within ``room``: its blocks' knapsack, the largest over the
+    weightings of their activations, and its ends at their cheapest."""
+    total = max(least_time_s([(size, [(c[1] + w * c[2], cost(c)) for c in blocks]) for size, w in zip(sizes, ws)],
+                             room) for ws in weightings)
+    return total + sum(min(cost(c) for c in end) for end in ends) + cost((sides, 0, 0, 0, 0, 0, None, 0, 0))
 
 
 def variant_bound_s(cm: CostModel, stage_groups: Sequence[NodeGroup], *, tp: int, dp: int, mb: int, m: int,
                     space: SearchSpace, schedule: str, v: int) -> float:
     """No plan of this grid entry under ``schedule`` with v virtual stages per rank, its blocks
     split evenly (``interleaved.chunk_names``), is faster than this (seconds); inf where none
-    fits."""
+    fits. Each rank's blocks are a knapsack within its memory (``least_whole``), and the step is
+    at least the largest of:
+
+    * the schedule's closed form A over each rank's least time, plus the least edge, sync and
+      optimizer step;
+    * for each rank r and weight l in [0, s]: A + (l / s)(B - A) + the least of l x r's time plus
+      its exposed data-parallel sync (at least its layers' sync less their overlap windows,
+      ``StageCost.exposed_dp_s``), where B + s x T is the closed form's tangent in r's time T
+      past every other rank's least (it is convex, so max(A, B + s T) bounds it, and the mix
+      bounds the max): a rank that buys memory with ZeRO 2 pays per micro-batch what ZeRO 1
+      pays once, and a rank off the critical path can still set the exposed sync."""
     pp = len(stage_groups)
     names = chunk_names(cm.model.n_layers, pp, v, schedule)
-    msg = activation_message_bytes(cm, mb, tp)
     kw = dict(tp=tp, dp=dp, mb=mb, m=m, space=space, schedule=schedule)
 
     @lru_cache(maxsize=None)
     def of(group: NodeGroup, name: str):
         return _choices(cm, group, name, **kw)
 
-    times, edge, sync, optimizer = [], 0.0, 0.0, 0.0
+    # The step pays m x the largest ZeRO edge of any layer (``costs.step``): the plans whose
+    # largest edge is e take only choices with edges up to e, and pay m x e.
+    edges = sorted({c[5] for g in set(stage_groups) for n in ("layers.0", "embed", "head") for c in of(g, n)})
+    base = _edgeless_bound_s(cm, stage_groups, names, of, tp=tp, dp=dp, mb=mb, m=m, schedule=schedule, v=v)
+    bound = math.inf
+    for e in edges:
+        if base + m * e >= bound:
+            break
+        capped = lru_cache(maxsize=None)(lambda g, n, e=e: tuple(c for c in of(g, n) if c[5] <= e))
+        bound = min(bound, m * e + (base if e == edges[-1] else _edgeless_bound_s(
+            cm, stage_groups, names, capped, tp=tp, dp=dp, mb=mb, m=m, schedule=schedule, v=v)))
+    return bound
+
+
+def _edgeless_bound_s(cm: CostModel, stage_groups: Sequence[NodeGroup], names, of, *, tp: int, dp: int, mb: int,
+                      m: int, schedule: str, v: int) -> float:
+    """``variant_bound_s`` over the choices ``of`` gives, without the ZeRO edges."""
+    ranks, times, sync, optimizer = [], [], 0.0, 0.0
     for r, group in enumerate(stage_groups):
-        blocks = of(group, "layers.0")
-        if not blocks or not of(group, "embed") or not of(group, "head"):
+        terms = _rank_terms(cm, stage_groups, names, r, of, tp=tp, dp=dp, mb=mb, m=m, schedule=schedule, v=v)
+        if terms is None:
             return math.inf  # the schedule runs none of a layer's choices
-        room = group.memory_bytes - cm.reserve_bytes(group)
-        fixed_t = 0.0
-        for end in ("embed", "head"):
-            if any(end in chunk for chunk in names[r]):
-                room -= min(c[1] for c in of(group, end))
-                fixed_t += min(c[0] for c in of(group, end))
-        pairs = in_flight_chunks(schedule, r, pp, v, m)
-        room -= msg * pairs + _buffers_bytes(cm, stage_groups, names, r, schedule=schedule, tp=tp, mb=mb, m=m)
-        sizes = [sum(n.startswith("layers.") for n in chunk) for chunk in names[r]]
-        if schedule in ZERO_BUBBLE:  # every pair at the largest virtual stage's: at least the mean
-            weights = [[(pairs - 1) / v] * v]
-        else:
-            held = chunk_in_flight(schedule, r, pp, v, m)
-            share = min(1.0, (pairs - 1) / max(1, sum(held) - 1))
-            weights = [[share * (n - (c == ranked)) for c, n in enumerate(held)] for ranked in range(v)]
-        best = min(least_time_s([(size, [(c[1] + w * c[2], c[0]) for c in blocks]) for size, w in zip(sizes, ws)], room)
-                   for ws in weights)
+        room, sizes, weightings, ends, sides = terms
+        blocks = of(group, "layers.0")
+        best = _priced(blocks, ends, sizes, weightings, room, sides, lambda c: c[0])
         if not math.isfinite(best):
             return math.inf
-        if schedule != "interleaved-1f1b" or not cm.engine.p2p_overlap:
-            fixed_t += _sides_s(cm, stage_groups, r, v, schedule, dp=dp, tp=tp, mb=mb)
-        times.append(best + fixed_t)
+        times.append(best)
+        ranks.append((blocks, ends, sizes, weightings, room, sides))
         n_blocks = sum(sizes)
-        edge = max(edge, min(c[5] for c in blocks))
         least_sync = min(c[3] for c in blocks)
         sync = max(sync, n_blocks * least_sync if schedule in ZERO_BUBBLE else least_sync)
         optimizer = max(optimizer, n_blocks * min(c[4] for c in blocks))
-    return closed_form_s(schedule, times, m, v) + m * edge + sync + optimizer + cm.step_overhead_s
+    least = closed_form_s(schedule, times, m, v)
+    bound = least + sync
+    if dp > 1:
+        top = max(times)
+        for r, (blocks, ends, sizes, weightings, room, sides) in enumerate(ranks):
+            at = lambda x: closed_form_s(schedule, times[:r] + [x] + times[r + 1:], m, v)  # noqa: E731
+            step = max(top * 1e-3, 1e-9)
+            slope = (at(top + step) - at(top)) / step  # past every other rank's time: the tangent's
+            tangent = at(top) - slope * top  # B
+            for part in (0.0, 0.125, 0.25, 0.5, 1.0):
+                lam = part * slope
+                joint = _priced(blocks, ends, sizes, weightings, room, sides, lambda c: lam * c[0] + c[3] - c[7])
+                bound = max(bound, least + part * (tangent - least) + joint)
+    return bound + optimizer + cm.step_overhead_s
 
 
 def _buffers_bytes(cm: CostModel, groups: Sequence[NodeGroup], names, r: int, *, schedule: str, tp: int, mb: int,
@@ -224,55 +315,33 @@ def tighten(cm: CostModel, found, *, below_us: float, global_batch: int, space: 
 def mixed_layout(cm: CostModel, stage_groups: Sequence[NodeGroup], *, tp: int, dp: int, mb: int, m: int,
                  space: SearchSpace, schedule: str, v: int, tries: int = 6):
     """A plan of the entry under (schedule, v) whose blocks mix choices within each rank's memory,
-    as the bound's programme does, in whole blocks: each rank's blocks start at their leanest
-    choice and buy the most time per byte one block at a time; a rank the evaluator finds over
-    its memory is redone with the memory it took less the excess (``tries`` rounds). (InterleavedLayout,
-    Evaluation) of one that fits, or None."""
-    from collections import Counter
-
-    from partita.search.costs.stage import canonical_order, choice_of
-    from partita.search.evaluate import evaluate_interleaved
+    as the bound's knapsacks do (``least_whole``, memory rounded up), each virtual stage's blocks
+    charged at all its in-flight pairs: once for the least time per rank, once for the least time
+    with the exposed data-parallel sync; a rank the evaluator finds over its memory is redone
+    with the memory it took less the excess (``tries`` rounds). (InterleavedLayout, Evaluation)
+    of the faster that fits, or None."""
+    from partita.search.costs.stage import canonical_order
     from partita.search.interleaved import InterleavedLayout
 
     pp = len(stage_groups)
     names = chunk_names(cm.model.n_layers, pp, v, schedule)
-    msg = activation_message_bytes(cm, mb, tp)
     kw = dict(tp=tp, dp=dp, mb=mb, m=m, space=space, schedule=schedule)
-    caps = [math.inf] * pp  # each rank's room, cut below what it used by the evaluator's excess
-    for _ in range(tries):
-        stages, used = [], []
-        for r, group in enumerate(stage_groups):
-            blocks = _choices(cm, group, "layers.0", **kw)
-            if not blocks or not all(_choices(cm, group, end, **kw) for end in ("embed", "head")):
-                return None
-            ends = {end: min(_choices(cm, group, end, **kw), key=lambda c: c[0])[6] for end in ("embed", "head")}
-            pairs = in_flight_chunks(schedule, r, pp, v, m)
-            held = (pairs - 1) / v if schedule in ZERO_BUBBLE else None
-            counts = chunk_in_flight(schedule, r, pp, v, m)
-            room = min(caps[r], group.memory_bytes - cm.reserve_bytes(group) - msg * pairs
-                       - _buffers_bytes(cm, stage_groups, names, r, schedule=schedule, tp=tp, mb=mb, m=m))
-            room -= sum(min(c[1] for c in _choices(cm, group, end, **kw)) for end in ends
-                        if any(end in chunk for chunk in names[r]))
-            picks, bytes_ = _whole_blocks([(sum(n.startswith("layers.") for n in chunk),
-                                    [(c[1] + (held if held is not None else counts[i]) * c[2], c[0], c[6])
-                                     for c in blocks]) for i, chunk in enumerate(names[r])], room)
-            if picks is None:
-                return None
-            used.append(bytes_)
-            chunks = []
-            for chunk, pick in zip(names[r], picks):
-                layer = iter(pick)
-                chunks.append(Counter(choice_of(cm.model, ends[n] if n in ends else next(layer)) for n in chunk))
-            stages.append(chunks)
-        ev = evaluate_interleaved(cm, list(zip(stage_groups, stages)), dp=dp, tp=tp, micro_batch=mb,
-                                  num_micro_batches=m, schedule=schedule)
-        if ev.fits:
-            break
-        for r, st in enumerate(ev.stages):
-            if st.peak_bytes > st.capacity:
-                caps[r] = used[r] - (st.peak_bytes - st.capacity) - 1
-    else:
+
+    @lru_cache(maxsize=None)
+    def every(group: NodeGroup, name: str):
+        return _choices(cm, group, name, **kw)
+
+    least_edge = min(c[5] for g in set(stage_groups) for n in ("layers.0", "embed", "head") for c in every(g, n))
+    best = None
+    for edge in (least_edge, math.inf):  # ZeRO 2/3 blocks cost m x their edge: plans without them, then any
+        of = lru_cache(maxsize=None)(lambda g, n, edge=edge: tuple(c for c in every(g, n) if c[5] <= edge))
+        for found in _candidates(cm, stage_groups, names, of, tries=tries, tp=tp, dp=dp, mb=mb, m=m,
+                                 schedule=schedule, v=v):
+            if best is None or found[1].step_time_s < best[1].step_time_s:
+                best = found
+    if best is None:
         return None
+    stages, ev = best
     layers = []
     for r, group in enumerate(stage_groups):
         rank = []
@@ -288,35 +357,64 @@ def mixed_layout(cm: CostModel, stage_groups: Sequence[NodeGroup], *, tp: int, d
                              chunk_sizes=tuple(tuple(len(c) for c in stage) for stage in names)), ev
 
 
-def _whole_blocks(classes, room: float):
-    """Whole-block choices per class (count, [(memory, time, strategy)]) within ``room``, and the
-    memory they take: the leanest first, then one block at a time along its class's envelope,
-    the most time saved per byte first; (None, 0) if the leanest do not fit."""
-    hulls, level = [], []
-    for count, points in classes:
-        if count and not points:
-            return None, 0.0
-        hull = _hull([(p[0], p[1]) for p in points])
-        strategies = {(p[0], p[1]): p[2] for p in points}
-        hulls.append([(x, y, strategies[(x, y)]) for x, y in hull])
-        level.append([0] * count)
-    used = sum(len(lv) * h[0][0] for lv, h in zip(level, hulls))
-    if used > room:
-        return None, 0.0
-    while True:
-        best = None
-        for c, (lv, h) in enumerate(zip(level, hulls)):
-            if not lv or min(lv) + 1 >= len(h):
-                continue
-            i = lv.index(min(lv))
-            a, b = h[lv[i]], h[lv[i] + 1]
-            if used + b[0] - a[0] <= room:
-                rate = (b[1] - a[1]) / (b[0] - a[0])
-                if best is None or rate < best[0]:
-                    best = (rate, c, i, b[0] - a[0])
-        if best is None:
-            break
-        _, c, i, dm = best
-        level[c][i] += 1
-        used += dm
-    return [[h[j][2] for j in lv] for lv, h in zip(level, hulls)], used
+def _candidates(cm: CostModel, stage_groups, names, of, *, tries: int, tp: int, dp: int, mb: int, m: int,
+                schedule: str, v: int):
+    """``mixed_layout``'s plans over the choices ``of`` gives, that fit: each rank's blocks for
+    its least time, and for its least m x time plus exposed sync."""
+    pp = len(stage_groups)
+    ranks, weightings = [], []
+    for r, group in enumerate(stage_groups):
+        terms = _rank_terms(cm, stage_groups, names, r, of, tp=tp, dp=dp, mb=mb, m=m, schedule=schedule, v=v)
+        if terms is None:
+            return
+        room, sizes, bounds, _, _ = terms
+        # every pair in flight (what the evaluator can charge), and the bound's first weighting
+        weightings.append((chunk_in_flight(schedule, r, pp, v, m) if schedule not in ZERO_BUBBLE else bounds[1],
+                           bounds[0]))
+        ends = {end: min(of(group, end), key=lambda c: c[0])[6] for end in ("embed", "head")}
+        ranks.append((room, sizes, ends))
+
+    def knapsack(r: int, room: float, cost, k: int):
+        _, sizes, _ = ranks[r]
+        blocks = of(stage_groups[r], "layers.0")
+        return least_whole([(size, [(c[1] + w * c[2], cost(c), c) for c in blocks])
+                            for size, w in zip(sizes, weightings[r][k])], room, plan=True)[1]
+
+    for k in range(2):
+        for cost in (lambda c: c[0], lambda c: m * c[0] + c[3] - c[7]):
+            found = _fit(cm, stage_groups, names, ranks, lambda r, room: knapsack(r, room, cost, k), tries=tries,
+                         dp=dp, tp=tp, mb=mb, m=m, schedule=schedule)
+            if found is not None:
+                yield found
+
+
+def _fit(cm: CostModel, stage_groups, names, ranks, choose, *, tries: int, dp: int, tp: int, mb: int, m: int,
+         schedule: str):
+    """``mixed_layout``'s rounds for one way to ``choose`` a rank's blocks within a room:
+    (choice counts per virtual stage per rank, Evaluation) of a plan that fits, or None."""
+    from collections import Counter
+
+    from partita.search.costs.stage import choice_of
+    from partita.search.evaluate import evaluate_interleaved
+
+    caps = [math.inf] * len(stage_groups)  # each rank's room, cut below what it used by the evaluator's excess
+    for _ in range(tries):
+        stages, used = [], []
+        for r, (room, _, ends) in enumerate(ranks):
+            picks = choose(r, min(caps[r], room))
+            if picks is None:
+                return None
+            used.append(sum(p[0] for pick in picks for p in pick))
+            chunks = []
+            for chunk, pick in zip(names[r], picks):
+                layer = iter(p[2][6] for p in pick)
+                chunks.append(Counter(choice_of(cm.model, ends[n] if n in ends else next(layer)) for n in chunk))
+            stages.append(chunks)
+        ev = evaluate_interleaved(cm, list(zip(stage_groups, stages)), dp=dp, tp=tp, micro_batch=mb,
+                                  num_micro_batches=m, schedule=schedule)
+        if ev.fits:
+            return stages, ev
+        for r, st in enumerate(ev.stages):
+            if st.peak_bytes > st.capacity:
+                caps[r] = used[r] - (st.peak_bytes - st.capacity) - 1
+    return None

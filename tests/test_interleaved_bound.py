@@ -15,7 +15,7 @@ from partita.search.costs.model import CostModel
 from partita.search.costs.stage import choice_of
 from partita.search.evaluate import evaluate_interleaved
 from partita.search.interleaved import VARIANTS, chunk_names
-from partita.search.interleaved_bound import least_time_s, variant_bound_s
+from partita.search.interleaved_bound import least_time_s, least_whole, variant_bound_s
 from partita.search.uniform import SearchSpace, sp_choices, strategy
 
 CASES = [  # model, cluster, seq, tp, dp, pp, mb, m
@@ -23,14 +23,22 @@ CASES = [  # model, cluster, seq, tp, dp, pp, mb, m
     ("llama-2-7b", "1x8xA100-40GB", 4096, 2, 1, 4, 2, 4),
     ("gpt2-medium", "1x8xV100-32GB", 1024, 1, 2, 4, 4, 8),
     ("llama-2-13b", "4x8xA100-40GB", 4096, 8, 1, 4, 1, 16),
+    ("llama-2-7b", "4x8xA100-40GB", 4096, 4, 2, 4, 1, 8),  # data parallel: the exposed sync's terms
+    ("llama-2-7b", "8x8xA100-80GB", 4096, 2, 8, 4, 2, 4),
 ]
 
 
-def test_the_linear_programme_buys_the_cheapest_time_per_byte_first():
+def test_the_knapsack_takes_whole_blocks():
     # two blocks, each lean (10 B, 5 s) or fast (20 B, 1 s): 30 B buy one fast block
     assert least_time_s([(2, [(10, 5.0), (20, 1.0)])], 30) == pytest.approx(6.0)
-    assert least_time_s([(2, [(10, 5.0), (20, 1.0)])], 25) == pytest.approx(8.0)  # half a block: a mix
+    assert least_time_s([(2, [(10, 5.0), (20, 1.0)])], 25) == pytest.approx(10.0)  # no half blocks
     assert least_time_s([(2, [(10, 5.0), (20, 1.0)])], 19) == math.inf
+    # not the best time per byte first: 3 blocks in 45 B take (15, 3) x 3, not one fast block
+    classes = [(3, [(10, 5.0), (15, 3.0), (25, 0.0)])]
+    assert least_time_s(classes, 45) == pytest.approx(9.0)
+    # a plan's knapsack rounds memory up: what it picks fits the room
+    total, picks = least_whole(classes, 45, plan=True)
+    assert sum(p[0] for p in picks[0]) <= 45 and total == pytest.approx(sum(p[1] for p in picks[0]))
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-tp{c[3]}-pp{c[5]}")
