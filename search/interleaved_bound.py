@@ -359,33 +359,98 @@ def mixed_layout(cm: CostModel, stage_groups: Sequence[NodeGroup], *, tp: int, d
 
 def _candidates(cm: CostModel, stage_groups, names, of, *, tries: int, tp: int, dp: int, mb: int, m: int,
                 schedule: str, v: int):
-    """``mixed_layout``'s plans over the choices ``of`` gives, that fit: each rank's blocks for
-    its least time, and for its least m x time plus exposed sync."""
+    """``mixed_layout``'s plans over the choices ``of`` gives, that fit, for two weightings of
+    the in-flight activations: each rank's blocks for its least time; for its least m x time
+    plus exposed sync; and (with data parallelism) for its least time, then blocks traded for
+    less exposed sync while the rank stays within the slowest rank's time (``_less_exposed``)."""
     pp = len(stage_groups)
-    ranks, weightings = [], []
+    ranks, weightings, fixed, fixed_e = [], [], [], []
     for r, group in enumerate(stage_groups):
         terms = _rank_terms(cm, stage_groups, names, r, of, tp=tp, dp=dp, mb=mb, m=m, schedule=schedule, v=v)
         if terms is None:
             return
-        room, sizes, bounds, _, _ = terms
+        room, sizes, bounds, _, sides = terms
         # every pair in flight (what the evaluator can charge), and the bound's first weighting
         weightings.append((chunk_in_flight(schedule, r, pp, v, m) if schedule not in ZERO_BUBBLE else bounds[1],
                            bounds[0]))
-        ends = {end: min(of(group, end), key=lambda c: c[0])[6] for end in ("embed", "head")}
-        ranks.append((room, sizes, ends))
+        fastest = {end: min(of(group, end), key=lambda c: c[0]) for end in ("embed", "head")}
+        held = [c for end, c in fastest.items() if any(end in chunk for chunk in names[r])]
+        fixed.append(sides + sum(c[0] for c in held))
+        fixed_e.append(sum(c[3] - c[7] for c in held))
+        ranks.append((room, sizes, {end: c[6] for end, c in fastest.items()}))
 
-    def knapsack(r: int, room: float, cost, k: int):
-        _, sizes, _ = ranks[r]
+    def classes(r: int, cost, k: int):
         blocks = of(stage_groups[r], "layers.0")
-        return least_whole([(size, [(c[1] + w * c[2], cost(c), c) for c in blocks])
-                            for size, w in zip(sizes, weightings[r][k])], room, plan=True)[1]
+        return [(size, [(c[1] + w * c[2], cost(c), c) for c in blocks]) for size, w in zip(ranks[r][1], weightings[r][k])]
+
+    def time_(c):
+        return c[0]
+
+    def exposure(picks) -> float:
+        return sum(p[2][3] - p[2][7] for pick in picks for p in pick)
 
     for k in range(2):
-        for cost in (lambda c: c[0], lambda c: m * c[0] + c[3] - c[7]):
-            found = _fit(cm, stage_groups, names, ranks, lambda r, room: knapsack(r, room, cost, k), tries=tries,
-                         dp=dp, tp=tp, mb=mb, m=m, schedule=schedule)
+        for cost in (time_, lambda c: m * c[0] + c[3] - c[7]):
+            found = _fit(cm, stage_groups, names, ranks, lambda r, room: least_whole(classes(r, cost, k), room,
+                                                                                     plan=True)[1],
+                         tries=tries, dp=dp, tp=tp, mb=mb, m=m, schedule=schedule)
             if found is not None:
                 yield found
+        if dp == 1:
+            continue
+        fastest_picks = [least_whole(classes(r, time_, k), ranks[r][0], plan=True)[1] for r in range(pp)]
+        if any(p is None for p in fastest_picks):
+            continue
+        times = [f + sum(p[2][0] for pick in picks for p in pick) for f, picks in zip(fixed, fastest_picks)]
+        top = max(times)
+        # the exposed sync no rank can go below within the slowest rank's time: no rank need go
+        # further (the stage's is at least its largest layer's, ``StageCost.exposed_dp_s``)
+        floor = max(max(e + exposure(low), max(p[2][3] for pick in low for p in pick))
+                    for r, (e, picks) in enumerate(zip(fixed_e, fastest_picks))
+                    for low in [_less_exposed(picks, classes(r, time_, k), ranks[r][0], top - fixed[r], -math.inf)])
+        # what a second more on a rank off the critical path adds to the step (its closed form's slope)
+        base = closed_form_s(schedule, times, m, v)
+        slopes = [(closed_form_s(schedule, times[:r] + [t + 1e-6] + times[r + 1:], m, v) - base) / 1e-6
+                  for r, t in enumerate(times)]
+
+        def lowered(r: int, room: float, k: int = k, top: float = top, floor: float = floor, slopes=slopes):
+            picks = least_whole(classes(r, time_, k), room, plan=True)[1]
+            if picks is None:
+                return None
+            return _less_exposed(picks, classes(r, time_, k), room, top - fixed[r], floor - fixed_e[r], slopes[r])
+
+        found = _fit(cm, stage_groups, names, ranks, lowered, tries=tries, dp=dp, tp=tp, mb=mb, m=m, schedule=schedule)
+        if found is not None:
+            yield found
+
+
+def _less_exposed(picks, classes, room: float, limit_s: float, stop: float, slope: float = 0.0):
+    """Blocks moved, one at a time, to choices with less sync left exposed (sync less overlap
+    window), the move that gains the most first (the exposure saved down to ``stop``, less
+    ``slope`` x the time it adds), while the blocks fit ``room`` and take at most ``limit_s``:
+    a copy of ``picks``."""
+    picks = [list(pick) for pick in picks]
+    used = sum(p[0] for pick in picks for p in pick)
+    busy = sum(p[2][0] for pick in picks for p in pick)
+    exposed = sum(p[2][3] - p[2][7] for pick in picks for p in pick)
+    while exposed > stop:
+        move = None
+        for k, pick in enumerate(picks):
+            for p in set(pick):
+                for q in classes[k][1]:
+                    saved = (p[2][3] - p[2][7]) - (q[2][3] - q[2][7])
+                    if saved <= 0 or used - p[0] + q[0] > room or busy - p[2][0] + q[2][0] > limit_s:
+                        continue
+                    net = slope * (q[2][0] - p[2][0]) - min(saved, exposed - stop)
+                    if net < 0 and (move is None or net < move[0]):
+                        move = (net, k, p, q)
+        if move is None:
+            break
+        _, k, p, q = move
+        picks[k][picks[k].index(p)] = q
+        used, busy = used - p[0] + q[0], busy - p[2][0] + q[2][0]
+        exposed -= (p[2][3] - p[2][7]) - (q[2][3] - q[2][7])
+    return picks
 
 
 def _fit(cm: CostModel, stage_groups, names, ranks, choose, *, tries: int, dp: int, tp: int, mb: int, m: int,
