@@ -171,7 +171,7 @@ def _priced(blocks, ends, sizes, weightings, room: float, sides: float, cost) ->
 
 
 def variant_bound_s(cm: CostModel, stage_groups: Sequence[NodeGroup], *, tp: int, dp: int, mb: int, m: int,
-                    space: SearchSpace, schedule: str, v: int) -> float:
+                    space: SearchSpace, schedule: str, v: int, enough: float = math.inf) -> float:
     """No plan of this grid entry under ``schedule`` with v virtual stages per rank, its blocks
     split evenly (``interleaved.chunk_names``), is faster than this (seconds); inf where none
     fits. Each rank's blocks are a knapsack within its memory (``least_whole``), and the step is
@@ -184,7 +184,9 @@ def variant_bound_s(cm: CostModel, stage_groups: Sequence[NodeGroup], *, tp: int
       ``StageCost.exposed_dp_s``), where B + s x T is the closed form's tangent in r's time T
       past every other rank's least (it is convex, so max(A, B + s T) bounds it, and the mix
       bounds the max): a rank that buys memory with ZeRO 2 pays per micro-batch what ZeRO 1
-      pays once, and a rank off the critical path can still set the exposed sync."""
+      pays once, and a rank off the critical path can still set the exposed sync.
+
+    A bound that reaches ``enough`` (seconds) is returned as soon as it does."""
     pp = len(stage_groups)
     names = chunk_names(cm.model.n_layers, pp, v, schedule)
     kw = dict(tp=tp, dp=dp, mb=mb, m=m, space=space, schedule=schedule)
@@ -196,20 +198,31 @@ def variant_bound_s(cm: CostModel, stage_groups: Sequence[NodeGroup], *, tp: int
     # The step pays m x the largest ZeRO edge of any layer (``costs.step``): the plans whose
     # largest edge is e take only choices with edges up to e, and pay m x e.
     edges = sorted({c[5] for g in set(stage_groups) for n in ("layers.0", "embed", "head") for c in of(g, n)})
-    base = _edgeless_bound_s(cm, stage_groups, names, of, tp=tp, dp=dp, mb=mb, m=m, schedule=schedule, v=v)
+    memo: dict = {}
+    kw = dict(tp=tp, dp=dp, mb=mb, m=m, schedule=schedule, v=v, memo=memo)
+    base = _edgeless_bound_s(cm, stage_groups, names, of, enough=enough, **kw)
     bound = math.inf
     for e in edges:
-        if base + m * e >= bound:
+        if base + m * e >= min(bound, enough):
+            bound = min(bound, base + m * e)  # no class from here on is lower
             break
         capped = lru_cache(maxsize=None)(lambda g, n, e=e: tuple(c for c in of(g, n) if c[5] <= e))
         bound = min(bound, m * e + (base if e == edges[-1] else _edgeless_bound_s(
-            cm, stage_groups, names, capped, tp=tp, dp=dp, mb=mb, m=m, schedule=schedule, v=v)))
+            cm, stage_groups, names, capped, enough=min(bound, enough) - m * e, **kw)))
     return bound
 
 
 def _edgeless_bound_s(cm: CostModel, stage_groups: Sequence[NodeGroup], names, of, *, tp: int, dp: int, mb: int,
-                      m: int, schedule: str, v: int) -> float:
-    """``variant_bound_s`` over the choices ``of`` gives, without the ZeRO edges."""
+                      m: int, schedule: str, v: int, enough: float, memo: dict) -> float:
+    """``variant_bound_s`` over the choices ``of`` gives, without the ZeRO edges; returned once
+    it reaches ``enough``. ``memo`` keeps each rank's knapsacks (ranks alike give the same)."""
+    def priced(blocks, ends, sizes, weightings, room, sides, key, cost):
+        at = (id(blocks), tuple(sizes), tuple(map(tuple, weightings)), room, sides, tuple(map(id, ends)), key)
+        if at not in memo:
+            memo[at] = _priced(blocks, ends, sizes, weightings, room, sides, cost)
+        return memo[at]
+
+    pp = len(stage_groups)
     ranks, times, sync, optimizer = [], [], 0.0, 0.0
     for r, group in enumerate(stage_groups):
         terms = _rank_terms(cm, stage_groups, names, r, of, tp=tp, dp=dp, mb=mb, m=m, schedule=schedule, v=v)
@@ -217,7 +230,7 @@ def _edgeless_bound_s(cm: CostModel, stage_groups: Sequence[NodeGroup], names, o
             return math.inf  # the schedule runs none of a layer's choices
         room, sizes, weightings, ends, sides = terms
         blocks = of(group, "layers.0")
-        best = _priced(blocks, ends, sizes, weightings, room, sides, lambda c: c[0])
+        best = priced(blocks, ends, sizes, weightings, room, sides, "time", lambda c: c[0])
         if not math.isfinite(best):
             return math.inf
         times.append(best)
@@ -226,9 +239,14 @@ def _edgeless_bound_s(cm: CostModel, stage_groups: Sequence[NodeGroup], names, o
         least_sync = min(c[3] for c in blocks)
         sync = max(sync, n_blocks * least_sync if schedule in ZERO_BUBBLE else least_sync)
         optimizer = max(optimizer, n_blocks * min(c[4] for c in blocks))
+        fixed = optimizer + cm.step_overhead_s
+        # the closed form only grows with the ranks still to come
+        so_far = closed_form_s(schedule, times + [0.0] * (pp - len(times)), m, v) + sync + fixed
+        if so_far >= enough:
+            return so_far
     least = closed_form_s(schedule, times, m, v)
     bound = least + sync
-    if dp > 1:
+    if dp > 1 and bound + fixed < enough:
         top = max(times)
         for r, (blocks, ends, sizes, weightings, room, sides) in enumerate(ranks):
             at = lambda x: closed_form_s(schedule, times[:r] + [x] + times[r + 1:], m, v)  # noqa: E731
@@ -237,9 +255,12 @@ def _edgeless_bound_s(cm: CostModel, stage_groups: Sequence[NodeGroup], names, o
             tangent = at(top) - slope * top  # B
             for part in (0.0, 0.125, 0.25, 0.5, 1.0):
                 lam = part * slope
-                joint = _priced(blocks, ends, sizes, weightings, room, sides, lambda c: lam * c[0] + c[3] - c[7])
+                joint = priced(blocks, ends, sizes, weightings, room, sides, lam,
+                               lambda c: lam * c[0] + c[3] - c[7])
                 bound = max(bound, least + part * (tangent - least) + joint)
-    return bound + optimizer + cm.step_overhead_s
+            if bound + fixed >= enough:
+                break
+    return bound + fixed
 
 
 def _buffers_bytes(cm: CostModel, groups: Sequence[NodeGroup], names, r: int, *, schedule: str, tp: int, mb: int,
@@ -276,11 +297,14 @@ def _sides_s(cm: CostModel, groups: Sequence[NodeGroup], r: int, v: int, schedul
 
 
 def entry_bounds_s(cm: CostModel, stage_groups: Sequence[NodeGroup], *, tp: int, dp: int, mb: int, m: int,
-                   global_batch: int, space: SearchSpace, schedules: Sequence[str]) -> dict[tuple[str, int], float]:
-    """``variant_bound_s`` for each (schedule, v) pair torch runs for this entry."""
+                   global_batch: int, space: SearchSpace, schedules: Sequence[str],
+                   enough: float = math.inf) -> dict[tuple[str, int], float]:
+    """``variant_bound_s`` for each (schedule, v) pair torch runs for this entry (each returned
+    once it reaches ``enough`` seconds)."""
     pp = len(stage_groups)
     shares = replica_counts(global_batch, dp, mb, m)
-    return {(s, v): variant_bound_s(cm, stage_groups, tp=tp, dp=dp, mb=mb, m=m, space=space, schedule=s, v=v)
+    return {(s, v): variant_bound_s(cm, stage_groups, tp=tp, dp=dp, mb=mb, m=m, space=space, schedule=s, v=v,
+                                    enough=enough)
             for s, v in VARIANTS if s in schedules and pp * v <= cm.model.n_layers
             and not schedule_counts_rule(s, pp, v, shares)}
 
@@ -299,7 +323,7 @@ def tighten(cm: CostModel, found, *, below_us: float, global_batch: int, space: 
             break  # sorted: no later entry is lower
         groups, tp, dp, mb, m = entry
         tight = entry_bounds_s(cm, groups, tp=tp, dp=dp, mb=mb, m=m, global_batch=global_batch, space=space,
-                               schedules=schedules)
+                               schedules=schedules, enough=min(bound, below_us) / 1e6)
         bound = min(bound, max(cheap, min(tight.values(), default=math.inf) * 1e6))
         open_ += [(us * 1e6, entry, variant) for variant, us in tight.items() if us * 1e6 < below_us]
     if space.price_cap is not None:
