@@ -37,10 +37,10 @@ from partita.cluster import NodeGroup
 from partita.parallel import ZERO_BUBBLE, schedule_counts_rule
 from partita.search.costs.memory import activation_message_bytes, round_up_to_grain
 from partita.search.costs.model import CostModel
-from partita.search.costs.stage import boundary_s
-from partita.search.evaluate import _next_groups
+from partita.search.costs.stage import boundary_s, choice_of
+from partita.search.evaluate import _next_groups, weight_grad_bytes
 from partita.search.interleaved import VARIANTS, chunk_names
-from partita.search.schedules import chunk_in_flight, closed_form_s, in_flight_chunks
+from partita.search.schedules import chunk_in_flight, closed_form_s, in_flight_chunks, pending_weight_grads
 from partita.search.uniform import SearchSpace, replica_counts, sp_choices, strategy
 
 
@@ -144,6 +144,11 @@ def _rank_terms(cm: CostModel, stage_groups: Sequence[NodeGroup], names, r: int,
     pairs = in_flight_chunks(schedule, r, pp, v, m)
     room -= activation_message_bytes(cm, mb, tp) * pairs + _buffers_bytes(cm, stage_groups, names, r,
                                                                            schedule=schedule, tp=tp, mb=mb, m=m)
+    if schedule in ZERO_BUBBLE:  # the gradients kept between I and W (``evaluate._split_backward``)
+        least = {n: min(weight_grad_bytes(cm, choice_of(cm.model, c[6]), mb) for c in of(group, n))
+                 for n in ("layers.0", "embed", "head")}
+        room -= pending_weight_grads(schedule, r, pp, m) * max(
+            sum(least["layers.0" if n.startswith("layers.") else n] for n in chunk) for chunk in names[r])
     sizes = [sum(n.startswith("layers.") for n in chunk) for chunk in names[r]]
     # Each virtual stage's blocks are charged at w_c pairs, any w with sum w <= pairs: the pairs
     # waiting (the largest first, ``held_bytes``; zero-bubble at the largest virtual stage's)
