@@ -127,9 +127,9 @@ def least_time_s(classes: Sequence[tuple[int, Sequence[tuple[float, float]]]], r
 def _rank_terms(cm: CostModel, stage_groups: Sequence[NodeGroup], names, r: int, of, *, tp: int, dp: int, mb: int,
                 m: int, schedule: str, v: int):
     """Rank r's (room for its blocks, each virtual stage's block count, weightings of their
-    activations (``variant_bound_s`` takes the best), the choices of each end layer it holds,
-    its sides of its boundaries per micro-batch); None if the schedule runs none of a layer's
-    choices."""
+    activations with what each weighting charges the end layers (``variant_bound_s`` takes the
+    best), the choices of each end layer it holds, its sides of its boundaries per micro-batch);
+    None if the schedule runs none of a layer's choices."""
     group = stage_groups[r]
     pp = len(stage_groups)
     blocks = of(group, "layers.0")
@@ -154,16 +154,25 @@ def _rank_terms(cm: CostModel, stage_groups: Sequence[NodeGroup], names, r: int,
     # waiting (the largest first, ``held_bytes``; zero-bubble at the largest virtual stage's)
     # plus the running one (its transient is over at least its own activations) hold at least
     # that. Two such w, each a bound: in proportion, and the virtual stages with most blocks first.
+    # A virtual stage's activations are its blocks' and its end layers' (these at their leanest).
+    ends_act = _ends_act(of, group, names[r])
+    leanest = [size * min(c[2] for c in blocks) + e for size, e in zip(sizes, ends_act)]
     most = chunk_in_flight(schedule, r, pp, v, m) if schedule not in ZERO_BUBBLE else (pairs,) * v
     even = [min(n, pairs * n / sum(most)) for n in most] if schedule not in ZERO_BUBBLE else [pairs / v] * v
     largest, left = [0.0] * v, pairs
-    for c in sorted(range(v), key=lambda c: -sizes[c]):
+    for c in sorted(range(v), key=lambda c: -leanest[c]):
         largest[c] = min(most[c], left)
         left -= largest[c]
     sides = 0.0
     if schedule != "interleaved-1f1b" or not cm.engine.p2p_overlap:
         sides = _sides_s(cm, stage_groups, r, v, schedule, dp=dp, tp=tp, mb=mb)
-    return room, sizes, [even, largest], ends, sides
+    weightings = [(w, sum(x * e for x, e in zip(w, ends_act))) for w in (even, largest)]
+    return room, sizes, weightings, ends, sides
+
+
+def _ends_act(of, group: NodeGroup, chunks) -> list[int]:
+    """Each virtual stage's end layers' least activations per pair."""
+    return [sum(min(c[2] for c in of(group, n)) for n in chunk if n in ("embed", "head")) for chunk in chunks]
 
 
 def _priced(blocks, ends, sizes, weightings, room: float, sides: float, cost) -> float:
@@ -171,7 +180,7 @@ def _priced(blocks, ends, sizes, weightings, room: float, sides: float, cost) ->
     ``cost`` of pure time) within ``room``: its blocks' knapsack, the largest over the
     weightings of their activations, and its ends at their cheapest."""
     total = max(least_time_s([(size, [(c[1] + w * c[2], cost(c)) for c in blocks]) for size, w in zip(sizes, ws)],
-                             room) for ws in weightings)
+                             room - ends_bytes) for ws, ends_bytes in weightings)
     return total + sum(min(cost(c) for c in end) for end in ends) + cost((sides, 0, 0, 0, 0, 0, None, 0, 0))
 
 
@@ -222,7 +231,8 @@ def _edgeless_bound_s(cm: CostModel, stage_groups: Sequence[NodeGroup], names, o
     """``variant_bound_s`` over the choices ``of`` gives, without the ZeRO edges; returned once
     it reaches ``enough``. ``memo`` keeps each rank's knapsacks (ranks alike give the same)."""
     def priced(blocks, ends, sizes, weightings, room, sides, key, cost):
-        at = (id(blocks), tuple(sizes), tuple(map(tuple, weightings)), room, sides, tuple(map(id, ends)), key)
+        at = (id(blocks), tuple(sizes), tuple((tuple(w), e) for w, e in weightings), room, sides, tuple(map(id, ends)),
+              key)
         if at not in memo:
             memo[at] = _priced(blocks, ends, sizes, weightings, room, sides, cost)
         return memo[at]
@@ -399,9 +409,10 @@ def _candidates(cm: CostModel, stage_groups, names, of, *, tries: int, tp: int, 
         if terms is None:
             return
         room, sizes, bounds, _, sides = terms
-        # every pair in flight (what the evaluator can charge), and the bound's first weighting
-        weightings.append((chunk_in_flight(schedule, r, pp, v, m) if schedule not in ZERO_BUBBLE else bounds[1],
-                           bounds[0]))
+        # every pair in flight (what the evaluator can charge), and the bound's first weighting,
+        # each with what it charges the end layers
+        every = chunk_in_flight(schedule, r, pp, v, m) if schedule not in ZERO_BUBBLE else bounds[1][0]
+        weightings.append(((every, sum(x * e for x, e in zip(every, _ends_act(of, group, names[r])))), bounds[0]))
         fastest = {end: min(of(group, end), key=lambda c: c[0]) for end in ("embed", "head")}
         held = [c for end, c in fastest.items() if any(end in chunk for chunk in names[r])]
         fixed.append(sides + sum(c[0] for c in held))
@@ -410,7 +421,7 @@ def _candidates(cm: CostModel, stage_groups, names, of, *, tries: int, tp: int, 
 
     def classes(r: int, cost, k: int):
         blocks = of(stage_groups[r], "layers.0")
-        return [(size, [(c[1] + w * c[2], cost(c), c) for c in blocks]) for size, w in zip(ranks[r][1], weightings[r][k])]
+        return [(size, [(c[1] + w * c[2], cost(c), c) for c in blocks]) for size, w in zip(ranks[r][1], weightings[r][k][0])]
 
     def time_(c):
         return c[0]
@@ -420,14 +431,15 @@ def _candidates(cm: CostModel, stage_groups, names, of, *, tries: int, tp: int, 
 
     for k in range(2):
         for cost in (time_, lambda c: m * c[0] + c[3] - c[7]):
-            found = _fit(cm, stage_groups, names, ranks, lambda r, room: least_whole(classes(r, cost, k), room,
-                                                                                     plan=True)[1],
+            found = _fit(cm, stage_groups, names, ranks,
+                         lambda r, room: least_whole(classes(r, cost, k), room - weightings[r][k][1], plan=True)[1],
                          tries=tries, dp=dp, tp=tp, mb=mb, m=m, schedule=schedule)
             if found is not None:
                 yield found
         if dp == 1:
             continue
-        fastest_picks = [least_whole(classes(r, time_, k), ranks[r][0], plan=True)[1] for r in range(pp)]
+        rooms = [ranks[r][0] - weightings[r][k][1] for r in range(pp)]  # the blocks' own
+        fastest_picks = [least_whole(classes(r, time_, k), rooms[r], plan=True)[1] for r in range(pp)]
         if any(p is None for p in fastest_picks):
             continue
         times = [f + sum(p[2][0] for pick in picks for p in pick) for f, picks in zip(fixed, fastest_picks)]
@@ -436,13 +448,14 @@ def _candidates(cm: CostModel, stage_groups, names, of, *, tries: int, tp: int, 
         # further (the stage's is at least its largest layer's, ``StageCost.exposed_dp_s``)
         floor = max(max(e + exposure(low), max(p[2][3] for pick in low for p in pick))
                     for r, (e, picks) in enumerate(zip(fixed_e, fastest_picks))
-                    for low in [_less_exposed(picks, classes(r, time_, k), ranks[r][0], top - fixed[r], -math.inf)])
+                    for low in [_less_exposed(picks, classes(r, time_, k), rooms[r], top - fixed[r], -math.inf)])
         # what a second more on a rank off the critical path adds to the step (its closed form's slope)
         base = closed_form_s(schedule, times, m, v)
         slopes = [(closed_form_s(schedule, times[:r] + [t + 1e-6] + times[r + 1:], m, v) - base) / 1e-6
                   for r, t in enumerate(times)]
 
         def lowered(r: int, room: float, k: int = k, top: float = top, floor: float = floor, slopes=slopes):
+            room -= weightings[r][k][1]
             picks = least_whole(classes(r, time_, k), room, plan=True)[1]
             if picks is None:
                 return None
