@@ -123,7 +123,7 @@ def evaluate_interleaved(cm: CostModel, stages: Sequence[tuple[NodeGroup, Sequen
     groups = [g for g, _ in stages]
     costs = []
     for i, (group, chunks) in enumerate(stages):
-        nexts = _next_groups(schedule, groups, i, v)
+        nexts = next_groups(schedule, groups, i, v)
         cost = interleaved_stage_cost(cm, group, chunks, stage=i, pp=pp, dp=dp, tp=tp, micro_batch=micro_batch,
                                       num_micro_batches=num_micro_batches, next_groups=nexts, schedule=schedule)
         # The V's turn stays on the rank: its transfers, priced as a send, are taken off (the
@@ -148,7 +148,7 @@ def evaluate_interleaved(cm: CostModel, stages: Sequence[tuple[NodeGroup, Sequen
     return Evaluation(step_time_s=step, breakdown=breakdown, stages=tuple(costs))
 
 
-def _next_groups(schedule: str, groups: Sequence[NodeGroup], stage: int, v: int) -> list[NodeGroup | None]:
+def next_groups(schedule: str, groups: Sequence[NodeGroup], stage: int, v: int) -> list[NodeGroup | None]:
     """Where each virtual stage of ``stage`` sends its output (None: the pipeline's last)."""
     pp = len(groups)
     if schedule == "zbv":  # chunk 0 down the stages, turning on the last one; chunk 1 back up

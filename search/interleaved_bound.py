@@ -38,7 +38,7 @@ from partita.parallel import ZERO_BUBBLE, schedule_counts_rule
 from partita.search.costs.memory import activation_message_bytes, round_up_to_grain
 from partita.search.costs.model import CostModel
 from partita.search.costs.stage import boundary_s, choice_of
-from partita.search.evaluate import _next_groups, weight_grad_bytes
+from partita.search.evaluate import next_groups, weight_grad_bytes
 from partita.search.interleaved import VARIANTS, chunk_names
 from partita.search.schedules import chunk_in_flight, closed_form_s, in_flight_chunks, pending_weight_grads
 from partita.search.uniform import SearchSpace, replica_counts, sp_choices, strategy
@@ -285,7 +285,7 @@ def _buffers_bytes(cm: CostModel, groups: Sequence[NodeGroup], names, r: int, *,
     its layers' choices."""
     v = len(names[r])
     msg = activation_message_bytes(cm, mb, tp)
-    nexts = _next_groups(schedule, groups, r, v)
+    nexts = next_groups(schedule, groups, r, v)
     held = chunk_in_flight(schedule, r, len(groups), v, m)
     total = 0
     for c, chunk in enumerate(names[r]):
@@ -303,11 +303,11 @@ def _sides_s(cm: CostModel, groups: Sequence[NodeGroup], r: int, v: int, schedul
     b = lambda a, c: boundary_s(cm, a, c, dp=dp, tp=tp, micro_batch=mb)  # noqa: E731
     pp = len(groups)
     if schedule == "zbv":
-        sends = sum(b(groups[r], n) for c, n in enumerate(_next_groups(schedule, groups, r, v))
+        sends = sum(b(groups[r], n) for c, n in enumerate(next_groups(schedule, groups, r, v))
                     if n is not None and not (c == 0 and r == pp - 1))
         return sends + sum(b(groups[j], groups[r]) for j in (r - 1, r + 1) if 0 <= j < pp)
-    own = sum(b(groups[r], n) for n in _next_groups(schedule, groups, r, v) if n is not None)
-    before = sum(b(groups[r - 1], n) for n in _next_groups(schedule, groups, (r - 1) % pp, v) if n is not None)
+    own = sum(b(groups[r], n) for n in next_groups(schedule, groups, r, v) if n is not None)
+    before = sum(b(groups[r - 1], n) for n in next_groups(schedule, groups, (r - 1) % pp, v) if n is not None)
     return own + before
 
 
