@@ -108,26 +108,14 @@ def layer_memory(cm, role: str, device: str, *, tp: int, sp: bool, zero: int, re
     return m
 
 
-def dense_memory(cm, role: str, device: str, *, tp: int, sp: bool, zero: int, recompute: str, replicas: int,
-                 micro_batch: int, num_micro_batches: int, tied_copy: bool = False) -> LayerMemory:
-    """The layer's parameters (``cm.param_count``; ``tied_copy``: a tied head on another stage
-    than the embedding, holding its own copy of the shared weight, runtime/tied.py) replicated
-    over ``replicas`` ranks, its activations and its transients."""
-    params = cm.param_count(role, tp) + (cm.tied_params(tp) if tied_copy else 0)
-    e = cm.elem
-    z = zero if replicas > 1 else 0
-    shard = replicas if z >= 1 else 1
-    # FSDP2 wraps every layer when there is data parallelism or mixed precision (the
-    # runtime's rule); it then also keeps the compute-dtype copy it gathers.
-    fsdp = replicas > 1 or e != MASTER_BYTES
-    weights = params * MASTER_BYTES // shard
-    gathered = params * e if fsdp and z < 3 else 0
-    if fsdp and z < 2 and num_micro_batches > 1:
-        gradients = params * REDUCE_BYTES  # accumulated unsharded until the last micro-batch
-    else:
-        gradients = params * REDUCE_BYTES // shard
-    optimizer = params * ADAM_STATE_BYTES // shard
-    local_params = params // shard
+def _activations(cm, role: str, device: str, *, tp: int, sp: bool, recompute: str, micro_batch: int):
+    """(without recomputation, with it, kept under the layout's context parallelism) activation
+    bytes of one micro-batch of the layer on one rank; whatever its ZeRO level and replicas, so
+    kept per cost model for the searches, which ask for every level of every shape."""
+    cache = cm.__dict__.setdefault("_activations", {})
+    key = (role, device, tp, sp, recompute, micro_batch, cm.cp, cm.ep, cm.cp_variant)
+    if key in cache:
+        return cache[key]
     kind: LayerKind = cm.model.kinds[role]
     on_cpu = get_device(device).is_cpu
     local_experts = cm.model.experts // cm.ep if kind.is_moe else 0
@@ -151,6 +139,31 @@ def dense_memory(cm, role: str, device: str, *, tp: int, sp: bool, zero: int, re
         scale = c.activation_bytes / analytic_plain if analytic_plain else 1.0
         scaled = int(plain * scale)
         full, kept, plain = int(full * scale), kept - plain + scaled, scaled
+    cache[key] = full, plain, kept
+    return cache[key]
+
+
+def dense_memory(cm, role: str, device: str, *, tp: int, sp: bool, zero: int, recompute: str, replicas: int,
+                 micro_batch: int, num_micro_batches: int, tied_copy: bool = False) -> LayerMemory:
+    """The layer's parameters (``cm.param_count``; ``tied_copy``: a tied head on another stage
+    than the embedding, holding its own copy of the shared weight, runtime/tied.py) replicated
+    over ``replicas`` ranks, its activations and its transients."""
+    params = cm.param_count(role, tp) + (cm.tied_params(tp) if tied_copy else 0)
+    e = cm.elem
+    z = zero if replicas > 1 else 0
+    shard = replicas if z >= 1 else 1
+    # FSDP2 wraps every layer when there is data parallelism or mixed precision (the
+    # runtime's rule); it then also keeps the compute-dtype copy it gathers.
+    fsdp = replicas > 1 or e != MASTER_BYTES
+    weights = params * MASTER_BYTES // shard
+    gathered = params * e if fsdp and z < 3 else 0
+    if fsdp and z < 2 and num_micro_batches > 1:
+        gradients = params * REDUCE_BYTES  # accumulated unsharded until the last micro-batch
+    else:
+        gradients = params * REDUCE_BYTES // shard
+    optimizer = params * ADAM_STATE_BYTES // shard
+    local_params = params // shard
+    full, plain, kept = _activations(cm, role, device, tp=tp, sp=sp, recompute=recompute, micro_batch=micro_batch)
     # A layer's own extra memory peaks at one of two moments (measured per layer and phase with
     # torch's memory tracker on CPU ranks, tests/test_runtime_memory.py):
     # - its forward all-gather at ZeRO-2/3: the gather's output buffer and the parameters it
@@ -174,7 +187,7 @@ def dense_memory(cm, role: str, device: str, *, tp: int, sp: bool, zero: int, re
         # DeepSpeed gathers a module at a time into the parameter's own storage, the next one
         # prefetched, and reduces each module's gradient in the model dtype through its bucket:
         # a layer never holds more than two modules' parameters (search/engines.py).
-        copy = min(params, largest_module_params(kind, tp)) * e
+        copy = min(params, largest_module_params(cm.model.kinds[role], tp)) * e
         gather_spike = resident = 2 * copy
         unsharded_grad = copy + min(params, DEEPSPEED_REDUCE_BUCKET) * e if role != "head" else 0
     if role == "block":
