@@ -86,7 +86,8 @@ def least_whole(classes: Sequence[tuple[int, Sequence[tuple]]], room: float, *, 
     cost, ...) point of its class, within ``room`` bytes together: a knapsack over the room in
     ``UNITS`` parts. For a bound (``plan`` False) each point's memory is rounded down, so no
     choice that fits is missed; for a plan up, so what it picks fits. (total, picks: per class
-    the points its blocks take), or (inf, None) if even the leanest do not fit."""
+    the points its blocks take; None for a bound), or (inf, None) if even the leanest do not
+    fit."""
     if room < 0:
         return math.inf, None
     unit = max(room, 1.0) / UNITS
@@ -100,6 +101,13 @@ def least_whole(classes: Sequence[tuple[int, Sequence[tuple]]], room: float, *, 
             return math.inf, None  # the schedule runs none of the block's choices
         need = [math.ceil(p[0] / unit - 1e-9) if plan else math.floor(p[0] / unit) for p in front]
         for _ in range(count):
+            if not plan:  # a bound needs only the least cost, not which points give it
+                nxt = np.full(UNITS + 1, np.inf)
+                for w, p in zip(need, front):
+                    if w <= UNITS:
+                        np.minimum(nxt[w:], best[:UNITS + 1 - w] + p[1], out=nxt[w:])
+                best = nxt
+                continue
             cand = np.full((len(front), UNITS + 1), np.inf)
             for j, (w, p) in enumerate(zip(need, front)):
                 if w <= UNITS:
@@ -109,6 +117,8 @@ def least_whole(classes: Sequence[tuple[int, Sequence[tuple]]], room: float, *, 
             steps.append((k, front, need, arg))
     if not math.isfinite(best[UNITS]):
         return math.inf, None
+    if not plan:
+        return float(best[UNITS]), None
     picks: dict[int, list] = {k: [] for k in range(len(classes))}
     u = UNITS
     for k, front, need, arg in reversed(steps):
