@@ -268,7 +268,7 @@ def backward_time_s(kind: LayerKind, dev: DeviceType, sh: Shard, dtype: str, att
 # ---- memory ---------------------------------------------------------------------------------
 def activation_bytes(kind: LayerKind, *, tp: int, micro_batch: int, seq_len: int, dtype: str,
                      sequence_parallel: bool = False, recompute: str = "none",
-                     on_cpu: bool = False, local_experts: int = 0) -> int:
+                     on_cpu: bool = False, local_experts: int = 0, sharded_inputs: bool = False) -> int:
     """Bytes autograd keeps from one micro-batch's forward for the backward, on one rank
     (``local_experts``: the routed experts a rank of a mixture of experts holds, E/ep; 0: all).
 
@@ -311,6 +311,10 @@ def activation_bytes(kind: LayerKind, *, tp: int, micro_batch: int, seq_len: int
       * ``sequence_parallel``: the residual stream and the norms run on t/tp tokens, so R
         divides by tp. The linears' input is the all-gathered norm output, which DTensor's
         autograd keeps whole: n does not divide (unlike Megatron-LM, PyTorch does not re-gather it in the backward).
+        ``sharded_inputs``: an engine that keeps the linears' input as its sequence shard and
+        all-gathers it again in the backward for the weight gradient (Megatron-LM's
+        ``LinearWithGradAccumulationAndAsyncCommunication``; Korthikanti et al. 2022, sec. 4.2.2):
+        n divides by tp too (``search/engines.py``, ``sp_inputs``).
       * ``recompute="full"`` (full activation checkpointing of the layer): only the layer's
         input is kept: n for a block or the head (n/tp with sequence parallelism), the token ids
         for embed.
@@ -349,6 +353,8 @@ def activation_bytes(kind: LayerKind, *, tp: int, micro_batch: int, seq_len: int
         products = sum(m * n for _, m, n, _ in forward_matmuls(kind, sh))
         return t * h * e // sp + e * (products - last_product_elements(kind, sh, local_experts))
     norm_output = t * h * e  # saved by the linears that follow the norm
+    if sharded_inputs:
+        norm_output //= sp  # kept as the sequence shard, gathered again in the backward
     # A MoE under tensor parallelism takes its norm's output on the rank's sequence shard.
     ffn_input = norm_output // sh.moe_split
     if kind.role == "head":

@@ -36,6 +36,14 @@ The terms each behaviour selects, in one place each:
   on every engine (Megatron forces it: megatron/arguments.py, "bfloat16 requires gradient
   accumulation and all-reduce to be done in fp32"; DeepSpeed's BF16_Optimizer keeps fp32
   gradients). Communication only: the memory keeps fp32 gradient buffers (``costs.memory``).
+* ``sp_inputs``: under sequence parallelism, what a tensor-parallel linear keeps of its
+  all-gathered input for the weight gradient: "whole" (DTensor's autograd keeps the gathered
+  tensor: Partita's runtime, torchtitan) or "sharded" (Megatron-LM keeps its sequence shard and
+  all-gathers it again in the backward, asynchronously beside the input-gradient product:
+  ``LinearWithGradAccumulationAndAsyncCommunication.backward``; Korthikanti et al. 2022, sec.
+  4.2.2). Sharded: the block's two linear inputs and the head's take 1/tp of the bytes
+  (``analytic.activation_bytes``), and each backward re-gathers them beside its compute
+  (``layer_time``).
 * ``loss``: "chunked" (Partita's runtime: runtime.schedule.ChunkedCrossEntropy, the logits kept in
   the compute dtype and an fp32 chunk at a time) or "fp32" (the logits cast to fp32 before the
   cross entropy, kept for its backward: torchtitan's ``cross_entropy_loss``, Megatron-Core's
@@ -54,6 +62,7 @@ from partita.search.timing import Software
 
 ZERO3_GATHERS = ("layer", "module")
 LOSSES = ("chunked", "fp32")
+SP_INPUTS = ("whole", "sharded")
 
 
 @dataclass(frozen=True)
@@ -68,6 +77,7 @@ class Engine:
     zero3_gathers: str = "layer"
     loss: str = "chunked"
     fp16_grad_reduce: bool = False
+    sp_inputs: str = "whole"
 
     def __post_init__(self) -> None:
         Software(attention=self.attention, grad_sync=self.grad_sync)  # its checks of the two names
@@ -75,6 +85,8 @@ class Engine:
             raise PartitaError(f"unknown zero3_gathers {self.zero3_gathers!r}; valid: {', '.join(ZERO3_GATHERS)}")
         if self.loss not in LOSSES:
             raise PartitaError(f"unknown loss {self.loss!r}; valid: {', '.join(LOSSES)}")
+        if self.sp_inputs not in SP_INPUTS:
+            raise PartitaError(f"unknown sp_inputs {self.sp_inputs!r}; valid: {', '.join(SP_INPUTS)}")
 
     @property
     def software(self) -> Software:
@@ -109,7 +121,8 @@ ENGINES: dict[str, Engine] = {
     # attention (a FlashAttention-2-class kernel on every GPU it runs on), --overlap-grad-reduce,
     # the interleaved schedule's p2p overlap (the training script's default), no --tp-comm-overlap
     # (it needs Transformer Engine's userbuffers bootstrapped; published runs that set it say so).
-    "megatron": Engine("megatron", attention="flash2", p2p_overlap=True, loss="fp32", fp16_grad_reduce=True),
+    "megatron": Engine("megatron", attention="flash2", p2p_overlap=True, loss="fp32", fp16_grad_reduce=True,
+                       sp_inputs="sharded"),
     # DeepSpeed as partita export --to deepspeed writes it (ZeRO 0-3 with overlap_comm): ZeRO-3's
     # module-by-module gathers, a Hugging Face model's fp32 loss, torch SDPA.
     "deepspeed": Engine("deepspeed", zero3_gathers="module", loss="fp32", fp16_grad_reduce=True),

@@ -174,3 +174,32 @@ def test_megatron_and_deepspeed_reduce_fp16_gradients_in_fp16_and_bf16_ones_in_f
             assert mt.dp_sync_s < pt.dp_sync_s
         else:
             assert mt.dp_sync_s == pytest.approx(pt.dp_sync_s)
+
+
+def test_megatron_keeps_the_linears_inputs_as_sequence_shards():
+    """Under sequence parallelism Megatron-LM keeps each tensor-parallel linear's input as its
+    sequence shard and gathers it again in the backward (``sp_inputs``): a llama block keeps
+    (1 - 1/tp) x 2 t h e bytes less (its two linear inputs), and its backward pays the two
+    gathers beside its compute; without sequence parallelism, or under full recomputation
+    (whose kept input is already a shard), the two engines keep the same."""
+    model, cluster = BUILTIN["llama-2-7b"], parse_short("1x8xH100")
+    group, tp, seq = cluster.groups[0], 4, 4096
+    kw = dict(dp=2, micro_batch=1, num_micro_batches=4)
+    plain, megatron = CostModel(model, cluster, seq_len=seq), CostModel(model, cluster, seq_len=seq,
+                                                                         engine=ENGINES["megatron"])
+    sharded = dataclasses.replace(PARTITA, sp_inputs="sharded")
+    alone = CostModel(model, cluster, seq_len=seq, engine=sharded)  # the one behaviour, nothing else
+    whole_input = seq * model.hidden * 2
+    for sp, rc, saved in ((True, "none", 2 * whole_input * (tp - 1) // tp), (False, "none", 0), (True, "full", 0)):
+        s = strategy(model, "layers.0", tp=tp, sp=sp, zero=1, recompute=rc)
+        a = plain.layer_memory("block", group.device, s, **kw).activations
+        b = alone.layer_memory("block", group.device, s, **kw).activations
+        assert a - b == pytest.approx(saved, abs=2 * 2**20)  # allocation grains
+        assert megatron.layer_memory("block", group.device, s, **kw).activations == b
+    s = strategy(model, "layers.0", tp=tp, sp=True, zero=1, recompute="none")
+    t_plain, t_alone = (cm.layer_time("block", group, s, dp=2, micro_batch=1) for cm in (plain, alone))
+    assert t_alone.forward_s == t_plain.forward_s
+    assert t_plain.backward_s < t_alone.backward_s < t_plain.backward_s + 2 * plain.collective_s(
+        "all_gather", whole_input, tp, plain.tp_link(group, tp), group.device)
+    with pytest.raises(PartitaError, match="unknown sp_inputs 'half'"):
+        dataclasses.replace(PARTITA, sp_inputs="half")

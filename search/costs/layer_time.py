@@ -132,6 +132,13 @@ def layer_time(cm, role: str, group: NodeGroup, *, tp: int, sp: bool, zero: int,
     slowdown = k.overlap_slowdown
     if cm.engine.tp_overlap and sp and tp > 1:  # chunked beside the products they feed (search/engines.py)
         tp_fwd, tp_bwd = tp_exposed_s(fwd_compute, tp_fwd, tp, slowdown), tp_exposed_s(bwd_compute, tp_bwd, tp, slowdown)
+    if sp and tp > 1 and cm.engine.sp_inputs == "sharded" and role != "embed":
+        # The linears' inputs kept as sequence shards are gathered again for the weight
+        # gradients, beside the input-gradient products (search/engines.py, ``sp_inputs``): the
+        # block's two (the attention's one when its MoE runs on sequence shards), the head's one.
+        n_inputs = 1 if role == "head" or cm.model.is_moe else 2
+        regather = n_inputs * cm.collective_s("all_gather", act_bytes, tp, link, device)
+        tp_bwd += overlapped_s(bwd_compute, regather, slowdown) - bwd_compute
     forward = overlapped_s(fwd_compute + tp_fwd, zero_fwd, slowdown)
     backward = overlapped_s(bwd_compute + tp_bwd, zero_bwd, slowdown)
     edge = max(0.0, 1.0 - slowdown) * (zero_fwd + zero_bwd)

@@ -119,13 +119,14 @@ def _activations(cm, role: str, device: str, *, tp: int, sp: bool, recompute: st
     kind: LayerKind = cm.model.kinds[role]
     on_cpu = get_device(device).is_cpu
     local_experts = cm.model.experts // cm.ep if kind.is_moe else 0
+    sharded = cm.engine.sp_inputs == "sharded"
     kw = dict(tp=tp, micro_batch=micro_batch, seq_len=cm.seq_len, dtype=cm.dtype, sequence_parallel=sp, on_cpu=on_cpu,
-              local_experts=local_experts)
+              local_experts=local_experts, sharded_inputs=sharded)
     full = activation_bytes(kind, recompute="none", **kw)
     plain = activation_bytes(kind, recompute=recompute, **kw)  # the rank's tokens, as a profile measures them
     kept = cp_activation_bytes(kind, variant=cm.cp_variant, cp=cm.cp, tp=tp, micro_batch=micro_batch,
                                seq_len=cm.plan_seq_len, dtype=cm.dtype, sequence_parallel=sp, recompute=recompute,
-                               on_cpu=on_cpu, local_experts=local_experts)
+                               on_cpu=on_cpu, local_experts=local_experts, sharded_inputs=sharded)
     if role == "head" and tp == 1 and cm.engine.loss == "chunked":
         # The runtime's chunked loss keeps the logits themselves (compute dtype) and each token's
         # fp32 log-sum-exp where log_softmax kept an fp32 copy (``chunked_loss_saved``).
@@ -135,7 +136,8 @@ def _activations(cm, role: str, device: str, *, tp: int, sp: bool, recompute: st
     if device in cm.profiles and c.activation_bytes:
         # A measured count (no SP, no recompute) replaces the analytic one; the variants
         # keep the analytic ratio to it. What the layout adds is not measured: it stays.
-        analytic_plain = activation_bytes(kind, recompute="none", **(kw | {"sequence_parallel": False}))
+        analytic_plain = activation_bytes(kind, recompute="none", **(kw | {"sequence_parallel": False,
+                                                                          "sharded_inputs": False}))
         scale = c.activation_bytes / analytic_plain if analytic_plain else 1.0
         scaled = int(plain * scale)
         full, kept, plain = int(full * scale), kept - plain + scaled, scaled
