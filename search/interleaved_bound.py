@@ -28,6 +28,7 @@ holds the bound below the evaluator for every uniform plan of small instances.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from functools import lru_cache
 from typing import Sequence
 
@@ -37,9 +38,9 @@ from partita.cluster import NodeGroup
 from partita.parallel import ZERO_BUBBLE, schedule_counts_rule
 from partita.search.costs.memory import activation_message_bytes, round_up_to_grain
 from partita.search.costs.model import CostModel
-from partita.search.costs.stage import boundary_s, choice_of
-from partita.search.evaluate import next_groups, weight_grad_bytes
-from partita.search.interleaved import VARIANTS, chunk_names
+from partita.search.costs.stage import boundary_s, canonical_order, choice_of
+from partita.search.evaluate import evaluate_interleaved, next_groups, weight_grad_bytes
+from partita.search.interleaved import VARIANTS, InterleavedLayout, chunk_names
 from partita.search.schedules import chunk_in_flight, closed_form_s, in_flight_chunks, pending_weight_grads
 from partita.search.uniform import SearchSpace, replica_counts, sp_choices, strategy
 
@@ -163,7 +164,7 @@ def _rank_terms(cm: CostModel, stage_groups: Sequence[NodeGroup], names, r: int,
     # Each virtual stage's blocks are charged at w_c pairs, any w with sum w <= pairs: the pairs
     # waiting (the largest first, ``held_bytes``; zero-bubble at the largest virtual stage's)
     # plus the running one (its transient is over at least its own activations) hold at least
-    # that. Two such w, each a bound: in proportion, and the virtual stages with most blocks first.
+    # that. Two such w, each a bound: in proportion, and the virtual stages of most activations first.
     # A virtual stage's activations are its blocks' and its end layers' (these at their leanest).
     ends_act = _ends_act(of, group, names[r])
     leanest = [size * min(c[2] for c in blocks) + e for size, e in zip(sizes, ends_act)]
@@ -211,17 +212,9 @@ def variant_bound_s(cm: CostModel, stage_groups: Sequence[NodeGroup], *, tp: int
       pays once, and a rank off the critical path can still set the exposed sync.
 
     A bound that reaches ``enough`` (seconds) is returned as soon as it does."""
-    pp = len(stage_groups)
-    names = chunk_names(cm.model.n_layers, pp, v, schedule)
-    kw = dict(tp=tp, dp=dp, mb=mb, m=m, space=space, schedule=schedule)
-
-    @lru_cache(maxsize=None)
-    def of(group: NodeGroup, name: str):
-        return _choices(cm, group, name, **kw)
-
+    names, of, edges = _entry(cm, stage_groups, tp=tp, dp=dp, mb=mb, m=m, space=space, schedule=schedule, v=v)
     # The step pays m x the largest ZeRO edge of any layer (``costs.step``): the plans whose
     # largest edge is e take only choices with edges up to e, and pay m x e.
-    edges = sorted({c[5] for g in set(stage_groups) for n in ("layers.0", "embed", "head") for c in of(g, n)})
     memo: dict = {}
     kw = dict(tp=tp, dp=dp, mb=mb, m=m, schedule=schedule, v=v, memo=memo)
     base = _edgeless_bound_s(cm, stage_groups, names, of, enough=enough, **kw)
@@ -230,10 +223,29 @@ def variant_bound_s(cm: CostModel, stage_groups: Sequence[NodeGroup], *, tp: int
         if base + m * e >= min(bound, enough):
             bound = min(bound, base + m * e)  # no class from here on is lower
             break
-        capped = lru_cache(maxsize=None)(lambda g, n, e=e: tuple(c for c in of(g, n) if c[5] <= e))
         bound = min(bound, m * e + (base if e == edges[-1] else _edgeless_bound_s(
-            cm, stage_groups, names, capped, enough=min(bound, enough) - m * e, **kw)))
+            cm, stage_groups, names, _capped(of, e), enough=min(bound, enough) - m * e, **kw)))
     return bound
+
+
+def _entry(cm: CostModel, stage_groups: Sequence[NodeGroup], *, tp: int, dp: int, mb: int, m: int,
+           space: SearchSpace, schedule: str, v: int):
+    """An entry's layer names per virtual stage (``interleaved.chunk_names``), its choices per
+    (group, layer) (``_choices``, kept), and the ZeRO edges they take, least first."""
+    names = chunk_names(cm.model.n_layers, len(stage_groups), v, schedule)
+    kw = dict(tp=tp, dp=dp, mb=mb, m=m, space=space, schedule=schedule)
+
+    @lru_cache(maxsize=None)
+    def of(group: NodeGroup, name: str):
+        return _choices(cm, group, name, **kw)
+
+    edges = sorted({c[5] for g in set(stage_groups) for n in ("layers.0", "embed", "head") for c in of(g, n)})
+    return names, of, edges
+
+
+def _capped(of, edge: float):
+    """The choices ``of`` gives whose ZeRO edge is at most ``edge`` (kept)."""
+    return lru_cache(maxsize=None)(lambda g, n: tuple(c for c in of(g, n) if c[5] <= edge))
 
 
 def _edgeless_bound_s(cm: CostModel, stage_groups: Sequence[NodeGroup], names, of, *, tp: int, dp: int, mb: int,
@@ -364,28 +376,14 @@ def tighten(cm: CostModel, found, *, below_us: float, global_batch: int, space: 
 def mixed_layout(cm: CostModel, stage_groups: Sequence[NodeGroup], *, tp: int, dp: int, mb: int, m: int,
                  space: SearchSpace, schedule: str, v: int, tries: int = 6):
     """A plan of the entry under (schedule, v) whose blocks mix choices within each rank's memory,
-    as the bound's knapsacks do (``least_whole``, memory rounded up), each virtual stage's blocks
-    charged at all its in-flight pairs: once for the least time per rank, once for the least time
-    with the exposed data-parallel sync; a rank the evaluator finds over its memory is redone
-    with the memory it took less the excess (``tries`` rounds). (InterleavedLayout, Evaluation)
-    of the faster that fits, or None."""
-    from partita.search.costs.stage import canonical_order
-    from partita.search.interleaved import InterleavedLayout
-
-    pp = len(stage_groups)
-    names = chunk_names(cm.model.n_layers, pp, v, schedule)
-    kw = dict(tp=tp, dp=dp, mb=mb, m=m, space=space, schedule=schedule)
-
-    @lru_cache(maxsize=None)
-    def every(group: NodeGroup, name: str):
-        return _choices(cm, group, name, **kw)
-
-    least_edge = min(c[5] for g in set(stage_groups) for n in ("layers.0", "embed", "head") for c in every(g, n))
+    as the bound's knapsacks do (``least_whole``, memory rounded up): the fastest that fits of
+    ``_candidates``' plans, without ZeRO 2/3 blocks (their edge costs m x it) and then with any.
+    (InterleavedLayout, Evaluation), or None."""
+    names, every, edges = _entry(cm, stage_groups, tp=tp, dp=dp, mb=mb, m=m, space=space, schedule=schedule, v=v)
     best = None
-    for edge in (least_edge, math.inf):  # ZeRO 2/3 blocks cost m x their edge: plans without them, then any
-        of = lru_cache(maxsize=None)(lambda g, n, edge=edge: tuple(c for c in every(g, n) if c[5] <= edge))
-        for found in _candidates(cm, stage_groups, names, of, tries=tries, tp=tp, dp=dp, mb=mb, m=m,
-                                 schedule=schedule, v=v):
+    for edge in (edges[0], math.inf):  # ZeRO 2/3 blocks cost m x their edge: plans without them, then any
+        for found in _candidates(cm, stage_groups, names, _capped(every, edge), tries=tries, tp=tp, dp=dp, mb=mb,
+                                 m=m, schedule=schedule, v=v):
             if best is None or found[1].step_time_s < best[1].step_time_s:
                 best = found
     if best is None:
@@ -509,11 +507,6 @@ def _fit(cm: CostModel, stage_groups, names, ranks, choose, *, tries: int, dp: i
          schedule: str):
     """``mixed_layout``'s rounds for one way to ``choose`` a rank's blocks within a room:
     (choice counts per virtual stage per rank, Evaluation) of a plan that fits, or None."""
-    from collections import Counter
-
-    from partita.search.costs.stage import choice_of
-    from partita.search.evaluate import evaluate_interleaved
-
     caps = [math.inf] * len(stage_groups)  # each rank's room, cut below what it used by the evaluator's excess
     for _ in range(tries):
         stages, used = [], []
