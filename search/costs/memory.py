@@ -112,8 +112,8 @@ def _activations(cm, role: str, device: str, *, tp: int, sp: bool, recompute: st
     """(without recomputation, with it, kept under the layout's context parallelism) activation
     bytes of one micro-batch of the layer on one rank; whatever its ZeRO level and replicas, so
     kept per cost model for the searches, which ask for every level of every shape."""
-    cache = cm.__dict__.setdefault("_activations", {})
-    key = (role, device, tp, sp, recompute, micro_batch, cm.cp, cm.ep, cm.cp_variant)
+    cache = cm.__dict__.setdefault("_activations", {})  # a cost model's view, engine and sequence are fixed
+    key = (role, device, tp, sp, recompute, micro_batch)
     if key in cache:
         return cache[key]
     kind: LayerKind = cm.model.kinds[role]
