@@ -63,6 +63,8 @@ def main() -> None:
     ap.add_argument("--time-limit", type=float, default=None, help="wall-clock bound per search (default: none)")
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3, help="runs of each search; the least time counts (default 3)")
+    ap.add_argument("--only", default=None, metavar="TEXT",
+                    help="run only the instances whose cluster contains TEXT (e.g. 32x8xH100+64)")
     args = ap.parse_args()
     import partita.search.cpsat  # noqa: F401  (OR-Tools, once: see the docstring)
 
@@ -71,6 +73,8 @@ def main() -> None:
     print(header)
     print("|" + "---|" * 14)
     for model_name, cluster_text, target, batch, gap, *extra in INSTANCES:
+        if args.only is not None and args.only not in cluster_text:
+            continue
         model, cluster = load_model(model_name), parse_short(cluster_text)
         base = dict(model=model, cluster=cluster, seq_len=model.seq_len,
                     global_batch=batch or model.default_global_batch,

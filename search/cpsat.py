@@ -66,7 +66,7 @@ from partita.search.costs.model import CostModel
 from partita.search.cpsat_fit import StageFit
 from partita.search.cpsat_model import PlanModel
 from partita.search.cpsat_problem import (NEVER, Problem, Shape, build_problem, edge_levels, memory_infeasible,
-                                         shape_bound_us, shapes)
+                                          shape_bound_us, shapes, with_extras)
 from partita.search.evaluate import Evaluation, evaluate_layout
 from partita.search.primal import shape_plans
 from partita.search.infeasible import infeasible_error
@@ -253,7 +253,7 @@ class ShapeSearch:
             if self.best is not None and bound >= self.target():  # its tables are not worth building
                 self.results.append(ShapeResult(shape, "pruned", bound))
                 continue
-            p = build_problem(self.cm, shape, self.req.space)
+            p = build_problem(self.cm, shape, self.req.space, extras=False)  # (``open`` adds them)
             if p is not None:
                 problems.append(p)
         # Shapes first, whole; a shape is split by ZeRO edge (``edge_levels``) when it comes up to
@@ -290,10 +290,17 @@ class ShapeSearch:
     def open(self, problems: list[Problem]) -> None:
         """Queue the problems still open, most promising first: a better incumbent early lets
         the stage-fit test prune the rest."""
-        self.queue = [p for p in problems if self.still_open(p)]
+        self.queue = [self._with_extras(p) for p in problems if self.still_open(p)]
         self.bounds = {p.key: max(p.lower_bound_us, self.fits[p.key].bound_us()) for p in self.queue}
         self.queue.sort(key=lambda p: self.bounds[p.key])
         self.levels = {p.key: edge_levels(p) for p in self.queue}
+
+    def _with_extras(self, p: Problem) -> Problem:
+        """An open problem with its schedule memory (``cpsat_problem.with_extras``), its stage
+        fit reading it from now on (the envelope, built before, does not)."""
+        q = with_extras(self.cm, p, self.req.space)
+        self.fits[q.key].p = q
+        return q
 
     def primal(self) -> None:
         """A plan near the optimum before CP-SAT (``primal``): shapes that cannot beat it are then
@@ -327,9 +334,12 @@ class ShapeSearch:
 
     def _tighten(self, p: Problem) -> bool:
         """The cheap envelope did not prune it: the whole-block curves may (while time and work
-        are left). False if the problem is now settled (and recorded)."""
-        if self.time_left() and self.work_used < self.work_limit and not self.fits[p.key].tight:
-            self.fits[p.key].tighten()
+        are left, and unless the envelope meets the incumbent with more to spare than the curves
+        close: ``StageFit.may_prune_tight``). False if the problem is now settled (and recorded)."""
+        fit = self.fits[p.key]
+        if (self.time_left() and self.work_used < self.work_limit and not fit.tight
+                and (self.best is None or fit.may_prune_tight(self.target()))):
+            fit.tighten()
             if not self.still_open(p):
                 return False
             self.bounds[p.key] = max(self.bounds[p.key], self.fits[p.key].bound_us())
@@ -354,9 +364,10 @@ class ShapeSearch:
         # The model is the same with or without a gap (CP-SAT's path through it is sensitive to
         # its upper bound: one less than the incumbent either way); with a gap CP-SAT stops once
         # its own bound is within it.
-        ceiling = best.us if best is not None else None
-        if self.beat_us is not None:
-            ceiling = self.beat_us if ceiling is None else min(ceiling, self.beat_us)
+        # Below the target, not the incumbent: with a gap, a plan between the two would not
+        # change what the search proves (the optimum is within the gap of the incumbent either
+        # way), and refuting the target is less work than refuting the incumbent.
+        ceiling = self.target() if best is not None else self.beat_us
         r = solve_shape(p, upper_bound_us=ceiling - 1 if ceiling is not None else None, hint=hint, gap=req.gap,
                         time_limit_s=wall_left, workers=req.workers, seed=req.seed, fit=self.fits[p.key],
                         work_limit=work)

@@ -13,6 +13,14 @@ from partita.search.cpsat_problem import NEVER, Problem
 # The knapsack's "does not fit" in 32-bit integer microseconds: no finite sum comes near it.
 KNAPSACK_NEVER = 1 << 30
 
+# How much the whole-block curves raise the least slowest stage above the envelope's at most,
+# for the search to compute them (``StageFit.may_prune_tight``): on the instances of
+# benchmarks/search_targets.py they raised it by 0-2.8 % of the stage budget (measured by a
+# one-off script), so a shape whose budget the envelope meets with 5 % to spare is not pruned by
+# them, and CP-SAT refutes it as fast with the envelope's cuts (the 1,024-GPU three-type
+# instance: 53 shapes, none pruned by the curves, CP-SAT's time the same either way).
+TIGHTEN_SLACK = 0.05
+
 
 def _hull(mem: np.ndarray, time_: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Lower convex envelope of (memory, time) points, memory increasing, time non-increasing:
@@ -199,10 +207,12 @@ class StageFit:
         p, N = self.p, self.p.n_blocks
         b = p.block
         order = [j for j in (b.order[g] if b.order else range(len(b.strategies))) if b.allows(g, j)]
-        cache, at = self._int, (r, g, tuple(order), tuple(p.head.on(g)))
+        k = min(r + 1, self.m)
+        # A slot past the first enters only by its micro-batches in flight (k): the slots from
+        # m - 1 on share one curve.
+        cache, at = self._int, (r == 0, k, g, tuple(order), tuple(p.head.on(g)))
         if (*at, first) in cache:
             return cache[(*at, first)]
-        k = min(r + 1, self.m)
         places = (True, False)
         rooms = [p.capacity_bytes[g] - self._slot_least_bytes(r, g, k, place) for place in places]
         if not order:
@@ -345,6 +355,18 @@ class StageFit:
                 for pp in range(1, self.p.slots + 1) if incumbent_us >= self._floor(pp)}
         # The cheap test first; the depths it cannot refute get the exact placement.
         return not any(self.holds(pp, tau) and self.holds_exact(pp, tau) for pp, tau in taus.items())
+
+    def may_prune_tight(self, incumbent_us: int, slack: float = TIGHTEN_SLACK) -> bool:
+        """Whether the whole-block curves (``tighten``) may prune where the envelope did not:
+        False once some depth holds the blocks within a slowest stage ``slack`` below what
+        beating the incumbent allows, a margin the curves do not close."""
+        if self.m == 1 or self.tight:
+            return not self.tight
+        for pp in range(1, self.p.slots + 1):
+            floor = self._floor(pp)
+            if incumbent_us >= floor and self.holds(pp, (1 - slack) * (incumbent_us - floor) / (self.m - 1)):
+                return False
+        return True
 
     def least_slowest_stage_us(self) -> float:
         """tau*(K) with unused slots allowed, a relaxation of every depth up to K at once: no

@@ -83,9 +83,12 @@ class PlanModel:
             return
         p = self.p
         nb = len(p.block.strategies)
-        self.fit.tighten()
-        # The element constraints pay on one group; on several the hull cuts alone are cheaper.
+        # The element constraints pay on one group; on several the hull cuts alone are cheaper,
+        # and they come from the curves the search computed (the envelope's unless it tightened
+        # them: ``ShapeSearch._tighten``).
         whole = len(p.groups) == 1
+        if whole:
+            self.fit.tighten()
         for r in range(p.slots):
             for g in range(len(p.groups)):
                 f = self.fit.curves_any[g, r]  # whatever the slot's place: valid for every one

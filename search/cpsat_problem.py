@@ -208,16 +208,20 @@ def shapes(cm: CostModel, global_batch: int, space: SearchSpace) -> list[Shape]:
     return out
 
 
-def build_problem(cm: CostModel, shape: Shape, space: SearchSpace) -> Problem | None:
+def build_problem(cm: CostModel, shape: Shape, space: SearchSpace, *, extras: bool = True) -> Problem | None:
     """Integer tables for one shape, or None if no group can host a stage of it. Kept on the cost
     model (``CostModel.stage_cache``) without the price bound, which alone differs between the
     cost objective's searches on one cost model (``cost_objective.make_cost_plan``): each of them takes
-    the tables as they are, with its own bound."""
+    the tables as they are, with its own bound. Without ``extras`` the schedule's memory at each
+    place (``Problem.extra_*``) is left out: the cheap bounds do not read it, and the search adds
+    it (``with_extras``) to the shapes they leave open."""
     unpriced = dataclasses.replace(space, price_cap=None)
     key = ("problem", shape, unpriced)
     if key not in cm.stage_cache:
         cm.stage_cache[key] = _build_problem(cm, shape, unpriced)
     base = cm.stage_cache[key]
+    if base is not None and extras:
+        base = with_extras(cm, base, unpriced)
     if base is None or space.price_cap is None:
         return base
     # Under a price bound a shape has at most the stages its devices can buy: fewer slots (and
@@ -263,19 +267,32 @@ def _build_problem(cm: CostModel, shape: Shape, space: SearchSpace) -> Problem |
     p2p = tuple(tuple(_p2p_us(cm, a, b, shape) for b in groups) for a in groups)
     capacity = tuple(capacity_grains(g.memory_bytes - cm.reserve_bytes(g)) for g in groups)
     lb = _lower_bound_us(cm, shape, block, embed, head, slots)
-    extra = lambda g, first, last, k=0: _stage_extra_bytes(cm, shape, groups, g, block, embed, head,  # noqa: E731
-                                                            first=first, last=last, head_k=k)
-    heads = range(len(head.strategies))
     return Problem(shape=shape, groups=groups, slots=slots, stages_per_group=per_group, n_blocks=cm.model.n_layers,
                    block=block, embed=embed, head=head, p2p_us=p2p, capacity_bytes=capacity, lower_bound_us=lb,
                    tied=cm.model.tie_embeddings, pipeline=space.pipeline,
-                   extra_first=tuple(extra(g, True, False) for g in range(len(groups))),
-                   extra_middle=tuple(extra(g, False, False) for g in range(len(groups))),
-                   extra_last=tuple(tuple(extra(g, False, True, k) for k in heads) for g in range(len(groups))),
-                   extra_alone=tuple(tuple(extra(g, True, True, k) for k in heads) for g in range(len(groups))),
                    output_bytes=to_grains(activation_message_bytes(cm, shape.micro_batch, shape.tp)),
                    gather_us=tuple(_gather_us(cm, g, shape) for g in groups),
                    step_overhead_us=to_us(cm.step_overhead_s))
+
+
+def with_extras(cm: CostModel, p: Problem, space: SearchSpace) -> Problem:
+    """``p`` with the schedule's memory at each place in the pipeline (``Problem.extra_*``,
+    ``_stage_extra_bytes``), kept on the cost model per shape: a shape's subproblems (its ZeRO
+    edge levels, its price bounds) share its strategies, and so these."""
+    if p.extra_first:
+        return p
+    key = ("extras", p.shape, dataclasses.replace(space, price_cap=None))
+    if key not in cm.stage_cache:
+        groups, block, embed, head = p.groups, p.block, p.embed, p.head
+        extra = lambda g, first, last, k=0: _stage_extra_bytes(cm, p.shape, groups, g, block, embed, head,  # noqa: E731
+                                                                first=first, last=last, head_k=k)
+        heads = range(len(head.strategies))
+        cm.stage_cache[key] = dict(
+            extra_first=tuple(extra(g, True, False) for g in range(len(groups))),
+            extra_middle=tuple(extra(g, False, False) for g in range(len(groups))),
+            extra_last=tuple(tuple(extra(g, False, True, k) for k in heads) for g in range(len(groups))),
+            extra_alone=tuple(tuple(extra(g, True, True, k) for k in heads) for g in range(len(groups))))
+    return dataclasses.replace(p, **cm.stage_cache[key])
 
 
 EDGE_LEVEL_RATIO = 1.25  # edge values within this ratio of the level's least share a subproblem

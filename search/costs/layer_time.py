@@ -86,11 +86,11 @@ def zero_traffic(cm, params: int, group: NodeGroup, *, tp: int, zero: int, repli
     return zero_fwd, zero_bwd, dp_sync
 
 
-def layer_time(cm, role: str, group: NodeGroup, *, tp: int, sp: bool, zero: int, recompute: str, replicas: int,
-               micro_batch: int, extra_zero: tuple[float, float, float] | None = None) -> LayerTime:
-    """The layer's time with its parameters (``cm.param_count``) replicated over ``replicas``
-    ranks; ``extra_zero``: ZeRO traffic of parameters the layout shards otherwise (a block's
-    experts), which runs beside the compute with the layer's own."""
+def tp_pass(cm, role: str, group: NodeGroup, *, tp: int, sp: bool, recompute: str,
+            micro_batch: int) -> tuple[float, float, float, float]:
+    """(forward compute, backward compute with its recomputation, forward TP collectives,
+    backward TP collectives) of one micro-batch: the part of ``layer_time`` its ZeRO level and
+    replicas leave alike, as the engine exposes the collectives."""
     device = group.device
     c = cm.compute(role, device, tp, micro_batch)
     act_bytes = micro_batch * cm.seq_len * cm.model.hidden * cm.elem
@@ -117,19 +117,7 @@ def layer_time(cm, role: str, group: NodeGroup, *, tp: int, sp: bool, zero: int,
         tp_bwd += tp_fwd - reduction
     fwd_compute = c.forward_s
     bwd_compute = c.backward_s + cm.recompute_s(role, device, tp, micro_batch, recompute)
-
-    # Parameters are gathered in the compute dtype; gradients are reduced in fp32
-    # (FSDP2's reduce_dtype, the standard mixed-precision recipe).
-    params = cm.param_count(role, tp)
-    zero_fwd, zero_bwd, dp_sync = zero_traffic(cm, params, group, tp=tp, zero=zero, replicas=replicas, role=role)
-    if extra_zero is not None:
-        zero_fwd, zero_bwd, dp_sync = (a + b for a, b in zip((zero_fwd, zero_bwd, dp_sync), extra_zero))
-    # Per-micro-batch ZeRO traffic runs beside the layer's compute (FSDP prefetch), which it
-    # slows (``overlapped_s``); the stage's first gather and last reduce-scatter have nothing
-    # to hide behind: the stage charges its largest layer's traffic once more, less what the
-    # slowdown already charged (``zero_edge_s``; search/timing.py, docs/search.md).
-    k = cm.time_constants(device)
-    slowdown = k.overlap_slowdown
+    slowdown = cm.time_constants(device).overlap_slowdown
     if cm.engine.tp_overlap and sp and tp > 1:  # chunked beside the products they feed (search/engines.py)
         tp_fwd, tp_bwd = tp_exposed_s(fwd_compute, tp_fwd, tp, slowdown), tp_exposed_s(bwd_compute, tp_bwd, tp, slowdown)
     if sp and tp > 1 and cm.engine.sp_inputs == "sharded" and role != "embed":
@@ -139,6 +127,30 @@ def layer_time(cm, role: str, group: NodeGroup, *, tp: int, sp: bool, zero: int,
         n_inputs = 1 if role == "head" or cm.model.is_moe else 2
         regather = n_inputs * cm.collective_s("all_gather", act_bytes, tp, link, device)
         tp_bwd += overlapped_s(bwd_compute, regather, slowdown) - bwd_compute
+    return fwd_compute, bwd_compute, tp_fwd, tp_bwd
+
+
+def layer_time(cm, role: str, group: NodeGroup, *, tp: int, sp: bool, zero: int, recompute: str, replicas: int,
+               micro_batch: int, extra_zero: tuple[float, float, float] | None = None) -> LayerTime:
+    """The layer's time with its parameters (``cm.param_count``) replicated over ``replicas``
+    ranks; ``extra_zero``: ZeRO traffic of parameters the layout shards otherwise (a block's
+    experts), which runs beside the compute with the layer's own. Its two parts, the compute
+    with the TP collectives (``tp_pass``) and the ZeRO traffic (``zero_traffic``), are each
+    priced once per cost model (``CostModel.tp_pass``, ``CostModel.zero_traffic``)."""
+    fwd_compute, bwd_compute, tp_fwd, tp_bwd = cm.tp_pass(role, group, tp, sp, recompute, micro_batch)
+    # Parameters are gathered in the compute dtype; gradients are reduced in fp32
+    # (FSDP2's reduce_dtype, the standard mixed-precision recipe).
+    params = cm.param_count(role, tp)
+    zero_fwd, zero_bwd, dp_sync = cm.zero_traffic(role, group, tp, zero, replicas)
+    if extra_zero is not None:
+        zero_fwd, zero_bwd, dp_sync = (a + b for a, b in zip((zero_fwd, zero_bwd, dp_sync), extra_zero))
+    # Per-micro-batch ZeRO traffic runs beside the layer's compute (FSDP prefetch), which it
+    # slows (``overlapped_s``); the stage's first gather and last reduce-scatter have nothing
+    # to hide behind: the stage charges its largest layer's traffic once more, less what the
+    # slowdown already charged (``zero_edge_s``; search/timing.py, docs/search.md).
+    device = group.device
+    k = cm.time_constants(device)
+    slowdown = k.overlap_slowdown
     forward = overlapped_s(fwd_compute + tp_fwd, zero_fwd, slowdown)
     backward = overlapped_s(bwd_compute + tp_bwd, zero_bwd, slowdown)
     edge = max(0.0, 1.0 - slowdown) * (zero_fwd + zero_bwd)

@@ -100,6 +100,8 @@ class CostModel:
         self._selective_recompute = lru_cache(maxsize=None)(self._selective_recompute_uncached)
         self._layer_time = lru_cache(maxsize=None)(self._layer_time_uncached)
         self._layer_memory = lru_cache(maxsize=None)(self._layer_memory_uncached)
+        self._tp_pass = lru_cache(maxsize=None)(self._tp_pass_uncached)
+        self._zero_traffic = lru_cache(maxsize=None)(self._zero_traffic_uncached)
         self.stage_cache: dict = {}  # stage costs by (group, layer choices, degrees), see stage.stage_cost_counts
         self._views: dict[View, CostModel] = {view: self}  # every view's model, shared among them
 
@@ -292,6 +294,26 @@ class CostModel:
                       micro_batch: int) -> LayerTime:
         role, tp, sp, zero, recompute = choice
         return self._layer_time(role, group.name, tp, sp, zero, recompute, dp, micro_batch)
+
+    def tp_pass(self, role: str, group: NodeGroup, tp: int, sp: bool, recompute: str,
+                micro_batch: int) -> tuple[float, float, float, float]:
+        """A layer's compute and TP collectives per micro-batch (``layer_time.tp_pass``)."""
+        return self._tp_pass(role, group.name, tp, sp, recompute, micro_batch)
+
+    def _tp_pass_uncached(self, role: str, group_name: str, tp: int, sp: bool, recompute: str,
+                          micro_batch: int) -> tuple[float, float, float, float]:
+        return layer_time.tp_pass(self, role, self.cluster.group(group_name), tp=tp, sp=sp, recompute=recompute,
+                                  micro_batch=micro_batch)
+
+    def zero_traffic(self, role: str, group: NodeGroup, tp: int, zero: int,
+                     replicas: int) -> tuple[float, float, float]:
+        """A dense layer's ZeRO traffic over ``replicas`` ranks (``layer_time.zero_traffic``)."""
+        return self._zero_traffic(role, group.name, tp, zero, replicas)
+
+    def _zero_traffic_uncached(self, role: str, group_name: str, tp: int, zero: int,
+                               replicas: int) -> tuple[float, float, float]:
+        return layer_time.zero_traffic(self, self.param_count(role, tp), self.cluster.group(group_name), tp=tp,
+                                       zero=zero, replicas=replicas, role=role)
 
     def _layer_time_uncached(self, role: str, group_name: str, tp: int, sp: bool, zero: int, recompute: str,
                              dp: int, micro_batch: int) -> LayerTime:
