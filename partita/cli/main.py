@@ -163,9 +163,9 @@ def build_parser(with_torch_commands: bool = False) -> argparse.ArgumentParser:
                            "marked feasible with its gap (default: none; the search stops after a fixed amount "
                            "of solver work, so the same input gives the same plan); with --search uniform it "
                            "bounds the grid")
-    plan.add_argument("--gap", type=_percent, default=0.01, metavar="PCT",
-                      help="stop once the plan is proven within PCT %% of the optimum; it is then marked feasible "
-                           "with its gap (default 1: the cost model's own error is larger; 0: prove it optimal)")
+    plan.add_argument("--gap", type=_percent, default=0.0, metavar="PCT",
+                      help="stop once the plan is proven within PCT %% of the optimum (e.g. 1); it is then marked "
+                           "feasible with its gap (default 0: prove it optimal)")
     plan.add_argument("--workers", type=_positive_int, default=None, help="CP-SAT workers (default 1: deterministic)")
     plan.add_argument("--seed", type=int, default=None, help="CP-SAT random seed (default 0)")
     plan.add_argument("--engine", choices=ENGINES, default="partita",
