@@ -346,12 +346,9 @@ class ShapeSearch:
         model build and presolve). True if that settled it; a plan it finds is taken either way."""
         if self.best is None or self.work_used >= self.work_limit:
             return False
-        ceiling = self.target()
-        r = solve_shape(p, upper_bound_us=ceiling - 1, hint=None, gap=self.req.gap,
-                        time_limit_s=self.deadline - time.perf_counter(), workers=self.req.workers,
-                        seed=self.req.seed, fit=self.fits[p.key],
-                        work_limit=min(WHOLE_WORK, self.work_limit - self.work_used))
-        self.work_used += r.work
+        r = self._solve(p, work_cap=WHOLE_WORK)
+        if r is None:  # out of time: recorded as it stands
+            return True
         settled = r.status in ("infeasible", "optimal")  # nothing under the target, or the shape's optimum
         if settled:
             self._record(p, r)
@@ -371,10 +368,10 @@ class ShapeSearch:
             self.bounds[p.key] = max(self.bounds[p.key], self.fits[p.key].bound_us())
         return True
 
-    def _solve(self, p: Problem) -> ShapeResult | None:
-        """CP-SAT on the problem with its share of the work left and the incumbent as its upper
-        bound and hint; None (and its first attempt or "unknown" recorded) once time or work is
-        spent."""
+    def _solve(self, p: Problem, work_cap: float | None = None) -> ShapeResult | None:
+        """CP-SAT on the problem with its share of the work left (or, with ``work_cap``, that
+        much of it at most) and the incumbent as its upper bound and hint; None (and its first
+        attempt or "unknown" recorded) once time or work is spent."""
         wall_left, work_left = self.deadline - time.perf_counter(), self.work_limit - self.work_used
         if wall_left <= 0 or work_left <= 0:
             self.results.append(self.earlier.get(p.key) or ShapeResult(p.shape, "unknown", self.bounds[p.key]))
@@ -387,6 +384,8 @@ class ShapeSearch:
         # a shape that runs out is retried once at the end with whatever work is left.
         retry = p.key in self.earlier
         work = work_left if retry else min(work_left, max(MIN_WORK, work_left / min(len(self.queue) + 1, 4)))
+        if work_cap is not None:
+            work = min(work_cap, work_left)
         # The model is the same with or without a gap (CP-SAT's path through it is sensitive to
         # its upper bound: one less than the incumbent either way); with a gap CP-SAT stops once
         # its own bound is within it.
