@@ -129,7 +129,7 @@ def test_comm_section_is_written(tiny_llama_profile):
     prof, _ = tiny_llama_profile
     # Which ops get a fit depends on timing: on a loaded machine one op's times may come out flat
     # over the sizes, and its fit is then left out with a warning (profiler.comm.fit_comm; the
-    # fitting itself is tested on recorded samples in test_profiler_comm.py). What is written is
+    # fitting itself, and the flat case, are tested on recorded samples in test_profiler_comm.py). What is written is
     # always one 2-rank loopback entry per op, in the ops' order.
     ops = [(c.op, c.link, c.ranks) for c in prof.comm]
     expected = [(op, "loopback", 2) for op in ("all_reduce", "all_gather", "reduce_scatter", "p2p", "all_to_all")]
