@@ -382,10 +382,12 @@ class ShapeSearch:
             hint = self.earlier[p.key].layout
         # Share the work left among the shapes still open, giving the most promising more;
         # a shape that runs out is retried once at the end with whatever work is left.
-        retry = p.key in self.earlier
-        work = work_left if retry else min(work_left, max(MIN_WORK, work_left / min(len(self.queue) + 1, 4)))
         if work_cap is not None:
             work = min(work_cap, work_left)
+        elif p.key in self.earlier:  # the retry
+            work = work_left
+        else:
+            work = min(work_left, max(MIN_WORK, work_left / min(len(self.queue) + 1, 4)))
         # The model is the same with or without a gap (CP-SAT's path through it is sensitive to
         # its upper bound: one less than the incumbent either way); with a gap CP-SAT stops once
         # its own bound is within it.
