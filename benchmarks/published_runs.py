@@ -58,14 +58,15 @@ from partita.errors import PartitaError
 from partita.model import BUILTIN, ModelSpec
 from partita.plan import Plan
 from partita.search.costs.model import CostModel
-from partita.search.evaluate import Evaluation, evaluate_layout, evaluate_plan
+from partita.search.evaluate import Evaluation, evaluate_interleaved, evaluate_layout, evaluate_plan
+from partita.search.interleaved import chunk_names
 from partita.search.engines import ENGINES, Engine
 from partita.search.uniform import split_blocks, stage_layer_names, strategy
 
 DEFAULT_RUNS = Path(__file__).with_name("published_runs.yaml")
 PRICINGS = ("exact", "closest", "not_expressible")
 METRICS = ("tokens_per_s_per_gpu", "tflops_per_gpu", "step_time_s")
-FLOPS_FORMULAS = ("megatron_recompute",)
+FLOPS_FORMULAS = ("megatron_recompute", "palm")
 OVERRIDES = ("memory_gib", "intra_node_gbps", "network_gbps")
 SOURCE_KEYS = ("title", "where", "url")
 DEVICE_FIGURES = ("memory_gib", "bf16_tflops", "fp16_tflops", "fp32_tflops", "hbm_gbps", "intra_node_gbps",
@@ -102,6 +103,10 @@ class PublishedRun:
     devices: tuple[DeviceType, ...] = ()  # the runs file's own device types (``devices``), for its cluster
     engine: Engine = ENGINES["partita"]  # the engine that ran it, with the run's own options
     blocks_per_stage: tuple[int, ...] | None = None
+    # The pipeline schedule (partita.parallel.SCHEDULES) and, under an interleaved one, the
+    # virtual stages a rank runs (the blocks split evenly over pp x virtual_stages slices).
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
     differences: tuple[str, ...] = ()
     why: str = ""
     assumed: tuple[str, ...] = ()
@@ -125,6 +130,8 @@ class PublishedRun:
             parts.append("SP")
         parts.append(f"mb{self.micro_batch}x{self.num_micro_batches} gbs{self.global_batch} seq{self.seq_len}")
         parts.append("recompute" if self.recompute else "no recompute")
+        if self.virtual_stages > 1:
+            parts.append(f"{self.schedule} v{self.virtual_stages}")
         return f"{self.model.name} on {self.cluster.short}: " + ", ".join(parts) + f", {self.dtype}"
 
 
@@ -238,6 +245,8 @@ def run_from_dict(data: Any, where: str, devices: Sequence[DeviceType] = ()) -> 
         recompute=specio.get_bool(data, "recompute", where),
         measured=_measured(data["measured"], where), engine=_engine(data, where),
         blocks_per_stage=tuple(data["blocks_per_stage"]) if data.get("blocks_per_stage") else None,
+        schedule=specio.get_str(data, "schedule", where, choices=parallel.SCHEDULES) if "schedule" in data else "1f1b",
+        virtual_stages=specio.get_int(data, "virtual_stages", where) if "virtual_stages" in data else 1,
         differences=tuple(_strings(data, "differences", where)), assumed=tuple(_strings(data, "assumed", where)),
         why=_optional_str(data, "why", where), notes=_optional_str(data, "notes", where),
         gap=_optional_str(data, "gap", where),
@@ -333,6 +342,18 @@ def _check_run(run: PublishedRun, where: str) -> None:
         if len(run.blocks_per_stage) != run.pp or sum(run.blocks_per_stage) != run.model.n_layers:
             raise PartitaError(f"{where}: blocks_per_stage {list(run.blocks_per_stage)} must have pp = {run.pp} "
                                f"entries summing to the model's {run.model.n_layers} blocks")
+    if run.schedule in ("interleaved-1f1b", "interleaved-zb") and run.virtual_stages < 2:
+        raise PartitaError(f"{where}: schedule {run.schedule} needs virtual_stages of 2 or more")
+    if run.schedule in ("1f1b", "zbv") and run.virtual_stages != (2 if run.schedule == "zbv" else 1):
+        raise PartitaError(f"{where}: schedule {run.schedule} runs {2 if run.schedule == 'zbv' else 1} virtual "
+                           f"stage(s) a rank, got virtual_stages {run.virtual_stages}")
+    if run.virtual_stages > 1 and run.blocks_per_stage is not None:
+        raise PartitaError(f"{where}: blocks_per_stage is for one virtual stage a rank; an interleaved run splits "
+                           "its blocks evenly over pp x virtual_stages")
+    if run.virtual_stages > 1 and run.model.n_layers + 2 < run.pp * run.virtual_stages:
+        # the first slice may hold the embedding alone and the last the head alone (Llama 3's layout)
+        raise PartitaError(f"{where}: {run.model.n_layers} blocks cannot fill pp {run.pp} x virtual_stages "
+                           f"{run.virtual_stages} slices")
     why = parallel.tp_rule(run.model.kinds["block"], run.tp)
     if why:
         raise PartitaError(f"{where}: {why}")
@@ -341,6 +362,13 @@ def _check_run(run: PublishedRun, where: str) -> None:
 
 
 # ---- the common metric -----------------------------------------------------------------------
+def palm_flops_per_token(model: ModelSpec, seq_len: int) -> float:
+    """PaLM's model FLOPs a token (Chowdhery et al. 2022, Appendix B): 6 N + 12 L H Q T, every
+    parameter's products forward and backward and attention's score products over the whole
+    sequence (causal masking not subtracted), recomputation not counted."""
+    return 6.0 * model.n_params + 12.0 * model.n_layers * model.hidden * seq_len
+
+
 def megatron_flops_per_token(model: ModelSpec, seq_len: int) -> float:
     """FLOPs per token Megatron-LM counts with full recomputation (Narayanan et al. 2021,
     Appendix): 96 B s l h^2 (1 + s/6h + V/16lh) per step of B sequences of s tokens."""
@@ -356,6 +384,8 @@ def measured_tokens_per_s_per_gpu(run: PublishedRun) -> float:
         return run.global_batch * run.seq_len / (m.value * run.gpus)
     if m.flops == "megatron_recompute":
         return m.value * 1e12 / megatron_flops_per_token(run.model, run.seq_len)
+    if m.flops == "palm":
+        return m.value * 1e12 / palm_flops_per_token(run.model, run.seq_len)
     raise PartitaError(f"{run.id}: no conversion for {m.metric} counted as {m.flops}")
 
 
@@ -383,10 +413,17 @@ def evaluate_run(run: PublishedRun) -> Evaluation:
 def _evaluate(run: PublishedRun) -> Evaluation:
     cm = CostModel(run.model, run.cluster, seq_len=run.seq_len, dtype=run.dtype, engine=run.engine)
     group = run.cluster.groups[0]
+    def layers(names: Sequence[str]) -> list:
+        return [strategy(run.model, name, tp=run.tp, sp=run.sequence_parallel, zero=run.zero,
+                         recompute="full" if run.recompute else "none") for name in names]
+
+    if run.virtual_stages > 1:
+        chunks = chunk_names(run.model.n_layers, run.pp, run.virtual_stages, run.schedule)
+        return evaluate_interleaved(cm, [(group, [layers(c) for c in stage]) for stage in chunks], dp=run.dp,
+                                    tp=run.tp, micro_batch=run.micro_batch, num_micro_batches=run.num_micro_batches,
+                                    schedule=run.schedule)
     blocks = list(run.blocks_per_stage or split_blocks(run.model.n_layers, run.pp))
-    stages = [(group, [strategy(run.model, name, tp=run.tp, sp=run.sequence_parallel, zero=run.zero,
-                                recompute="full" if run.recompute else "none") for name in names])
-              for names in stage_layer_names(run.model, blocks)]
+    stages = [(group, layers(names)) for names in stage_layer_names(run.model, blocks)]
     return evaluate_layout(cm, stages, dp=run.dp, tp=run.tp, micro_batch=run.micro_batch,
                            num_micro_batches=run.num_micro_batches)
 

@@ -10,7 +10,7 @@ from typing import Sequence
 
 from partita.cluster import NodeGroup
 from partita.plan import LayerStrategy, boundary_split, gives_whole
-from partita.search.costs.memory import activation_message_bytes
+from partita.search.costs.memory import kept_output_bytes
 from partita.search.costs.model import CostModel
 from partita.search.costs.stage import boundary_gather_s, boundary_s, canonical_order, choice_of, stage_cost_counts
 from partita.search.uniform import (SearchSpace, batch_shares, batch_splits, divisors, hosts, device_price, layer_tp,
@@ -270,7 +270,7 @@ def _build_problem(cm: CostModel, shape: Shape, space: SearchSpace) -> Problem |
     return Problem(shape=shape, groups=groups, slots=slots, stages_per_group=per_group, n_blocks=cm.model.n_layers,
                    block=block, embed=embed, head=head, p2p_us=p2p, capacity_bytes=capacity, lower_bound_us=lb,
                    tied=cm.model.tie_embeddings, pipeline=space.pipeline,
-                   output_bytes=to_grains(activation_message_bytes(cm, shape.micro_batch, shape.tp)),
+                   output_bytes=to_grains(kept_output_bytes(cm, shape.micro_batch, shape.tp)),
                    gather_us=tuple(_gather_us(cm, g, shape) for g in groups),
                    step_overhead_us=to_us(cm.step_overhead_s))
 

@@ -44,6 +44,15 @@ The terms each behaviour selects, in one place each:
   4.2.2). Sharded: the block's two linear inputs and the head's take 1/tp of the bytes
   (``analytic.activation_bytes``), and each backward re-gathers them beside its compute
   (``layer_time``).
+* ``p2p_buffers``: what a pipeline stage holds for its transfers (``costs.memory.pipeline_memory``).
+  "per_micro_batch" (``torch.distributed.pipelining``: a receive buffer per micro-batch and
+  direction for every virtual stage, allocated once, and each stage output kept until its
+  backward: Partita's runtime, torchtitan; DeepSpeed's pipeline engine too, which keeps a buffer
+  per micro-batch in flight, priced so as the safe side) or "per_transfer" (Megatron-LM: each
+  receive is allocated when posted, ``p2p_communication._communicate``, and becomes the next
+  layer's input, counted with its activations; a sent output's storage is freed at once,
+  ``schedules.deallocate_output_tensor``, which its training script turns on with
+  ``deallocate_pipeline_outputs``): one buffer per direction in flight and no kept outputs.
 * ``loss``: "chunked" (Partita's runtime: runtime.schedule.ChunkedCrossEntropy, the logits kept in
   the compute dtype and an fp32 chunk at a time) or "fp32" (the logits cast to fp32 before the
   cross entropy, kept for its backward: torchtitan's ``cross_entropy_loss``, Megatron-Core's
@@ -61,6 +70,7 @@ from partita.errors import PartitaError
 from partita.search.timing import Software
 
 ZERO3_GATHERS = ("layer", "module")
+P2P_BUFFERS = ("per_micro_batch", "per_transfer")
 LOSSES = ("chunked", "fp32")
 SP_INPUTS = ("whole", "sharded")
 
@@ -78,6 +88,7 @@ class Engine:
     loss: str = "chunked"
     fp16_grad_reduce: bool = False
     sp_inputs: str = "whole"
+    p2p_buffers: str = "per_micro_batch"
 
     def __post_init__(self) -> None:
         Software(attention=self.attention, grad_sync=self.grad_sync)  # its checks of the two names
@@ -85,6 +96,8 @@ class Engine:
             raise PartitaError(f"unknown zero3_gathers {self.zero3_gathers!r}; valid: {', '.join(ZERO3_GATHERS)}")
         if self.loss not in LOSSES:
             raise PartitaError(f"unknown loss {self.loss!r}; valid: {', '.join(LOSSES)}")
+        if self.p2p_buffers not in P2P_BUFFERS:
+            raise PartitaError(f"unknown p2p_buffers {self.p2p_buffers!r}; valid: {', '.join(P2P_BUFFERS)}")
         if self.sp_inputs not in SP_INPUTS:
             raise PartitaError(f"unknown sp_inputs {self.sp_inputs!r}; valid: {', '.join(SP_INPUTS)}")
 
@@ -122,7 +135,7 @@ ENGINES: dict[str, Engine] = {
     # the interleaved schedule's p2p overlap (the training script's default), no --tp-comm-overlap
     # (it needs Transformer Engine's userbuffers bootstrapped; published runs that set it say so).
     "megatron": Engine("megatron", attention="flash2", p2p_overlap=True, loss="fp32", fp16_grad_reduce=True,
-                       sp_inputs="sharded"),
+                       sp_inputs="sharded", p2p_buffers="per_transfer"),
     # DeepSpeed as partita export --to deepspeed writes it (ZeRO 0-3 with overlap_comm): ZeRO-3's
     # module-by-module gathers, a Hugging Face model's fp32 loss, torch SDPA.
     "deepspeed": Engine("deepspeed", zero3_gathers="module", loss="fp32", fp16_grad_reduce=True),

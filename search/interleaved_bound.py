@@ -36,7 +36,8 @@ import numpy as np
 
 from partita.cluster import NodeGroup
 from partita.parallel import ZERO_BUBBLE, schedule_counts_rule
-from partita.search.costs.memory import activation_message_bytes, round_up_to_grain
+from partita.search.costs.memory import (activation_message_bytes, kept_output_bytes, receive_buffers,
+                                        retained_logits_bytes)
 from partita.search.costs.model import CostModel
 from partita.search.costs.stage import boundary_s, canonical_order, choice_of
 from partita.search.evaluate import evaluate_interleaved, next_groups, weight_grad_bytes
@@ -153,7 +154,7 @@ def _rank_terms(cm: CostModel, stage_groups: Sequence[NodeGroup], names, r: int,
     # layer's transient (``stage._stage_cost``'s peak), at least the least of any layer here.
     room -= min(c[8] for c in list(blocks) + [c for end in ends for c in end])
     pairs = in_flight_chunks(schedule, r, pp, v, m)
-    room -= activation_message_bytes(cm, mb, tp) * pairs + _buffers_bytes(cm, stage_groups, names, r,
+    room -= kept_output_bytes(cm, mb, tp) * pairs + _buffers_bytes(cm, stage_groups, names, r,
                                                                            schedule=schedule, tp=tp, mb=mb, m=m)
     if schedule in ZERO_BUBBLE:  # the gradients kept between I and W (``evaluate._split_backward``)
         least = {n: min(weight_grad_bytes(cm, choice_of(cm.model, c[6]), mb) for c in of(group, n))
@@ -311,10 +312,10 @@ def _buffers_bytes(cm: CostModel, groups: Sequence[NodeGroup], names, r: int, *,
     held = chunk_in_flight(schedule, r, len(groups), v, m)
     total = 0
     for c, chunk in enumerate(names[r]):
-        total += m * msg * (("embed" not in chunk) + (nexts[c] is not None))
+        total += receive_buffers(cm, m) * msg * (("embed" not in chunk) + (nexts[c] is not None))
         if "head" in chunk:
-            head_tp = strategy(cm.model, "head", tp=tp, sp=False, zero=0, recompute="none").tensor_parallel
-            total += held[c] * round_up_to_grain(mb * cm.seq_len * (cm.model.vocab // head_tp) * cm.elem)
+            head = choice_of(cm.model, strategy(cm.model, "head", tp=tp, sp=False, zero=0, recompute="none"))
+            total += held[c] * retained_logits_bytes(cm, {head: 1}, mb)
     return total
 
 

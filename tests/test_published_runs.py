@@ -84,6 +84,31 @@ def test_the_three_published_metrics_become_tokens_per_second_per_gpu():
     assert pr.measured_tokens_per_s_per_gpu(one_t) == pytest.approx(163e12 / per_token)
 
 
+def test_a_palm_flops_figure_counts_six_n_and_attention_over_the_whole_sequence():
+    """Llama 3's TFLOP/s (PaLM's model FLOPs, 6 N + 12 L H s a token) give back the paper's own
+    MFU column over the H100's 989 TFLOP/s: 43 % and 38 % at 8,192 and 131,072 tokens."""
+    by_id = {r.id: r for r in RUNS}
+    run = by_id["llama3-405b-8192xH100-3d"]
+    m = run.model
+    per_token = 6 * m.n_params + 12 * m.n_layers * m.hidden * run.seq_len
+    assert pr.measured_tokens_per_s_per_gpu(run) == pytest.approx(430e12 / per_token)
+    for rid, paper in (("llama3-405b-8192xH100-3d", 0.43), ("llama3-405b-16384xH100-cp16", 0.38)):
+        r = by_id[rid]
+        assert pr.mfu(r, pr.measured_tokens_per_s_per_gpu(r)) == pytest.approx(paper, abs=0.006)
+
+
+def test_an_interleaved_run_is_priced_with_its_virtual_stages():
+    """A run's schedule and virtual stages reach the evaluator: Llama 3's 8,192-GPU layout with
+    eight one-block slices a rank (the embedding alone in the first, the head alone in the last)
+    has a smaller bubble than the same layout with two, and than plain 1F1B."""
+    run = {r.id: r for r in RUNS}["llama3-405b-8192xH100-3d"]
+    assert (run.schedule, run.virtual_stages) == ("interleaved-1f1b", 8)
+    bubbles = [pr.evaluate_run(dataclasses.replace(run, schedule=s, virtual_stages=v)).breakdown["pipeline_bubble"]
+               for s, v in (("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 8))]
+    assert bubbles[0] > bubbles[1] > bubbles[2] > 0
+    assert "interleaved-1f1b v8" in run.config
+
+
 def test_mfu_of_a_published_row_matches_the_figure_its_source_prints():
     """torchtitan prints MFU beside tokens/s for the 70B A100 run (51.7 %) over the A100's 312
     TFLOP/s bf16 peak; its FLOPs per token then also counted the embedding table's parameters
@@ -115,6 +140,9 @@ def _with(run_index: int, **changes) -> dict:
     ({"engine_options": {"overlap": True}}, "engine_options: unknown option 'overlap'"),
     ({"engine_options": {"tp_overlap": "yes"}}, "engine_options: tp_overlap must be true or false"),
     ({"engine": "colossal"}, "engine 'colossal' is not one of partita, torchtitan"),
+    ({"schedule": "interleaved-1f1b"}, "needs virtual_stages of 2 or more"),
+    ({"virtual_stages": 2}, "schedule 1f1b runs 1 virtual"),
+    ({"schedule": "gpipe"}, "is not one of"),
 ])
 def test_bad_entries_are_refused_with_what_to_change(tmp_path, changes, message):
     path = tmp_path / "runs.yaml"

@@ -361,6 +361,21 @@ def activation_message_bytes(cm, micro_batch: int, tp: int = 1) -> int:
     return round_up_to_grain(micro_batch * tokens * cm.model.hidden * cm.elem)
 
 
+def kept_output_bytes(cm, micro_batch: int, tp: int) -> int:
+    """The stage output a pipeline schedule keeps per micro-batch in flight, until that
+    micro-batch's backward: its hidden states (``activation_message_bytes``) under an engine that
+    keeps them (torch.distributed.pipelining), none under one that frees a sent output's storage
+    (Megatron-LM's ``deallocate_output_tensor``; search/engines.py, ``p2p_buffers``)."""
+    return 0 if cm.engine.p2p_buffers == "per_transfer" else activation_message_bytes(cm, micro_batch, tp)
+
+
+def receive_buffers(cm, num_micro_batches: int) -> int:
+    """Receive buffers a pipeline stage holds per direction (search/engines.py, ``p2p_buffers``):
+    one per micro-batch, allocated once (torch.distributed.pipelining), or the one a posted
+    receive fills (Megatron-LM, which allocates each as it posts it)."""
+    return 1 if cm.engine.p2p_buffers == "per_transfer" else num_micro_batches
+
+
 def pipeline_memory(cm, counts: Mapping[tuple, int], *, tp: int, micro_batch: int, num_micro_batches: int,
                     is_last: bool) -> tuple[int, int, int]:
     """(receive buffers, output kept per micro-batch in flight, retained logits) of a pipeline
@@ -379,8 +394,18 @@ def pipeline_memory(cm, counts: Mapping[tuple, int], *, tp: int, micro_batch: in
     if is_first and is_last:
         return 0, 0, 0
     act_msg = activation_message_bytes(cm, micro_batch, tp)
-    buffers = num_micro_batches * act_msg * ((not is_first) + (not is_last))
+    buffers = receive_buffers(cm, num_micro_batches) * act_msg * ((not is_first) + (not is_last))
     if is_last:
-        head_tp = next(choice[1] for choice in counts if choice[0] == "head")
-        return buffers, 0, round_up_to_grain(micro_batch * cm.seq_len * (cm.model.vocab // head_tp) * cm.elem)
-    return buffers, act_msg, 0
+        return buffers, 0, retained_logits_bytes(cm, counts, micro_batch)
+    return buffers, kept_output_bytes(cm, micro_batch, tp), 0
+
+
+def retained_logits_bytes(cm, counts, micro_batch: int) -> int:
+    """The last stage's output, its head's logits, kept by the schedule per micro-batch until the
+    loss's backward (torch.distributed.pipelining applies the loss to the stage output); none
+    where the stage computes its loss itself and frees its output (Megatron-LM: the loss's own
+    tensors are the head's activations, ``activation_bytes``)."""
+    if cm.engine.p2p_buffers == "per_transfer":
+        return 0
+    head_tp = next(choice[1] for choice in counts if choice[0] == "head")
+    return round_up_to_grain(micro_batch * cm.seq_len * (cm.model.vocab // head_tp) * cm.elem)

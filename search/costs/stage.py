@@ -19,7 +19,8 @@ from partita.cluster import NodeGroup
 from partita.model import ModelSpec
 from partita.parallel import ZERO_BUBBLE
 from partita.plan import LayerStrategy, boundary_split, gives_whole
-from partita.search.costs.memory import LayerMemory, Moment, activation_message_bytes, neighbour_peak, pipeline_memory
+from partita.search.costs.memory import (LayerMemory, Moment, activation_message_bytes, kept_output_bytes, neighbour_peak,
+                                        pipeline_memory)
 from partita.search.costs.model import CostModel
 from partita.search.schedules import chunk_in_flight, in_flight_chunks
 from partita.search.timing import overlapped_s
@@ -367,7 +368,7 @@ def interleaved_stage_cost(cm: CostModel, group: NodeGroup,
         peak_released=running.peak_released,
         gradients=add("gradients"), optimizer=add("optimizer"),
         activations_per_mb=max(p.activations_per_mb for p in parts), current_activations=running.current_activations,
-        output_per_mb=activation_message_bytes(cm, micro_batch, tp),
+        output_per_mb=kept_output_bytes(cm, micro_batch, tp),
         # the head's logits, kept from its forward to its backward for each pair of its virtual stage in flight
         retained_output=sum(p.retained_output * n for p, n in zip(parts, most)),
         in_flight=in_flight_chunks(schedule, stage, pp, len(chunks), num_micro_batches), held=held,
