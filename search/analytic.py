@@ -39,6 +39,8 @@ from partita.search.roofline import (ATTENTION_KERNELS, attention_time_s, batche
                                      matmul_time_s, memory_time_s)
 
 INDEX_BYTES = 8  # token ids, targets and position ids are int64
+QKV_SAVES = ("repeated", "fused")  # activation_bytes: what attention keeps of q, k and v
+GLU_SAVES = ("outputs", "input")  # activation_bytes: what llama's SwiGLU keeps
 STAT_BYTES = 4  # norm statistics and attention's logsumexp are fp32 whatever the dtype
 
 
@@ -268,7 +270,8 @@ def backward_time_s(kind: LayerKind, dev: DeviceType, sh: Shard, dtype: str, att
 # ---- memory ---------------------------------------------------------------------------------
 def activation_bytes(kind: LayerKind, *, tp: int, micro_batch: int, seq_len: int, dtype: str,
                      sequence_parallel: bool = False, recompute: str = "none",
-                     on_cpu: bool = False, local_experts: int = 0, sharded_inputs: bool = False) -> int:
+                     on_cpu: bool = False, local_experts: int = 0, sharded_inputs: bool = False,
+                     glu_saves: str = "outputs", qkv_saves: str = "repeated") -> int:
     """Bytes autograd keeps from one micro-batch's forward for the backward, on one rank
     (``local_experts``: the routed experts a rank of a mixture of experts holds, E/ep; 0: all).
 
@@ -315,6 +318,18 @@ def activation_bytes(kind: LayerKind, *, tp: int, micro_batch: int, seq_len: int
         all-gathers it again in the backward for the weight gradient (Megatron-LM's
         ``LinearWithGradAccumulationAndAsyncCommunication``; Korthikanti et al. 2022, sec. 4.2.2):
         n divides by tp too (``search/engines.py``, ``sp_inputs``).
+      * ``glu_saves="input"`` (llama's dense MLP): a fused SwiGLU kernel that keeps only its
+        input, w1's and w3's outputs (one [t, 2f] tensor), and recomputes silu in its backward
+        (Megatron-LM's ``SwiGLUFunction``, megatron/core/fusions/fused_bias_swiglu.py, on unless
+        ``--no-bias-swiglu-fusion``): the product (w2's input) stays, silu's output is not
+        kept: 3*t*f*e instead of 4*t*f*e.
+      * ``qkv_saves="fused"``: one qkv projection whose output is split into q, k and v as views
+        (Megatron-Core's ``get_query_key_value_tensors``: ``SplitAlongDim``), an attention kernel
+        that takes k and v at their kv heads (Transformer Engine's ``DotProductAttention`` with
+        ``num_gqa_groups``; no ``repeat_interleave``), and an out-of-place rotary: the kernel
+        keeps the rotated q (H heads) and k (KV heads), the projection's whole output through v's
+        view (H + 2 KV heads), and its output (H): t*d*e*(3H + 3KV) with rotary, t*d*e*(2H + 2KV)
+        without (q, k and v all views then), against 4*t*H*d*e with the kv heads repeated.
       * ``recompute="full"`` (full activation checkpointing of the layer): only the layer's
         input is kept: n for a block or the head (n/tp with sequence parallelism), the token ids
         for embed.
@@ -360,10 +375,19 @@ def activation_bytes(kind: LayerKind, *, tp: int, micro_batch: int, seq_len: int
     if kind.role == "head":
         loss = t * sh.vocab * 4 + t * INDEX_BYTES + 4
         return _norm_bytes(kind, sh, on_cpu) // sp + norm_output + loss
-    attention = 4 * t * sh.heads * sh.head_dim * e + STAT_BYTES * sh.batch * sh.heads * seq_len
+    if qkv_saves not in QKV_SAVES or glu_saves not in GLU_SAVES:
+        raise PartitaError(f"qkv_saves must be one of {', '.join(QKV_SAVES)} and glu_saves one of "
+                           f"{', '.join(GLU_SAVES)}, got {qkv_saves!r}, {glu_saves!r}")
+    H, KV = sh.heads, sh.kv_heads
+    if qkv_saves == "fused":
+        heads_kept = (3 * H + 3 * KV) if kind.family == "llama" else (2 * H + 2 * KV)
+    else:
+        heads_kept = 4 * H
+    attention = t * heads_kept * sh.head_dim * e + STAT_BYTES * sh.batch * H * seq_len
     if kind.family == "llama":
         rotary = 4 * seq_len * sh.head_dim * e
-        mlp = moe_activation_bytes(kind, sh) if kind.is_moe else 4 * t * sh.ffn * e
+        gated = 3 if glu_saves == "input" else 4
+        mlp = moe_activation_bytes(kind, sh) if kind.is_moe else gated * t * sh.ffn * e
     else:
         rotary = 0
         mlp = 2 * t * sh.ffn * e

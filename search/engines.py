@@ -44,6 +44,15 @@ The terms each behaviour selects, in one place each:
   4.2.2). Sharded: the block's two linear inputs and the head's take 1/tp of the bytes
   (``analytic.activation_bytes``), and each backward re-gathers them beside its compute
   (``layer_time``).
+* ``glu_saves``, ``qkv_saves``: what a block's kernels keep for the backward
+  (``analytic.activation_bytes``). "outputs" / "repeated" (the torch stack: Partita's runtime,
+  torchtitan, Hugging Face models under DeepSpeed): SwiGLU keeps silu's output beside its inputs
+  and the product, and attention takes k and v repeated to the query heads (the models'
+  ``repeat_kv`` / ``repeat_interleave`` before SDPA). "input" / "fused" (Megatron-LM with
+  Transformer Engine): the fused SwiGLU keeps only its input and recomputes silu
+  (``SwiGLUFunction``, on by default: ``--no-bias-swiglu-fusion`` turns it off), and one qkv
+  projection split into views feeds an attention kernel that takes k and v at their kv heads
+  (``TEDotProductAttention``, ``num_gqa_groups``). Memory only.
 * ``p2p_buffers``: what a pipeline stage holds for its transfers (``costs.memory.pipeline_memory``).
   "per_micro_batch" (``torch.distributed.pipelining``: a receive buffer per micro-batch and
   direction for every virtual stage, allocated once, and each stage output kept until its
@@ -67,6 +76,7 @@ from typing import Mapping
 
 from partita import parallel
 from partita.errors import PartitaError
+from partita.search.analytic import GLU_SAVES, QKV_SAVES
 from partita.search.timing import Software
 
 ZERO3_GATHERS = ("layer", "module")
@@ -89,6 +99,8 @@ class Engine:
     fp16_grad_reduce: bool = False
     sp_inputs: str = "whole"
     p2p_buffers: str = "per_micro_batch"
+    glu_saves: str = "outputs"
+    qkv_saves: str = "repeated"
 
     def __post_init__(self) -> None:
         Software(attention=self.attention, grad_sync=self.grad_sync)  # its checks of the two names
@@ -100,6 +112,10 @@ class Engine:
             raise PartitaError(f"unknown p2p_buffers {self.p2p_buffers!r}; valid: {', '.join(P2P_BUFFERS)}")
         if self.sp_inputs not in SP_INPUTS:
             raise PartitaError(f"unknown sp_inputs {self.sp_inputs!r}; valid: {', '.join(SP_INPUTS)}")
+        if self.glu_saves not in GLU_SAVES:
+            raise PartitaError(f"unknown glu_saves {self.glu_saves!r}; valid: {', '.join(GLU_SAVES)}")
+        if self.qkv_saves not in QKV_SAVES:
+            raise PartitaError(f"unknown qkv_saves {self.qkv_saves!r}; valid: {', '.join(QKV_SAVES)}")
 
     @property
     def software(self) -> Software:
@@ -133,9 +149,10 @@ ENGINES: dict[str, Engine] = {
     # Megatron-LM as partita export --to megatron writes it: Transformer Engine's cuDNN/flash
     # attention (a FlashAttention-2-class kernel on every GPU it runs on), --overlap-grad-reduce,
     # the interleaved schedule's p2p overlap (the training script's default), no --tp-comm-overlap
-    # (it needs Transformer Engine's userbuffers bootstrapped; published runs that set it say so).
+    # (it needs Transformer Engine's userbuffers bootstrapped; published runs that set it say so),
+    # its fused SwiGLU and GQA-native attention's saved tensors.
     "megatron": Engine("megatron", attention="flash2", p2p_overlap=True, loss="fp32", fp16_grad_reduce=True,
-                       sp_inputs="sharded", p2p_buffers="per_transfer"),
+                       sp_inputs="sharded", p2p_buffers="per_transfer", glu_saves="input", qkv_saves="fused"),
     # DeepSpeed as partita export --to deepspeed writes it (ZeRO 0-3 with overlap_comm): ZeRO-3's
     # module-by-module gathers, a Hugging Face model's fp32 loss, torch SDPA.
     "deepspeed": Engine("deepspeed", zero3_gathers="module", loss="fp32", fp16_grad_reduce=True),

@@ -118,6 +118,26 @@ def test_cpu_counts_torchs_composite_rms_norm():
     assert layer_cost(kind, get_device("cpu"), **common).activation_bytes == cpu
 
 
+def test_megatron_kernels_keep_the_swiglu_input_and_the_kv_heads_by_hand():
+    """Megatron-LM with Transformer Engine (``glu_saves="input"``, ``qkv_saves="fused"``): the
+    fused SwiGLU keeps its [t, 2 ffn] input and not silu's output; attention keeps the rotated q
+    (4 heads) and k (2 kv heads), the qkv projection's output that v views (4 + 2 x 2 heads) and
+    its output (4 heads) instead of q, k, v repeated to 4 heads and the output."""
+    kind = TINY_LLAMA.kinds["block"]
+    common = dict(tp=1, micro_batch=2, seq_len=64, dtype="bf16")
+    plain = activation_bytes(kind, **common)
+    fused = activation_bytes(kind, **common, glu_saves="input", qkv_saves="fused")
+    silu_out = 128 * 128 * 2  # t x ffn, bf16
+    attention_plain, attention_fused = 4 * 4 * 128 * 16 * 2, (3 * 4 + 3 * 2) * 128 * 16 * 2
+    assert plain - fused == silu_out + attention_plain - attention_fused == 32768 + 65536 - 73728 == 24576
+    # gpt2 under Megatron: q, k and v are all views of the projection's output (no rotary), so
+    # with as many kv heads as heads the attention keeps what the repeated count says.
+    gpt = TINY_GPT2.kinds["block"]
+    assert activation_bytes(gpt, **common, qkv_saves="fused") == activation_bytes(gpt, **common)
+    with pytest.raises(PartitaError, match="qkv_saves must be one of repeated, fused"):
+        activation_bytes(kind, **common, qkv_saves="views")
+
+
 # ---- activation bytes, against autograd ---------------------------------------------------------
 MHA_LLAMA = ModelSpec(name="mha-llama", family="llama", hidden=96, n_layers=2, heads=6, kv_heads=6, ffn=160,
                       vocab=128, seq_len=32, qkv_bias=True)

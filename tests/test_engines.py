@@ -189,13 +189,16 @@ def test_megatron_keeps_the_linears_inputs_as_sequence_shards():
                                                                          engine=ENGINES["megatron"])
     sharded = dataclasses.replace(PARTITA, sp_inputs="sharded")
     alone = CostModel(model, cluster, seq_len=seq, engine=sharded)  # the one behaviour, nothing else
+    kernels = CostModel(model, cluster, seq_len=seq, engine=sharded.with_options(
+        {"glu_saves": "input", "qkv_saves": "fused"}))  # and Megatron's kernels' saved tensors
     whole_input = seq * model.hidden * 2
     for sp, rc, saved in ((True, "none", 2 * whole_input * (tp - 1) // tp), (False, "none", 0), (True, "full", 0)):
         s = strategy(model, "layers.0", tp=tp, sp=sp, zero=1, recompute=rc)
         a = plain.layer_memory("block", group.device, s, **kw).activations
         b = alone.layer_memory("block", group.device, s, **kw).activations
         assert a - b == pytest.approx(saved, abs=2 * 2**20)  # allocation grains
-        assert megatron.layer_memory("block", group.device, s, **kw).activations == b
+        assert (megatron.layer_memory("block", group.device, s, **kw).activations
+                == kernels.layer_memory("block", group.device, s, **kw).activations)
     s = strategy(model, "layers.0", tp=tp, sp=True, zero=1, recompute="none")
     t_plain, t_alone = (cm.layer_time("block", group, s, dp=2, micro_batch=1) for cm in (plain, alone))
     assert t_alone.forward_s == t_plain.forward_s
@@ -231,3 +234,36 @@ def test_megatron_allocates_each_receive_as_it_posts_it_and_frees_a_sent_output(
     assert ENGINES["megatron"].p2p_buffers == "per_transfer" and PARTITA.p2p_buffers == "per_micro_batch"
     with pytest.raises(PartitaError, match="unknown p2p_buffers 'pooled'"):
         dataclasses.replace(PARTITA, p2p_buffers="pooled")
+
+
+def test_megatron_keeps_what_its_fused_swiglu_and_gqa_attention_save():
+    """``glu_saves`` / ``qkv_saves``: under Megatron-LM a llama-3 block without recomputation keeps
+    silu's output less (t x ffn/tp) and, with 8 kv heads of 32 query heads, the GQA-native
+    attention's rotated q and k, the qkv output v views and the output instead of q, k, v repeated
+    to the query heads and the output; a fully recomputed block keeps its input either way, and the
+    step time does not change (memory only)."""
+    model, cluster = BUILTIN["llama-3-8b"], parse_short("1x8xH100")
+    group, tp, seq = cluster.groups[0], 4, 8192
+    kw = dict(dp=2, micro_batch=1, num_micro_batches=4)
+    torch_stack = dataclasses.replace(PARTITA, sp_inputs="sharded")  # Megatron's sharded inputs, alone
+    fused = torch_stack.with_options({"glu_saves": "input", "qkv_saves": "fused"})
+    a, b = CostModel(model, cluster, seq_len=seq, engine=torch_stack), CostModel(model, cluster, seq_len=seq, engine=fused)
+    H, KV, d, f = model.heads // tp, model.kv_heads // tp, model.head_dim, model.ffn // tp
+    saved = seq * f * 2 + seq * d * 2 * (4 * H - 3 * H - 3 * KV)
+    s = strategy(model, "layers.0", tp=tp, sp=True, zero=1, recompute="none")
+    got = (a.layer_memory("block", group.device, s, **kw).activations
+           - b.layer_memory("block", group.device, s, **kw).activations)
+    assert got == pytest.approx(saved, abs=2 * 2**20)  # allocation grains
+    assert saved > 0.1 * a.layer_memory("block", group.device, s, **kw).activations
+    full = strategy(model, "layers.0", tp=tp, sp=True, zero=1, recompute="full")
+    assert (a.layer_memory("block", group.device, full, **kw).activations
+            == b.layer_memory("block", group.device, full, **kw).activations)
+    assert a.layer_time("block", group, s, dp=2, micro_batch=1) == b.layer_time("block", group, s, dp=2, micro_batch=1)
+    megatron = ENGINES["megatron"]
+    assert (megatron.glu_saves, megatron.qkv_saves) == ("input", "fused")
+    for name in ("partita", "torchtitan", "deepspeed"):
+        assert (ENGINES[name].glu_saves, ENGINES[name].qkv_saves) == ("outputs", "repeated")
+    with pytest.raises(PartitaError, match="unknown glu_saves 'none'"):
+        dataclasses.replace(PARTITA, glu_saves="none")
+    with pytest.raises(PartitaError, match="unknown qkv_saves 'views'"):
+        dataclasses.replace(PARTITA, qkv_saves="views")

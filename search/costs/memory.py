@@ -120,13 +120,14 @@ def _activations(cm, role: str, device: str, *, tp: int, sp: bool, recompute: st
     on_cpu = get_device(device).is_cpu
     local_experts = cm.model.experts // cm.ep if kind.is_moe else 0
     sharded = cm.engine.sp_inputs == "sharded"
+    saves = dict(glu_saves=cm.engine.glu_saves, qkv_saves=cm.engine.qkv_saves)
     kw = dict(tp=tp, micro_batch=micro_batch, seq_len=cm.seq_len, dtype=cm.dtype, sequence_parallel=sp, on_cpu=on_cpu,
-              local_experts=local_experts, sharded_inputs=sharded)
+              local_experts=local_experts, sharded_inputs=sharded, **saves)
     full = activation_bytes(kind, recompute="none", **kw)
     plain = activation_bytes(kind, recompute=recompute, **kw)  # the rank's tokens, as a profile measures them
     kept = cp_activation_bytes(kind, variant=cm.cp_variant, cp=cm.cp, tp=tp, micro_batch=micro_batch,
                                seq_len=cm.plan_seq_len, dtype=cm.dtype, sequence_parallel=sp, recompute=recompute,
-                               on_cpu=on_cpu, local_experts=local_experts, sharded_inputs=sharded)
+                               on_cpu=on_cpu, local_experts=local_experts, sharded_inputs=sharded, **saves)
     if role == "head" and tp == 1 and cm.engine.loss == "chunked":
         # The runtime's chunked loss keeps the logits themselves (compute dtype) and each token's
         # fp32 log-sum-exp where log_softmax kept an fp32 copy (``chunked_loss_saved``).
@@ -134,10 +135,12 @@ def _activations(cm, role: str, device: str, *, tp: int, sp: bool, recompute: st
         full, plain, kept = full + delta, plain + delta, kept + delta
     c = cm.compute(role, device, tp, micro_batch)
     if device in cm.profiles and c.activation_bytes:
-        # A measured count (no SP, no recompute) replaces the analytic one; the variants
-        # keep the analytic ratio to it. What the layout adds is not measured: it stays.
+        # A measured count (Partita's runtime, no SP, no recompute) replaces the analytic one; the
+        # variants keep the analytic ratio to it. What the layout adds is not measured: it stays.
         analytic_plain = activation_bytes(kind, recompute="none", **(kw | {"sequence_parallel": False,
-                                                                          "sharded_inputs": False}))
+                                                                          "sharded_inputs": False,
+                                                                          "glu_saves": "outputs",
+                                                                          "qkv_saves": "repeated"}))
         scale = c.activation_bytes / analytic_plain if analytic_plain else 1.0
         scaled = int(plain * scale)
         full, kept, plain = int(full * scale), kept - plain + scaled, scaled
