@@ -53,6 +53,13 @@ The terms each behaviour selects, in one place each:
   (``SwiGLUFunction``, on by default: ``--no-bias-swiglu-fusion`` turns it off), and one qkv
   projection split into views feeds an attention kernel that takes k and v at their kv heads
   (``TEDotProductAttention``, ``num_gqa_groups``). Memory only.
+* ``reduce_bucket`` (elements; DeepSpeed's ``reduce_bucket_size``, default 5e8): with
+  module-by-module gathers, the bucket ZeRO-3's gradients are reduce-scattered through. A
+  gradient larger than the bucket is reduced alone, so a block of large linears runs one
+  reduce-scatter a weight (and one a bias between them), each paying the ring's latency
+  (``reduce_flushes``). Under full recomputation the backward gathers every module again for
+  the recomputed forward and once more for the modules whose reuse lies beyond
+  ``stage3_max_reuse_distance`` (``recompute_regathers``; ``layer_time.zero3_recompute_s``).
 * ``p2p_buffers``: what a pipeline stage holds for its transfers (``costs.memory.pipeline_memory``).
   "per_micro_batch" (``torch.distributed.pipelining``: a receive buffer per micro-batch and
   direction for every virtual stage, allocated once, and each stage output kept until its
@@ -80,6 +87,9 @@ from partita.search.analytic import GLU_SAVES, QKV_SAVES
 from partita.search.timing import Software
 
 ZERO3_GATHERS = ("layer", "module")
+# DeepSpeed's ZeRO reduce_bucket_size default (elements): gradients are reduced through a bucket
+# of this size (deepspeed/runtime/zero/config.py, 5e8); ``Engine.reduce_bucket``.
+DEEPSPEED_REDUCE_BUCKET = 500_000_000
 P2P_BUFFERS = ("per_micro_batch", "per_transfer")
 LOSSES = ("chunked", "fp32")
 SP_INPUTS = ("whole", "sharded")
@@ -101,6 +111,7 @@ class Engine:
     p2p_buffers: str = "per_micro_batch"
     glu_saves: str = "outputs"
     qkv_saves: str = "repeated"
+    reduce_bucket: int = DEEPSPEED_REDUCE_BUCKET
 
     def __post_init__(self) -> None:
         Software(attention=self.attention, grad_sync=self.grad_sync)  # its checks of the two names
@@ -131,6 +142,8 @@ class Engine:
                 raise PartitaError(f"{where}: {key} must be true or false, got {value!r}")
             if fields[key] == "str" and not isinstance(value, str):
                 raise PartitaError(f"{where}: {key} must be a name, got {value!r}")
+            if fields[key] == "int" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise PartitaError(f"{where}: {key} must be a positive whole number, got {value!r}")
         try:
             return dataclasses.replace(self, **options)
         except PartitaError as e:
@@ -192,9 +205,62 @@ def zero3_gathers(engine: Engine, kind, *, local_experts: int = 0) -> int:
     return linear_modules(kind, local_experts=local_experts) if engine.zero3_gathers == "module" else 1
 
 
-# DeepSpeed's ZeRO reduce_bucket_size default (elements): gradients are reduced through a bucket
-# of this size (deepspeed/runtime/zero/config.py, 5e8).
-DEEPSPEED_REDUCE_BUCKET = 500_000_000
+# DeepSpeed's stage3_max_reuse_distance default (elements; deepspeed/runtime/zero/constants.py):
+# a module's parameters stay gathered after it runs if they are used again within this many
+# parameters of the traced fetch order (PartitionedParameterCoordinator.__params_to_release).
+DEEPSPEED_MAX_REUSE_DISTANCE = 1_000_000_000
+
+
+def block_module_params(kind, tp: int) -> list[list[int]] | None:
+    """A dense block's linear modules in forward order, each its parameter tensors' sizes on one
+    tensor-parallel rank (weight, then bias where it has one): gpt2's fused qkv, o, w1, w2;
+    llama's q, k, v, o, w1, w3, w2. None for other layers (embedding, head, a mixture of experts)."""
+    if kind.role != "block" or kind.experts:
+        return None
+    h, f = kind.hidden, kind.ffn // tp
+    q, kv = kind.heads * kind.head_dim // tp, kind.kv_heads * kind.head_dim // tp
+    if kind.family == "gpt2":
+        return [[h * 3 * q, 3 * q], [q * h, h], [h * f, f], [f * h, h]]
+    qkv = [[h * q, q], [h * kv, kv], [h * kv, kv]] if kind.qkv_bias else [[h * q], [h * kv], [h * kv]]
+    return qkv + [[q * h], [h * f], [h * f], [f * h]]
+
+
+def recompute_regathers(kind, tp: int, reuse_distance: int = DEEPSPEED_MAX_REUSE_DISTANCE) -> list[int]:
+    """The parameters of each module a recomputed (checkpointed) dense block gathers a third time
+    under DeepSpeed's ZeRO-3: its backward runs the recomputed forward (every module gathered
+    again, released after it unless reused soon) and then the modules' backward in reverse
+    order. Module j is kept from its recompute to its backward only if the parameters traced in
+    between, 2 x those of the modules after it, are within ``reuse_distance``; the rest are
+    gathered once more for their backward. The last module always stays. Empty for a layer
+    ``block_module_params`` does not list."""
+    modules = block_module_params(kind, tp)
+    if not modules:
+        return []
+    sizes = [sum(m) for m in modules]
+    return [sizes[j] for j in range(len(sizes)) if 2 * sum(sizes[j + 1:]) > reuse_distance]
+
+
+def reduce_flushes(kind, tp: int, bucket: int) -> int:
+    """Reduce-scatters DeepSpeed's ZeRO-3 runs for one block's gradients: they enter a bucket of
+    ``bucket`` elements in the backward's order, and a bucket holding anything is reduced before a
+    gradient that would overflow it (stage3.py, ``reduce_independent_p_g_buckets_and_remove_grads``),
+    so a gradient larger than the bucket is reduced alone. Counted as the flushes per block of
+    the block repeated (its last bucket carried into the next); 1 for a layer
+    ``block_module_params`` does not list."""
+    modules = block_module_params(kind, tp)
+    if not modules:
+        return 1
+    grads = [p for m in reversed(modules) for p in reversed(m)]
+    flushes, held = 0, 0
+    for _ in range(2):  # the second pass counts a block that starts with the one before's bucket
+        count = 0
+        for p in grads:
+            if held > 0 and held + p > bucket:
+                count += 1
+                held = 0
+            held += p
+        flushes = count
+    return max(1, flushes)
 
 
 def largest_module_params(kind, tp: int) -> int:

@@ -267,3 +267,42 @@ def test_megatron_keeps_what_its_fused_swiglu_and_gqa_attention_save():
         dataclasses.replace(PARTITA, glu_saves="none")
     with pytest.raises(PartitaError, match="unknown qkv_saves 'views'"):
         dataclasses.replace(PARTITA, qkv_saves="views")
+
+
+def test_deepspeed_regathers_what_its_recompute_released_and_reduces_large_gradients_alone():
+    """DeepSpeed's ZeRO-3 under full recomputation: the recomputed forward gathers every module
+    again and releases those reused beyond stage3_max_reuse_distance (1e9 elements of the traced
+    order), which the backward then gathers a third time: of a 175B GPT block (qkv 3h^2, o h^2,
+    w1 and w2 4h^2 each, h = 12288) all but w2, whose backward follows at once; a 7B llama block
+    (0.2B parameters) keeps them all. Its gradients go through the reduce bucket, and one larger
+    than the bucket is reduced alone: the 175B block's four weights and, between them, their
+    biases are eight reduce-scatters at the recipe's 9e7, five at the default 5e8; the 7B one's
+    fit one bucket. FSDP gathers a block once for both passes: no term."""
+    from partita.search.costs.layer_time import zero3_recompute_s
+    from partita.search.engines import recompute_regathers, reduce_flushes
+
+    gpt = dataclasses.replace(BUILTIN["llama-2-7b"], name="gpt-175b", family="gpt2", hidden=12288, heads=96,
+                              kv_heads=96, ffn=49152, n_layers=4, vocab=50304, seq_len=1024, tie_embeddings=True)
+    h = 12288
+    block = gpt.kinds["block"]
+    assert recompute_regathers(block, 1) == [3 * h * h + 3 * h, h * h + h, 4 * h * h + 4 * h]
+    assert reduce_flushes(block, 1, 90_000_000) == 8 and reduce_flushes(block, 1, 500_000_000) == 5
+    small = BUILTIN["llama-2-7b"].kinds["block"]
+    assert recompute_regathers(small, 1) == [] and reduce_flushes(small, 1, 500_000_000) == 1
+    cluster = parse_short("16x8xA100-80GB")
+    group = cluster.groups[0]
+    ds = CostModel(gpt, cluster, seq_len=1024, engine=ENGINES["deepspeed"])
+    fsdp = CostModel(gpt, cluster, seq_len=1024)
+    extra = zero3_recompute_s(ds, "block", group, tp=1, replicas=128)
+    link = ds.dp_link(group, 128, 1)
+    assert extra == pytest.approx(sum(ds.collective_s("all_gather", m * 2, 128, link, group.device)
+                                      for m in recompute_regathers(block, 1)))
+    assert extra > 0 and zero3_recompute_s(fsdp, "block", group, tp=1, replicas=128) == 0.0
+    kw = dict(tp=1, sp=False, zero=3)
+    full, none = (strategy(gpt, "layers.0", recompute=r, **kw) for r in ("full", "none"))
+    t_full, t_none = (ds.layer_time("block", group, s, dp=128, micro_batch=1) for s in (full, none))
+    assert t_full.zero_comm_s == pytest.approx(t_none.zero_comm_s + extra)
+    fewer = CostModel(gpt, cluster, seq_len=1024, engine=ENGINES["deepspeed"].with_options({"reduce_bucket": 10**10}))
+    assert fewer.layer_time("block", group, none, dp=128, micro_batch=1).zero_comm_s < t_none.zero_comm_s
+    with pytest.raises(PartitaError, match="reduce_bucket must be a positive whole number"):
+        ENGINES["deepspeed"].with_options({"reduce_bucket": "big"})

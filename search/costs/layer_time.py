@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from partita.cluster import NodeGroup
 from partita.search.costs.compute import optimizer_s
 from partita.search.costs.links import Link
-from partita.search.engines import zero3_gathers
+from partita.search.engines import recompute_regathers, reduce_flushes, zero3_gathers
 from partita.search.roofline import cpu_adam_s
 from partita.search.timing import OPTIMIZER_OPS_PER_TENSOR, overlapped_s, param_tensors
 
@@ -72,7 +72,9 @@ def zero_traffic(cm, params: int, group: NodeGroup, *, tp: int, zero: int, repli
     # the bytes each, every one paying its n - 1 steps' latency (search/engines.py).
     k = zero3_gathers(cm.engine, cm.model.kinds[role], local_experts=local_experts) if zero == 3 else 1
     ag = k * cm.collective_s("all_gather", params * cm.elem / k, replicas, dlink, device)
-    rs = cm.collective_s("reduce_scatter", params * cm.reduce_bytes, replicas, dlink, device)
+    # ... and reduce-scatters its gradients a bucket at a time, a large gradient alone.
+    r = reduce_flushes(cm.model.kinds[role], tp, cm.engine.reduce_bucket) if k > 1 else 1
+    rs = r * cm.collective_s("reduce_scatter", params * cm.reduce_bytes / r, replicas, dlink, device)
     zero_fwd, zero_bwd, dp_sync = 0.0, 0.0, 0.0
     if replicas > 1:
         if zero == 0:
@@ -84,6 +86,18 @@ def zero_traffic(cm, params: int, group: NodeGroup, *, tp: int, zero: int, repli
         else:
             zero_fwd, zero_bwd = ag, ag + rs
     return zero_fwd, zero_bwd, dp_sync
+
+
+def zero3_recompute_s(cm, role: str, group: NodeGroup, *, tp: int, replicas: int) -> float:
+    """What a fully recomputed ZeRO-3 layer's backward gathers beyond its one pass of gathers: under
+    an engine that gathers module by module (DeepSpeed), the modules its recomputed forward
+    released and its backward needs again (``engines.recompute_regathers``); FSDP gathers a block
+    once for both (the checkpoint runs inside the unit's gathered parameters): nothing."""
+    if cm.engine.zero3_gathers != "module":
+        return 0.0
+    dlink = cm.dp_link(group, replicas, tp)
+    return sum(cm.collective_s("all_gather", m * cm.elem, replicas, dlink, group.device)
+               for m in recompute_regathers(cm.model.kinds[role], tp))
 
 
 def tp_pass(cm, role: str, group: NodeGroup, *, tp: int, sp: bool, recompute: str,
@@ -142,6 +156,8 @@ def layer_time(cm, role: str, group: NodeGroup, *, tp: int, sp: bool, zero: int,
     # (FSDP2's reduce_dtype, the standard mixed-precision recipe).
     params = cm.param_count(role, tp)
     zero_fwd, zero_bwd, dp_sync = cm.zero_traffic(role, group, tp, zero, replicas)
+    if zero == 3 and recompute == "full" and replicas > 1:
+        zero_bwd += zero3_recompute_s(cm, role, group, tp=tp, replicas=replicas)
     if extra_zero is not None:
         zero_fwd, zero_bwd, dp_sync = (a + b for a, b in zip((zero_fwd, zero_bwd, dp_sync), extra_zero))
     # Per-micro-batch ZeRO traffic runs beside the layer's compute (FSDP prefetch), which it
