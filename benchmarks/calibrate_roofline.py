@@ -7,8 +7,9 @@ Run from the repository root::
 
 It fits each curve by least squares on log time (Levenberg-Marquardt, numpy only), prints
 measured against predicted time per point, the median and largest relative error of time for
-GEMM and attention, the same for the constants committed in ``roofline.py``, and the fitted
-constants to paste there. The committed constants are what the library uses; this script
+GEMM and attention, the same for the constants committed in ``roofline.py``, the rate the products
+measured last and longest keep against the curve (the sustained-load fraction on Hopper), and
+the fitted constants to paste there. The committed constants are what the library uses; this script
 never changes them.
 """
 
@@ -133,6 +134,16 @@ def fit(gemm: GemmPoints, attn: AttentionPoints) -> tuple[KernelCurve, KernelCur
     return gemm_curve, fwd_curve, bwd_curve
 
 
+def sustained_fraction(gemm: GemmPoints, c: KernelCurve, m: int = roofline.SUSTAINED_SERIES_M) -> float:
+    """The median rate of the products with ``m`` rows over the curve's: at the largest m, the
+    series measured last and longest, what a Hopper part keeps under sustained load
+    (``roofline.HOPPER_SUSTAINED_TENSOR``)."""
+    at = gemm.shapes[:, 0] == m
+    if not at.any():
+        raise SystemExit(f"no products with m = {m} in the GEMM data")
+    return float(np.median(gemm_seconds(c, gemm)[at] / gemm.seconds[at]))
+
+
 def errors(predicted: np.ndarray, measured: np.ndarray) -> tuple[float, float]:
     """Median and largest |predicted / measured - 1|."""
     rel = np.abs(predicted / measured - 1)
@@ -204,6 +215,11 @@ def main(argv: list[str] | None = None) -> None:
             roofline.ATTENTION_BWD_CURVE)
     bandwidth = np.median([r["bytes"] / r["s"] for r in copy])
     print(f"copy: {bandwidth / 1e9:.0f} GB/s, MEMORY_EFFICIENCY = {bandwidth / H200_BANDWIDTH:.3f}")
+    rates = {int(m): sustained_fraction(gemm, roofline.GEMM_CURVE, int(m)) for m in sorted(set(gemm.shapes[:, 0]))}
+    print("GEMM rate over the committed curve's, median by m (the largest m measured last): "
+          + ", ".join(f"m={m} {r:.3f}" for m, r in rates.items()))
+    print(f"  HOPPER_SUSTAINED_TENSOR = {rates[roofline.SUSTAINED_SERIES_M]:.3f}"
+          f"  (committed: {roofline.HOPPER_SUSTAINED_TENSOR})")
     print("fitted constants:")
     for name, c in (("GEMM_CURVE", gemm_curve), ("ATTENTION_FWD_CURVE", fwd_curve),
                     ("ATTENTION_BWD_CURVE", bwd_curve)):
