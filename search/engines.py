@@ -29,6 +29,16 @@ The terms each behaviour selects, in one place each:
   linear layer ("module": ``linear_modules``). Each gather is a ring of n - 1 steps that
   pays the network's latency on every step: at a fixed layer and growing dp, latency, not bytes,
   sets the time (docs/calibration.md, "Collectives at scale").
+* ``zero2_gather``: when a ZeRO-2 layer's parameters are all-gathered. "micro_batch" (FSDP's
+  SHARD_GRAD_OP, FSDP2 with ``reshard_after_forward=False``: Partita's runtime, torchtitan): each
+  micro-batch gathers them for its forward and keeps them to its backward's end, then reshards.
+  "step" (DeepSpeed's ZeRO stage 2, ``DeepSpeedZeroOptimizer``: the bit16 parameters stay whole,
+  ``bit16_groups_flat``, and after the optimizer step ``all_gather_dp_groups`` "Gather[s] the
+  updated weights from everyone", once a step; its gradients are reduced into their partitions in
+  every backward when it partitions them, ``reduce_ready_partitions_and_remove_grads``;
+  deepspeed/runtime/zero/stage_1_and_2.py): one all-gather a step beside the data-parallel sync,
+  no gather per micro-batch, and no gather's buffer at a forward's peak (``layer_time.zero_traffic``,
+  ``costs.memory.dense_memory``). The reduce-scatter of every micro-batch is the same on both.
 * ``fp16_grad_reduce``: gradients reduced in fp16 when the plan trains in fp16 (Megatron-LM
   without ``--accumulate-allreduce-grads-in-fp32``; DeepSpeed's ZeRO, whose
   ``communication_data_type`` defaults to the gradients' dtype), half the bytes of the fp32
@@ -91,6 +101,7 @@ ZERO3_GATHERS = ("layer", "module")
 # of this size (deepspeed/runtime/zero/config.py, 5e8); ``Engine.reduce_bucket``.
 DEEPSPEED_REDUCE_BUCKET = 500_000_000
 P2P_BUFFERS = ("per_micro_batch", "per_transfer")
+ZERO2_GATHERS = ("micro_batch", "step")
 LOSSES = ("chunked", "fp32")
 SP_INPUTS = ("whole", "sharded")
 
@@ -105,6 +116,7 @@ class Engine:
     tp_overlap: bool = False
     p2p_overlap: bool = False
     zero3_gathers: str = "layer"
+    zero2_gather: str = "micro_batch"
     loss: str = "chunked"
     fp16_grad_reduce: bool = False
     sp_inputs: str = "whole"
@@ -117,6 +129,8 @@ class Engine:
         Software(attention=self.attention, grad_sync=self.grad_sync)  # its checks of the two names
         if self.zero3_gathers not in ZERO3_GATHERS:
             raise PartitaError(f"unknown zero3_gathers {self.zero3_gathers!r}; valid: {', '.join(ZERO3_GATHERS)}")
+        if self.zero2_gather not in ZERO2_GATHERS:
+            raise PartitaError(f"unknown zero2_gather {self.zero2_gather!r}; valid: {', '.join(ZERO2_GATHERS)}")
         if self.loss not in LOSSES:
             raise PartitaError(f"unknown loss {self.loss!r}; valid: {', '.join(LOSSES)}")
         if self.p2p_buffers not in P2P_BUFFERS:
@@ -167,8 +181,10 @@ ENGINES: dict[str, Engine] = {
     "megatron": Engine("megatron", attention="flash2", p2p_overlap=True, loss="fp32", fp16_grad_reduce=True,
                        sp_inputs="sharded", p2p_buffers="per_transfer", glu_saves="input", qkv_saves="fused"),
     # DeepSpeed as partita export --to deepspeed writes it (ZeRO 0-3 with overlap_comm): ZeRO-3's
-    # module-by-module gathers, a Hugging Face model's fp32 loss, torch SDPA.
-    "deepspeed": Engine("deepspeed", zero3_gathers="module", loss="fp32", fp16_grad_reduce=True),
+    # module-by-module gathers, ZeRO-2's parameters whole and gathered once a step, a Hugging Face
+    # model's fp32 loss, torch SDPA.
+    "deepspeed": Engine("deepspeed", zero3_gathers="module", zero2_gather="step", loss="fp32",
+                        fp16_grad_reduce=True),
 }
 DEFAULT_ENGINE = "partita"
 assert tuple(ENGINES) == parallel.ENGINES, "the rule book names the same engines"

@@ -136,6 +136,37 @@ def test_plan_engine_is_recorded_searched_for_and_refused_when_unknown(tmp_path)
         Plan.from_dict(bad)
 
 
+def test_deepspeed_zero2_keeps_the_parameters_whole_and_gathers_them_once_a_step():
+    """DeepSpeed's ZeRO-2 (stage_1_and_2.py) keeps the bit16 parameters whole and all-gathers the
+    updated partitions after the optimizer step; FSDP's SHARD_GRAD_OP (Partita's runtime) gathers
+    them for every micro-batch. Both reduce-scatter every micro-batch's gradients. So per micro-batch
+    DeepSpeed moves only the reduce-scatter, per step one all-gather more, and no layer peaks at a
+    forward gather; at eight micro-batches a step it is the faster of the two."""
+    model, cluster = BUILTIN["llama-3-8b"], parse_short("4x8xH100")
+    spec = strategy(model, "layers.0", tp=1, sp=False, zero=2, recompute="none")
+    t = {name: CostModel(model, cluster, seq_len=4096, engine=ENGINES[name]).at_ep(1).layer_time(
+        "block", cluster.groups[0], spec, dp=32, micro_batch=1) for name in ("partita", "deepspeed")}
+    zero1 = CostModel(model, cluster, seq_len=4096, engine=PARTITA).at_ep(1).layer_time(
+        "block", cluster.groups[0], dataclasses.replace(spec, zero=1), dp=32, micro_batch=1)
+    assert t["deepspeed"].dp_sync_s > 0 and t["partita"].dp_sync_s == 0
+    assert t["deepspeed"].zero_comm_s < t["partita"].zero_comm_s  # the reduce-scatter alone
+    # the gather and the reduce-scatter DeepSpeed splits between step and micro-batch are ZeRO-1's two
+    assert t["deepspeed"].zero_comm_s + t["deepspeed"].dp_sync_s == pytest.approx(zero1.dp_sync_s, rel=1e-9)
+    assert t["partita"].zero_comm_s == pytest.approx(zero1.dp_sync_s, rel=1e-9)
+    # The same engine with FSDP's gathers (its loss and kernels alike): slower, and never below it in memory.
+    engines = {"step": ENGINES["deepspeed"],
+               "micro_batch": ENGINES["deepspeed"].with_options({"zero2_gather": "micro_batch"})}
+    evs = {}
+    for name, engine in engines.items():
+        cm = CostModel(model, cluster, seq_len=4096, engine=engine)
+        evs[name] = evaluate_layout(cm, [(cluster.groups[0], layers(model, zero=2))], dp=32, tp=1, micro_batch=1,
+                                    num_micro_batches=8)
+    assert evs["step"].step_time_s < evs["micro_batch"].step_time_s
+    assert evs["step"].stages[0].peak_bytes <= evs["micro_batch"].stages[0].peak_bytes
+    with pytest.raises(PartitaError, match="unknown zero2_gather 'never'"):
+        PARTITA.with_options({"zero2_gather": "never"})
+
+
 def test_deepspeed_holds_a_module_gathered_at_a_time_where_fsdp_holds_the_layer():
     """The 530B GPT DeepSpeed trained with ZeRO-3 alone on 512 A100-80GB at micro-batch 8
     (benchmarks/published_runs.yaml, ds-azure-530b-512xA100-zero3-mb8) fits only when priced as

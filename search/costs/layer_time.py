@@ -81,6 +81,8 @@ def zero_traffic(cm, params: int, group: NodeGroup, *, tp: int, zero: int, repli
             dp_sync = cm.collective_s("all_reduce", params * cm.reduce_bytes, replicas, dlink, device)
         elif zero == 1:
             dp_sync = ag + rs
+        elif zero == 2 and cm.engine.zero2_gather == "step":  # DeepSpeed: whole parameters, gathered after the step
+            zero_bwd, dp_sync = rs, ag
         elif zero == 2:
             zero_fwd, zero_bwd = ag, rs
         else:

@@ -183,7 +183,9 @@ def dense_memory(cm, role: str, device: str, *, tp: int, sp: bool, zero: int, re
     #   gradient comes after it).
     # These per-layer terms are what the search sums; a plan's prediction also looks at the
     # layer's neighbours (``neighbour_peak``, which keeps the parts apart).
-    gather_spike = {2: params * e, 3: 2 * params * e}.get(z, 0)
+    # An engine that keeps ZeRO-2's parameters whole all step (DeepSpeed) gathers none per micro-batch.
+    kept_whole = z == 2 and cm.engine.zero2_gather == "step"
+    gather_spike = 0 if kept_whole else {2: params * e, 3: 2 * params * e}.get(z, 0)
     resident = 2 * params * e if z == 3 else 0
     recompute_extra = max(0, full - plain)
     unsharded_grad = params * REDUCE_BYTES if fsdp and role != "head" else 0
@@ -215,7 +217,8 @@ def dense_memory(cm, role: str, device: str, *, tp: int, sp: bool, zero: int, re
                        copy=up(copy) if fsdp else 0, forward_extra=up(gather_spike),
                        backward_own=up(recompute_extra + working),
                        reduce_buffer=up(params * REDUCE_BYTES) if fsdp and every_micro_batch else 0,
-                       regathers=fsdp and z == 3, releases_copy=bool(gathered) and every_micro_batch)
+                       regathers=fsdp and z == 3,
+                       releases_copy=bool(gathered) and every_micro_batch and not kept_whole)
 
 
 def ring_memory(cm, m: LayerMemory, *, tp: int, micro_batch: int) -> LayerMemory:
