@@ -256,6 +256,25 @@ def selective_recompute_time_s(kind: LayerKind, dev: DeviceType, sh: Shard, dtyp
             + attention_s(dev, sh, dtype, attention)[0])
 
 
+# The column-parallel products of a layer (Megatron's ColumnParallelLinear: split by output
+# columns, so its input gradient is a partial sum the tensor-parallel group reduces), grouped as
+# Megatron fuses them into one linear: the attention's q, k, v; the MLP's first product(s).
+COLUMN_PARALLEL = {"block": (("wq", "wk", "wv"), ("w1", "w3")), "head": (("output",),)}
+
+
+def column_wgrad_times_s(kind: LayerKind, dev: DeviceType, sh: Shard, dtype: str) -> list[float]:
+    """The weight-gradient products (dW = X^T dY) of each of the layer's column-parallel linears,
+    one entry a linear: what each one's input-gradient reduction can run beside in an engine that
+    starts it before them (search/engines.py, ``dgrad_overlap``). A mixture of experts' block has
+    only its attention's (its experts run whole, on sequence shards)."""
+    groups = COLUMN_PARALLEL.get(kind.role, ())
+    if kind.role == "block" and kind.is_moe:
+        groups = groups[:1]
+    products = {name: (m, n, k) for name, m, n, k in forward_matmuls(kind, sh)}
+    return [sum(matmul_time_s(dev, k, n, m, dtype) for name in group if name in products
+                for m, n, k in [products[name]]) for group in groups]
+
+
 def backward_time_s(kind: LayerKind, dev: DeviceType, sh: Shard, dtype: str, attention: str = "sdpa") -> float:
     # dX[m,k] = dY[m,n] @ W^T[n,k] and dW[k,n] = X^T[k,m] @ dY[m,n].
     total = sum(matmul_time_s(dev, m, k, n, dtype) + matmul_time_s(dev, k, n, m, dtype)

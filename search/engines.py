@@ -17,6 +17,18 @@ The terms each behaviour selects, in one place each:
   userbuffers; torchtitan's async TP under ``torch.compile``). Only the first chunk is exposed:
   1/tp of the collective; the rest runs beside the compute and slows it by the overlap slowdown
   (``layer_time.tp_exposed_s``). Needs sequence parallelism (an all-reduce cannot be split so).
+* ``dgrad_overlap``: a column-parallel linear's input-gradient reduction (the attention's q, k, v
+  and the MLP's first product in a block, the output layer in the head: an all-reduce, or a
+  reduce-scatter under sequence parallelism) started asynchronously before the linear's
+  weight-gradient product and waited for after it (Megatron-LM,
+  ``LinearWithGradAccumulationAndAsyncCommunication.backward``: "all-reduce is scheduled before
+  the weight gradient computation", megatron/core/tensor_parallel/layers.py; on by default since
+  September 2021, commit 3f65246, ``--no-async-tensor-model-parallel-allreduce`` before
+  Megatron-Core). Priced per linear beside its own weight-gradient product
+  (``layer_time.dgrad_exposed_s``): the reduction's excess over the product and the product's
+  slowdown while both run. The row-parallel linears' collectives (the forward's reductions, the
+  backward's all-gathers under SP) stay exposed. DTensor's backward (Partita's runtime,
+  torchtitan in eager mode) waits for each collective where it is issued.
 * ``p2p_overlap``: an interleaved schedule's pipeline sends and receives posted before the next
   virtual stage's compute and waited for after it (Megatron's ``overlap_p2p_comm``, on by
   default in its training script for interleaved schedules: megatron/training/arguments.py,
@@ -115,6 +127,7 @@ class Engine:
     grad_sync: str = "overlapped"
     tp_overlap: bool = False
     p2p_overlap: bool = False
+    dgrad_overlap: bool = False
     zero3_gathers: str = "layer"
     zero2_gather: str = "micro_batch"
     loss: str = "chunked"
@@ -175,10 +188,12 @@ ENGINES: dict[str, Engine] = {
     "torchtitan": Engine("torchtitan", loss="fp32"),
     # Megatron-LM as partita export --to megatron writes it: Transformer Engine's cuDNN/flash
     # attention (a FlashAttention-2-class kernel on every GPU it runs on), --overlap-grad-reduce,
-    # the interleaved schedule's p2p overlap (the training script's default), no --tp-comm-overlap
+    # the interleaved schedule's p2p overlap (the training script's default), the column-parallel
+    # input-gradient reductions beside the weight gradients (always on), no --tp-comm-overlap
     # (it needs Transformer Engine's userbuffers bootstrapped; published runs that set it say so),
     # its fused SwiGLU and GQA-native attention's saved tensors.
-    "megatron": Engine("megatron", attention="flash2", p2p_overlap=True, loss="fp32", fp16_grad_reduce=True,
+    "megatron": Engine("megatron", attention="flash2", p2p_overlap=True, dgrad_overlap=True, loss="fp32",
+                       fp16_grad_reduce=True,
                        sp_inputs="sharded", p2p_buffers="per_transfer", glu_saves="input", qkv_saves="fused"),
     # DeepSpeed as partita export --to deepspeed writes it (ZeRO 0-3 with overlap_comm): ZeRO-3's
     # module-by-module gathers, ZeRO-2's parameters whole and gathered once a step, a Hugging Face

@@ -136,6 +136,49 @@ def test_plan_engine_is_recorded_searched_for_and_refused_when_unknown(tmp_path)
         Plan.from_dict(bad)
 
 
+@pytest.mark.parametrize("sp", [False, True])
+def test_megatron_reduces_a_column_parallel_input_gradient_beside_its_weight_gradient(sp):
+    """Megatron-LM starts each column-parallel linear's input-gradient reduction (an all-reduce; a
+    reduce-scatter under SP) before the linear's weight-gradient product and waits after it
+    (LinearWithGradAccumulationAndAsyncCommunication.backward): a block's two (q, k, v and the
+    MLP's first product) and the head's one run beside compute; the forward's collectives and the
+    backward's all-gathers stay exposed. Priced per linear: the reduction's excess over its product
+    and the product's slowdown while the two run."""
+    from partita.search.costs.compute import dgrad_windows_s
+    from partita.search.costs.layer_time import dgrad_exposed_s
+
+    model, cluster = BUILTIN["llama-3-70b"], parse_short("2x8xH100")
+    group = cluster.groups[0]
+    on = ENGINES["megatron"]
+    off = on.with_options({"dgrad_overlap": False})
+    passes = {}
+    for name, engine in (("on", on), ("off", off)):
+        cm = CostModel(model, cluster, seq_len=4096, engine=engine)
+        for role in ("embed", "block", "head"):
+            passes[name, role] = cm.tp_pass(role, group, 8, sp, "none", 1)
+    cm = CostModel(model, cluster, seq_len=4096, engine=on)
+    link = cm.tp_link(group, 8)
+    act = 4096 * model.hidden * cm.elem
+    reduction = cm.collective_s("reduce_scatter" if sp else "all_reduce", act, 8, link, group.device)
+    slowdown = cm.time_constants(group.device).overlap_slowdown
+    for role, linears in (("embed", 0), ("block", 2), ("head", 1)):
+        windows = dgrad_windows_s(cm, role, group.device, 8, 1)
+        assert len(windows) == linears
+        fwd_on, bwd_on, tp_fwd_on, tp_bwd_on = passes["on", role]
+        fwd_off, bwd_off, tp_fwd_off, tp_bwd_off = passes["off", role]
+        assert (fwd_on, bwd_on, tp_fwd_on) == (fwd_off, bwd_off, tp_fwd_off)
+        hidden = sum(reduction - dgrad_exposed_s(w, reduction, slowdown) for w in windows)
+        assert tp_bwd_on == pytest.approx(tp_bwd_off - hidden, rel=1e-12)
+        if linears:
+            assert 0 < hidden <= linears * reduction
+    # A product longer than the reduction hides it but for its slowdown; beside a shorter one the
+    # reduction's excess is exposed.
+    assert dgrad_exposed_s(2.0, 1.0, slowdown) == pytest.approx(slowdown * 1.0)
+    assert dgrad_exposed_s(0.5, 1.0, slowdown) == pytest.approx(1.0 - 0.5)
+    # Partita's runtime (DTensor) and torchtitan wait where they issue: nothing hidden.
+    assert not ENGINES["partita"].dgrad_overlap and not ENGINES["torchtitan"].dgrad_overlap
+
+
 def test_deepspeed_zero2_keeps_the_parameters_whole_and_gathers_them_once_a_step():
     """DeepSpeed's ZeRO-2 (stage_1_and_2.py) keeps the bit16 parameters whole and all-gathers the
     updated partitions after the optimizer step; FSDP's SHARD_GRAD_OP (Partita's runtime) gathers

@@ -21,7 +21,8 @@ import dataclasses
 from partita.cluster import ClusterSpec, NodeGroup
 from partita.devices import get_device
 from partita.profile import LayerCost, Profile, layer_cost_at
-from partita.search.analytic import Shard, forward_time_s, layer_cost, selective_recompute_time_s
+from partita.search.analytic import (Shard, backward_time_s, column_wgrad_times_s, forward_time_s, layer_cost,
+                                     selective_recompute_time_s)
 from partita.search.roofline import cpu_weight_stream_s
 from partita.search.timing import TimeConstants, default_constants, host_bound_s, layer_ops
 
@@ -118,3 +119,17 @@ def selective_recompute_s(cm, role: str, device: str, tp: int, micro_batch: int)
             return measured.recompute_s * selective / forward
     k = cm.time_constants(device)
     return host_bound_s(k.compute_scale * selective, layer_ops(kind)[0], k.op_overhead_s, dev.is_cpu)
+
+
+def dgrad_windows_s(cm, role: str, device: str, tp: int, micro_batch: int) -> list[float]:
+    """The weight-gradient products of each column-parallel linear of one micro-batch's backward
+    (``analytic.column_wgrad_times_s``), at the share of the layer's backward (as the cost model
+    has it: measured, calibrated or analytic) that the roofline gives them."""
+    kind, dev = cm.model.kinds[role], get_device(device)
+    sh = Shard.of(kind, tp=tp, micro_batch=micro_batch, seq_len=cm.seq_len, dtype=cm.dtype)
+    windows = column_wgrad_times_s(kind, dev, sh, cm.dtype)
+    if not windows:
+        return []
+    analytic = backward_time_s(kind, dev, sh, cm.dtype, cm.software.attention)
+    scale = cm.compute(role, device, tp, micro_batch).backward_s / analytic if analytic > 0 else 0.0
+    return [w * scale for w in windows]

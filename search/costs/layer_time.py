@@ -21,8 +21,9 @@ per-step traffic and optimizer update.
   by layer as the last backward frees it: at least the largest layer's reduction is exposed, and
   all of it beyond (1 - slowdown) x that backward.
 * The engine (``search/engines.py``): its attention kernel, when its gradient reductions start,
-  whether its tensor-parallel collectives run beside the products (``tp_exposed_s``) and how
-  many gathers its ZeRO-3 runs a layer (``zero_traffic``).
+  whether its tensor-parallel collectives run beside the products (``tp_exposed_s``), whether a
+  column-parallel linear's input-gradient reduction runs beside its weight-gradient product
+  (``dgrad_exposed_s``) and how many gathers its ZeRO-3 runs a layer (``zero_traffic``).
 
 The functions here price a layer's dense part; the layout's own terms (context parallelism's
 attention, expert parallelism's all-to-alls) are added by ``model.CostModel``.
@@ -33,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from partita.cluster import NodeGroup
-from partita.search.costs.compute import optimizer_s
+from partita.search.costs.compute import dgrad_windows_s, optimizer_s
 from partita.search.costs.links import Link
 from partita.search.engines import recompute_regathers, reduce_flushes, zero3_gathers
 from partita.search.roofline import cpu_adam_s
@@ -136,6 +137,12 @@ def tp_pass(cm, role: str, group: NodeGroup, *, tp: int, sp: bool, recompute: st
     slowdown = cm.time_constants(device).overlap_slowdown
     if cm.engine.tp_overlap and sp and tp > 1:  # chunked beside the products they feed (search/engines.py)
         tp_fwd, tp_bwd = tp_exposed_s(fwd_compute, tp_fwd, tp, slowdown), tp_exposed_s(bwd_compute, tp_bwd, tp, slowdown)
+    elif cm.engine.dgrad_overlap and tp > 1:
+        # Each column-parallel linear's input-gradient reduction (an all-reduce; a reduce-scatter
+        # under SP) is started before its weight-gradient product and waited for after it.
+        reduction = cm.collective_s("reduce_scatter" if sp else "all_reduce", act_bytes, tp, link, device)
+        tp_bwd -= sum(reduction - dgrad_exposed_s(w, reduction, slowdown)
+                      for w in dgrad_windows_s(cm, role, device, tp, micro_batch))
     if sp and tp > 1 and cm.engine.sp_inputs == "sharded" and role != "embed":
         # The linears' inputs kept as sequence shards are gathered again for the weight
         # gradients, beside the input-gradient products (search/engines.py, ``sp_inputs``): the
@@ -184,6 +191,14 @@ def layer_time(cm, role: str, group: NodeGroup, *, tp: int, sp: bool, zero: int,
     return LayerTime(forward_s=forward, backward_s=backward, compute_s=fwd_compute + bwd_compute,
                      tp_comm_s=tp_fwd + tp_bwd, zero_comm_s=zero_fwd + zero_bwd, dp_sync_s=dp_sync,
                      zero_edge_s=edge, overlap_window_s=window, optimizer_s=optimizer)
+
+
+def dgrad_exposed_s(wgrad_s: float, reduction_s: float, slowdown: float) -> float:
+    """What a column-parallel linear's input-gradient reduction (``reduction_s``) adds to the
+    backward when it runs beside the linear's weight-gradient product (``wgrad_s``), as
+    Megatron-LM runs it (search/engines.py, ``dgrad_overlap``): the part longer than the product,
+    and the slowdown of the product while the two overlap (``timing.overlapped_s``)."""
+    return overlapped_s(wgrad_s, reduction_s, slowdown) - wgrad_s
 
 
 def tp_exposed_s(compute_s: float, comm_s: float, tp: int, slowdown: float) -> float:
