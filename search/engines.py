@@ -22,7 +22,8 @@ The terms each behaviour selects, in one place each:
   reduce-scatter under sequence parallelism) started asynchronously before the linear's
   weight-gradient product and waited for after it (Megatron-LM,
   ``LinearWithGradAccumulationAndAsyncCommunication.backward``: "all-reduce is scheduled before
-  the weight gradient computation", megatron/core/tensor_parallel/layers.py; on by default since
+  the weight gradient computation", megatron/core/tensor_parallel/layers.py; Transformer Engine's
+  column-parallel linears likewise, layernorm_linear.py's ``dgrad_work``; on by default since
   September 2021, commit 3f65246, ``--no-async-tensor-model-parallel-allreduce`` before
   Megatron-Core). Priced per linear beside its own weight-gradient product
   (``layer_time.dgrad_exposed_s``): the reduction's excess over the product and the product's
