@@ -56,7 +56,7 @@ from partita.cluster import ClusterSpec, parse_short
 from partita.devices import CATALOG, DeviceType, get_device
 from partita.errors import PartitaError
 from partita.model import BUILTIN, ModelSpec
-from partita.plan import Plan
+from partita.plan import RECOMPUTE, Plan
 from partita.search.costs.model import CostModel
 from partita.search.evaluate import Evaluation, evaluate_interleaved, evaluate_layout, evaluate_plan
 from partita.search.interleaved import chunk_names
@@ -97,7 +97,7 @@ class PublishedRun:
     sequence_parallel: bool
     micro_batch: int
     global_batch: int
-    recompute: bool
+    recompute: str  # "none", "selective" or "full" (the YAML's true / false: full / none)
     measured: Measured
     pricing: str
     devices: tuple[DeviceType, ...] = ()  # the runs file's own device types (``devices``), for its cluster
@@ -129,7 +129,7 @@ class PublishedRun:
         if self.sequence_parallel:
             parts.append("SP")
         parts.append(f"mb{self.micro_batch}x{self.num_micro_batches} gbs{self.global_batch} seq{self.seq_len}")
-        parts.append("recompute" if self.recompute else "no recompute")
+        parts.append({"none": "no recompute", "full": "recompute"}.get(self.recompute, f"{self.recompute} recompute"))
         if self.virtual_stages > 1:
             parts.append(f"{self.schedule} v{self.virtual_stages}")
         return f"{self.model.name} on {self.cluster.short}: " + ", ".join(parts) + f", {self.dtype}"
@@ -242,7 +242,7 @@ def run_from_dict(data: Any, where: str, devices: Sequence[DeviceType] = ()) -> 
         id=run_id, source=source, model=model, cluster=cluster, zero=zero, pricing=pricing, devices=tuple(devices),
         dtype=specio.get_str(data, "dtype", where, choices=("bf16", "fp16")),
         sequence_parallel=specio.get_bool(data, "sequence_parallel", where),
-        recompute=specio.get_bool(data, "recompute", where),
+        recompute=_recompute(data, where),
         measured=_measured(data["measured"], where), engine=_engine(data, where),
         blocks_per_stage=tuple(data["blocks_per_stage"]) if data.get("blocks_per_stage") else None,
         schedule=specio.get_str(data, "schedule", where, choices=parallel.SCHEDULES) if "schedule" in data else "1f1b",
@@ -253,6 +253,14 @@ def run_from_dict(data: Any, where: str, devices: Sequence[DeviceType] = ()) -> 
         **ints)
     _check_run(run, where)
     return run
+
+
+def _recompute(data: Mapping[str, Any], where: str) -> str:
+    """The blocks' recomputation: true (full) or false (none), or a mode by name."""
+    value = data["recompute"]
+    if isinstance(value, bool):
+        return "full" if value else "none"
+    return specio.get_str(data, "recompute", where, choices=RECOMPUTE)
 
 
 def _source(data: Any, where: str) -> dict[str, str]:
@@ -415,7 +423,7 @@ def _evaluate(run: PublishedRun) -> Evaluation:
     group = run.cluster.groups[0]
     def layers(names: Sequence[str]) -> list:
         return [strategy(run.model, name, tp=run.tp, sp=run.sequence_parallel, zero=run.zero,
-                         recompute="full" if run.recompute else "none") for name in names]
+                         recompute=run.recompute) for name in names]
 
     if run.virtual_stages > 1:
         chunks = chunk_names(run.model.n_layers, run.pp, run.virtual_stages, run.schedule)
@@ -572,7 +580,7 @@ def _free_search(run: PublishedRun, margin: float, work_limit: float | None) -> 
     return FreeRow(id=run.id, plan=plan_config(plan), status=status, step_time_s=free.step_time_s,
                    published_step_time_s=_evaluate(run).step_time_s, runtime_step_time_s=published.step_time_s,
                    terms=_terms(free, evaluate_plan(no_recompute, cm)),
-                   published_terms=_terms(published, _evaluate(dataclasses.replace(on_runtime, recompute=False))),
+                   published_terms=_terms(published, _evaluate(dataclasses.replace(on_runtime, recompute="none"))),
                    peak_fraction=free.peak_over_capacity, published_peak_fraction=published.peak_over_capacity)
 
 

@@ -30,6 +30,15 @@ The terms each behaviour selects, in one place each:
   slowdown while both run. The row-parallel linears' collectives (the forward's reductions, the
   backward's all-gathers under SP) stay exposed. DTensor's backward (Partita's runtime,
   torchtitan in eager mode) waits for each collective where it is issued.
+* ``selective_scope``: what ``recompute: selective`` recomputes. "ops" (Partita's runtime and
+  torchtitan: torch's selective checkpointing keeps every matrix product's output and recomputes
+  the rest of the block, norms, activations and the attention core, ``analytic.
+  selective_recompute_time_s``) or "attention" (Megatron-LM's ``--recompute-granularity
+  selective``: only the attention core, from q, k, v to its output, is checkpointed and run again,
+  ``TransformerBlock``'s ``recompute_granularity == 'selective'`` / ``_checkpointed_attention_forward``;
+  Korthikanti et al. 2022, sec. 5: everything else is kept). Under "attention" the recomputation
+  is the core's forward, with no tensor-parallel collective, and the block keeps what it keeps
+  without recomputation less the core's own tensors (which a fused kernel does not keep anyway).
 * ``p2p_overlap``: an interleaved schedule's pipeline sends and receives posted before the next
   virtual stage's compute and waited for after it (Megatron's ``overlap_p2p_comm``, on by
   default in its training script for interleaved schedules: megatron/training/arguments.py,
@@ -115,6 +124,7 @@ ZERO3_GATHERS = ("layer", "module")
 DEEPSPEED_REDUCE_BUCKET = 500_000_000
 P2P_BUFFERS = ("per_micro_batch", "per_transfer")
 ZERO2_GATHERS = ("micro_batch", "step")
+SELECTIVE_SCOPES = ("ops", "attention")
 LOSSES = ("chunked", "fp32")
 SP_INPUTS = ("whole", "sharded")
 
@@ -129,6 +139,7 @@ class Engine:
     tp_overlap: bool = False
     p2p_overlap: bool = False
     dgrad_overlap: bool = False
+    selective_scope: str = "ops"
     zero3_gathers: str = "layer"
     zero2_gather: str = "micro_batch"
     loss: str = "chunked"
@@ -143,6 +154,9 @@ class Engine:
         Software(attention=self.attention, grad_sync=self.grad_sync)  # its checks of the two names
         if self.zero3_gathers not in ZERO3_GATHERS:
             raise PartitaError(f"unknown zero3_gathers {self.zero3_gathers!r}; valid: {', '.join(ZERO3_GATHERS)}")
+        if self.selective_scope not in SELECTIVE_SCOPES:
+            raise PartitaError(f"unknown selective_scope {self.selective_scope!r}; "
+                               f"valid: {', '.join(SELECTIVE_SCOPES)}")
         if self.zero2_gather not in ZERO2_GATHERS:
             raise PartitaError(f"unknown zero2_gather {self.zero2_gather!r}; valid: {', '.join(ZERO2_GATHERS)}")
         if self.loss not in LOSSES:
@@ -190,11 +204,12 @@ ENGINES: dict[str, Engine] = {
     # Megatron-LM as partita export --to megatron writes it: Transformer Engine's cuDNN/flash
     # attention (a FlashAttention-2-class kernel on every GPU it runs on), --overlap-grad-reduce,
     # the interleaved schedule's p2p overlap (the training script's default), the column-parallel
-    # input-gradient reductions beside the weight gradients (always on), no --tp-comm-overlap
+    # input-gradient reductions beside the weight gradients (always on), selective recomputation of
+    # the attention core alone (--recompute-granularity selective), no --tp-comm-overlap
     # (it needs Transformer Engine's userbuffers bootstrapped; published runs that set it say so),
     # its fused SwiGLU and GQA-native attention's saved tensors.
-    "megatron": Engine("megatron", attention="flash2", p2p_overlap=True, dgrad_overlap=True, loss="fp32",
-                       fp16_grad_reduce=True,
+    "megatron": Engine("megatron", attention="flash2", p2p_overlap=True, dgrad_overlap=True,
+                       selective_scope="attention", loss="fp32", fp16_grad_reduce=True,
                        sp_inputs="sharded", p2p_buffers="per_transfer", glu_saves="input", qkv_saves="fused"),
     # DeepSpeed as partita export --to deepspeed writes it (ZeRO 0-3 with overlap_comm): ZeRO-3's
     # module-by-module gathers, ZeRO-2's parameters whole and gathered once a step, a Hugging Face

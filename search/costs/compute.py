@@ -21,8 +21,9 @@ import dataclasses
 from partita.cluster import ClusterSpec, NodeGroup
 from partita.devices import get_device
 from partita.profile import LayerCost, Profile, layer_cost_at
-from partita.search.analytic import (Shard, backward_time_s, column_wgrad_times_s, forward_time_s, layer_cost,
-                                     selective_recompute_time_s)
+from partita.search.analytic import (Shard, attention_s, backward_time_s, column_wgrad_times_s, forward_time_s,
+                                     layer_cost, selective_recompute_time_s, sequence_parallel_backward_savings_s,
+                                     sequence_parallel_savings_s)
 from partita.search.roofline import cpu_weight_stream_s
 from partita.search.timing import TimeConstants, default_constants, host_bound_s, layer_ops
 
@@ -108,6 +109,10 @@ def selective_recompute_s(cm, role: str, device: str, tp: int, micro_batch: int)
     full recompute time times the analytic share."""
     kind, dev = cm.model.kinds[role], get_device(device)
     sh = Shard.of(kind, tp=tp, micro_batch=micro_batch, seq_len=cm.seq_len, dtype=cm.dtype)
+    if cm.engine.selective_scope == "attention":  # Megatron-LM: the attention core alone (search/engines.py)
+        core = attention_s(dev, sh, cm.dtype, cm.software.attention)[0]
+        forward = forward_time_s(kind, dev, sh, cm.dtype, cm.software.attention)
+        return cm.compute(role, device, tp, micro_batch).forward_s * core / forward
     selective = selective_recompute_time_s(kind, dev, sh, cm.dtype, cm.software.attention)
     profile = cm.profiles.get(device)
     if profile is not None and profile.dtype == cm.dtype:
@@ -133,3 +138,29 @@ def dgrad_windows_s(cm, role: str, device: str, tp: int, micro_batch: int) -> li
     analytic = backward_time_s(kind, dev, sh, cm.dtype, cm.software.attention)
     scale = cm.compute(role, device, tp, micro_batch).backward_s / analytic if analytic > 0 else 0.0
     return [w * scale for w in windows]
+
+
+def sequence_parallel_savings(cm, role: str, device: str, tp: int, micro_batch: int,
+                              recompute: str) -> tuple[float, float]:
+    """(forward, backward with its recomputation) seconds sequence parallelism takes off one
+    micro-batch of the layer: its residual-stream kernels on 1/tp of the tokens
+    (``analytic.sequence_parallel_savings_s``), at the share of the layer's passes (measured,
+    calibrated or analytic) that the roofline gives them. The recomputed forward saves what it
+    reruns: all of it under full recomputation, all but the final residual add under the "ops"
+    selective scope, nothing under the "attention" one."""
+    if tp <= 1:
+        return 0.0, 0.0
+    kind, dev = cm.model.kinds[role], get_device(device)
+    sh = Shard.of(kind, tp=tp, micro_batch=micro_batch, seq_len=cm.seq_len, dtype=cm.dtype)
+    per_kernel = sequence_parallel_savings_s(kind, dev, sh, tp)
+    if not any(per_kernel):
+        return 0.0, 0.0
+    attention = cm.software.attention
+    c = cm.compute(role, device, tp, micro_batch)
+    fwd_scale = c.forward_s / forward_time_s(kind, dev, sh, cm.dtype, attention)
+    bwd_scale = c.backward_s / backward_time_s(kind, dev, sh, cm.dtype, attention)
+    rerun = {"full": sum(per_kernel), "none": 0.0}.get(recompute)
+    if rerun is None:  # selective
+        rerun = 0.0 if cm.engine.selective_scope == "attention" else sum(per_kernel[:-1])
+    forward = fwd_scale * sum(per_kernel)
+    return forward, bwd_scale * sequence_parallel_backward_savings_s(kind, dev, sh, tp) + fwd_scale * rerun

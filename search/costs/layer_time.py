@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from partita.cluster import NodeGroup
-from partita.search.costs.compute import dgrad_windows_s, optimizer_s
+from partita.search.costs.compute import dgrad_windows_s, optimizer_s, sequence_parallel_savings
 from partita.search.costs.links import Link
 from partita.search.engines import recompute_regathers, reduce_flushes, zero3_gathers
 from partita.search.roofline import cpu_adam_s
@@ -127,13 +127,17 @@ def tp_pass(cm, role: str, group: NodeGroup, *, tp: int, sp: bool, recompute: st
         tp_bwd += tp_fwd
     elif recompute == "selective" and cm.model.is_moe:
         tp_bwd += tp_fwd  # the last product is in the MoE, after the attention's collectives: all run again
-    elif recompute == "selective":
+    elif recompute == "selective" and cm.engine.selective_scope == "ops":
         # All but the last product's reduction (the recomputation stops before w2): with SP
-        # both all-gathers and wo's reduce-scatter, without it wo's all-reduce.
+        # both all-gathers and wo's reduce-scatter, without it wo's all-reduce. (Megatron's
+        # attention-core scope recomputes nothing that communicates.)
         reduction = cm.collective_s("reduce_scatter" if sp else "all_reduce", act_bytes, tp, link, device)
         tp_bwd += tp_fwd - reduction
     fwd_compute = c.forward_s
     bwd_compute = c.backward_s + cm.recompute_s(role, device, tp, micro_batch, recompute)
+    if sp and tp > 1:  # the residual stream's kernels on the rank's sequence shard
+        save_fwd, save_bwd = sequence_parallel_savings(cm, role, device, tp, micro_batch, recompute)
+        fwd_compute, bwd_compute = fwd_compute - save_fwd, bwd_compute - save_bwd
     slowdown = cm.time_constants(device).overlap_slowdown
     if cm.engine.tp_overlap and sp and tp > 1:  # chunked beside the products they feed (search/engines.py)
         tp_fwd, tp_bwd = tp_exposed_s(fwd_compute, tp_fwd, tp, slowdown), tp_exposed_s(bwd_compute, tp_bwd, tp, slowdown)

@@ -124,9 +124,12 @@ def _activations(cm, role: str, device: str, *, tp: int, sp: bool, recompute: st
     kw = dict(tp=tp, micro_batch=micro_batch, seq_len=cm.seq_len, dtype=cm.dtype, sequence_parallel=sp, on_cpu=on_cpu,
               local_experts=local_experts, sharded_inputs=sharded, **saves)
     full = activation_bytes(kind, recompute="none", **kw)
-    plain = activation_bytes(kind, recompute=recompute, **kw)  # the rank's tokens, as a profile measures them
+    # Megatron's selective recomputation keeps all but the attention core's own tensors, which the
+    # count never holds (a fused kernel keeps q, k, v, its output and statistics either way).
+    kept_as = "none" if recompute == "selective" and cm.engine.selective_scope == "attention" else recompute
+    plain = activation_bytes(kind, recompute=kept_as, **kw)  # the rank's tokens, as a profile measures them
     kept = cp_activation_bytes(kind, variant=cm.cp_variant, cp=cm.cp, tp=tp, micro_batch=micro_batch,
-                               seq_len=cm.plan_seq_len, dtype=cm.dtype, sequence_parallel=sp, recompute=recompute,
+                               seq_len=cm.plan_seq_len, dtype=cm.dtype, sequence_parallel=sp, recompute=kept_as,
                                on_cpu=on_cpu, local_experts=local_experts, sharded_inputs=sharded, **saves)
     if role == "head" and tp == 1 and cm.engine.loss == "chunked":
         # The runtime's chunked loss keeps the logits themselves (compute dtype) and each token's
