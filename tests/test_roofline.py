@@ -218,19 +218,23 @@ def test_flash_attention_2_reaches_a_third_of_a_hopper_and_the_fitted_curve_on_a
         attention_time_s(a100, *shape, kernel="flash3")
 
 
-def test_flash_attention_1_and_its_triton_port_run_at_half_flash_attention_2():
-    """FlashAttention v1 (and flash_attn_triton, "slightly slower" than it forward + backward, its
-    docstring) reaches 25-40 % of an A100's peak where FlashAttention-2 reaches 50-73 % ("around 2x
-    speedup", FlashAttention-2's abstract): twice FlashAttention-2's time, on Hopper and Ampere
-    alike, at every shape; below a fifth of the H100's peak at long sequences."""
+def test_the_2022_flash_attention_triton_port_runs_its_passes_slower_than_flash_attention_2():
+    """flash_attn_triton (llm-foundry's attn_impl "triton"): FlashAttention-2 is "around 1.3-1.5x
+    faster ... in the forward pass and around 2x faster in the backward pass" (FlashAttention-2
+    paper, sec. 4.1): 1.4x and 2x FlashAttention-2's time, on Hopper and Ampere alike, at every
+    shape; under full recomputation (the forward twice) about 1.75x on an H100 at long
+    sequences, between the two; below a quarter of the H100's peak at 64k tokens."""
     for name in ("H100", "A100-80GB"):
         dev = get_device(name)
         for shape in ((1, 32, 65536, 128), (8, 32, 8192, 128), (2, 4, 2048, 64)):
             one = attention_time_s(dev, *shape, kernel="flash1")
             two = attention_time_s(dev, *shape, kernel="flash2")
-            assert one == pytest.approx((2 * two[0], 2 * two[1]))
+            assert one == pytest.approx((1.4 * two[0], 2.0 * two[1]))
+    one = attention_time_s(get_device("H100"), 1, 32, 65536, 128, kernel="flash1")
+    two = attention_time_s(get_device("H100"), 1, 32, 65536, 128, kernel="flash2")
+    assert 1.7 < (2 * one[0] + one[1]) / (2 * two[0] + two[1]) < 1.8
     flops = 4 * 32 * 65536**2 * 128 / 2
-    assert flops / attention_time_s(get_device("H100"), 1, 32, 65536, 128, kernel="flash1")[0] / 1e12 < 0.2 * 989
+    assert flops / one[0] / 1e12 < 0.25 * 989
 
 
 @pytest.mark.parametrize("kernel", ["flash2", "cudnn", "flash3"])
