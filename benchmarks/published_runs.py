@@ -69,7 +69,8 @@ METRICS = ("tokens_per_s_per_gpu", "tflops_per_gpu", "step_time_s")
 FLOPS_FORMULAS = ("megatron_recompute", "palm")
 OVERRIDES = ("memory_gib", "intra_node_gbps", "network_gbps")
 SOURCE_KEYS = ("title", "where", "url")
-DEVICE_FIGURES = ("memory_gib", "bf16_tflops", "fp16_tflops", "fp32_tflops", "hbm_gbps", "intra_node_gbps",
+DEVICE_FIGURES = ("memory_gib", "bf16_tflops", "fp16_tflops", "fp32_tflops", "hbm_gbps", "tdp_w", "power_limit_w",
+                  "intra_node_gbps",
                   "network_gbps")
 
 

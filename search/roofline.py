@@ -94,6 +94,16 @@ GEMM_CURVE = KernelCurve(floor_s=3.420e-05, efficiency=0.7573, memory_weight=1.0
 # parts keep the curve as it transfers by peak: no measurement here says how their clocks hold
 # (``docs/calibration.md``, "Sustained load").
 HOPPER_SUSTAINED_TENSOR = 0.944
+# A Hopper part run below the power its datasheet is specified at (``DeviceType.power_limit_w``
+# under ``tdp_w``) keeps less: its tensor rate scales as (limit / design)^HOPPER_POWER_ELASTICITY.
+# The elasticity is the one pair of public measurements of the same die's matrix products at two
+# power limits, by one method: the Maximum Achievable Matmul FLOPS of an H100 SXM at 700 W, 794.5
+# TFLOP/s, and of a GH200 at 900 W, 828.6 (stas00/ml-engineering, compute/accelerator/README.md,
+# "Maximum Achievable Matmul FLOPS comparison table", bf16): ln(828.6/794.5) / ln(900/700) = 0.167.
+# Near the top of the clock curve a watt buys less than lower down (dynamic power grows about as
+# the clock cubed, an elasticity of 1/3), so at a lower limit this is the smallest loss, not a
+# fit: a 500 W limit on a 700 W design keeps 0.945 of its rate (0.894 by the cube law).
+HOPPER_POWER_ELASTICITY = 0.167
 SUSTAINED_SERIES_M = 16384  # the products of gemm.jsonl measured last and longest
 
 # Fitted by the same script to /work/shared/data/h200/attn.jsonl: 24 causal bf16
@@ -278,8 +288,14 @@ def is_hopper(dev: DeviceType) -> bool:
 # ---- primitives ----------------------------------------------------------------------------
 def sustained_tensor_fraction(dev: DeviceType) -> float:
     """The fraction of its burst tensor-core rate ``dev`` keeps under a training step's sustained
-    load (``HOPPER_SUSTAINED_TENSOR`` on Hopper parts, else 1)."""
-    return HOPPER_SUSTAINED_TENSOR if is_hopper(dev) else 1.0
+    load: ``HOPPER_SUSTAINED_TENSOR`` on Hopper parts, less below their design power
+    (``HOPPER_POWER_ELASTICITY``); 1 on other parts."""
+    if not is_hopper(dev):
+        return 1.0
+    fraction = HOPPER_SUSTAINED_TENSOR
+    if dev.tdp_w and dev.power_limit_w and dev.power_limit_w < dev.tdp_w:
+        fraction *= (dev.power_limit_w / dev.tdp_w) ** HOPPER_POWER_ELASTICITY
+    return fraction
 
 
 def _peaks(dev: DeviceType, dtype: str) -> tuple[float, float]:

@@ -153,7 +153,7 @@ def test_bad_entries_are_refused_with_what_to_change(tmp_path, changes, message)
 
 @pytest.mark.parametrize("device, message", [
     ({"name": "H100", "like": "H100", "source": "s"}, "is a catalog device"),
-    ({"name": "H100-x", "like": "H100", "source": "s", "tdp_w": 500}, "unknown key 'tdp_w'"),
+    ({"name": "H100-x", "like": "H100", "source": "s", "clock_mhz": 1500}, "unknown key 'clock_mhz'"),
     ({"name": "H100-x", "like": "H100"}, "source"),
 ])
 def test_bad_device_types_are_refused(tmp_path, device, message):

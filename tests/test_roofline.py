@@ -189,6 +189,28 @@ def test_sustained_load_slows_hopper_tensor_work_and_nothing_else(monkeypatch):
     assert before[2] == after[2] and before[3] == after[3]
 
 
+def test_a_power_limited_hopper_keeps_less_of_its_rate():
+    """Below its design power a Hopper part's tensor rate scales as (limit / design)^0.167, the
+    elasticity of the two public MAMF measurements of one die (H100 SXM at 700 W: 794.5 TFLOP/s;
+    GH200 at 900 W: 828.6): 0.945 of it at 500 W on a 700 W design, on top of the sustained
+    rate; at or above the design power, or without the figures, nothing; other parts, nothing."""
+    import dataclasses
+    import math
+
+    assert roofline.HOPPER_POWER_ELASTICITY == pytest.approx(math.log(828.6 / 794.5) / math.log(900 / 700), abs=5e-4)
+    h100 = get_device("H100")
+    capped = dataclasses.replace(h100, name="H100-capped", power_limit_w=500)
+    assert roofline.sustained_tensor_fraction(h100) == roofline.HOPPER_SUSTAINED_TENSOR
+    assert roofline.sustained_tensor_fraction(capped) == pytest.approx(0.944 * (5 / 7) ** 0.167)
+    assert roofline.sustained_tensor_fraction(dataclasses.replace(capped, power_limit_w=800)) == 0.944
+    assert roofline.sustained_tensor_fraction(dataclasses.replace(capped, tdp_w=None)) == 0.944
+    a100 = dataclasses.replace(get_device("A100-80GB"), tdp_w=400, power_limit_w=300)
+    assert roofline.sustained_tensor_fraction(a100) == 1.0
+    shape = (16384, 16384, 16384)
+    assert matmul_time_s(capped, *shape) / matmul_time_s(h100, *shape) == pytest.approx((7 / 5) ** 0.167, rel=0.01)
+    assert memory_time_s(capped, 1e10) == memory_time_s(h100, 1e10)
+
+
 def test_causal_attention_does_about_half_the_work():
     h100 = get_device("H100")
     causal = attention_time_s(h100, 4, 32, 8192, 128, causal=True)
