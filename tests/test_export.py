@@ -128,12 +128,13 @@ def test_selective_recomputation_exports_to_megatron_and_torchtitan_and_the_clos
     assert ex.changes == ()
     args = arguments(ex.exported, model)
     at = args.index("--recompute-granularity")
-    # TransformerConfig.recompute_modules (nargs "+"): the attention core and the norms; no
-    # --recompute-method or --recompute-num-layers with selective (Megatron's validate_args)
-    assert args[at:at + 5] == ["--recompute-granularity", "selective", "--recompute-modules", "core_attn", "layernorm"]
+    # TransformerConfig.recompute_modules (nargs "+"): its default, the attention core, as the
+    # megatron engine prices it; no --recompute-method or --recompute-num-layers with selective
+    # (Megatron's validate_args)
+    assert args[at:at + 4] == ["--recompute-granularity", "selective", "--recompute-modules", "core_attn"]
     assert "--recompute-method" not in args and "--recompute-num-layers" not in args
-    assert "--recompute-modules core_attn layernorm" in ex.text.splitlines()
-    assert any("selective recomputation is priced as Partita's" in n for n in ex.notes)
+    assert "--recompute-modules core_attn" in ex.text.splitlines()
+    assert any("selective recomputation is Megatron's" in n for n in ex.notes)
 
     path = tmp_path / "selective.yaml"
     _selective(plans["dense"], zero=0).save(path)

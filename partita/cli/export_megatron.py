@@ -42,11 +42,11 @@ What maps how:
     blocks of every pipeline stage. Embedding and head are never recomputed. Selective
     recomputation is ``--recompute-granularity selective``, which Megatron applies to every
     block (``TransformerConfig.recompute_granularity``: "'selective' always uses all layers"),
-    with ``--recompute-modules core_attn layernorm``: the attention core and the two norms,
-    the closest of its modules to Partita's selective (which also recomputes the MLP's
-    activation function and keeps only the matrix products' outputs; Megatron has no module for
-    a dense MLP's activation, and its "mlp" recomputes the products too). The export is priced
-    as Partita's own selective recomputation.
+    with ``--recompute-modules core_attn``, its default module: the attention core alone is rerun
+    and everything else kept, as the megatron engine prices selective recomputation
+    (search/engines.py, ``selective_scope``; Korthikanti et al. 2022). Partita's runtime reruns
+    more (the norms and the MLP's activation too) and keeps less: the export is priced as
+    Megatron runs it, beside the plan on its own engine.
   * An uneven split is ``--pipeline-model-parallel-layout`` (``E`` embedding, ``t`` a block, ``L``
     the loss with the output layer, stages split by ``|``; parsed by
     ``megatron/core/transformer/pipeline_parallel_layer_layout.py``); an even one needs no flag.
@@ -79,7 +79,7 @@ from partita.plan import Plan
 FILE = "megatron.args"
 MEGATRON_VERSION = "NVIDIA/Megatron-LM d98e8a64 (2026-08-22)"  # the source every flag was checked against
 FSDP_STRATEGY = {2: "optim_grads", 3: "optim_grads_params"}
-SELECTIVE_MODULES = ("core_attn", "layernorm")  # TransformerConfig.recompute_modules closest to Partita's selective
+SELECTIVE_MODULES = ("core_attn",)  # TransformerConfig.recompute_modules' default: the megatron engine's selective scope
 CP_COMM_TYPE = {"all_to_all": "a2a", "ring": "p2p", "all_gather": "allgather"}  # --cp-comm-type by Partita's cp_variant
 
 
@@ -232,7 +232,7 @@ def notes(plan: Plan, model: ModelSpec, cluster: ClusterSpec) -> list[str]:
                    "--transformer-impl transformer_engine) and shards each sequence in its own load-balanced "
                    "layout (2 x cp chunks)")
     if any(l.recompute == "selective" for l in plan.layer_strategies()):
-        out.append("selective recomputation is priced as Partita's (matrix products' outputs kept, all else "
-                   "recomputed); Megatron's core_attn and layernorm modules also keep the MLP's activation input and "
-                   "output, so the run holds more activation memory than this prediction")
+        out.append("selective recomputation is Megatron's: the attention core alone is rerun (--recompute-modules "
+                   "core_attn) and every other activation kept, priced so; Partita's runtime reruns the norms and the "
+                   "MLP's activation too and keeps less")
     return out
