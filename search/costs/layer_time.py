@@ -8,7 +8,8 @@ per-step traffic and optimizer update.
   selective recomputation (everything but the matrix products) repeats them all but the last
   product's reduction, where it stops. TP collectives are on the critical path unless the engine overlaps them.
   A tensor-parallel head's loss (``loss_parallel``) all-reduces three fp32 values a token in
-  forward.
+  forward. Under sequence parallelism the residual stream's norms and adds run on the rank's
+  sequence shard (``compute.sequence_parallel_savings``).
 * ZeRO over the parameters' replicas, on the layer's parameter shard: parameters are gathered in
   the compute dtype, gradients reduced in fp32 (FSDP2's ``reduce_dtype``). Level 0: all-reduce of
   gradients once per step; 1: reduce-scatter of gradients + all-gather of parameters once per
