@@ -2,7 +2,7 @@
 # Every GPU check in one run, for a session lent a GPU (one H200 here). Results land in
 # ${OUT:-gpu-results}: commit them (profiles to configs/profiles/, tables to docs/).
 #
-#   OUT=/tmp/gpu bash benchmarks/gpu_session.sh          # about 11-13 minutes on one H200
+#   OUT=/tmp/gpu bash benchmarks/gpu_session.sh          # about 12-14 minutes on one H200
 #
 # 1. runtime vs a plain PyTorch loop on the ~1.1B llama (issue: runtime performance);
 # 1b. the calibration loop on one GPU (benchmarks/calibrate_gpu.sh: launch, calibrate, predict two
@@ -16,6 +16,9 @@
 #    about half a minute, into $OUT/h200-attention.yaml (its `attention` table goes into the H200
 #    profile); with >= 2 GPUs also the NCCL collectives with all_to_all (the comm fit) and the
 #    ring-variant test (both need two ranks: skipped on one GPU, and said so);
+# 4b. how much of its burst matrix-product rate the GPU keeps under 30 s of sustained load
+#    (benchmarks/sustained_gemm.py, into $OUT/sustained_gemm.json): the measurement behind
+#    roofline.HOPPER_SUSTAINED_TENSOR, which the kernel file only approximates (docs/calibration.md);
 # 5. the GPU-only tests. The machine has torch, numpy, pyyaml, rich, pytest and hypothesis but no
 #    ortools: the package installs without dependencies, and nothing here plans.
 set -uo pipefail
@@ -42,6 +45,8 @@ timeout 120 "$PY" benchmarks/memory_gpu.py --recompute --micro-batch 8 --out "$O
     2>&1 | tee "$OUT/memory_gpu_recompute.txt"
 timeout 90 "$PY" -m partita.cli profile --model llama-3-8b --device cuda --attention-only \
     --attention-seq-lens 8192,16384,32768 --tp 1 --cp 1,8 -o "$OUT/h200-attention.yaml" 2>&1 | tee "$OUT/attention.txt"
+timeout 60 "$PY" benchmarks/sustained_gemm.py --device cuda --seconds 30 --out "$OUT/sustained_gemm.json" \
+    2>&1 | tee "$OUT/sustained_gemm.txt"
 GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())")
 if [ "$GPUS" -ge 2 ]; then
     timeout 180 "$PY" -m partita.cli profile --comm-only --device cuda --comm-sizes 64KiB:256MiB \
