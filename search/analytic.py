@@ -262,23 +262,19 @@ def selective_recompute_time_s(kind: LayerKind, dev: DeviceType, sh: Shard, dtyp
 SEQUENCE_SHARDED = {"block": ("attention norm", "residual add", "ffn norm"), "head": ("norm",)}
 
 
-def sequence_parallel_savings_s(kind: LayerKind, dev: DeviceType, sh: Shard, tp: int) -> list[float]:
+def sequence_parallel_savings_s(kind: LayerKind, dev: DeviceType, sh: Shard, tp: int) -> list[tuple[float, float]]:
     """For each forward memory-bound kernel of the layer, in ``forward_elementwise``'s order, the
-    seconds sequence parallelism over ``tp`` tensor-parallel ranks takes off it: the
-    residual-stream kernels (``SEQUENCE_SHARDED``) on 1/tp of the tokens; 0 for the others. Their
-    backward moves twice the bytes (``backward_time_s``), so it saves about twice as much.
-    Korthikanti et al. 2022, Table 4: a 22B layer's forward 7.7 -> 7.2 ms with it."""
+    (forward, backward) seconds sequence parallelism over ``tp`` tensor-parallel ranks takes off
+    it: the residual-stream kernels (``SEQUENCE_SHARDED``) on 1/tp of the tokens, their backward
+    moving twice the forward's bytes (``backward_time_s``); (0, 0) for the others. Korthikanti et
+    al. 2022, Table 4: a 22B layer's forward 7.7 -> 7.2 ms with it."""
     sharded = SEQUENCE_SHARDED.get(kind.role, ())
-    return [memory_time_s(dev, nbytes) - memory_time_s(dev, nbytes / tp) if name in sharded and tp > 1 else 0.0
+
+    def saved(nbytes: float) -> float:
+        return memory_time_s(dev, nbytes) - memory_time_s(dev, nbytes / tp)
+
+    return [(saved(nbytes), saved(2 * nbytes)) if name in sharded and tp > 1 else (0.0, 0.0)
             for name, nbytes in forward_elementwise(kind, sh)]
-
-
-def sequence_parallel_backward_savings_s(kind: LayerKind, dev: DeviceType, sh: Shard, tp: int) -> float:
-    """What sequence parallelism takes off the layer's backward: its residual-stream kernels'
-    backward (twice the forward's bytes) on 1/tp of the tokens."""
-    sharded = SEQUENCE_SHARDED.get(kind.role, ())
-    return sum(memory_time_s(dev, 2 * nbytes) - memory_time_s(dev, 2 * nbytes / tp)
-               for name, nbytes in forward_elementwise(kind, sh) if name in sharded and tp > 1)
 
 
 # The column-parallel products of a layer (Megatron's ColumnParallelLinear: split by output

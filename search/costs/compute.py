@@ -22,8 +22,7 @@ from partita.cluster import ClusterSpec, NodeGroup
 from partita.devices import get_device
 from partita.profile import LayerCost, Profile, layer_cost_at
 from partita.search.analytic import (Shard, attention_s, backward_time_s, column_wgrad_times_s, forward_time_s,
-                                     layer_cost, selective_recompute_time_s, sequence_parallel_backward_savings_s,
-                                     sequence_parallel_savings_s)
+                                     layer_cost, selective_recompute_time_s, sequence_parallel_savings_s)
 from partita.search.roofline import cpu_weight_stream_s
 from partita.search.timing import TimeConstants, default_constants, host_bound_s, layer_ops
 
@@ -111,8 +110,7 @@ def selective_recompute_s(cm, role: str, device: str, tp: int, micro_batch: int)
     sh = Shard.of(kind, tp=tp, micro_batch=micro_batch, seq_len=cm.seq_len, dtype=cm.dtype)
     if cm.engine.selective_scope == "attention":  # Megatron-LM: the attention core alone (search/engines.py)
         core = attention_s(dev, sh, cm.dtype, cm.software.attention)[0]
-        forward = forward_time_s(kind, dev, sh, cm.dtype, cm.software.attention)
-        return cm.compute(role, device, tp, micro_batch).forward_s * core / forward
+        return core * _pass_scales(cm, role, device, tp, micro_batch)[0]
     selective = selective_recompute_time_s(kind, dev, sh, cm.dtype, cm.software.attention)
     profile = cm.profiles.get(device)
     if profile is not None and profile.dtype == cm.dtype:
@@ -126,6 +124,17 @@ def selective_recompute_s(cm, role: str, device: str, tp: int, micro_batch: int)
     return host_bound_s(k.compute_scale * selective, layer_ops(kind)[0], k.op_overhead_s, dev.is_cpu)
 
 
+def _pass_scales(cm, role: str, device: str, tp: int, micro_batch: int) -> tuple[float, float]:
+    """(forward, backward): the layer's passes as the cost model has them (measured, calibrated
+    or analytic) over the roofline's, to carry a share the roofline gives of a pass to them."""
+    kind, dev = cm.model.kinds[role], get_device(device)
+    sh = Shard.of(kind, tp=tp, micro_batch=micro_batch, seq_len=cm.seq_len, dtype=cm.dtype)
+    c = cm.compute(role, device, tp, micro_batch)
+    forward = forward_time_s(kind, dev, sh, cm.dtype, cm.software.attention)
+    backward = backward_time_s(kind, dev, sh, cm.dtype, cm.software.attention)
+    return (c.forward_s / forward if forward > 0 else 0.0), (c.backward_s / backward if backward > 0 else 0.0)
+
+
 def dgrad_windows_s(cm, role: str, device: str, tp: int, micro_batch: int) -> list[float]:
     """The weight-gradient products of each column-parallel linear of one micro-batch's backward
     (``analytic.column_wgrad_times_s``), at the share of the layer's backward (as the cost model
@@ -135,8 +144,7 @@ def dgrad_windows_s(cm, role: str, device: str, tp: int, micro_batch: int) -> li
     windows = column_wgrad_times_s(kind, dev, sh, cm.dtype)
     if not windows:
         return []
-    analytic = backward_time_s(kind, dev, sh, cm.dtype, cm.software.attention)
-    scale = cm.compute(role, device, tp, micro_batch).backward_s / analytic if analytic > 0 else 0.0
+    scale = _pass_scales(cm, role, device, tp, micro_batch)[1]
     return [w * scale for w in windows]
 
 
@@ -153,14 +161,11 @@ def sequence_parallel_savings(cm, role: str, device: str, tp: int, micro_batch: 
     kind, dev = cm.model.kinds[role], get_device(device)
     sh = Shard.of(kind, tp=tp, micro_batch=micro_batch, seq_len=cm.seq_len, dtype=cm.dtype)
     per_kernel = sequence_parallel_savings_s(kind, dev, sh, tp)
-    if not any(per_kernel):
+    forward = [f for f, _ in per_kernel]
+    if not any(forward):
         return 0.0, 0.0
-    attention = cm.software.attention
-    c = cm.compute(role, device, tp, micro_batch)
-    fwd_scale = c.forward_s / forward_time_s(kind, dev, sh, cm.dtype, attention)
-    bwd_scale = c.backward_s / backward_time_s(kind, dev, sh, cm.dtype, attention)
-    rerun = {"full": sum(per_kernel), "none": 0.0}.get(recompute)
+    rerun = {"full": sum(forward), "none": 0.0}.get(recompute)
     if rerun is None:  # selective
-        rerun = 0.0 if cm.engine.selective_scope == "attention" else sum(per_kernel[:-1])
-    forward = fwd_scale * sum(per_kernel)
-    return forward, bwd_scale * sequence_parallel_backward_savings_s(kind, dev, sh, tp) + fwd_scale * rerun
+        rerun = 0.0 if cm.engine.selective_scope == "attention" else sum(forward[:-1])
+    fwd_scale, bwd_scale = _pass_scales(cm, role, device, tp, micro_batch)
+    return fwd_scale * sum(forward), bwd_scale * sum(b for _, b in per_kernel) + fwd_scale * rerun
