@@ -61,6 +61,20 @@ The terms each behaviour selects, in one place each:
   deepspeed/runtime/zero/stage_1_and_2.py): one all-gather a step beside the data-parallel sync,
   no gather per micro-batch, and no gather's buffer at a forward's peak (``layer_time.zero_traffic``,
   ``costs.memory.dense_memory``). The reduce-scatter of every micro-batch is the same on both.
+* ``param_gather``: when the once-a-step all-gather of the updated parameters (ZeRO-1, and
+  ZeRO-2 under ``zero2_gather`` "step") runs. "next_forward": layer by layer beside the next
+  step's first forward, each layer's gather waited for where the layer starts (Partita's runtime
+  and torchtitan: FSDP2 units that keep their parameters gathered through the step's
+  micro-batches, ``reshard_after_forward=False``, reshard after the last backward and gather
+  again in the next forward's pre-hooks, on FSDP2's all-gather stream; Megatron-LM's
+  ``--overlap-param-gather``, which ``partita export --to megatron`` writes:
+  ``DistributedOptimizer`` dispatches the first bucket's all-gather after the step and each
+  forward pre-hook waits for its bucket and dispatches the next, megatron/core/optimizer/
+  distrib_optimizer.py). Priced as the reductions are: the layer's gather joins its per-step
+  sync and the layer's first forward joins the window it hides behind (``layer_time``).
+  "after_step" (DeepSpeed's ZeRO 1 and 2: ``all_gather_dp_groups`` right after the optimizer
+  step, stage_1_and_2.py, before the next forward starts): exposed, charged with the step's
+  update (the optimizer term).
 * ``fp16_grad_reduce``: gradients reduced in fp16 when the plan trains in fp16 (Megatron-LM
   without ``--accumulate-allreduce-grads-in-fp32``; DeepSpeed's ZeRO, whose
   ``communication_data_type`` defaults to the gradients' dtype), half the bytes of the fp32
@@ -124,6 +138,7 @@ ZERO3_GATHERS = ("layer", "module")
 DEEPSPEED_REDUCE_BUCKET = 500_000_000
 P2P_BUFFERS = ("per_micro_batch", "per_transfer")
 ZERO2_GATHERS = ("micro_batch", "step")
+PARAM_GATHERS = ("next_forward", "after_step")
 SELECTIVE_SCOPES = ("ops", "attention")
 LOSSES = ("chunked", "fp32")
 SP_INPUTS = ("whole", "sharded")
@@ -142,6 +157,7 @@ class Engine:
     selective_scope: str = "ops"
     zero3_gathers: str = "layer"
     zero2_gather: str = "micro_batch"
+    param_gather: str = "next_forward"
     loss: str = "chunked"
     fp16_grad_reduce: bool = False
     sp_inputs: str = "whole"
@@ -159,6 +175,8 @@ class Engine:
                                f"valid: {', '.join(SELECTIVE_SCOPES)}")
         if self.zero2_gather not in ZERO2_GATHERS:
             raise PartitaError(f"unknown zero2_gather {self.zero2_gather!r}; valid: {', '.join(ZERO2_GATHERS)}")
+        if self.param_gather not in PARAM_GATHERS:
+            raise PartitaError(f"unknown param_gather {self.param_gather!r}; valid: {', '.join(PARAM_GATHERS)}")
         if self.loss not in LOSSES:
             raise PartitaError(f"unknown loss {self.loss!r}; valid: {', '.join(LOSSES)}")
         if self.p2p_buffers not in P2P_BUFFERS:
@@ -205,16 +223,17 @@ ENGINES: dict[str, Engine] = {
     # attention (a FlashAttention-2-class kernel on every GPU it runs on), --overlap-grad-reduce,
     # the interleaved schedule's p2p overlap (the training script's default), the column-parallel
     # input-gradient reductions beside the weight gradients (always on), selective recomputation of
-    # the attention core alone (--recompute-granularity selective), no --tp-comm-overlap
-    # (it needs Transformer Engine's userbuffers bootstrapped; published runs that set it say so),
+    # the attention core alone (--recompute-granularity selective), --tp-comm-overlap under sequence
+    # parallelism (Transformer Engine's userbuffers, set up by Megatron itself: initialize.py,
+    # _initialize_tp_communicators, NCCL bootstrap by default since Transformer Engine 1.9),
     # its fused SwiGLU and GQA-native attention's saved tensors.
-    "megatron": Engine("megatron", attention="flash2", p2p_overlap=True, dgrad_overlap=True,
+    "megatron": Engine("megatron", attention="flash2", tp_overlap=True, p2p_overlap=True, dgrad_overlap=True,
                        selective_scope="attention", loss="fp32", fp16_grad_reduce=True,
                        sp_inputs="sharded", p2p_buffers="per_transfer", glu_saves="input", qkv_saves="fused"),
     # DeepSpeed as partita export --to deepspeed writes it (ZeRO 0-3 with overlap_comm): ZeRO-3's
     # module-by-module gathers, ZeRO-2's parameters whole and gathered once a step, a Hugging Face
     # model's fp32 loss, torch SDPA.
-    "deepspeed": Engine("deepspeed", zero3_gathers="module", zero2_gather="step", loss="fp32",
+    "deepspeed": Engine("deepspeed", zero3_gathers="module", zero2_gather="step", param_gather="after_step", loss="fp32",
                         fp16_grad_reduce=True),
 }
 DEFAULT_ENGINE = "partita"

@@ -170,10 +170,10 @@ def sequence_stats_s(cm, group: NodeGroup, tp: int, micro_batch: int, recompute:
     return one, one if recompute != "none" else 0.0
 
 
-def zero_traffic(cm, group: NodeGroup, *, tp: int, zero: int, dp: int) -> tuple[float, float, float]:
+def zero_traffic(cm, group: NodeGroup, *, tp: int, zero: int, dp: int) -> tuple[float, float, float, float]:
     """The ZeRO traffic (``layer_time.zero_traffic``) of a block's MoE parts (``moe_parts``),
     each over its replicas, on the data-parallel group's link."""
-    total = (0.0, 0.0, 0.0)
+    total = (0.0, 0.0, 0.0, 0.0)
     for part in moe_parts(cm, "block", tp):
         replicas = part.replicas(dp, cm.cp)
         t = params_zero_traffic(cm, part.params, group, tp=tp, zero=zero, replicas=replicas,

@@ -73,6 +73,38 @@ def test_zero_levels_below_3_are_gathered_alike_by_every_engine():
     assert times["partita"] == pytest.approx(times["deepspeed"])
 
 
+def test_the_updated_parameters_gather_runs_beside_the_next_forward_or_after_the_update():
+    """ZeRO-1's once-a-step all-gather of the updated parameters (Engine.param_gather): FSDP2's
+    units and Megatron's --overlap-param-gather run it beside the next step's first forward, so the
+    layer's forward joins the window its per-step sync hides behind; DeepSpeed gathers right after
+    the update, exposed, charged with it. A ZeRO-0 layer gathers nothing and keeps the backward's
+    window alone."""
+    model, cluster = BUILTIN["llama-3-8b"], parse_short("4x8xH100")
+    group = cluster.groups[0]
+
+    def block(engine, zero):
+        cm = CostModel(model, cluster, seq_len=4096, engine=engine).at_ep(1)
+        spec = strategy(model, "layers.0", tp=1, sp=False, zero=zero, recompute="none")
+        return cm, cm.layer_time("block", group, spec, dp=32, micro_batch=1)
+
+    cm, beside = block(PARTITA, 1)
+    _, after = block(PARTITA.with_options({"param_gather": "after_step"}), 1)
+    _, replicated = block(PARTITA, 0)
+    keep = 1.0 - cm.time_constants(group.device).overlap_slowdown
+    fwd, bwd, sync, gather = cm.zero_traffic("block", group, 1, 1, 32)
+    assert 0 < gather < sync and (fwd, bwd) == (0.0, 0.0)
+    assert beside.overlap_window_s == pytest.approx(keep * (beside.forward_s + beside.backward_s))
+    assert beside.dp_sync_s == pytest.approx(sync)
+    assert after.overlap_window_s == pytest.approx(keep * after.backward_s)
+    assert after.dp_sync_s == pytest.approx(sync - gather)
+    assert after.optimizer_s == pytest.approx(beside.optimizer_s + gather)
+    assert replicated.overlap_window_s == pytest.approx(keep * replicated.backward_s)
+    assert ENGINES["deepspeed"].param_gather == "after_step"
+    assert {ENGINES[n].param_gather for n in ("partita", "torchtitan", "megatron")} == {"next_forward"}
+    with pytest.raises(PartitaError, match="unknown param_gather 'never'"):
+        PARTITA.with_options({"param_gather": "never"})
+
+
 def test_tensor_parallel_overlap_hides_all_but_the_first_chunk_and_needs_sequence_parallelism():
     model, cluster = BUILTIN["llama-3-70b"], parse_short("1x8xH100")
     group = cluster.groups[0]
@@ -149,7 +181,7 @@ def test_megatron_reduces_a_column_parallel_input_gradient_beside_its_weight_gra
 
     model, cluster = BUILTIN["llama-3-70b"], parse_short("2x8xH100")
     group = cluster.groups[0]
-    on = ENGINES["megatron"]
+    on = ENGINES["megatron"].with_options({"tp_overlap": False})  # the reductions exposed but these
     off = on.with_options({"dgrad_overlap": False})
     passes = {}
     for name, engine in (("on", on), ("off", off)):
@@ -196,7 +228,7 @@ def test_a_megatron_layer_is_priced_as_korthikanti_measured_it():
                                 kv_heads=64, ffn=24576, seq_len=2048)
     cluster = parse_short("1x8xA100-80GB")
     group = cluster.groups[0]
-    engine = ENGINES["megatron"].with_options({"attention": "unfused"})
+    engine = ENGINES["megatron"].with_options({"attention": "unfused", "tp_overlap": False})  # Megatron-LM of 2022
     cm = CostModel(model, cluster, seq_len=2048, dtype="bf16", engine=engine)
     priced = {}
     for (sp, recompute), (fwd, bwd) in KORTHIKANTI_TABLE_4.items():
@@ -248,10 +280,13 @@ def test_deepspeed_zero2_keeps_the_parameters_whole_and_gathers_them_once_a_step
         "block", cluster.groups[0], spec, dp=32, micro_batch=1) for name in ("partita", "deepspeed")}
     zero1 = CostModel(model, cluster, seq_len=4096, engine=PARTITA).at_ep(1).layer_time(
         "block", cluster.groups[0], dataclasses.replace(spec, zero=1), dp=32, micro_batch=1)
-    assert t["deepspeed"].dp_sync_s > 0 and t["partita"].dp_sync_s == 0
+    assert t["partita"].dp_sync_s == 0
     assert t["deepspeed"].zero_comm_s < t["partita"].zero_comm_s  # the reduce-scatter alone
+    # the gather runs after the update (Engine.param_gather "after_step"), exposed, charged with it
+    gather = t["deepspeed"].optimizer_s - t["partita"].optimizer_s
+    assert t["deepspeed"].dp_sync_s == 0 and gather > 0
     # the gather and the reduce-scatter DeepSpeed splits between step and micro-batch are ZeRO-1's two
-    assert t["deepspeed"].zero_comm_s + t["deepspeed"].dp_sync_s == pytest.approx(zero1.dp_sync_s, rel=1e-9)
+    assert t["deepspeed"].zero_comm_s + gather == pytest.approx(zero1.dp_sync_s, rel=1e-9)
     assert t["partita"].zero_comm_s == pytest.approx(zero1.dp_sync_s, rel=1e-9)
     # The same engine with FSDP's gathers (its loss and kernels alike): slower, and never below it in memory.
     engines = {"step": ENGINES["deepspeed"],

@@ -100,7 +100,7 @@ def test_megatron_arguments_are_flags_megatron_declares(plans, tmp_path):
                 "--untie-embeddings-and-output-weights", "--tensor-model-parallel-size",
                 "--pipeline-model-parallel-size", "--sequence-parallel", "--micro-batch-size", "--global-batch-size",
                 "--bf16", "--fp16", "--use-distributed-optimizer", "--use-megatron-fsdp", "--overlap-grad-reduce",
-                "--overlap-param-gather",
+                "--overlap-param-gather", "--tp-comm-overlap",
                 "--data-parallel-sharding-strategy", "--ckpt-format", "--recompute-granularity", "--recompute-method",
                 "--recompute-num-layers", "--recompute-modules", "--pipeline-model-parallel-layout",
                 "--make-vocab-size-divisible-by", "--attention-dropout", "--hidden-dropout", "--norm-epsilon",
@@ -110,6 +110,11 @@ def test_megatron_arguments_are_flags_megatron_declares(plans, tmp_path):
     value = lambda flag: argv[argv.index(flag) + 1]  # noqa: E731
     assert value("--tensor-model-parallel-size") == str(p.tp) and value("--pipeline-model-parallel-size") == str(p.pp)
     assert value("--micro-batch-size") == str(p.micro_batch) and value("--global-batch-size") == str(p.global_batch)
+    # the sequence-parallel collectives beside the products, as the megatron engine prices them
+    model = load_model("llama-3-8b")
+    for sp in (True, False):
+        args = arguments(uniform(p, model, sequence_parallel=sp, zero=1, recompute=lambda s, b: "none"), model)
+        assert ("--tp-comm-overlap" in args) == (sp and p.tp > 1) == ("--sequence-parallel" in args)
 
 
 def _selective(path, zero: int):

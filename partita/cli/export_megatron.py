@@ -153,6 +153,11 @@ def arguments(plan: Plan, model: ModelSpec) -> list[str]:
     args += ["--tensor-model-parallel-size", str(plan.tp), "--pipeline-model-parallel-size", str(plan.pp)]
     if any(l.sequence_parallel for l in layers):
         args.append("--sequence-parallel")
+        if plan.tp > 1:
+            # The sequence-parallel collectives in chunks beside the products they feed (Transformer
+            # Engine's userbuffers, which Megatron sets up itself: initialize.py,
+            # _initialize_tp_communicators, NCCL bootstrap by default); the megatron engine prices them so.
+            args.append("--tp-comm-overlap")
     if plan.cp > 1:
         args += ["--context-parallel-size", str(plan.cp), "--cp-comm-type", CP_COMM_TYPE[plan.cp_variant]]
     args += ["--micro-batch-size", str(plan.micro_batch), "--global-batch-size", str(plan.global_batch)]

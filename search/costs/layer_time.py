@@ -64,10 +64,14 @@ class LayerTime:
 
 
 def zero_traffic(cm, params: int, group: NodeGroup, *, tp: int, zero: int, replicas: int,
-                 dlink: Link | None = None, role: str = "block", local_experts: int = 0) -> tuple[float, float, float]:
-    """(forward, backward per micro-batch, per step) ZeRO traffic of ``params`` parameters of a
-    ``role`` layer replicated over ``replicas`` ranks (on ``dlink``, by default the
-    data-parallel link); ``local_experts``: they are the experts a rank holds."""
+                 dlink: Link | None = None, role: str = "block",
+                 local_experts: int = 0) -> tuple[float, float, float, float]:
+    """(forward, backward per micro-batch, per step, of which the parameters' gather) ZeRO
+    traffic of ``params`` parameters of a ``role`` layer replicated over ``replicas`` ranks (on
+    ``dlink``, by default the data-parallel link); ``local_experts``: they are the experts a rank
+    holds. The per-step part is the gradients' reduction and, at ZeRO 1 (and ZeRO 2 gathered once
+    a step), the updated parameters' all-gather, which the engine runs beside the next forward or
+    after the update (``Engine.param_gather``)."""
     device = group.device
     dlink = dlink or cm.dp_link(group, replicas, tp)
     # An engine that gathers a ZeRO-3 layer module by module (DeepSpeed) runs k rings of 1/k of
@@ -77,19 +81,19 @@ def zero_traffic(cm, params: int, group: NodeGroup, *, tp: int, zero: int, repli
     # ... and reduce-scatters its gradients a bucket at a time, a large gradient alone.
     r = reduce_flushes(cm.model.kinds[role], tp, cm.engine.reduce_bucket) if k > 1 else 1
     rs = r * cm.collective_s("reduce_scatter", params * cm.reduce_bytes / r, replicas, dlink, device)
-    zero_fwd, zero_bwd, dp_sync = 0.0, 0.0, 0.0
+    zero_fwd, zero_bwd, dp_sync, gather = 0.0, 0.0, 0.0, 0.0
     if replicas > 1:
         if zero == 0:
             dp_sync = cm.collective_s("all_reduce", params * cm.reduce_bytes, replicas, dlink, device)
         elif zero == 1:
-            dp_sync = ag + rs
+            dp_sync, gather = ag + rs, ag
         elif zero == 2 and cm.engine.zero2_gather == "step":  # DeepSpeed: whole parameters, gathered after the step
-            zero_bwd, dp_sync = rs, ag
+            zero_bwd, dp_sync, gather = rs, ag, ag
         elif zero == 2:
             zero_fwd, zero_bwd = ag, rs
         else:
             zero_fwd, zero_bwd = ag, ag + rs
-    return zero_fwd, zero_bwd, dp_sync
+    return zero_fwd, zero_bwd, dp_sync, gather
 
 
 def zero3_recompute_s(cm, role: str, group: NodeGroup, *, tp: int, replicas: int) -> float:
@@ -169,11 +173,11 @@ def layer_time(cm, role: str, group: NodeGroup, *, tp: int, sp: bool, zero: int,
     # Parameters are gathered in the compute dtype; gradients are reduced in fp32
     # (FSDP2's reduce_dtype, the standard mixed-precision recipe).
     params = cm.param_count(role, tp)
-    zero_fwd, zero_bwd, dp_sync = cm.zero_traffic(role, group, tp, zero, replicas)
+    zero_fwd, zero_bwd, dp_sync, gather = cm.zero_traffic(role, group, tp, zero, replicas)
     if zero == 3 and recompute == "full" and replicas > 1:
         zero_bwd += zero3_recompute_s(cm, role, group, tp=tp, replicas=replicas)
     if extra_zero is not None:
-        zero_fwd, zero_bwd, dp_sync = (a + b for a, b in zip((zero_fwd, zero_bwd, dp_sync), extra_zero))
+        zero_fwd, zero_bwd, dp_sync, gather = (a + b for a, b in zip((zero_fwd, zero_bwd, dp_sync, gather), extra_zero))
     # Per-micro-batch ZeRO traffic runs beside the layer's compute (FSDP prefetch), which it
     # slows (``overlapped_s``); the stage's first gather and last reduce-scatter have nothing
     # to hide behind: the stage charges its largest layer's traffic once more, less what the
@@ -193,6 +197,15 @@ def layer_time(cm, role: str, group: NodeGroup, *, tp: int, sp: bool, zero: int,
         optimizer = cpu_adam_s(params // shard, stream) + host_ops * k.op_overhead_s
     # Software that starts the gradient reductions only after the whole backward hides none.
     window = max(0.0, 1.0 - slowdown) * backward if cm.software.grad_sync == "overlapped" else 0.0
+    # The updated parameters' once-a-step gather (search/engines.py, ``param_gather``): beside the
+    # next step's first forward of the layer, which joins the window the per-step sync hides
+    # behind (the stage's reductions and gathers are priced together against the two passes), or
+    # exposed after the update, with it.
+    if gather and cm.engine.param_gather == "next_forward":
+        window += max(0.0, 1.0 - slowdown) * forward
+    elif gather:
+        dp_sync -= gather
+        optimizer += gather
     return LayerTime(forward_s=forward, backward_s=backward, compute_s=fwd_compute + bwd_compute,
                      tp_comm_s=tp_fwd + tp_bwd, zero_comm_s=zero_fwd + zero_bwd, dp_sync_s=dp_sync,
                      zero_edge_s=edge, overlap_window_s=window, optimizer_s=optimizer)

@@ -306,12 +306,12 @@ class CostModel:
                                   micro_batch=micro_batch)
 
     def zero_traffic(self, role: str, group: NodeGroup, tp: int, zero: int,
-                     replicas: int) -> tuple[float, float, float]:
+                     replicas: int) -> tuple[float, float, float, float]:
         """A dense layer's ZeRO traffic over ``replicas`` ranks (``layer_time.zero_traffic``)."""
         return self._zero_traffic(role, group.name, tp, zero, replicas)
 
     def _zero_traffic_uncached(self, role: str, group_name: str, tp: int, zero: int,
-                               replicas: int) -> tuple[float, float, float]:
+                               replicas: int) -> tuple[float, float, float, float]:
         return layer_time.zero_traffic(self, self.param_count(role, tp), self.cluster.group(group_name), tp=tp,
                                        zero=zero, replicas=replicas, role=role)
 
