@@ -279,16 +279,25 @@ def loss_transient(cm, tp: int, micro_batch: int) -> int:
     """The loss's backward on this rank's vocab/tp logits (t tokens) and the gradient of the
     head's input (4 t h). A vocab-parallel head (tp > 1: torch's ``loss_parallel``): the gradient
     of the fp32 log-probabilities and of the fp32 logits, the softmax it recomputes (4 bytes each
-    per logit), the gradient cast back to the compute dtype; so too an engine whose loss takes the
-    logits in fp32 (search/engines.py, ``loss``). Otherwise the runtime's chunked loss
-    (``runtime.schedule.ChunkedCrossEntropy``): the logits' gradient in the compute dtype, written
-    chunk by chunk, beside one chunk's fp32 softmax (c = ``loss_chunk_tokens`` tokens); its
-    forward holds two such chunks (the fp32 logits and logsumexp's exponentials)."""
+    per logit), the gradient cast back to the compute dtype. At tp 1, an engine whose loss takes
+    the logits in fp32 (search/engines.py, ``loss``: ``F.cross_entropy(logits.float(), ...)``,
+    log_softmax and nll_loss): the log-probabilities' gradient (nll_loss's backward, dense) and the
+    logits' (log_softmax's backward, fused: no softmax made), 4 bytes each per logit beside the
+    saved log-probabilities (counted as the head's activations), then the gradient cast to the
+    compute dtype once the first is freed (4 + e); measured on the CPU with a dispatch mode that
+    tracks live storages: 8 bytes a logit (docs/calibration.md, "Activation memory"). Megatron's
+    own cross entropy rewrites its saved softmax in place and holds less: priced the same, an
+    upper bound. Otherwise the runtime's chunked loss (``runtime.schedule.ChunkedCrossEntropy``):
+    the logits' gradient in the compute dtype, written chunk by chunk, beside one chunk's fp32
+    softmax (c = ``loss_chunk_tokens`` tokens); its forward holds two such chunks (the fp32 logits
+    and logsumexp's exponentials)."""
     t = micro_batch * cm.seq_len
     logits = t * (cm.model.vocab // tp)
     if tp == 1 and cm.engine.loss == "chunked":
         chunk = loss_chunk_tokens(t, cm.model.vocab) * cm.model.vocab
         return max(cm.elem * logits + 4 * chunk, 8 * chunk) + 4 * t * cm.model.hidden
+    if tp == 1:
+        return max(8, 4 + cm.elem) * logits + 4 * t * cm.model.hidden
     return 12 * logits + (cm.elem * logits if cm.elem != 4 else 0) + 4 * t * cm.model.hidden
 
 
