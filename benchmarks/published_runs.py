@@ -66,7 +66,7 @@ from partita.search.uniform import split_blocks, stage_layer_names, strategy
 DEFAULT_RUNS = Path(__file__).with_name("published_runs.yaml")
 PRICINGS = ("exact", "closest", "not_expressible")
 METRICS = ("tokens_per_s_per_gpu", "tflops_per_gpu", "step_time_s")
-FLOPS_FORMULAS = ("megatron_recompute", "palm")
+FLOPS_FORMULAS = ("megatron_recompute", "palm", "megatron_core")
 OVERRIDES = ("memory_gib", "intra_node_gbps", "network_gbps")
 SOURCE_KEYS = ("title", "where", "url")
 DEVICE_FIGURES = ("memory_gib", "bf16_tflops", "fp16_tflops", "fp32_tflops", "hbm_gbps", "tdp_w", "power_limit_w",
@@ -108,6 +108,9 @@ class PublishedRun:
     # virtual stages a rank runs (the blocks split evenly over pp x virtual_stages slices).
     schedule: str = "1f1b"
     virtual_stages: int = 1
+    # Expert parallelism of a mixture-of-experts model: ep consecutive data-parallel ranks split
+    # the experts (search/experts.py), priced with balanced routing as ``partita plan`` does.
+    ep: int = 1
     differences: tuple[str, ...] = ()
     why: str = ""
     assumed: tuple[str, ...] = ()
@@ -126,7 +129,8 @@ class PublishedRun:
 
     @property
     def config(self) -> str:
-        parts = [f"tp{self.tp} pp{self.pp} dp{self.dp}", f"ZeRO-{self.zero}" if self.zero else "DDP"]
+        parts = [f"tp{self.tp} pp{self.pp} dp{self.dp}" + (f" ep{self.ep}" if self.ep > 1 else ""),
+                 f"ZeRO-{self.zero}" if self.zero else "DDP"]
         if self.sequence_parallel:
             parts.append("SP")
         parts.append(f"mb{self.micro_batch}x{self.num_micro_batches} gbs{self.global_batch} seq{self.seq_len}")
@@ -248,6 +252,7 @@ def run_from_dict(data: Any, where: str, devices: Sequence[DeviceType] = ()) -> 
         blocks_per_stage=tuple(data["blocks_per_stage"]) if data.get("blocks_per_stage") else None,
         schedule=specio.get_str(data, "schedule", where, choices=parallel.SCHEDULES) if "schedule" in data else "1f1b",
         virtual_stages=specio.get_int(data, "virtual_stages", where) if "virtual_stages" in data else 1,
+        ep=specio.get_int(data, "ep", where) if "ep" in data else 1,
         differences=tuple(_strings(data, "differences", where)), assumed=tuple(_strings(data, "assumed", where)),
         why=_optional_str(data, "why", where), notes=_optional_str(data, "notes", where),
         gap=_optional_str(data, "gap", where),
@@ -363,6 +368,10 @@ def _check_run(run: PublishedRun, where: str) -> None:
         # the first slice may hold the embedding alone and the last the head alone (Llama 3's layout)
         raise PartitaError(f"{where}: {run.model.n_layers} blocks cannot fill pp {run.pp} x virtual_stages "
                            f"{run.virtual_stages} slices")
+    if run.ep > 1 and not run.model.is_moe:
+        raise PartitaError(f"{where}: expert parallelism needs a mixture-of-experts model; {run.model.name} is dense")
+    if run.ep > 1 and (run.dp % run.ep or run.model.experts % run.ep):
+        raise PartitaError(f"{where}: ep {run.ep} must divide dp {run.dp} and the model's {run.model.experts} experts")
     why = parallel.tp_rule(run.model.kinds["block"], run.tp)
     if why:
         raise PartitaError(f"{where}: {why}")
@@ -385,6 +394,18 @@ def megatron_flops_per_token(model: ModelSpec, seq_len: int) -> float:
     return 96.0 * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
 
 
+def megatron_core_flops_per_token(model: ModelSpec, seq_len: int) -> float:
+    """FLOPs a token as Megatron-LM counts them since 2024 (megatron/training/training.py,
+    ``num_floating_point_operations``): 12 l h^2 ((1 + g + s/h) + f/h x k x 3/2 if gated) + 6 V h,
+    the attention's projections (g: kv heads over heads) and its scores over the whole sequence,
+    the MLP (k experts a token, f each), the output layer once; recomputation not counted."""
+    l, h, s, v = model.n_layers, model.hidden, seq_len, model.vocab
+    gated = 1.5 if model.family == "llama" else 1.0
+    routed = model.experts_per_token if model.is_moe else 1
+    attention = 1 + model.kv_heads / model.heads + s / h
+    return 12.0 * l * h * h * (attention + model.ffn / h * routed * gated) + 6.0 * v * h
+
+
 def measured_tokens_per_s_per_gpu(run: PublishedRun) -> float:
     m = run.measured
     if m.metric == "tokens_per_s_per_gpu":
@@ -395,6 +416,8 @@ def measured_tokens_per_s_per_gpu(run: PublishedRun) -> float:
         return m.value * 1e12 / megatron_flops_per_token(run.model, run.seq_len)
     if m.flops == "palm":
         return m.value * 1e12 / palm_flops_per_token(run.model, run.seq_len)
+    if m.flops == "megatron_core":
+        return m.value * 1e12 / megatron_core_flops_per_token(run.model, run.seq_len)
     raise PartitaError(f"{run.id}: no conversion for {m.metric} counted as {m.flops}")
 
 
@@ -421,6 +444,8 @@ def evaluate_run(run: PublishedRun) -> Evaluation:
 
 def _evaluate(run: PublishedRun) -> Evaluation:
     cm = CostModel(run.model, run.cluster, seq_len=run.seq_len, dtype=run.dtype, engine=run.engine)
+    if run.model.is_moe:
+        cm = cm.at_ep(run.ep)
     group = run.cluster.groups[0]
     def layers(names: Sequence[str]) -> list:
         return [strategy(run.model, name, tp=run.tp, sp=run.sequence_parallel, zero=run.zero,

@@ -109,6 +109,28 @@ def test_an_interleaved_run_is_priced_with_its_virtual_stages():
     assert "interleaved-1f1b v8" in run.config
 
 
+def test_a_mixture_of_experts_run_is_priced_with_its_expert_parallelism():
+    """Mixtral 8x7B under Megatron-Core at ep 8: its TFLOP/s as Megatron counts them (the two routed
+    experts of every token) give back its 44 % of the H100's peak, the all-to-alls reach the
+    prediction, and an ep that does not divide dp or the experts is refused."""
+    run = {r.id: r for r in RUNS}["mcore-mixtral-8x7b-64xH100-ep8"]
+    assert run.ep == 8 and "ep8" in run.config
+    m = run.model
+    per_token = (12 * m.n_layers * m.hidden ** 2 * (1 + m.kv_heads / m.heads + run.seq_len / m.hidden
+                                                    + m.ffn / m.hidden * m.experts_per_token * 1.5)
+                 + 6 * m.vocab * m.hidden)
+    assert pr.measured_tokens_per_s_per_gpu(run) == pytest.approx(438e12 / per_token)
+    assert pr.measured_tokens_per_s_per_gpu(run) * per_token / 989e12 == pytest.approx(0.443, abs=0.001)
+    at_ep = pr.evaluate_run(run).step_time_s
+    at_one = pr.evaluate_run(dataclasses.replace(run, ep=1)).step_time_s
+    assert at_ep != at_one
+    index = next(i for i, r in enumerate(RAW["runs"]) if r["id"] == run.id)
+    for ep, message in ((3, "ep 3 must divide dp 16"), (16, "ep 16 must divide dp 16 and the model's 8 experts")):
+        data = _with(index, ep=ep)
+        with pytest.raises(PartitaError, match=message):
+            pr.run_from_dict(data["runs"][0], "runs[0]")
+
+
 def test_mfu_of_a_published_row_matches_the_figure_its_source_prints():
     """torchtitan prints MFU beside tokens/s for the 70B A100 run (51.7 %) over the A100's 312
     TFLOP/s bf16 peak; its FLOPs per token then also counted the embedding table's parameters
@@ -143,6 +165,7 @@ def _with(run_index: int, **changes) -> dict:
     ({"schedule": "interleaved-1f1b"}, "needs virtual_stages of 2 or more"),
     ({"virtual_stages": 2}, "schedule 1f1b runs 1 virtual"),
     ({"schedule": "gpipe"}, "is not one of"),
+    ({"ep": 2}, "expert parallelism needs a mixture-of-experts model"),
 ])
 def test_bad_entries_are_refused_with_what_to_change(tmp_path, changes, message):
     path = tmp_path / "runs.yaml"
