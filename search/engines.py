@@ -71,7 +71,8 @@ The terms each behaviour selects, in one place each:
   ``DistributedOptimizer`` dispatches the first bucket's all-gather after the step and each
   forward pre-hook waits for its bucket and dispatches the next, megatron/core/optimizer/
   distrib_optimizer.py). Priced as the reductions are: the layer's gather joins its per-step
-  sync and the layer's first forward joins the window it hides behind (``layer_time``).
+  sync and the layer's first forward joins the window it hides behind, up to the gather's own
+  time (``layer_time``).
   "after_step" (DeepSpeed's ZeRO 1 and 2: ``all_gather_dp_groups`` right after the optimizer
   step, stage_1_and_2.py, before the next forward starts): exposed, charged with the step's
   update (the optimizer term).

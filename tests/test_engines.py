@@ -93,7 +93,8 @@ def test_the_updated_parameters_gather_runs_beside_the_next_forward_or_after_the
     keep = 1.0 - cm.time_constants(group.device).overlap_slowdown
     fwd, bwd, sync, gather = cm.zero_traffic("block", group, 1, 1, 32)
     assert 0 < gather < sync and (fwd, bwd) == (0.0, 0.0)
-    assert beside.overlap_window_s == pytest.approx(keep * (beside.forward_s + beside.backward_s))
+    assert beside.overlap_window_s == pytest.approx(keep * beside.backward_s + min(gather, keep * beside.forward_s))
+    assert beside.overlap_window_s > keep * beside.backward_s
     assert beside.dp_sync_s == pytest.approx(sync)
     assert after.overlap_window_s == pytest.approx(keep * after.backward_s)
     assert after.dp_sync_s == pytest.approx(sync - gather)

@@ -199,10 +199,11 @@ def layer_time(cm, role: str, group: NodeGroup, *, tp: int, sp: bool, zero: int,
     window = max(0.0, 1.0 - slowdown) * backward if cm.software.grad_sync == "overlapped" else 0.0
     # The updated parameters' once-a-step gather (search/engines.py, ``param_gather``): beside the
     # next step's first forward of the layer, which joins the window the per-step sync hides
-    # behind (the stage's reductions and gathers are priced together against the two passes), or
-    # exposed after the update, with it.
+    # behind up to the gather's own time (no reduction waits for the next forward; the stage's
+    # reductions and gathers are priced as one sync against the one window), or exposed after
+    # the update, with it.
     if gather and cm.engine.param_gather == "next_forward":
-        window += max(0.0, 1.0 - slowdown) * forward
+        window += min(gather, max(0.0, 1.0 - slowdown) * forward)
     elif gather:
         dp_sync -= gather
         optimizer += gather
