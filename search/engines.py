@@ -220,15 +220,18 @@ ENGINES: dict[str, Engine] = {
     # per block, torch pipelining), eager (async TP needs compile); its loss casts the logits to
     # fp32 (torchtitan/components/loss.py, cross_entropy_loss: pred.flatten(0, 1).float()).
     "torchtitan": Engine("torchtitan", loss="fp32"),
-    # Megatron-LM as partita export --to megatron writes it: Transformer Engine's cuDNN/flash
-    # attention (a FlashAttention-2-class kernel on every GPU it runs on), --overlap-grad-reduce,
+    # Megatron-LM as partita export --to megatron writes it: Transformer Engine's attention, which
+    # on Hopper and later prefers cuDNN's fused attention over FlashAttention ("Disabling
+    # FlashAttention to give FusedAttention preference on Hopper+", dot_product_attention/utils.py,
+    # get_attention_backend; since TE commit 225b560, 2023-12) and runs FlashAttention-2 on Ampere,
+    # where the cudnn curve is priced as FlashAttention-2's (search/roofline.py), --overlap-grad-reduce,
     # the interleaved schedule's p2p overlap (the training script's default), the column-parallel
     # input-gradient reductions beside the weight gradients (always on), selective recomputation of
     # the attention core alone (--recompute-granularity selective), --tp-comm-overlap under sequence
     # parallelism (Transformer Engine's userbuffers, set up by Megatron itself: initialize.py,
     # _initialize_tp_communicators, NCCL bootstrap by default since Transformer Engine 1.9),
     # its fused SwiGLU and GQA-native attention's saved tensors.
-    "megatron": Engine("megatron", attention="flash2", tp_overlap=True, p2p_overlap=True, dgrad_overlap=True,
+    "megatron": Engine("megatron", attention="cudnn", tp_overlap=True, p2p_overlap=True, dgrad_overlap=True,
                        selective_scope="attention", loss="fp32", fp16_grad_reduce=True,
                        sp_inputs="sharded", p2p_buffers="per_transfer", glu_saves="input", qkv_saves="fused"),
     # DeepSpeed as partita export --to deepspeed writes it (ZeRO 0-3 with overlap_comm): ZeRO-3's
