@@ -118,16 +118,23 @@ def _copies_out_alone(stage, moment: str) -> bool:
 def test_a_tied_heads_copy_is_priced():
     """A tied embedding and head on different stages: the last stage keeps its own copy of the
     weight (runtime/tied.py). Each rank's peak is the prediction within 10 %, and so are the
-    categories that hold the copy (weights, gathered weights, gradients, optimizer state). (The
-    activations and transients of gpt2 blocks are not compared here: their backward working
-    set is over-predicted, by 160 KiB on these ranks.)"""
+    categories that hold the copy's state for the whole step (weights, optimizer state: the
+    copy's fp32 shard is 14 % of the last stage's weights, so a rank without it fails). The
+    copy's gathered weights and gradient are not compared apart: the tracker records block
+    moments only, and the plan's peak here is the head's backward, so they can only be read at
+    the tracker's own peak, where they depend on which of two moments wins, and that on when
+    gloo's thread finishes the last micro-batch's asynchronous reduce-scatter (CI saw the last
+    stage's peak once at a moment holding 266 KB of gathered weights and 366 KB of gradients
+    against 466 KB each, the total within 10 %). (The activations and transients of gpt2 blocks
+    are not compared either: their backward working set is over-predicted, by 160 KiB on these
+    ranks.)"""
     plan = make_plan("tiny-gpt2", pp=2, dp=2, boundaries=[2], num_micro_batches=3, micro_batch=1, layer=dict(zero=1))
     prediction = predicted(plan)
     for rank, measured in enumerate(run_ranks(_measure_rank, plan.world_size, plan.to_dict(), CFG)):
         _, want = prediction[measured["stage"]]
         got, peak = measured["memory"], sum(measured["memory"].values())
         assert abs(peak - sum(want.values())) <= 0.10 * sum(want.values()), (rank, got, want)
-        for category in ("weights", "gathered_weights", "gradients", "optimizer"):
+        for category in ("weights", "optimizer"):
             assert abs(got[category] - want[category]) <= 0.10 * want[category], (rank, category, got, want)
 
 
