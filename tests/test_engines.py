@@ -106,6 +106,22 @@ def test_the_updated_parameters_gather_runs_beside_the_next_forward_or_after_the
         PARTITA.with_options({"param_gather": "never"})
 
 
+def test_megatron_prices_transformer_engines_attention_cudnn_on_hopper_flashattention_2_on_ampere():
+    """Transformer Engine prefers cuDNN's fused attention on Hopper (get_attention_backend,
+    "FusedAttention preference on Hopper+") and runs FlashAttention-2 on Ampere: the megatron
+    engine's kernel is faster than FlashAttention-2 on an H100 and the same on an A100."""
+    from partita.devices import get_device
+    from partita.search.roofline import attention_time_s
+
+    kernel = ENGINES["megatron"].attention
+    assert kernel == "cudnn"
+    h100, a100 = get_device("H100"), get_device("A100-80GB")
+    shape = dict(batch=1, heads=8, seq=8192, head_dim=128)
+    hopper = {k: sum(attention_time_s(h100, **shape, kernel=k)) for k in (kernel, "flash2")}
+    assert hopper[kernel] < 0.8 * hopper["flash2"]
+    assert attention_time_s(a100, **shape, kernel=kernel) == attention_time_s(a100, **shape, kernel="flash2")
+
+
 def test_tensor_parallel_overlap_hides_all_but_the_first_chunk_and_needs_sequence_parallelism():
     model, cluster = BUILTIN["llama-3-70b"], parse_short("1x8xH100")
     group = cluster.groups[0]
