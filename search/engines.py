@@ -117,9 +117,13 @@ The terms each behaviour selects, in one place each:
   ``schedules.deallocate_output_tensor``, which its training script turns on with
   ``deallocate_pipeline_outputs``): one buffer per direction in flight and no kept outputs.
 * ``loss``: "chunked" (Partita's runtime: runtime.schedule.ChunkedCrossEntropy, the logits kept in
-  the compute dtype and an fp32 chunk at a time) or "fp32" (the logits cast to fp32 before the
-  cross entropy, kept for its backward: torchtitan's ``cross_entropy_loss``, Megatron-Core's
-  vocab-parallel cross entropy, Hugging Face models under DeepSpeed); search/costs/memory.py.
+  the compute dtype and an fp32 chunk at a time), "fp32" (the logits cast to fp32 before torch's
+  cross entropy, the fp32 log-probabilities kept for its backward, which makes new gradients:
+  torchtitan's ``cross_entropy_loss``, Hugging Face models under DeepSpeed) or "fp32_in_place"
+  (Megatron-Core's vocab-parallel cross entropy: the fp32 logits turned into the softmax in place
+  and kept, the backward writing the gradient over it, ``VocabParallelCrossEntropy.
+  prepare_gradient_calculation_operands``: ``grad_input = softmax``; only the cast back to the
+  logits' dtype is new); search/costs/memory.py, ``loss_transient``.
 """
 
 from __future__ import annotations
@@ -141,7 +145,7 @@ P2P_BUFFERS = ("per_micro_batch", "per_transfer")
 ZERO2_GATHERS = ("micro_batch", "step")
 PARAM_GATHERS = ("next_forward", "after_step")
 SELECTIVE_SCOPES = ("ops", "attention")
-LOSSES = ("chunked", "fp32")
+LOSSES = ("chunked", "fp32", "fp32_in_place")
 SP_INPUTS = ("whole", "sharded")
 
 
@@ -232,7 +236,7 @@ ENGINES: dict[str, Engine] = {
     # _initialize_tp_communicators, NCCL bootstrap by default since Transformer Engine 1.9),
     # its fused SwiGLU and GQA-native attention's saved tensors.
     "megatron": Engine("megatron", attention="cudnn", tp_overlap=True, p2p_overlap=True, dgrad_overlap=True,
-                       selective_scope="attention", loss="fp32", fp16_grad_reduce=True,
+                       selective_scope="attention", loss="fp32_in_place", fp16_grad_reduce=True,
                        sp_inputs="sharded", p2p_buffers="per_transfer", glu_saves="input", qkv_saves="fused"),
     # DeepSpeed as partita export --to deepspeed writes it (ZeRO 0-3 with overlap_comm): ZeRO-3's
     # module-by-module gathers, ZeRO-2's parameters whole and gathered once a step, a Hugging Face

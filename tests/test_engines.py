@@ -175,6 +175,24 @@ def test_an_engine_whose_loss_casts_the_logits_to_fp32_holds_more_at_the_head():
     assert memory["torchtitan"].transient > 2.5 * memory["partita"].transient
 
 
+@pytest.mark.parametrize("tp", [1, 8])
+def test_megatron_writes_the_loss_gradient_over_its_kept_softmax(tp):
+    """Megatron-Core's vocab-parallel cross entropy keeps the fp32 softmax and writes the gradient
+    over it (``grad_input = softmax``): its head's backward adds only the gradient cast back to
+    bf16 and the head input's fp32 gradient, where the torch stack's loss makes new fp32 gradients
+    (8 bytes a logit at tp 1, measured; 14 under loss_parallel). Both keep the fp32 softmax or
+    log-probabilities, 4 bytes a logit."""
+    model, cluster = BUILTIN["llama-3-8b"], parse_short("1x8xH100")
+    head = strategy(model, "head", tp=tp, sp=False, zero=0, recompute="none")
+    memory = {name: CostModel(model, cluster, seq_len=4096, engine=ENGINES[name]).at_ep(1).layer_memory(
+        "head", "H100", head, dp=8 // tp, micro_batch=1, num_micro_batches=1) for name in ("megatron", "torchtitan")}
+    tokens, logits = 4096, 4096 * (model.vocab // tp)
+    assert ENGINES["megatron"].loss == "fp32_in_place"
+    assert memory["megatron"].transient == pytest.approx(2 * logits + 4 * tokens * model.hidden, abs=4096)
+    assert memory["torchtitan"].transient > 3 * memory["megatron"].transient
+    assert memory["megatron"].activations == pytest.approx(memory["torchtitan"].activations, rel=0.01)
+
+
 def test_plan_engine_is_recorded_searched_for_and_refused_when_unknown(tmp_path):
     out = tmp_path / "p.yaml"
     args = ["plan", "--model", "gpt2", "--cluster", "2x8xH100", "--global-batch", "64", "--search", "uniform", "-o"]

@@ -285,9 +285,9 @@ def loss_transient(cm, tp: int, micro_batch: int) -> int:
     logits' (log_softmax's backward, fused: no softmax made), 4 bytes each per logit beside the
     saved log-probabilities (counted as the head's activations), then the gradient cast to the
     compute dtype once the first is freed (4 + e); measured on the CPU with a dispatch mode that
-    tracks live storages: 8 bytes a logit (docs/calibration.md, "Activation memory"). Megatron's
-    own cross entropy rewrites its saved softmax in place and holds less: priced the same, an
-    upper bound. Otherwise the runtime's chunked loss (``runtime.schedule.ChunkedCrossEntropy``):
+    tracks live storages: 8 bytes a logit (docs/calibration.md, "Activation memory"). Megatron-Core's
+    cross entropy ("fp32_in_place", any tp) writes the gradient over its kept fp32 softmax: only the
+    gradient cast back to the compute dtype is new, e bytes a logit. Otherwise the runtime's chunked loss (``runtime.schedule.ChunkedCrossEntropy``):
     the logits' gradient in the compute dtype, written chunk by chunk, beside one chunk's fp32
     softmax (c = ``loss_chunk_tokens`` tokens); its forward holds two such chunks (the fp32 logits
     and logsumexp's exponentials)."""
@@ -296,6 +296,8 @@ def loss_transient(cm, tp: int, micro_batch: int) -> int:
     if tp == 1 and cm.engine.loss == "chunked":
         chunk = loss_chunk_tokens(t, cm.model.vocab) * cm.model.vocab
         return max(cm.elem * logits + 4 * chunk, 8 * chunk) + 4 * t * cm.model.hidden
+    if cm.engine.loss == "fp32_in_place":  # the gradient written over the kept softmax; the cast back is new
+        return (cm.elem * logits if cm.elem != 4 else 0) + 4 * t * cm.model.hidden
     if tp == 1:
         return max(8, 4 + cm.elem) * logits + 4 * t * cm.model.hidden
     return 12 * logits + (cm.elem * logits if cm.elem != 4 else 0) + 4 * t * cm.model.hidden
