@@ -1,6 +1,8 @@
-"""The fp32 loss's backward (torchtitan's and Hugging Face's ``F.cross_entropy(logits.float(), y)``
-at tp 1) as ``costs.memory.loss_transient`` prices it, against what eager torch holds: live
-storages tracked op by op with a dispatch mode on the CPU."""
+"""The fp32 loss's backward as ``costs.memory.loss_transient`` prices it, against what eager torch
+holds: at tp 1 (torchtitan's and Hugging Face's ``F.cross_entropy(logits.float(), y)``) live
+storages tracked op by op with a dispatch mode on the CPU; under a vocab-parallel head (torch's
+``loss_parallel``, Partita's runtime and torchtitan at tp > 1) torch's MemTracker on two gloo
+ranks, which follows DTensor's local storages."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from partita.search.costs.model import CostModel
 from partita.search.engines import ENGINES
 from partita.search.evaluate import evaluate_layout
 from partita.search.uniform import stage_layer_names, strategy
+from runtime_helpers import run_ranks
 
 
 class LiveBytes(TorchDispatchMode):
@@ -96,3 +99,39 @@ def test_llama_3_8b_at_32k_tokens_fits_as_torchtitan_ran_it():
     stage = ev.stages[0]
     assert stage.peak_at == "head backward"
     assert stage.peak_bytes <= stage.capacity
+
+
+def _loss_parallel_peak(rank: int, tokens: int, vocab_local: int, dtype_name: str) -> dict:
+    import torch.distributed as dist
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    mesh = DeviceMesh("cpu", list(range(dist.get_world_size())))
+    torch.manual_seed(rank)
+    logits = torch.randn(tokens, vocab_local, dtype=getattr(torch, dtype_name), requires_grad=True)
+    targets = torch.randint(0, vocab_local * dist.get_world_size(), (tokens,))
+    tracker = MemTracker()
+    tracker.track_external(logits)
+    with tracker, loss_parallel():  # as runtime.schedule.LossFunction runs it
+        shards = DTensor.from_local(logits.float(), mesh, [Shard(1)], run_check=False)
+        loss = F.cross_entropy(shards, targets).to_local()
+        del shards
+        gc.collect()
+        loss.backward()
+    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
+    return {str(k.value) if hasattr(k, "value") else str(k): v for k, v in peak.items()}
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_vocab_parallel_loss_backward_holds_what_the_cost_model_prices(dtype):
+    tokens, vocab_local, hidden = 512, 4096, 32
+    peak = run_ranks(_loss_parallel_peak, 2, tokens, vocab_local, dtype)[0]
+    logit_count = tokens * vocab_local
+    assert peak["Activation"] == pytest.approx(4 * logit_count, rel=0.01)  # the saved fp32 log-probabilities
+    model = dataclasses.replace(BUILTIN["llama-3-8b"], vocab=2 * vocab_local, hidden=hidden * 32)
+    cm = CostModel(model, parse_short("1x8xH100"), seq_len=tokens, dtype="bf16" if dtype == "bfloat16" else "fp32",
+                   engine=ENGINES["torchtitan"])
+    priced = loss_transient(cm, 2, 1) - 4 * tokens * model.hidden  # the head input's gradient, priced apart
+    assert peak["Temp"] == pytest.approx(priced, rel=0.01)

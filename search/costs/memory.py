@@ -278,8 +278,10 @@ def block_backward_transient(cm, tp: int, micro_batch: int) -> int:
 def loss_transient(cm, tp: int, micro_batch: int) -> int:
     """The loss's backward on this rank's vocab/tp logits (t tokens) and the gradient of the
     head's input (4 t h). A vocab-parallel head (tp > 1: torch's ``loss_parallel``): the gradient
-    of the fp32 log-probabilities and of the fp32 logits, the softmax it recomputes (4 bytes each
-    per logit), the gradient cast back to the compute dtype. At tp 1, an engine whose loss takes
+    of the fp32 log-probabilities and of the fp32 logits and the softmax it recomputes, 4 bytes
+    each per logit beside the saved log-probabilities; the gradient's cast back to the compute
+    dtype comes after that peak (measured with torch's MemTracker on two gloo ranks, bf16 and
+    fp32 logits alike: 12 bytes a logit; ``tests/test_fp32_loss_memory.py``). At tp 1, an engine whose loss takes
     the logits in fp32 (search/engines.py, ``loss``: ``F.cross_entropy(logits.float(), ...)``,
     log_softmax and nll_loss): the log-probabilities' gradient (nll_loss's backward, dense) and the
     logits' (log_softmax's backward, fused: no softmax made), 4 bytes each per logit beside the
@@ -300,7 +302,7 @@ def loss_transient(cm, tp: int, micro_batch: int) -> int:
         return (cm.elem * logits if cm.elem != 4 else 0) + 4 * t * cm.model.hidden
     if tp == 1:
         return max(8, 4 + cm.elem) * logits + 4 * t * cm.model.hidden
-    return 12 * logits + (cm.elem * logits if cm.elem != 4 else 0) + 4 * t * cm.model.hidden
+    return 12 * logits + 4 * t * cm.model.hidden
 
 
 def chunked_loss_saved(cm, micro_batch: int) -> int:
