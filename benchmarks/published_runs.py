@@ -368,13 +368,10 @@ def _check_run(run: PublishedRun, where: str) -> None:
         # the first slice may hold the embedding alone and the last the head alone (Llama 3's layout)
         raise PartitaError(f"{where}: {run.model.n_layers} blocks cannot fill pp {run.pp} x virtual_stages "
                            f"{run.virtual_stages} slices")
-    if run.ep > 1 and not run.model.is_moe:
-        raise PartitaError(f"{where}: expert parallelism needs a mixture-of-experts model; {run.model.name} is dense")
-    if run.ep > 1 and (run.dp % run.ep or run.model.experts % run.ep):
-        raise PartitaError(f"{where}: ep {run.ep} must divide dp {run.dp} and the model's {run.model.experts} experts")
-    why = parallel.tp_rule(run.model.kinds["block"], run.tp)
-    if why:
-        raise PartitaError(f"{where}: {why}")
+    block = run.model.kinds["block"]
+    for why in (parallel.ep_rule(block, run.ep, run.dp), parallel.tp_rule(block, run.tp)):
+        if why:
+            raise PartitaError(f"{where}: {why}")
     if run.sequence_parallel and run.tp == 1:
         raise PartitaError(f"{where}: sequence parallelism needs tp > 1")
 

@@ -125,8 +125,12 @@ def test_a_mixture_of_experts_run_is_priced_with_its_expert_parallelism():
     at_one = pr.evaluate_run(dataclasses.replace(run, ep=1)).step_time_s
     assert at_ep != at_one
     index = next(i for i, r in enumerate(RAW["runs"]) if r["id"] == run.id)
-    for ep, message in ((3, "ep 3 must divide dp 16"), (16, "ep 16 must divide dp 16 and the model's 8 experts")):
-        data = _with(index, ep=ep)
+    # the plan validator's rule (parallel.ep_rule): ep divides the experts and dp
+    for changes, message in ((dict(ep=16), r"experts \(8\) are not divisible by expert-parallel degree 16"),
+                             (dict(ep=3), r"experts \(8\) are not divisible by expert-parallel degree 3"),
+                             (dict(ep=8, pp=16, dp=4, virtual_stages=2),
+                              r"data-parallel degree 4 is not divisible by expert-parallel degree 8")):
+        data = _with(index, **changes)
         with pytest.raises(PartitaError, match=message):
             pr.run_from_dict(data["runs"][0], "runs[0]")
 
@@ -165,7 +169,7 @@ def _with(run_index: int, **changes) -> dict:
     ({"schedule": "interleaved-1f1b"}, "needs virtual_stages of 2 or more"),
     ({"virtual_stages": 2}, "schedule 1f1b runs 1 virtual"),
     ({"schedule": "gpipe"}, "is not one of"),
-    ({"ep": 2}, "expert parallelism needs a mixture-of-experts model"),
+    ({"ep": 2}, r"expert parallelism \(ep 2\) needs a mixture-of-experts model"),
 ])
 def test_bad_entries_are_refused_with_what_to_change(tmp_path, changes, message):
     path = tmp_path / "runs.yaml"
