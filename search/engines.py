@@ -173,25 +173,13 @@ class Engine:
 
     def __post_init__(self) -> None:
         Software(attention=self.attention, grad_sync=self.grad_sync)  # its checks of the two names
-        if self.zero3_gathers not in ZERO3_GATHERS:
-            raise PartitaError(f"unknown zero3_gathers {self.zero3_gathers!r}; valid: {', '.join(ZERO3_GATHERS)}")
-        if self.selective_scope not in SELECTIVE_SCOPES:
-            raise PartitaError(f"unknown selective_scope {self.selective_scope!r}; "
-                               f"valid: {', '.join(SELECTIVE_SCOPES)}")
-        if self.zero2_gather not in ZERO2_GATHERS:
-            raise PartitaError(f"unknown zero2_gather {self.zero2_gather!r}; valid: {', '.join(ZERO2_GATHERS)}")
-        if self.param_gather not in PARAM_GATHERS:
-            raise PartitaError(f"unknown param_gather {self.param_gather!r}; valid: {', '.join(PARAM_GATHERS)}")
-        if self.loss not in LOSSES:
-            raise PartitaError(f"unknown loss {self.loss!r}; valid: {', '.join(LOSSES)}")
-        if self.p2p_buffers not in P2P_BUFFERS:
-            raise PartitaError(f"unknown p2p_buffers {self.p2p_buffers!r}; valid: {', '.join(P2P_BUFFERS)}")
-        if self.sp_inputs not in SP_INPUTS:
-            raise PartitaError(f"unknown sp_inputs {self.sp_inputs!r}; valid: {', '.join(SP_INPUTS)}")
-        if self.glu_saves not in GLU_SAVES:
-            raise PartitaError(f"unknown glu_saves {self.glu_saves!r}; valid: {', '.join(GLU_SAVES)}")
-        if self.qkv_saves not in QKV_SAVES:
-            raise PartitaError(f"unknown qkv_saves {self.qkv_saves!r}; valid: {', '.join(QKV_SAVES)}")
+        for name, valid in (("zero3_gathers", ZERO3_GATHERS), ("selective_scope", SELECTIVE_SCOPES),
+                            ("zero2_gather", ZERO2_GATHERS), ("param_gather", PARAM_GATHERS), ("loss", LOSSES),
+                            ("p2p_buffers", P2P_BUFFERS), ("sp_inputs", SP_INPUTS), ("glu_saves", GLU_SAVES),
+                            ("qkv_saves", QKV_SAVES)):
+            value = getattr(self, name)
+            if value not in valid:
+                raise PartitaError(f"unknown {name} {value!r}; valid: {', '.join(valid)}")
 
     @property
     def software(self) -> Software:

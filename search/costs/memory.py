@@ -277,22 +277,25 @@ def block_backward_transient(cm, tp: int, micro_batch: int) -> int:
 
 def loss_transient(cm, tp: int, micro_batch: int) -> int:
     """The loss's backward on this rank's vocab/tp logits (t tokens) and the gradient of the
-    head's input (4 t h). A vocab-parallel head (tp > 1: torch's ``loss_parallel``): the gradient
-    of the fp32 log-probabilities and of the fp32 logits and the softmax it recomputes, 4 bytes
-    each per logit beside the saved log-probabilities; the gradient's cast back to the compute
-    dtype comes after that peak (measured with torch's MemTracker on two gloo ranks, bf16 and
-    fp32 logits alike: 12 bytes a logit; ``tests/test_fp32_loss_memory.py``). At tp 1, an engine whose loss takes
-    the logits in fp32 (search/engines.py, ``loss``: ``F.cross_entropy(logits.float(), ...)``,
-    log_softmax and nll_loss): the log-probabilities' gradient (nll_loss's backward, dense) and the
-    logits' (log_softmax's backward, fused: no softmax made), 4 bytes each per logit beside the
-    saved log-probabilities (counted as the head's activations), then the gradient cast to the
-    compute dtype once the first is freed (4 + e); measured on the CPU with a dispatch mode that
-    tracks live storages: 8 bytes a logit (docs/calibration.md, "Activation memory"). Megatron-Core's
-    cross entropy ("fp32_in_place", any tp) writes the gradient over its kept fp32 softmax: only the
-    gradient cast back to the compute dtype is new, e bytes a logit. Otherwise the runtime's chunked loss (``runtime.schedule.ChunkedCrossEntropy``):
-    the logits' gradient in the compute dtype, written chunk by chunk, beside one chunk's fp32
-    softmax (c = ``loss_chunk_tokens`` tokens); its forward holds two such chunks (the fp32 logits
-    and logsumexp's exponentials)."""
+    head's input (4 t h), beside what the loss keeps (the head's activations):
+
+    * a vocab-parallel head (tp > 1: torch's ``loss_parallel``): the gradients of the fp32
+      log-probabilities and of the fp32 logits and the softmax it recomputes, 4 bytes each per
+      logit; the gradient's cast back to the compute dtype comes after that peak (measured with
+      torch's MemTracker on two gloo ranks, bf16 and fp32 logits alike: 12 bytes a logit;
+      ``tests/test_fp32_loss_memory.py``);
+    * at tp 1, an engine whose loss takes the logits in fp32 (search/engines.py, ``loss``:
+      ``F.cross_entropy(logits.float(), ...)``, log_softmax and nll_loss): the log-probabilities'
+      gradient (nll_loss's backward, dense) and the logits' (log_softmax's backward, fused: no
+      softmax made), 4 bytes each, then the cast to the compute dtype once the first is freed
+      (4 + e); measured on the CPU with a dispatch mode that tracks live storages: 8 bytes a
+      logit (docs/calibration.md, "Activation memory");
+    * Megatron-Core's cross entropy ("fp32_in_place", any tp): the gradient written over its kept
+      fp32 softmax, only the cast back to the compute dtype new, e bytes a logit;
+    * the runtime's chunked loss (``runtime.schedule.ChunkedCrossEntropy``): the logits' gradient
+      in the compute dtype, written chunk by chunk, beside one chunk's fp32 softmax (c =
+      ``loss_chunk_tokens`` tokens); its forward holds two such chunks (the fp32 logits and
+      logsumexp's exponentials)."""
     t = micro_batch * cm.seq_len
     logits = t * (cm.model.vocab // tp)
     if tp == 1 and cm.engine.loss == "chunked":
