@@ -106,7 +106,8 @@ class StepMemory:
                  buffers: list[torch.Tensor] = ()) -> None:
         self.device = device
         # Tensors allocated before the step and kept through it that the trackers do not know
-        # (the pipeline schedule's receive buffers): counted here, whole.
+        # (receive buffers a pipeline stage holds between steps: none in Partita's runtime,
+        # ``schedule.ReceiveOnDemandStage``): counted here, whole.
         self.buffer_bytes = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in buffers}.values())
         if isinstance(model, FSDPModule):
             self.tracker: MemTracker = _FSDPStepTracker(model, optimizer)

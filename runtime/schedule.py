@@ -16,7 +16,8 @@ gradient policy per micro-batch (``set_gradient_sync``): the pipeline runner doe
 hook on the stage output, which fires when that micro-batch's backward reaches the stage
 (under a zero-bubble schedule once for the whole step: ``reduce_after_split_backward``).
 Neither keeps a micro-batch's logits beyond its own loss and backward (the pipeline schedule
-runs with ``return_outputs=False``), the loss is computed a chunk of tokens at a time
+runs with ``return_outputs=False``), the pipeline's receive buffers hold memory only while a
+transfer needs them (``ReceiveOnDemandStage``), the loss is computed a chunk of tokens at a time
 (``lm_loss``: no fp32 copy of the logits), and a vocab-parallel head's logits are never gathered
 (``LossFunction``).
 """
@@ -134,6 +135,9 @@ class MicroBatchRunner:
     def receive_buffers(self) -> list[torch.Tensor]:
         return []
 
+    def receive_peak_bytes(self) -> int:
+        return 0
+
     def __init__(self, model: nn.Module, units: list[ShardedLayer], num_micro_batches: int,
                  loss: LossFunction | None = None, timer: PhaseTimer | None = None,
                  loss_factor: float | None = None) -> None:
@@ -171,6 +175,86 @@ MULTI_STAGE = {
 # The schedules that split a stage's backward into its input gradient (I) and its weight
 # gradient (W), run later to fill the pipeline's bubble.
 ZERO_BUBBLE = ("interleaved-zb", "zbv")
+
+
+class ReceiveOnDemandStage(PipelineStage):
+    """A ``PipelineStage`` whose receive buffers hold memory only while a transfer needs them.
+
+    ``torch.distributed.pipelining`` allocates one receive buffer per micro-batch and direction
+    when a step first runs and keeps them all for good: a stage of an interleaved schedule with
+    many micro-batches holds gigabytes of buffers that no micro-batch in flight uses. Here each
+    buffer is allocated when its receive is posted (``get_fwd_recv_ops``, ``get_bwd_recv_ops``)
+    and let go of once the chunk that reads it has run: a received activation is then the stage
+    input the schedule keeps for that micro-batch's backward (its first block's saved input,
+    freed with it), and a received gradient lives through its backward only. In between, a
+    buffer is a meta tensor of its shape, dtype and ``requires_grad``, which allocates nothing.
+    Only the stage's public per-chunk methods and its ``args_recv_info`` / ``grad_recv_info``
+    are relied on (their ``buffer`` attribute), and the two ``_prepare_*_infra`` hooks that
+    allocate the buffers when the first step starts: on a torch whose hooks are named otherwise
+    the first step's buffers stay until each is used once."""
+
+    def _prepare_forward_infra(self, *args, **kwargs):
+        out = super()._prepare_forward_infra(*args, **kwargs)
+        for infos in self.args_recv_info.values():
+            _release(infos)
+        return out
+
+    def _prepare_backward_infra(self, *args, **kwargs):
+        out = super()._prepare_backward_infra(*args, **kwargs)
+        for infos in self.grad_recv_info.values():
+            _release(infos)
+        return out
+
+    receive_peak_bytes = 0  # the most bytes this stage's receive buffers held at once
+
+    def get_fwd_recv_ops(self, fwd_chunk_id: int):
+        _allocate(self.args_recv_info.get(fwd_chunk_id, ()), self.device)
+        self._note_held()
+        return super().get_fwd_recv_ops(fwd_chunk_id)
+
+    def get_bwd_recv_ops(self, bwd_chunk_id: int):
+        _allocate(self.grad_recv_info.get(bwd_chunk_id, ()), self.device)
+        self._note_held()
+        return super().get_bwd_recv_ops(bwd_chunk_id)
+
+    def held_receive_buffers(self) -> list[torch.Tensor]:
+        """The receive buffers that hold memory now."""
+        infos = (*self.args_recv_info.values(), *self.grad_recv_info.values())
+        return [i.buffer for info in infos for i in info
+                if isinstance(getattr(i, "buffer", None), torch.Tensor) and i.buffer.device.type != "meta"]
+
+    def _note_held(self) -> None:
+        held = sum(t.untyped_storage().nbytes() for t in self.held_receive_buffers())
+        self.receive_peak_bytes = max(self.receive_peak_bytes, held)
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
+        try:
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        finally:
+            _release(self.args_recv_info.get(fwd_chunk_id, ()))
+
+    def backward_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):
+        try:
+            return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+        finally:
+            _release(self.grad_recv_info.get(bwd_chunk_id, ()))
+
+
+def _release(infos) -> None:
+    """Replace each received tensor by a meta tensor like it (whoever still uses the tensor, the
+    schedule's forward cache or autograd, keeps it alive; nothing else does)."""
+    for info in infos:
+        buffer = getattr(info, "buffer", None)
+        if isinstance(buffer, torch.Tensor) and buffer.device.type != "meta":
+            info.buffer = torch.empty_like(buffer, device="meta").requires_grad_(buffer.requires_grad)
+
+
+def _allocate(infos, device: torch.device) -> None:
+    """Give each released receive buffer memory again, for the receive about to be posted."""
+    for info in infos:
+        buffer = getattr(info, "buffer", None)
+        if isinstance(buffer, torch.Tensor) and buffer.device.type == "meta":
+            info.buffer = torch.empty_like(buffer, device=device).requires_grad_(buffer.requires_grad)
 
 
 class _StageModule(nn.Module):
@@ -280,8 +364,8 @@ class PipelineRunner:
             inputs = meta(b, s, dtype=torch.int64) if first else meta(b, shard, spec_hidden)
             outputs = meta(b, s, vocab) if last else meta(b, shard, spec_hidden)
             self.modules.append(module)
-            self.stages.append(PipelineStage(module, index, n_stages, device, input_args=inputs, output_args=outputs,
-                                             group=meshes.pp.get_group()))
+            self.stages.append(ReceiveOnDemandStage(module, index, n_stages, device, input_args=inputs,
+                                                    output_args=outputs, group=meshes.pp.get_group()))
         self.loss_scale = 1.0
         self.timer = timer or PhaseTimer(device)
         self._time_stage_chunks()
@@ -316,12 +400,15 @@ class PipelineRunner:
             return self.loss(logits, targets) * (self.loss_scale * self.weight)
 
     def receive_buffers(self) -> list[torch.Tensor]:
-        """The schedule's receive buffers (one per micro-batch for activations on every stage but
-        the first, and for gradients on every stage but the last, each b x s/tp x h under tensor
-        parallelism: ``Plan.boundary_split``), allocated at the first step and kept."""
-        infos = [info for stage in self.stages
-                 for info in (*stage.args_recv_info.values(), *stage.grad_recv_info.values())]
-        return [i.buffer for info in infos for i in info if isinstance(getattr(i, "buffer", None), torch.Tensor)]
+        """The schedule's receive buffers that hold memory now (each b x s/tp x h under tensor
+        parallelism: ``Plan.boundary_split``). Between steps none does: each is allocated when
+        its receive is posted and let go of after its chunk (``ReceiveOnDemandStage``)."""
+        return [t for stage in self.stages for t in stage.held_receive_buffers()]
+
+    def receive_peak_bytes(self) -> int:
+        """The most bytes the receive buffers held at once, summed over this rank's stages (a
+        bound on the rank's own most: its stages' peaks need not coincide)."""
+        return sum(stage.receive_peak_bytes for stage in self.stages)
 
     def run(self, inputs: torch.Tensor, targets: torch.Tensor, loss_scale: float = 1.0) -> torch.Tensor | None:
         for module in self.modules:

@@ -103,9 +103,9 @@ def price_states(p: Problem, caps: tuple[int, ...], slots: int) -> np.ndarray | 
 
 def _slot_floor(p: Problem, r: int, k: int) -> int:
     """Memory any stage in slot r holds besides its layers' own terms, whatever the pipeline's
-    depth: a used slot r >= 1 is not the last stage, so the schedule keeps a gradient receive
-    buffer per micro-batch and its output per micro-batch in flight (``pipeline_memory``)."""
-    return (p.shape.num_micro_batches + k) * p.output_bytes if r >= 1 else 0
+    depth: a used slot r >= 1 is not the last stage, so the schedule keeps its gradient receive
+    buffers and its output per micro-batch in flight (``pipeline_memory``)."""
+    return p.receive_bytes + k * p.output_bytes if r >= 1 else 0
 
 
 class StageFit:
@@ -163,11 +163,11 @@ class StageFit:
         """Least time of n blocks in each (group, slot) when blocks may mix choices fractionally:
         n x the (memory, time) envelope of the allowed choices at the slot's room / n (the LP
         relaxation of the stage; transients left out). ``first``: a slot that may hold the first
-        stage; otherwise (tighter) one that keeps an activation receive buffer per micro-batch."""
+        stage; otherwise (tighter) one that keeps its activation receive buffers."""
         p, N = self.p, self.p.n_blocks
         n = np.arange(1, N + 1, dtype=float)
         head_room = p.head.least("static_bytes")
-        recv = 0 if first else self.m * p.output_bytes
+        recv = 0 if first else p.receive_bytes
         rows = []
         for g in range(len(p.groups)):
             row = []

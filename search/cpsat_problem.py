@@ -10,7 +10,7 @@ from typing import Sequence
 
 from partita.cluster import NodeGroup
 from partita.plan import LayerStrategy, boundary_split, gives_whole
-from partita.search.costs.memory import kept_output_bytes
+from partita.search.costs.memory import activation_message_bytes, kept_output_bytes, receive_buffers
 from partita.search.costs.model import CostModel
 from partita.search.costs.stage import boundary_gather_s, boundary_s, canonical_order, choice_of, stage_cost_counts
 from partita.search.uniform import (SearchSpace, batch_shares, batch_splits, divisors, hosts, device_price, layer_tp,
@@ -90,6 +90,7 @@ class Problem:
     extra_last: tuple[tuple[int, ...], ...] = ()
     extra_alone: tuple[tuple[int, ...], ...] = ()
     output_bytes: int = 0  # a stage's output (micro_batch x seq x hidden, or its 1/tp shard), kept per micro-batch in flight
+    receive_bytes: int = 0  # the receive buffers a stage holds per direction (``costs.memory.receive_buffers``)
     # [g]: one all-gather of a split boundary's shards on group g (0: boundaries carry whole
     # hidden states), paid by a stage for each end block that is not sequence-parallel
     # (``costs.stage.boundary_gathers``): its first if it receives, its last if it sends.
@@ -271,6 +272,8 @@ def _build_problem(cm: CostModel, shape: Shape, space: SearchSpace) -> Problem |
                    block=block, embed=embed, head=head, p2p_us=p2p, capacity_bytes=capacity, lower_bound_us=lb,
                    tied=cm.model.tie_embeddings, pipeline=space.pipeline,
                    output_bytes=to_grains(kept_output_bytes(cm, shape.micro_batch, shape.tp)),
+                   receive_bytes=to_grains(receive_buffers(cm, shape.num_micro_batches)
+                                           * activation_message_bytes(cm, shape.micro_batch, shape.tp)),
                    gather_us=tuple(_gather_us(cm, g, shape) for g in groups),
                    step_overhead_us=to_us(cm.step_overhead_s))
 

@@ -108,10 +108,15 @@ The terms each behaviour selects, in one place each:
   the recomputed forward and once more for the modules whose reuse lies beyond
   ``stage3_max_reuse_distance`` (``recompute_regathers``; ``layer_time.zero3_recompute_s``).
 * ``p2p_buffers``: what a pipeline stage holds for its transfers (``costs.memory.pipeline_memory``).
-  "per_micro_batch" (``torch.distributed.pipelining``: a receive buffer per micro-batch and
-  direction for every virtual stage, allocated once, and each stage output kept until its
-  backward: Partita's runtime, torchtitan; DeepSpeed's pipeline engine too, which keeps a buffer
-  per micro-batch in flight, priced so as the safe side) or "per_transfer" (Megatron-LM: each
+  "per_micro_batch" (``torch.distributed.pipelining`` as it comes: a receive buffer per
+  micro-batch and direction for every virtual stage, allocated once, and each stage output kept
+  until its backward: torchtitan; DeepSpeed's pipeline engine too, which keeps a buffer per
+  micro-batch in flight, priced so as the safe side), "on_receive" (Partita's runtime: torch's
+  schedules with each receive buffer allocated when its receive is posted and let go of after
+  its chunk, ``runtime.schedule.ReceiveOnDemandStage``: a received activation becomes the stage
+  input kept for that micro-batch's backward, which is its first block's saved input and counted
+  with its activations; a received gradient lives through its backward only; stage outputs kept
+  as torch keeps them) or "per_transfer" (Megatron-LM: each
   receive is allocated when posted, ``p2p_communication._communicate``, and becomes the next
   layer's input, counted with its activations; a sent output's storage is freed at once,
   ``schedules.deallocate_output_tensor``, which its training script turns on with
@@ -141,7 +146,7 @@ ZERO3_GATHERS = ("layer", "module")
 # DeepSpeed's ZeRO reduce_bucket_size default (elements): gradients are reduced through a bucket
 # of this size (deepspeed/runtime/zero/config.py, 5e8); ``Engine.reduce_bucket``.
 DEEPSPEED_REDUCE_BUCKET = 500_000_000
-P2P_BUFFERS = ("per_micro_batch", "per_transfer")
+P2P_BUFFERS = ("per_micro_batch", "on_receive", "per_transfer")
 ZERO2_GATHERS = ("micro_batch", "step")
 PARAM_GATHERS = ("next_forward", "after_step")
 SELECTIVE_SCOPES = ("ops", "attention")
@@ -205,9 +210,9 @@ class Engine:
 
 ENGINES: dict[str, Engine] = {
     # partita launch: torch SDPA (the H200 fit), FSDP2 units per block, DDP/FSDP2 reductions as
-    # the backward frees each layer's gradients, torch.distributed.pipelining (blocking sends),
-    # the chunked loss.
-    "partita": Engine("partita"),
+    # the backward frees each layer's gradients, torch.distributed.pipelining (blocking sends)
+    # with receive buffers allocated as receives are posted, the chunked loss.
+    "partita": Engine("partita", p2p_buffers="on_receive"),
     # torchtitan as partita export --to torchtitan writes it: the same torch stack (SDPA, FSDP2
     # per block, torch pipelining), eager (async TP needs compile); its loss casts the logits to
     # fp32 (torchtitan/components/loss.py, cross_entropy_loss: pred.flatten(0, 1).float()).

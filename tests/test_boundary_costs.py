@@ -20,7 +20,7 @@ from partita.devices import get_device
 from partita.model import ModelSpec
 from partita.model_io import load_model
 from partita.plan import LayerStrategy, boundary_split
-from partita.search.costs.memory import activation_message_bytes
+from partita.search.costs.memory import activation_message_bytes, receive_buffers
 from partita.search.costs.model import CostModel
 from partita.search.costs.stage import boundary_gather_s, boundary_gathers, boundary_s, choice_of
 from partita.search.evaluate import evaluate_layout, evaluate_plan
@@ -62,7 +62,7 @@ def test_a_split_boundary_sends_shards_and_gathers_at_whole_ends(sp_last, sp_fir
     assert receiver.p2p_s == pytest.approx(transfers + (not sp_first) * gather)
     # the schedule's receive buffers (gradients on the first stage, activations on the second)
     # and the output the first keeps per micro-batch in flight: shards
-    assert sender.pipeline_buffers == receiver.pipeline_buffers == m * shard
+    assert sender.pipeline_buffers == receiver.pipeline_buffers == receive_buffers(cm, m) * shard
     assert sender.output_per_mb == shard
 
 
@@ -76,7 +76,7 @@ def test_a_sequence_that_does_not_split_crosses_whole_and_gathers_nothing():
     whole = activation_message_bytes(cm, 1)
     assert activation_message_bytes(cm, 1, 8) == whole
     assert [s.p2p_s for s in ev.stages] == [boundary_s(cm, g, g, dp=1, tp=8, micro_batch=1)] * 2
-    assert ev.stages[0].pipeline_buffers == 4 * whole
+    assert ev.stages[0].pipeline_buffers == receive_buffers(cm, 4) * whole
 
 
 def test_boundary_gathers_by_end_layers():

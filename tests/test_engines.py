@@ -15,6 +15,7 @@ from partita.errors import PartitaError
 from partita.model import BUILTIN
 from partita.parallel import ENGINES as NAMES
 from partita.plan import Plan
+from partita.search.costs.memory import ON_RECEIVE_BUFFERS
 from partita.search.costs.model import CostModel
 from partita.search.engines import ENGINES, get_engine, linear_modules
 from partita.search.evaluate import evaluate_interleaved, evaluate_layout
@@ -414,29 +415,36 @@ def test_megatron_keeps_the_linears_inputs_as_sequence_shards():
 
 
 def test_megatron_allocates_each_receive_as_it_posts_it_and_frees_a_sent_output():
-    """``p2p_buffers``: torch.distributed.pipelining holds a receive buffer per micro-batch and
-    direction and keeps every stage output (and the last stage's logits) until its backward;
-    Megatron-LM holds the one receive in flight per direction and frees what it sent. Only the
-    pipeline's own bytes change: the layers' activations and the step time stay."""
+    """``p2p_buffers``: torch.distributed.pipelining as it comes (torchtitan) holds a receive
+    buffer per micro-batch and direction and keeps every stage output (and the last stage's
+    logits) until its backward; Partita's runtime allocates each receive as it posts it and keeps
+    the outputs as torch does; Megatron-LM holds the one receive in flight per direction and frees
+    what it sent. Only the pipeline's own bytes change: the layers' activations and the step time
+    stay."""
     model, cluster = BUILTIN["llama-2-13b"], parse_short("4x8xH100")
     group, m = cluster.groups[0], 8
     names = stage_layer_names(model, [10, 10, 10, 10])
     stages = [(group, [strategy(model, n, tp=8, sp=True, zero=1, recompute="full") for n in stage]) for stage in names]
     kw = dict(dp=1, tp=8, micro_batch=1, num_micro_batches=m)
-    per_mb = CostModel(model, cluster, seq_len=4096)
-    per_transfer = CostModel(model, cluster, seq_len=4096, engine=PARTITA.with_options({"p2p_buffers": "per_transfer"}))
-    a, b = evaluate_layout(per_mb, stages, **kw), evaluate_layout(per_transfer, stages, **kw)
+    per_mb, on_receive, per_transfer = (
+        CostModel(model, cluster, seq_len=4096, engine=PARTITA.with_options({"p2p_buffers": mode}))
+        for mode in ("per_micro_batch", "on_receive", "per_transfer"))
+    a, c, b = (evaluate_layout(cm, stages, **kw) for cm in (per_mb, on_receive, per_transfer))
     msg = 4096 // 8 * model.hidden * 2  # a rank's sequence shard of one micro-batch's hidden states
-    middle_a, middle_b = a.stages[1], b.stages[1]
+    middle_a, middle_c, middle_b = a.stages[1], c.stages[1], b.stages[1]
     assert middle_a.pipeline_buffers == pytest.approx(2 * m * msg, rel=0.01)
+    assert middle_c.pipeline_buffers == pytest.approx(2 * ON_RECEIVE_BUFFERS * msg, rel=0.01)
     assert middle_b.pipeline_buffers == pytest.approx(2 * msg, rel=0.01)
-    assert middle_a.output_per_mb == pytest.approx(msg, rel=0.01) and middle_b.output_per_mb == 0
-    assert a.stages[-1].retained_output > 0 and b.stages[-1].retained_output == 0
-    for x, y in zip(a.stages, b.stages):
-        assert x.activations_per_mb == y.activations_per_mb
-        assert y.peak_bytes < x.peak_bytes
-    assert a.step_time_s == pytest.approx(b.step_time_s)
-    assert ENGINES["megatron"].p2p_buffers == "per_transfer" and PARTITA.p2p_buffers == "per_micro_batch"
+    assert middle_a.output_per_mb == middle_c.output_per_mb == pytest.approx(msg, rel=0.01)
+    assert middle_b.output_per_mb == 0
+    assert a.stages[-1].retained_output == c.stages[-1].retained_output > 0 and b.stages[-1].retained_output == 0
+    for x, z, y in zip(a.stages, c.stages, b.stages):
+        assert x.activations_per_mb == z.activations_per_mb == y.activations_per_mb
+        assert y.peak_bytes <= z.peak_bytes <= x.peak_bytes
+    assert middle_c.peak_bytes == middle_a.peak_bytes - 2 * (m - ON_RECEIVE_BUFFERS) * msg
+    assert a.step_time_s == pytest.approx(b.step_time_s) and c.step_time_s == pytest.approx(b.step_time_s)
+    assert ENGINES["megatron"].p2p_buffers == "per_transfer" and PARTITA.p2p_buffers == "on_receive"
+    assert ENGINES["torchtitan"].p2p_buffers == "per_micro_batch"
     with pytest.raises(PartitaError, match="unknown p2p_buffers 'pooled'"):
         dataclasses.replace(PARTITA, p2p_buffers="pooled")
 

@@ -449,7 +449,8 @@ def test_a_llama_2_70b_torchtitan_export_names_its_own_flavour_and_how_to_regist
     from partita.cli.export_torchtitan import ffn_width, model_args
 
     path = tmp_path / "p.yaml"
-    assert main(["plan", "--model", "llama-2-70b", "--cluster", "4x8xH100", "-o", str(path)]) == 0
+    assert main(["plan", "--model", "llama-2-70b", "--cluster", "4x8xH100", "--engine", "torchtitan",
+                 "-o", str(path)]) == 0
     text, cfg, _ = _toml_and_overrides(path, tmp_path)
     assert cfg["model"] == {"name": "llama3", "flavor": "llama-2-70b"}
     args = model_args(load_model("llama-2-70b"))

@@ -34,6 +34,10 @@ MEMORY_PLANS = PLANS | {"bf16-zero1": make_plan(SMALL, dp=2, layer=dict(zero=1),
                         "bf16-pp-tp": make_plan(SMALL, pp=2, tp=2, boundaries=[2], num_micro_batches=3,
                                                 layer=dict(tensor_parallel=2, sequence_parallel=True), dtype="bf16"),
                         "interleaved": interleaved(make_plan(SMALL, pp=2, num_micro_batches=4), [[2, 1], [1, 2]]),
+                        # many micro-batches of long sequences: a receive buffer per micro-batch
+                        # (torch's own allocation) would be a third of a rank's memory; the runtime
+                        # holds those of the transfers in flight (ReceiveOnDemandStage)
+                        "pp-many-micro-batches": make_plan(SMALL, pp=2, num_micro_batches=8, seq_len=128),
                         # stage ends without sequence parallelism: the boundary's shards gathered
                         # (the receiver's gathered input is its first block's), its receive buffers
                         # and kept outputs 1/tp of the hidden states

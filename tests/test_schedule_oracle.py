@@ -74,11 +74,11 @@ def interleaved_best(cm: CostModel, global_batch: int, space: SearchSpace) -> tu
     return best, priced
 
 
-@pytest.mark.parametrize("mem_gib, schedule", [(8.0, "interleaved-1f1b"), (12.0, "interleaved-1f1b"),
-                                               (16.0, "interleaved-zb")])
+@pytest.mark.parametrize("mem_gib, schedule", [(8.0, "interleaved-1f1b"), (12.0, "zbv"), (16.0, "interleaved-zb")])
 def test_the_planner_finds_the_fastest_plan_of_every_schedule(mem_gib, schedule):
-    """Memory sizes where the fastest plan is interleaved (at 12 GiB only with a rank off the
-    critical path recomputing blocks to hide its data-parallel sync) or zero-bubble."""
+    """Memory sizes where the fastest plan is interleaved or zero-bubble (ZB-V at 12 GiB, where
+    the gradients zero-bubble schedules keep between I and W first fit beside the runtime's
+    receive buffers)."""
     cluster = _cluster(mem_gib)
     cm = CostModel(MID8, cluster, seq_len=MID8.seq_len)
     one = brute_force_best(cm, 4, SPACE)

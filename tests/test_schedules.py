@@ -212,8 +212,10 @@ def test_the_planner_takes_an_interleaved_pipeline_when_it_is_faster():
     model, cluster = load_model("llama-2-70b"), parse_short("8x8xH100")
     plan, uni = make_plan(PlanRequest(model=model, cluster=cluster, seq_len=4096, global_batch=64,
                                       space=SearchSpace(pipeline=(8,))))
-    # (v = 2 before selective recomputation joined the space, v = 4 with it: either is the point)
-    assert (plan.schedule, plan.pp) == ("interleaved-1f1b", 8) and plan.virtual_stages in (2, 4)
+    # (v = 2 before selective recomputation joined the space, v = 4 with it; interleaved 1F1B,
+    # or its zero-bubble variant since the runtime's receive buffers stopped growing with the
+    # micro-batches: either is the point)
+    assert plan.schedule in ("interleaved-1f1b", "interleaved-zb") and plan.pp == 8 and plan.virtual_stages in (2, 4)
     assert plan.solver.status == "feasible" and plan.solver.bound_us <= plan.solver.objective_us
     ev = evaluate_plan(plan, CostModel(model, cluster, seq_len=4096))
     assert ev.step_time_s == pytest.approx(plan.prediction.step_time_s)
@@ -274,9 +276,9 @@ def test_a_zbv_layout_becomes_a_priced_plan():
 def test_optimal_says_what_it_proves():
     """CP-SAT proves 1F1B pipelines; the other schedules' plans are bounded by their memory-aware
     bound (``interleaved_bound``): where it reaches the plan, 'optimal' covers every schedule
-    (the 7B on 8 H100, whose work bound m x W / pp alone is below the plan; the 13B on 8
-    A100-40GB), where it does not, 'optimal' is said among 1F1B plans only (the 13B there in two
-    stages); without pipelines it needs no such word."""
+    (the 7B on 8 H100, whose work bound m x W / pp alone is below the plan), where it does not,
+    'optimal' is said among 1F1B plans only (the 13B on 8 A100-40GB); without pipelines it needs
+    no such word."""
     from partita.cluster import parse_short
     from partita.model_io import load_model
     from partita.search.costs.model import CostModel
@@ -294,9 +296,6 @@ def test_optimal_says_what_it_proves():
     big = load_model("llama-2-13b")
     plan, _ = make_plan(PlanRequest(model=big, cluster=parse_short("1x8xA100-40GB"), seq_len=big.seq_len,
                                     global_batch=32))
-    assert plan.solver.status == "optimal" and plan.solver.proven_among == ""
-    plan, _ = make_plan(PlanRequest(model=big, cluster=parse_short("1x8xA100-40GB"), seq_len=big.seq_len,
-                                    global_batch=32, space=SearchSpace(pipeline=(2,))))
     assert plan.solver.status == "optimal" and plan.solver.proven_among == "1f1b"
     assert plan.solver.to_dict()["proven_among"] == "1f1b"
     flat, _ = make_plan(PlanRequest(model=model, cluster=cluster, seq_len=model.seq_len, global_batch=64,

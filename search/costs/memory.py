@@ -394,11 +394,21 @@ def kept_output_bytes(cm, micro_batch: int, tp: int) -> int:
     return 0 if cm.engine.p2p_buffers == "per_transfer" else activation_message_bytes(cm, micro_batch, tp)
 
 
+# Receive buffers a stage of Partita's runtime holds per direction (``p2p_buffers`` "on_receive"):
+# the one the running chunk reads and the one torch's schedules post for the next action before
+# the running one is done (measured: tests/test_runtime_boundary.py, an interleaved stage holds two
+# activation buffers at once, or two gradient buffers).
+ON_RECEIVE_BUFFERS = 2
+
+
 def receive_buffers(cm, num_micro_batches: int) -> int:
     """Receive buffers a pipeline stage holds per direction (search/engines.py, ``p2p_buffers``):
-    one per micro-batch, allocated once (torch.distributed.pipelining), or the one a posted
-    receive fills (Megatron-LM, which allocates each as it posts it)."""
-    return 1 if cm.engine.p2p_buffers == "per_transfer" else num_micro_batches
+    one per micro-batch, allocated once (torch.distributed.pipelining as it comes); the one a
+    posted receive fills (Megatron-LM, which allocates each as it posts it); or, in Partita's
+    runtime, which allocates each as it posts it too, ``ON_RECEIVE_BUFFERS``. Either way a
+    received activation is then its first block's input, counted with the activations of each
+    micro-batch in flight."""
+    return {"per_micro_batch": num_micro_batches, "on_receive": ON_RECEIVE_BUFFERS}.get(cm.engine.p2p_buffers, 1)
 
 
 def pipeline_memory(cm, counts: Mapping[tuple, int], *, tp: int, micro_batch: int, num_micro_batches: int,
@@ -406,14 +416,18 @@ def pipeline_memory(cm, counts: Mapping[tuple, int], *, tp: int, micro_batch: in
     """(receive buffers, output kept per micro-batch in flight, retained logits) of a pipeline
     stage whose layers make the choices ``counts`` (``stage.LayerChoice``), in bytes.
 
-    ``torch.distributed.pipelining`` allocates, once and for good, one receive buffer per
-    micro-batch for the activations a stage takes (every stage but the first) and one for the
-    gradients it gets back (every stage but the last), each ``micro_batch * seq * hidden``
-    elements, or the rank's 1/tp sequence shard of them (``activation_message_bytes``). The
-    schedule also keeps each micro-batch's stage output (the same shard) until that
-    micro-batch's backward: for every micro-batch in flight on the other stages, the logits on
-    the last (one at a time under 1F1B). A stage that is both first and last (no pipeline)
-    holds none of these."""
+    A stage receives activations (every stage but the first) and gradients (every stage but the
+    last), each ``micro_batch * seq * hidden`` elements, or the rank's 1/tp sequence shard of
+    them (``activation_message_bytes``), into buffers its engine holds per direction
+    (``receive_buffers``): ``torch.distributed.pipelining`` as it comes allocates one per
+    micro-batch, once and for good. The schedule also keeps each micro-batch's stage output (the
+    same shard) until that micro-batch's backward: for every micro-batch in flight on the other
+    stages, the logits on the last (one at a time under 1F1B). A stage that is both first and
+    last (no pipeline) holds none of these. Under "on_receive" (Partita's runtime) a received
+    activation is its first block's input and counted there; where that block takes whole hidden
+    states from a split boundary, it gathers a copy and the received shard is kept beside it,
+    1/tp of one block input per micro-batch in flight (a few per cent of one block's
+    activations), which is not priced."""
     roles = {choice[0] for choice in counts}
     is_first = "embed" in roles
     if is_first and is_last:
