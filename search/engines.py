@@ -43,6 +43,15 @@ The terms each behaviour selects, in one place each:
   virtual stage's compute and waited for after it (Megatron's ``overlap_p2p_comm``, on by
   default in its training script for interleaved schedules: megatron/training/arguments.py,
   ``--no-overlap-p2p-communication``): priced beside the compute (``stage.with_p2p_overlap``).
+  ``torch.distributed.pipelining``'s schedules of several stages a rank (Partita's runtime,
+  torchtitan) overlap too: ``_add_send_recv`` puts each receive on the receiving rank's list as
+  soon as its sender has computed, "as early as possible (ASAP) to overlap P2P communication with
+  computation" (``_defer_recv_ops``' docstring), and ``_PipelineScheduleRuntime`` waits for the
+  sends at the step's end (schedules.py; an interleaved stage of the runtime holds a second
+  receive buffer, posted while the chunk before it runs: tests/test_runtime_boundary.py). Those
+  engines are still priced with their transfers exposed, a known pessimism (the 405B on 8,192
+  H100: 0.33 s of 13.8): priced so, the interleaved bound could not prove the plans of
+  ``benchmarks/search_targets.py`` within their 1 % (llama-2-70b on 64 H100 at pp 8: 2.9 %).
 * ``zero3_gathers``: how many all-gathers ZeRO-3 runs for one layer's parameters. FSDP and FSDP2
   gather a block as one unit ("layer": Partita's runtime and torchtitan wrap each block).
   DeepSpeed's ZeRO-3 fetches parameters module by module as its hooks meet them
@@ -210,8 +219,8 @@ class Engine:
 
 ENGINES: dict[str, Engine] = {
     # partita launch: torch SDPA (the H200 fit), FSDP2 units per block, DDP/FSDP2 reductions as
-    # the backward frees each layer's gradients, torch.distributed.pipelining (blocking sends)
-    # with receive buffers allocated as receives are posted, the chunked loss.
+    # the backward frees each layer's gradients, torch.distributed.pipelining with receive
+    # buffers allocated as receives are posted, the chunked loss.
     "partita": Engine("partita", p2p_buffers="on_receive"),
     # torchtitan as partita export --to torchtitan writes it: the same torch stack (SDPA, FSDP2
     # per block, torch pipelining), eager (async TP needs compile); its loss casts the logits to

@@ -175,9 +175,15 @@ def _rank_terms(cm: CostModel, stage_groups: Sequence[NodeGroup], names, r: int,
     for c in sorted(range(v), key=lambda c: -leanest[c]):
         largest[c] = min(most[c], left)
         left -= largest[c]
-    sides = 0.0
-    if schedule != "interleaved-1f1b" or not cm.engine.p2p_overlap:
-        sides = _sides_s(cm, stage_groups, r, v, schedule, dp=dp, tp=tp, mb=mb)
+    sides = _sides_s(cm, stage_groups, r, v, schedule, dp=dp, tp=tp, mb=mb)
+    if schedule == "interleaved-1f1b" and cm.engine.p2p_overlap:
+        # The transfers run beside the rank's compute and slow it (``stage.with_p2p_overlap``):
+        # at least slowdown x min(compute, transfers) (``timing.overlapped_s``), the compute at
+        # least its layers' least.
+        compute = lambda c: cm.layer_time(cm.model.role_of(c[6].name), group, c[6], dp=dp, micro_batch=mb).compute_s  # noqa: E731
+        least = (sum(sizes) * min(compute(c) for c in blocks)
+                 + sum(min(compute(c) for c in end) for end in ends))
+        sides = cm.time_constants(group.device).overlap_slowdown * min(sides, least)
     weightings = [(w, sum(x * e for x, e in zip(w, ends_act))) for w in (even, largest)]
     return room, sizes, weightings, ends, sides
 

@@ -13,6 +13,7 @@ from partita.model import BUILTIN
 from partita.parallel import schedule_counts_rule, schedule_layers_rule
 from partita.search.costs.model import CostModel
 from partita.search.costs.stage import choice_of
+from partita.search.engines import ENGINES
 from partita.search.evaluate import evaluate_interleaved
 from partita.search.interleaved import VARIANTS, chunk_names
 from partita.search.interleaved_bound import least_time_s, least_whole, variant_bound_s
@@ -41,11 +42,12 @@ def test_the_knapsack_takes_whole_blocks():
     assert sum(p[0] for p in picks[0]) <= 45 and total == pytest.approx(sum(p[1] for p in picks[0]))
 
 
+@pytest.mark.parametrize("engine", ["partita", "megatron"])  # megatron: the sends beside the compute (p2p_overlap)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-tp{c[3]}-pp{c[5]}")
-def test_no_plan_that_fits_is_faster_than_the_bound(case):
+def test_no_plan_that_fits_is_faster_than_the_bound(case, engine):
     name, cluster_s, seq, tp, dp, pp, mb, m = case
     model, cluster = BUILTIN[name], parse_short(cluster_s)
-    cm = CostModel(model, cluster, seq_len=seq)
+    cm = CostModel(model, cluster, seq_len=seq, engine=ENGINES[engine])
     space = SearchSpace()
     group = cluster.groups[0]
     rng = random.Random(7)
