@@ -193,29 +193,39 @@ class ReceiveOnDemandStage(PipelineStage):
     allocate the buffers when the first step starts: on a torch whose hooks are named otherwise
     the first step's buffers stay until each is used once."""
 
+    receive_peak_bytes = 0  # the most bytes this stage's receive buffers held at once
+
     def _prepare_forward_infra(self, *args, **kwargs):
         out = super()._prepare_forward_infra(*args, **kwargs)
         for infos in self.args_recv_info.values():
-            _release(infos)
+            self._release(infos)
         return out
 
     def _prepare_backward_infra(self, *args, **kwargs):
         out = super()._prepare_backward_infra(*args, **kwargs)
         for infos in self.grad_recv_info.values():
-            _release(infos)
+            self._release(infos)
         return out
 
-    receive_peak_bytes = 0  # the most bytes this stage's receive buffers held at once
-
     def get_fwd_recv_ops(self, fwd_chunk_id: int):
-        _allocate(self.args_recv_info.get(fwd_chunk_id, ()), self.device)
-        self._note_held()
+        self._allocate(self.args_recv_info.get(fwd_chunk_id, ()))
         return super().get_fwd_recv_ops(fwd_chunk_id)
 
     def get_bwd_recv_ops(self, bwd_chunk_id: int):
-        _allocate(self.grad_recv_info.get(bwd_chunk_id, ()), self.device)
-        self._note_held()
+        self._allocate(self.grad_recv_info.get(bwd_chunk_id, ()))
         return super().get_bwd_recv_ops(bwd_chunk_id)
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
+        try:
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        finally:
+            self._release(self.args_recv_info.get(fwd_chunk_id, ()))
+
+    def backward_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):
+        try:
+            return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+        finally:
+            self._release(self.grad_recv_info.get(bwd_chunk_id, ()))
 
     def held_receive_buffers(self) -> list[torch.Tensor]:
         """The receive buffers that hold memory now."""
@@ -223,38 +233,25 @@ class ReceiveOnDemandStage(PipelineStage):
         return [i.buffer for info in infos for i in info
                 if isinstance(getattr(i, "buffer", None), torch.Tensor) and i.buffer.device.type != "meta"]
 
-    def _note_held(self) -> None:
-        held = sum(t.untyped_storage().nbytes() for t in self.held_receive_buffers())
-        self.receive_peak_bytes = max(self.receive_peak_bytes, held)
+    def _allocate(self, infos) -> None:
+        """Give each released receive buffer memory again, for the receive about to be posted."""
+        held = self.__dict__.setdefault("_held", {})  # id(info) -> bytes of the buffers allocated here
+        for info in infos:
+            buffer = getattr(info, "buffer", None)
+            if isinstance(buffer, torch.Tensor) and buffer.device.type == "meta":
+                info.buffer = torch.empty_like(buffer, device=self.device).requires_grad_(buffer.requires_grad)
+                held[id(info)] = info.buffer.untyped_storage().nbytes()
+        self.receive_peak_bytes = max(self.receive_peak_bytes, sum(held.values()))
 
-    def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
-        try:
-            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
-        finally:
-            _release(self.args_recv_info.get(fwd_chunk_id, ()))
-
-    def backward_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):
-        try:
-            return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
-        finally:
-            _release(self.grad_recv_info.get(bwd_chunk_id, ()))
-
-
-def _release(infos) -> None:
-    """Replace each received tensor by a meta tensor like it (whoever still uses the tensor, the
-    schedule's forward cache or autograd, keeps it alive; nothing else does)."""
-    for info in infos:
-        buffer = getattr(info, "buffer", None)
-        if isinstance(buffer, torch.Tensor) and buffer.device.type != "meta":
-            info.buffer = torch.empty_like(buffer, device="meta").requires_grad_(buffer.requires_grad)
-
-
-def _allocate(infos, device: torch.device) -> None:
-    """Give each released receive buffer memory again, for the receive about to be posted."""
-    for info in infos:
-        buffer = getattr(info, "buffer", None)
-        if isinstance(buffer, torch.Tensor) and buffer.device.type == "meta":
-            info.buffer = torch.empty_like(buffer, device=device).requires_grad_(buffer.requires_grad)
+    def _release(self, infos) -> None:
+        """Replace each received tensor by a meta tensor like it (whoever still uses the tensor,
+        the schedule's forward cache or autograd, keeps it alive; nothing else does)."""
+        held = self.__dict__.setdefault("_held", {})
+        for info in infos:
+            buffer = getattr(info, "buffer", None)
+            if isinstance(buffer, torch.Tensor) and buffer.device.type != "meta":
+                info.buffer = torch.empty_like(buffer, device="meta").requires_grad_(buffer.requires_grad)
+            held.pop(id(info), None)
 
 
 class _StageModule(nn.Module):
