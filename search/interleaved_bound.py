@@ -42,7 +42,8 @@ from partita.search.costs.model import CostModel
 from partita.search.costs.stage import boundary_s, canonical_order, choice_of
 from partita.search.evaluate import evaluate_interleaved, next_groups, weight_grad_bytes
 from partita.search.interleaved import VARIANTS, InterleavedLayout, chunk_names
-from partita.search.schedules import chunk_in_flight, closed_form_s, in_flight_chunks, pending_weight_grads
+from partita.search.schedules import (chunk_in_flight, closed_form_s, held_moments, in_flight_chunks,
+                                      pending_weight_grads)
 from partita.search.uniform import SearchSpace, replica_counts, sp_choices, strategy
 
 
@@ -162,19 +163,26 @@ def _rank_terms(cm: CostModel, stage_groups: Sequence[NodeGroup], names, r: int,
         room -= pending_weight_grads(schedule, r, pp, m) * max(
             sum(least["layers.0" if n.startswith("layers.") else n] for n in chunk) for chunk in names[r])
     sizes = [sum(n.startswith("layers.") for n in chunk) for chunk in names[r]]
-    # Each virtual stage's blocks are charged at w_c pairs, any w with sum w <= pairs: the pairs
-    # waiting (the largest first, ``held_bytes``; zero-bubble at the largest virtual stage's)
-    # plus the running one (its transient is over at least its own activations) hold at least
-    # that. Two such w, each a bound: in proportion, and the virtual stages of most activations first.
+    # Each virtual stage's blocks are charged at w_c pairs, each w a bound. Interleaved 1F1B: the
+    # pairs the rank holds at one moment of torch's order (``schedules.held_moments``; the running
+    # one among them, its transient over at least its own activations), which the evaluator's
+    # most over the moments is at least: the moment of most pairs and the one of most bytes at
+    # the leanest activations. Zero-bubble (every pair at the largest virtual stage's), any w with
+    # sum w <= pairs: in proportion, and the virtual stages of most activations first.
     # A virtual stage's activations are its blocks' and its end layers' (these at their leanest).
     ends_act = _ends_act(of, group, names[r])
     leanest = [size * min(c[2] for c in blocks) + e for size, e in zip(sizes, ends_act)]
-    most = chunk_in_flight(schedule, r, pp, v, m) if schedule not in ZERO_BUBBLE else (pairs,) * v
-    even = [min(n, pairs * n / sum(most)) for n in most] if schedule not in ZERO_BUBBLE else [pairs / v] * v
-    largest, left = [0.0] * v, pairs
-    for c in sorted(range(v), key=lambda c: -leanest[c]):
-        largest[c] = min(most[c], left)
-        left -= largest[c]
+    if schedule == "interleaved-1f1b":
+        moments = [vec for _, vec, _ in held_moments(r, pp, v, m)]
+        even = list(moments[0])
+        largest = list(max(moments, key=lambda vec: sum(n * a for n, a in zip(vec, leanest))))
+    else:
+        most = chunk_in_flight(schedule, r, pp, v, m) if schedule not in ZERO_BUBBLE else (pairs,) * v
+        even = [min(n, pairs * n / sum(most)) for n in most] if schedule not in ZERO_BUBBLE else [pairs / v] * v
+        largest, left = [0.0] * v, pairs
+        for c in sorted(range(v), key=lambda c: -leanest[c]):
+            largest[c] = min(most[c], left)
+            left -= largest[c]
     sides = _sides_s(cm, stage_groups, r, v, schedule, dp=dp, tp=tp, mb=mb)
     if schedule == "interleaved-1f1b" and cm.engine.p2p_overlap:
         # The transfers run beside the rank's compute and slow it (``stage.with_p2p_overlap``):

@@ -19,6 +19,7 @@ holds r and 2 pp - 1 - r (a V). This module never imports torch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Callable, Sequence
 
 from partita.errors import PartitaError
@@ -258,6 +259,39 @@ def interleaved_1f1b_order(rank: int, pp: int, v: int, m: int) -> tuple[tuple[st
         out.append(("B", v - 1 - (b // k) % v))
         b += 1
     return tuple(out)
+
+
+@lru_cache(maxsize=4096)
+def held_moments(rank: int, pp: int, v: int, m: int) -> tuple[tuple[int, tuple[int, ...], int], ...]:
+    """The moments of rank ``rank`` under interleaved 1F1B, on torch's order
+    (``interleaved_1f1b_order``): at each of its actions, (the virtual stage that runs, the
+    (stage, micro-batch) pairs of each virtual stage the rank holds, the tensors it has sent
+    that only their sends still hold). A forward's pair is counted from its start, a backward's
+    until its end. Torch's runtime for several stages a rank waits for its sends at the step's
+    end (``_PipelineScheduleRuntime``), so every tensor sent stays until then: a gradient sent
+    back from the moment its backward ends, an output sent on from the moment its pair's
+    backward ends (until then the pair keeps it). Of the moments of one running virtual stage,
+    those no other holds at least as much of; most first. The memory model charges the largest
+    (``costs.stage.interleaved_stage_cost``): the exact most a rank holds; each one is a lower
+    bound on it (``interleaved_bound``)."""
+    held, dead = [0] * v, 0
+    most_dead: dict[tuple[int, tuple[int, ...]], int] = {}  # the sent tensors only grow: the last of each
+    sends_on = [c * pp + rank < pp * v - 1 for c in range(v)]  # its output goes to another stage
+    sends_back = [c * pp + rank > 0 for c in range(v)]  # its input gradient goes back
+    for kind, c in interleaved_1f1b_order(rank, pp, v, m):
+        if kind == "F":
+            held[c] += 1
+            most_dead[(c, tuple(held))] = dead
+        else:
+            most_dead[(c, tuple(held))] = dead
+            held[c] -= 1
+            dead += sends_back[c] + sends_on[c]
+    frontier: list[tuple[int, tuple[int, ...], int]] = []
+    # a moment that holds at least as much of everything sorts first
+    for (c, x), d in sorted(most_dead.items(), key=lambda kv: (-sum(kv[0][1]) - kv[1], kv)):
+        if not any(e == c and f >= d and all(a >= b for a, b in zip(y, x)) for e, y, f in frontier):
+            frontier.append((c, x, d))
+    return tuple(frontier)
 
 
 def _count_chunks(order: Sequence[tuple[str, int]], v: int) -> tuple[int, ...]:

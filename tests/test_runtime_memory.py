@@ -30,6 +30,9 @@ from runtime_helpers import interleaved, make_plan, run_ranks  # noqa: E402
 from runtime_plans import PLANS, SMALL  # noqa: E402
 
 CFG = TrainConfig(steps=2, warmup_steps=1, lr=1e-3, memory_report=True)
+EIGHT = dataclasses.replace(BUILTIN["tiny-llama"], name="tiny-llama-8", n_layers=8)
+FULL_2_TO_5 = {f"layers.{i}": dict(recompute="full") for i in (2, 3, 4, 5)}
+FULL_4_TO_7 = {f"layers.{i}": dict(recompute="full") for i in (4, 5, 6, 7)}
 MEMORY_PLANS = PLANS | {"bf16-zero1": make_plan(SMALL, dp=2, layer=dict(zero=1), dtype="bf16"),
                         "bf16-pp-tp": make_plan(SMALL, pp=2, tp=2, boundaries=[2], num_micro_batches=3,
                                                 layer=dict(tensor_parallel=2, sequence_parallel=True), dtype="bf16"),
@@ -38,6 +41,13 @@ MEMORY_PLANS = PLANS | {"bf16-zero1": make_plan(SMALL, dp=2, layer=dict(zero=1),
                         # (torch's own allocation) would be a third of a rank's memory; the runtime
                         # holds those of the transfers in flight (ReceiveOnDemandStage)
                         "pp-many-micro-batches": make_plan(SMALL, pp=2, num_micro_batches=8, seq_len=128),
+                        # interleaved 1F1B whose virtual stages keep unlike activations (two
+                        # recompute, two do not): the peak is the moment whose waiting pairs and
+                        # running pair hold the most (``schedules.held_moments``)
+                        "interleaved-mixed": interleaved(make_plan(EIGHT, pp=2, num_micro_batches=8, seq_len=64,
+                                                                   per_layer=FULL_2_TO_5), [[3, 2], [2, 3]]),
+                        "interleaved-mixed-ends": interleaved(make_plan(EIGHT, pp=2, num_micro_batches=6, seq_len=128,
+                                                                        per_layer=FULL_4_TO_7), [[3, 2], [2, 3]]),
                         # stage ends without sequence parallelism: the boundary's shards gathered
                         # (the receiver's gathered input is its first block's), its receive buffers
                         # and kept outputs 1/tp of the hidden states

@@ -22,7 +22,7 @@ from partita.plan import LayerStrategy, boundary_split, gives_whole
 from partita.search.costs.memory import (LayerMemory, Moment, activation_message_bytes, kept_output_bytes, neighbour_peak,
                                         pipeline_memory)
 from partita.search.costs.model import CostModel
-from partita.search.schedules import chunk_in_flight, in_flight_chunks
+from partita.search.schedules import chunk_in_flight, held_moments, in_flight_chunks
 from partita.search.timing import overlapped_s
 
 
@@ -72,10 +72,18 @@ class StageCost:
     # schedule keeps in flight besides the running one) per virtual stage (``held_bytes``);
     # empty: every pair in flight at ``activations_per_mb``.
     held: tuple[tuple[int, int], ...] = ()
+    # Several virtual stages per rank under interleaved 1F1B: the activations of the pairs held
+    # besides the running one at the rank's peak, counted moment by moment (-1: not counted so).
+    waiting: int = -1
 
     @property
     def activations(self) -> int:
-        waiting = held_bytes(self.held, self.in_flight - 1) if self.held else self.activations_per_mb * (self.in_flight - 1)
+        if self.waiting >= 0:
+            waiting = self.waiting
+        elif self.held:
+            waiting = held_bytes(self.held, self.in_flight - 1)
+        else:
+            waiting = self.activations_per_mb * (self.in_flight - 1)
         return waiting + self.current_activations + self.output_per_mb * self.in_flight + self.retained_output
 
     @property
@@ -333,12 +341,13 @@ def interleaved_stage_cost(cm: CostModel, group: NodeGroup,
     """One plan stage whose ranks run v virtual stages under ``schedule``: ``chunks[c]`` are the
     layers of virtual stage c (or counts of their choices), ``next_groups[c]`` the group its output goes to (None for the
     pipeline's last). Times, static state, sends and the schedule's buffers add up over the
-    virtual stages; in flight are ``schedules.in_flight_chunks`` (virtual stage, micro-batch)
-    pairs, under interleaved 1F1B each charged at its own virtual stage's activations, no virtual
-    stage with more than the schedule keeps of it (``schedules.chunk_in_flight``; ``held_bytes``
-    fills the count from the largest; the zero-bubble schedules at the largest virtual stage's),
-    the running one at the peak of whichever virtual stage peaks highest (one of its pairs); the
-    head's logits once per pair of its virtual stage in flight."""
+    virtual stages. Under interleaved 1F1B the activations are those of the rank's fullest
+    moment on torch's order (``schedules.held_moments``): the pairs it holds then, each at its own
+    virtual stage's activations, the running one at its virtual stage's peak, and the tensors it
+    has sent that only their sends still hold. Under the zero-bubble schedules
+    ``schedules.in_flight_chunks`` pairs, each at the largest virtual stage's activations, the
+    running one at the peak of whichever virtual stage peaks highest. The head's logits once per
+    pair of its virtual stage in flight."""
     def part(layers, nxt: NodeGroup | None) -> StageCost:
         kw = dict(stage=0, pp=1, dp=dp, tp=tp, micro_batch=micro_batch, num_micro_batches=num_micro_batches,
                   next_group=nxt)
@@ -348,16 +357,34 @@ def interleaved_stage_cost(cm: CostModel, group: NodeGroup,
 
     parts = [part(layers, nxt) for layers, nxt in zip(chunks, next_groups)]
     add = lambda field: sum(getattr(p, field) for p in parts)  # noqa: E731
-    ranked = max(range(len(parts)),
-                 key=lambda c: parts[c].current_activations + parts[c].transient + parts[c].peak_gathered
-                 - parts[c].peak_released)
-    running = parts[ranked]
     most = chunk_in_flight(schedule, stage, pp, len(chunks), num_micro_batches)
-    # Zero-bubble schedules keep every pair at the largest virtual stage's activations: their split
-    # backward holds more between I and W than the plan prices (measured +15 % on CPU ranks with
-    # per-virtual-stage charging, tests/test_runtime_schedules.py), which that bound covers.
-    held = () if schedule in ZERO_BUBBLE else tuple(
-        (p.activations_per_mb, n - (c == ranked)) for c, (p, n) in enumerate(zip(parts, most)))
+    held: tuple[tuple[int, int], ...] = ()
+    waiting = -1
+    if schedule == "interleaved-1f1b":
+        # The pairs held at once, moment by moment on torch's order (``schedules.held_moments``):
+        # at each, the pairs waiting at their virtual stages' activations and the running one at
+        # its virtual stage's peak (its layers' activations up to the peak layer, that layer's
+        # transient and gathered copies); the rank's peak is the largest moment.
+        # The tensors sent that only their sends hold (``held_moments``' third count) are stage
+        # outputs and input gradients: an output's bytes each, none under an engine that frees
+        # what it sent and waits for each send (Megatron-LM: ``kept_output_bytes``).
+        acts = [p.activations_per_mb for p in parts]
+        sent = kept_output_bytes(cm, micro_batch, tp)
+        peak = [p.current_activations + p.transient + p.peak_gathered - p.peak_released for p in parts]
+        ranked, waiting = max(((c, sum(n * a for n, a in zip(vec, acts)) - acts[c] + dead * sent)
+                               for c, vec, dead in held_moments(stage, pp, len(chunks), num_micro_batches)),
+                              key=lambda cw: cw[1] + peak[cw[0]])
+    else:
+        ranked = max(range(len(parts)),
+                     key=lambda c: parts[c].current_activations + parts[c].transient + parts[c].peak_gathered
+                     - parts[c].peak_released)
+        # Zero-bubble schedules keep every pair at the largest virtual stage's activations: their
+        # split backward holds more between I and W than the plan prices (measured +15 % on CPU
+        # ranks with per-virtual-stage charging, tests/test_runtime_schedules.py), which that
+        # bound covers.
+        if schedule not in ZERO_BUBBLE:
+            held = tuple((p.activations_per_mb, n - (c == ranked)) for c, (p, n) in enumerate(zip(parts, most)))
+    running = parts[ranked]
     # Every virtual stage's kept copies, less those the running one has freed by its peak.
     kept_copies = sum(p.gathered_weights - p.peak_gathered + p.peak_released for p in parts) - running.peak_released
     return dataclasses.replace(
@@ -371,7 +398,7 @@ def interleaved_stage_cost(cm: CostModel, group: NodeGroup,
         output_per_mb=kept_output_bytes(cm, micro_batch, tp),
         # the head's logits, kept from its forward to its backward for each pair of its virtual stage in flight
         retained_output=sum(p.retained_output * n for p, n in zip(parts, most)),
-        in_flight=in_flight_chunks(schedule, stage, pp, len(chunks), num_micro_batches), held=held,
+        in_flight=in_flight_chunks(schedule, stage, pp, len(chunks), num_micro_batches), held=held, waiting=waiting,
         transient=running.transient, pipeline_buffers=add("pipeline_buffers"), peak_layer=running.peak_layer,
         peak_phase=running.peak_phase, tied_sync_s=add("tied_sync_s"),
         zero_edge_s=max(p.zero_edge_s for p in parts), dp_edge_s=max(p.dp_edge_s for p in parts),
