@@ -10,7 +10,8 @@ import pytest
 from partita.errors import PartitaError
 from partita.parallel import schedule_layers_rule as check_layers, schedule_rule as check
 from partita.runtime.actions import torch_actions
-from partita.search.schedules import chunk_in_flight, closed_form_s, in_flight_chunks, pending_weight_grads, simulate
+from partita.search.schedules import (chunk_in_flight, closed_form_s, held_moments, in_flight_chunks,
+                                      pending_weight_grads, simulate)
 
 pytest.importorskip("torch")
 
@@ -342,3 +343,31 @@ def test_in_flight_per_virtual_stage_bounds_torchs_lists(schedule, pp, v, m):
             assert all(g >= s for g, s in zip(got, seen[r]))
     head_rank, head_chunk = (0, 1) if schedule == "zbv" else (pp - 1, v - 1)
     assert chunk_in_flight(schedule, head_rank, pp, v, m)[head_chunk] == seen[head_rank][head_chunk]
+
+
+@pytest.mark.parametrize("pp,v,m", [(pp, v, m) for _, pp, v, m in CHUNK_GRID if _ == "interleaved-1f1b"])
+def test_held_moments_are_the_moments_of_torchs_lists(pp, v, m):
+    """``schedules.held_moments`` (the interleaved 1F1B memory's moments): every (running virtual
+    stage, pairs held) moment of torch's own action list is at most one of them, each of them is
+    one of torch's, the fullest holds ``in_flight_chunks`` pairs and each virtual stage's most is
+    ``chunk_in_flight``'s; the tensors only their sends hold grow to every send of the step."""
+    acts = torch_actions("interleaved-1f1b", pp, v, m)
+    for r, row in enumerate(acts):
+        stages = stages_of_rank("interleaved-1f1b", r, pp, v)
+        held, torch_moments = dict.fromkeys(stages, 0), set()
+        for a in row:
+            if a.kind not in ("F", "B"):
+                continue
+            held[a.stage] += a.kind == "F"
+            torch_moments.add((stages.index(a.stage), tuple(held[s] for s in stages)))
+            held[a.stage] -= a.kind == "B"
+        ours = held_moments(r, pp, v, m)
+        assert {(c, vec) for c, vec, _ in ours} <= torch_moments
+        for c, vec in torch_moments:
+            assert any(d == c and all(a >= b for a, b in zip(x, vec)) for d, x, _ in ours), (r, c, vec)
+        assert max(sum(vec) for _, vec, _ in ours) == in_flight_chunks("interleaved-1f1b", r, pp, v, m)
+        assert tuple(max(vec[c] for _, vec, _ in ours) for c in range(v)) == chunk_in_flight(
+            "interleaved-1f1b", r, pp, v, m)
+        sends = sum((c * pp + r < pp * v - 1) + (c * pp + r > 0) for c in range(v)) * m
+        last = max(dead for _, _, dead in ours)
+        assert last <= sends and last >= sends - (v * pp > 1) * 2  # the last backward's own sends come after it
