@@ -9,12 +9,11 @@ undercounts:
 
 * every layer's static state (weights, gradients, optimizer state, and the kept compute copy
   unless the layer frees it after its backward) and the device's reserve;
-* the activations of the pairs the schedule keeps in flight besides the running one
-  (``StageCost.activations``): under interleaved 1F1B virtual stage c holds n_c pairs
-  (``schedules.chunk_in_flight``), one fewer for the running one's, and at least
-  min(1, P / (sum n - 1)) of them count when only P = in_flight - 1 do (the largest first,
-  ``held_bytes``); the zero-bubble schedules charge every pair at the largest virtual stage's,
-  at least the rank's mean;
+* the activations of the pairs the schedule keeps in flight (``StageCost.activations``): under
+  interleaved 1F1B those of one moment of torch's order (``schedules.held_moments``), which the
+  evaluator's fullest moment is at least, the running pair among them at no less than its own
+  activations; the zero-bubble schedules charge every pair at the largest virtual stage's, at
+  least the rank's mean;
 * one output message per pair in flight.
 
 Time: each rank's layers' forward and backward, the embedding and head at their fastest, and
