@@ -193,7 +193,10 @@ class ReceiveOnDemandStage(PipelineStage):
     allocate the buffers when the first step starts: on a torch whose hooks are named otherwise
     the first step's buffers stay until each is used once."""
 
-    receive_peak_bytes = 0  # the most bytes this stage's receive buffers held at once
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._held: dict[int, int] = {}  # id(receive info) -> bytes of the buffer allocated for it here
+        self.receive_peak_bytes = 0  # the most bytes this stage's receive buffers held at once
 
     def _prepare_forward_infra(self, *args, **kwargs):
         out = super()._prepare_forward_infra(*args, **kwargs)
@@ -235,23 +238,21 @@ class ReceiveOnDemandStage(PipelineStage):
 
     def _allocate(self, infos) -> None:
         """Give each released receive buffer memory again, for the receive about to be posted."""
-        held = self.__dict__.setdefault("_held", {})  # id(info) -> bytes of the buffers allocated here
         for info in infos:
             buffer = getattr(info, "buffer", None)
             if isinstance(buffer, torch.Tensor) and buffer.device.type == "meta":
                 info.buffer = torch.empty_like(buffer, device=self.device).requires_grad_(buffer.requires_grad)
-                held[id(info)] = info.buffer.untyped_storage().nbytes()
-        self.receive_peak_bytes = max(self.receive_peak_bytes, sum(held.values()))
+                self._held[id(info)] = info.buffer.untyped_storage().nbytes()
+        self.receive_peak_bytes = max(self.receive_peak_bytes, sum(self._held.values()))
 
     def _release(self, infos) -> None:
         """Replace each received tensor by a meta tensor like it (whoever still uses the tensor,
         the schedule's forward cache or autograd, keeps it alive; nothing else does)."""
-        held = self.__dict__.setdefault("_held", {})
         for info in infos:
             buffer = getattr(info, "buffer", None)
             if isinstance(buffer, torch.Tensor) and buffer.device.type != "meta":
                 info.buffer = torch.empty_like(buffer, device="meta").requires_grad_(buffer.requires_grad)
-            held.pop(id(info), None)
+            self._held.pop(id(info), None)
 
 
 class _StageModule(nn.Module):

@@ -173,15 +173,13 @@ def _rank_terms(cm: CostModel, stage_groups: Sequence[NodeGroup], names, r: int,
     leanest = [size * min(c[2] for c in blocks) + e for size, e in zip(sizes, ends_act)]
     if schedule == "interleaved-1f1b":
         moments = [vec for _, vec, _ in held_moments(r, pp, v, m)]
-        even = list(moments[0])
-        largest = list(max(moments, key=lambda vec: sum(n * a for n, a in zip(vec, leanest))))
-    else:
-        most = chunk_in_flight(schedule, r, pp, v, m) if schedule not in ZERO_BUBBLE else (pairs,) * v
-        even = [min(n, pairs * n / sum(most)) for n in most] if schedule not in ZERO_BUBBLE else [pairs / v] * v
+        weights = (moments[0], max(moments, key=lambda vec: sum(n * a for n, a in zip(vec, leanest))))
+    else:  # zero-bubble: up to every pair at one virtual stage
         largest, left = [0.0] * v, pairs
         for c in sorted(range(v), key=lambda c: -leanest[c]):
-            largest[c] = min(most[c], left)
+            largest[c] = min(pairs, left)
             left -= largest[c]
+        weights = ([pairs / v] * v, largest)
     sides = _sides_s(cm, stage_groups, r, v, schedule, dp=dp, tp=tp, mb=mb)
     if schedule == "interleaved-1f1b" and cm.engine.p2p_overlap:
         # The transfers run beside the rank's compute and slow it (``stage.with_p2p_overlap``):
@@ -191,7 +189,7 @@ def _rank_terms(cm: CostModel, stage_groups: Sequence[NodeGroup], names, r: int,
         least = (sum(sizes) * min(compute(c) for c in blocks)
                  + sum(min(compute(c) for c in end) for end in ends))
         sides = cm.time_constants(group.device).overlap_slowdown * min(sides, least)
-    weightings = [(w, sum(x * e for x, e in zip(w, ends_act))) for w in (even, largest)]
+    weightings = [(w, sum(x * e for x, e in zip(w, ends_act))) for w in weights]
     return room, sizes, weightings, ends, sides
 
 

@@ -216,9 +216,9 @@ def chunk_in_flight(schedule: str, rank: int, pp: int, v: int, m: int) -> tuple[
     """The most (stage, micro-batch) pairs of each of rank ``rank``'s virtual stages (its
     chunk c = torch's stage r + c pp, under ZB-V c = 0, 1 for r and 2 pp - 1 - r) that it holds
     at once; together never more than ``in_flight_chunks``, each at most m. The memory model
-    charges the zero-bubble schedules' pairs with these (``costs.stage.held_bytes``), interleaved
-    1F1B's moment by moment (``held_moments``), and the head's logits for the pairs of the chunk
-    that holds it.
+    charges the head's logits for the pairs of the chunk that holds it (the activations:
+    interleaved 1F1B's moment by moment, ``held_moments``; the zero-bubble schedules' every pair
+    at the largest virtual stage's).
 
     * interleaved 1F1B: counted on torch's order (``interleaved_1f1b_order``): (v - 1) k + 2
       (pp - rank - 1) warm-up forwards, chunk (f // k) mod v for forward f, then a forward and a

@@ -1,22 +1,16 @@
-"""Interleaved schedules charge each in-flight (virtual stage, micro-batch) pair at its own
-virtual stage's activations (``costs.stage.held_bytes``, ``schedules.chunk_in_flight``)."""
+"""Interleaved 1F1B charges each in-flight (virtual stage, micro-batch) pair at its own virtual
+stage's activations, moment by moment (``schedules.held_moments``)."""
 
 from collections import Counter
 
 from partita.cluster import parse_short
 from partita.model import BUILTIN
 from partita.search.costs.model import CostModel
-from partita.search.costs.stage import choice_of, held_bytes
+from partita.search.costs.stage import choice_of
 from partita.search.evaluate import evaluate_interleaved
 from partita.search.interleaved import chunk_names
 from partita.search.uniform import strategy
 from partita.units import GiB
-
-
-def test_held_bytes_fills_from_the_largest_within_each_bound():
-    assert held_bytes(((10, 1), (3, 5)), 4) == 10 + 3 * 3
-    assert held_bytes(((3, 5), (10, 2)), 1) == 10
-    assert held_bytes(((3, 1),), 3) == 3 + 2 * 3  # more pairs than the bounds allow: at the largest
 
 
 def test_llama3_405b_interleaved_last_stage_holds_its_logits_once():

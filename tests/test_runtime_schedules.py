@@ -130,7 +130,7 @@ def _measured_memory(rank: int, plan_dict: dict) -> dict:
 
 
 # Interleaved 1F1B (no split backward) for the memory test: each rank's in-flight pairs are
-# charged at their own virtual stage's activations (``costs.stage.held_bytes``).
+# charged at their own virtual stage's activations, moment by moment (``schedules.held_moments``).
 MEMORY_PLANS = {**PLANS, "i1f1b-pp2": interleaved(make_plan(SMALL, pp=2, num_micro_batches=4), [[2, 1], [1, 2]],
                                                    "interleaved-1f1b")}
 
@@ -144,7 +144,7 @@ def test_zero_bubble_memory_is_measured_near_the_prediction(name):
     calls temporaries (the weight-gradient inputs held from I to W, made in a backward) the
     plan counts with the activations, so only the totals are compared. Interleaved 1F1B
     (i1f1b-pp2), whose in-flight pairs are charged at their own virtual stage's activations
-    (``costs.stage.held_bytes``), too. (Charged so, the zero-bubble plans measure +15 %: their
+    (``schedules.held_moments``), too. (Charged so, the zero-bubble plans measure +15 %: their
     split backward holds more than the plan prices, and they keep the largest virtual stage's
     activations for every pair.)"""
     from partita.cluster import parse_short

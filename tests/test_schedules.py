@@ -332,7 +332,7 @@ def test_in_flight_per_virtual_stage_bounds_torchs_lists(schedule, pp, v, m):
     """``schedules.chunk_in_flight``: exactly torch's per-virtual-stage maxima under interleaved
     1F1B; never below them under the zero-bubble schedules, and exact for the virtual stage that
     holds the head (the last stage's last chunk; under ZB-V the first stage's second); the total
-    the memory model fills (``costs.stage.held_bytes``) is ``in_flight_chunks``."""
+    the rank's fullest moment holds (``schedules.held_moments``) is ``in_flight_chunks``."""
     seen = _held_per_chunk(schedule, torch_actions(schedule, pp, v, m), pp, v)
     for r in range(pp):
         got = chunk_in_flight(schedule, r, pp, v, m)

@@ -17,7 +17,6 @@ from typing import Iterable, Mapping, Sequence
 
 from partita.cluster import NodeGroup
 from partita.model import ModelSpec
-from partita.parallel import ZERO_BUBBLE
 from partita.plan import LayerStrategy, boundary_split, gives_whole
 from partita.search.costs.memory import (LayerMemory, Moment, activation_message_bytes, kept_output_bytes, neighbour_peak,
                                         pipeline_memory)
@@ -68,22 +67,14 @@ class StageCost:
     overlap_window_s: float = 0.0
     send_s: float = 0.0
     cp_comm_s: float = 0.0  # context parallelism's collectives on the critical path (LayerTime.cp_comm_s)
-    # Several virtual stages per rank: (one micro-batch's activations, the most pairs of it the
-    # schedule keeps in flight besides the running one) per virtual stage (``held_bytes``);
-    # empty: every pair in flight at ``activations_per_mb``.
-    held: tuple[tuple[int, int], ...] = ()
     # Several virtual stages per rank under interleaved 1F1B: the activations of the pairs held
-    # besides the running one at the rank's peak, counted moment by moment (-1: not counted so).
+    # besides the running one at the rank's peak, counted moment by moment (-1: not counted so,
+    # every pair in flight at ``activations_per_mb``).
     waiting: int = -1
 
     @property
     def activations(self) -> int:
-        if self.waiting >= 0:
-            waiting = self.waiting
-        elif self.held:
-            waiting = held_bytes(self.held, self.in_flight - 1)
-        else:
-            waiting = self.activations_per_mb * (self.in_flight - 1)
+        waiting = self.waiting if self.waiting >= 0 else self.activations_per_mb * (self.in_flight - 1)
         return waiting + self.current_activations + self.output_per_mb * self.in_flight + self.retained_output
 
     @property
@@ -103,21 +94,6 @@ class StageCost:
         if self.dp_sync_s <= 0:
             return 0.0
         return max(self.dp_edge_s, self.dp_sync_s - self.overlap_window_s)
-
-
-def held_bytes(held: Sequence[tuple[int, int]], pairs: int) -> int:
-    """The most bytes ``pairs`` in-flight (virtual stage, micro-batch) pairs can hold when
-    virtual stage c keeps at most ``held[c][1]`` of them, each at ``held[c][0]`` bytes: the
-    largest first (an upper bound on every moment of the schedule, which never holds more of a
-    virtual stage than its most nor more pairs than ``pairs``)."""
-    total = 0
-    for size, most in sorted(held, reverse=True):
-        take = min(most, pairs)
-        total += take * size
-        pairs -= take
-        if pairs <= 0:
-            return total
-    return total + pairs * max(size for size, _ in held)  # more pairs than the bounds allow: at the largest
 
 
 def in_flight(stage: int, pp: int, num_micro_batches: int) -> int:
@@ -358,32 +334,28 @@ def interleaved_stage_cost(cm: CostModel, group: NodeGroup,
     parts = [part(layers, nxt) for layers, nxt in zip(chunks, next_groups)]
     add = lambda field: sum(getattr(p, field) for p in parts)  # noqa: E731
     most = chunk_in_flight(schedule, stage, pp, len(chunks), num_micro_batches)
-    held: tuple[tuple[int, int], ...] = ()
+    # what each virtual stage's running pair holds at its peak: its layers' activations up to the
+    # peak layer, that layer's transient and gathered copies
+    peak = [p.current_activations + p.transient + p.peak_gathered - p.peak_released for p in parts]
     waiting = -1
     if schedule == "interleaved-1f1b":
         # The pairs held at once, moment by moment on torch's order (``schedules.held_moments``):
         # at each, the pairs waiting at their virtual stages' activations and the running one at
-        # its virtual stage's peak (its layers' activations up to the peak layer, that layer's
-        # transient and gathered copies); the rank's peak is the largest moment.
+        # its virtual stage's peak; the rank's peak is the largest moment.
         # The tensors sent that only their sends hold (``held_moments``' third count) are stage
         # outputs and input gradients: an output's bytes each, none under an engine that frees
         # what it sent and waits for each send (Megatron-LM: ``kept_output_bytes``).
         acts = [p.activations_per_mb for p in parts]
         sent = kept_output_bytes(cm, micro_batch, tp)
-        peak = [p.current_activations + p.transient + p.peak_gathered - p.peak_released for p in parts]
         ranked, waiting = max(((c, sum(n * a for n, a in zip(vec, acts)) - acts[c] + dead * sent)
                                for c, vec, dead in held_moments(stage, pp, len(chunks), num_micro_batches)),
                               key=lambda cw: cw[1] + peak[cw[0]])
     else:
-        ranked = max(range(len(parts)),
-                     key=lambda c: parts[c].current_activations + parts[c].transient + parts[c].peak_gathered
-                     - parts[c].peak_released)
         # Zero-bubble schedules keep every pair at the largest virtual stage's activations: their
         # split backward holds more between I and W than the plan prices (measured +15 % on CPU
         # ranks with per-virtual-stage charging, tests/test_runtime_schedules.py), which that
-        # bound covers.
-        if schedule not in ZERO_BUBBLE:
-            held = tuple((p.activations_per_mb, n - (c == ranked)) for c, (p, n) in enumerate(zip(parts, most)))
+        # bound covers; the running pair at the virtual stage that peaks highest.
+        ranked = max(range(len(parts)), key=peak.__getitem__)
     running = parts[ranked]
     # Every virtual stage's kept copies, less those the running one has freed by its peak.
     kept_copies = sum(p.gathered_weights - p.peak_gathered + p.peak_released for p in parts) - running.peak_released
@@ -398,7 +370,7 @@ def interleaved_stage_cost(cm: CostModel, group: NodeGroup,
         output_per_mb=kept_output_bytes(cm, micro_batch, tp),
         # the head's logits, kept from its forward to its backward for each pair of its virtual stage in flight
         retained_output=sum(p.retained_output * n for p, n in zip(parts, most)),
-        in_flight=in_flight_chunks(schedule, stage, pp, len(chunks), num_micro_batches), held=held, waiting=waiting,
+        in_flight=in_flight_chunks(schedule, stage, pp, len(chunks), num_micro_batches), waiting=waiting,
         transient=running.transient, pipeline_buffers=add("pipeline_buffers"), peak_layer=running.peak_layer,
         peak_phase=running.peak_phase, tied_sync_s=add("tied_sync_s"),
         zero_edge_s=max(p.zero_edge_s for p in parts), dp_edge_s=max(p.dp_edge_s for p in parts),
