@@ -57,6 +57,7 @@ from partita.devices import CATALOG, DeviceType, get_device
 from partita.errors import PartitaError
 from partita.model import BUILTIN, ModelSpec
 from partita.plan import RECOMPUTE, Plan
+from partita.search import context
 from partita.search.costs.model import CostModel
 from partita.search.evaluate import Evaluation, evaluate_interleaved, evaluate_layout, evaluate_plan
 from partita.search.interleaved import chunk_names
@@ -110,6 +111,11 @@ class PublishedRun:
     # Expert parallelism of a mixture-of-experts model: ep consecutive data-parallel ranks split
     # the experts (search/experts.py), priced with balanced routing as ``partita plan`` does.
     ep: int = 1
+    # Context parallelism: cp consecutive ranks (tp innermost, then cp) split each sequence, its
+    # attention run as ``cp_variant`` (partita.parallel.CP_VARIANTS; search/context.py), priced
+    # on the cost model's cp view as ``partita plan --cp`` prices it. dp counts replicas only.
+    cp: int = 1
+    cp_variant: str = "all_to_all"
     differences: tuple[str, ...] = ()
     why: str = ""
     assumed: tuple[str, ...] = ()
@@ -120,7 +126,7 @@ class PublishedRun:
 
     @property
     def gpus(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
 
     @property
     def num_micro_batches(self) -> int:
@@ -128,7 +134,8 @@ class PublishedRun:
 
     @property
     def config(self) -> str:
-        parts = [f"tp{self.tp} pp{self.pp} dp{self.dp}" + (f" ep{self.ep}" if self.ep > 1 else ""),
+        cp = f" cp{self.cp} {self.cp_variant.replace('_', '-')}" if self.cp > 1 else ""
+        parts = [f"tp{self.tp}{cp} pp{self.pp} dp{self.dp}" + (f" ep{self.ep}" if self.ep > 1 else ""),
                  f"ZeRO-{self.zero}" if self.zero else "DDP"]
         if self.sequence_parallel:
             parts.append("SP")
@@ -252,6 +259,9 @@ def run_from_dict(data: Any, where: str, devices: Sequence[DeviceType] = ()) -> 
         schedule=specio.get_str(data, "schedule", where, choices=parallel.SCHEDULES) if "schedule" in data else "1f1b",
         virtual_stages=specio.get_int(data, "virtual_stages", where) if "virtual_stages" in data else 1,
         ep=specio.get_int(data, "ep", where) if "ep" in data else 1,
+        cp=specio.get_int(data, "cp", where) if "cp" in data else 1,
+        cp_variant=(specio.get_str(data, "cp_variant", where, choices=parallel.CP_VARIANTS)
+                    if "cp_variant" in data else "all_to_all"),
         differences=tuple(_strings(data, "differences", where)), assumed=tuple(_strings(data, "assumed", where)),
         why=_optional_str(data, "why", where), notes=_optional_str(data, "notes", where),
         gap=_optional_str(data, "gap", where),
@@ -340,8 +350,9 @@ def _strings(data: Mapping[str, Any], key: str, where: str) -> list[str]:
 def _check_run(run: PublishedRun, where: str) -> None:
     """The numbers must make one layout; say which do not."""
     if run.gpus != run.cluster.world_size:
-        raise PartitaError(f"{where}: tp {run.tp} x pp {run.pp} x dp {run.dp} = {run.gpus} GPUs, but the cluster "
-                           f"{run.cluster.short} has {run.cluster.world_size}")
+        cp = f" x cp {run.cp}" if run.cp > 1 else ""
+        raise PartitaError(f"{where}: tp {run.tp}{cp} x pp {run.pp} x dp {run.dp} = {run.gpus} GPUs, but the "
+                           f"cluster {run.cluster.short} has {run.cluster.world_size}")
     if run.global_batch % (run.dp * run.micro_batch):
         raise PartitaError(f"{where}: global batch {run.global_batch} is not a multiple of dp {run.dp} x micro-batch "
                            f"{run.micro_batch}")
@@ -368,7 +379,11 @@ def _check_run(run: PublishedRun, where: str) -> None:
         raise PartitaError(f"{where}: {run.model.n_layers} blocks cannot fill pp {run.pp} x virtual_stages "
                            f"{run.virtual_stages} slices")
     block = run.model.kinds["block"]
-    for why in (parallel.ep_rule(block, run.ep, run.dp), parallel.tp_rule(block, run.tp)):
+    cp_rules = (parallel.cp_rule(block, run.cp, tp=run.tp, variant=run.cp_variant, seq_len=run.seq_len),
+                parallel.cp_locality_rule(run.cp, run.tp, run.cluster.groups[0].gpus_per_node))
+    if run.cp == 1 and run.cp_variant != "all_to_all":
+        raise PartitaError(f"{where}: cp_variant {run.cp_variant} needs cp of 2 or more")
+    for why in (parallel.ep_rule(block, run.ep, run.dp), parallel.tp_rule(block, run.tp)) + cp_rules:
         if why:
             raise PartitaError(f"{where}: {why}")
     if run.sequence_parallel and run.tp == 1:
@@ -440,9 +455,11 @@ def evaluate_run(run: PublishedRun) -> Evaluation:
 
 def _evaluate(run: PublishedRun) -> Evaluation:
     cm = CostModel(run.model, run.cluster, seq_len=run.seq_len, dtype=run.dtype, engine=run.engine)
+    if run.cp > 1:  # priced on its view, a rank of it a cp group (search/context.py), as evaluate_plan does
+        cm = cm.at_cp(run.cp, run.cp_variant, context.span_tp_of(run.cluster, run.cp, run.tp))
     if run.model.is_moe:
         cm = cm.at_ep(run.ep)
-    group = run.cluster.groups[0]
+    group = cm.cluster.groups[0]
     def layers(names: Sequence[str]) -> list:
         return [strategy(run.model, name, tp=run.tp, sp=run.sequence_parallel, zero=run.zero,
                          recompute=run.recompute) for name in names]

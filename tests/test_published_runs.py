@@ -48,7 +48,7 @@ def test_every_run_names_its_source(run):
 
 @pytest.mark.parametrize("run", RUNS, ids=lambda r: r.id)
 def test_every_run_is_one_consistent_layout(run):
-    assert run.tp * run.pp * run.dp == run.cluster.world_size
+    assert run.tp * run.cp * run.pp * run.dp == run.cluster.world_size
     assert run.global_batch % (run.dp * run.micro_batch) == 0
     assert run.measured.value > 0
     assert run.pricing in pr.PRICINGS
@@ -133,6 +133,27 @@ def test_a_mixture_of_experts_run_is_priced_with_its_expert_parallelism():
         data = _with(index, **changes)
         with pytest.raises(PartitaError, match=message):
             pr.run_from_dict(data["runs"][0], "runs[0]")
+
+
+def test_a_context_parallel_run_is_priced_on_its_cp_view():
+    """Llama 3 405B at 131,072 tokens (Table 4): tp 8 x cp 16 spans 16 nodes, each cp rank holds
+    8,192 tokens, and its K/V all-gathers are priced (search/context.py); the GPUs count cp, and
+    a cp the sequence or the node layout cannot take is refused with the rule's words."""
+    run = {r.id: r for r in RUNS}["llama3-405b-16384xH100-cp16"]
+    assert (run.cp, run.cp_variant, run.gpus) == (16, "all_gather", 16384)
+    assert "tp8 cp16 all-gather pp16 dp8" in run.config
+    ev = pr.evaluate_run(run)
+    assert ev.breakdown["context_parallel_comm"] > 0
+    # a step of 16M tokens: the measured 380 TFLOP/s as PaLM counts them, over 16,384 GPUs
+    assert run.global_batch * run.seq_len == 128 * 131072
+    assert pr.measured_tokens_per_s_per_gpu(run) * run.gpus * pr.palm_flops_per_token(run.model, run.seq_len) \
+        == pytest.approx(380e12 * 16384)
+    index = next(i for i, r in enumerate(RAW["runs"]) if r["id"] == run.id)
+    for changes, message in ((dict(cp=3), r"tp 8 x cp 3 x pp 16 x dp 8 = 3072 GPUs"),
+                             (dict(cp=6, cluster="96x8xH100", dp=1), r"not divisible by context-parallel degree 6"),
+                             (dict(cp=1, dp=128), r"cp_variant all_gather needs cp of 2 or more")):
+        with pytest.raises(PartitaError, match=message):
+            pr.run_from_dict(_with(index, **changes)["runs"][0], "runs[0]")
 
 
 def test_mfu_of_a_published_row_matches_the_figure_its_source_prints():
