@@ -116,6 +116,8 @@ The terms each behaviour selects, in one place each:
   (``reduce_flushes``). Under full recomputation the backward gathers every module again for
   the recomputed forward and once more for the modules whose reuse lies beyond
   ``stage3_max_reuse_distance`` (``recompute_regathers``; ``layer_time.zero3_recompute_s``).
+* ``max_reuse_distance`` (elements; DeepSpeed's ``stage3_max_reuse_distance``, default 1e9): the
+  reuse distance within which a module's parameters stay gathered (``recompute_regathers``).
 * ``p2p_buffers``: what a pipeline stage holds for its transfers (``costs.memory.pipeline_memory``).
   "per_micro_batch" (``torch.distributed.pipelining`` as it comes: a receive buffer per
   micro-batch and direction for every virtual stage, allocated once, and each stage output kept
@@ -155,6 +157,10 @@ ZERO3_GATHERS = ("layer", "module")
 # DeepSpeed's ZeRO reduce_bucket_size default (elements): gradients are reduced through a bucket
 # of this size (deepspeed/runtime/zero/config.py, 5e8); ``Engine.reduce_bucket``.
 DEEPSPEED_REDUCE_BUCKET = 500_000_000
+# DeepSpeed's stage3_max_reuse_distance default (elements; deepspeed/runtime/zero/constants.py):
+# a module's parameters stay gathered after it runs if they are used again within this many
+# parameters of the traced fetch order (PartitionedParameterCoordinator.__params_to_release).
+DEEPSPEED_MAX_REUSE_DISTANCE = 1_000_000_000
 P2P_BUFFERS = ("per_micro_batch", "on_receive", "per_transfer")
 ZERO2_GATHERS = ("micro_batch", "step")
 PARAM_GATHERS = ("next_forward", "after_step")
@@ -184,6 +190,7 @@ class Engine:
     glu_saves: str = "outputs"
     qkv_saves: str = "repeated"
     reduce_bucket: int = DEEPSPEED_REDUCE_BUCKET
+    max_reuse_distance: int = DEEPSPEED_MAX_REUSE_DISTANCE
 
     def __post_init__(self) -> None:
         Software(attention=self.attention, grad_sync=self.grad_sync)  # its checks of the two names
@@ -280,11 +287,6 @@ def zero3_gathers(engine: Engine, kind, *, local_experts: int = 0) -> int:
     """All-gathers ZeRO-3 runs for one layer's parameters in one pass under ``engine``."""
     return linear_modules(kind, local_experts=local_experts) if engine.zero3_gathers == "module" else 1
 
-
-# DeepSpeed's stage3_max_reuse_distance default (elements; deepspeed/runtime/zero/constants.py):
-# a module's parameters stay gathered after it runs if they are used again within this many
-# parameters of the traced fetch order (PartitionedParameterCoordinator.__params_to_release).
-DEEPSPEED_MAX_REUSE_DISTANCE = 1_000_000_000
 
 
 def block_module_params(kind, tp: int) -> list[list[int]] | None:

@@ -519,3 +519,35 @@ def test_deepspeed_regathers_what_its_recompute_released_and_reduces_large_gradi
     assert fewer.layer_time("block", group, none, dp=128, micro_batch=1).zero_comm_s < t_none.zero_comm_s
     with pytest.raises(PartitaError, match="reduce_bucket must be a positive whole number"):
         ENGINES["deepspeed"].with_options({"reduce_bucket": "big"})
+
+
+def test_deepspeed_s_reuse_distance_keeps_a_recomputed_block_gathered_for_its_backward():
+    """``Engine.max_reuse_distance`` (DeepSpeed's stage3_max_reuse_distance): at the Azure 175B
+    recipe's 3e9 every module of a 175B GPT block is reused within the distance (the first's
+    reuse lies 2 x (h^2 + 8h^2) = 2.7e9 parameters of the traced order away), so the recomputed
+    forward keeps the whole block gathered for the backward: no third gather of any module, and
+    the backward starts holding the block's parameters (1.8e9, 3.6 GB in fp16) beside the next
+    module fetched. At the default 1e9 it keeps only the last module (w2 and its bias), beside
+    the next one fetched."""
+    from partita.search.costs.layer_time import zero3_recompute_s
+    from partita.search.engines import block_module_params, recompute_regathers
+
+    gpt = dataclasses.replace(BUILTIN["llama-2-7b"], name="gpt-175b", family="gpt2", hidden=12288, heads=96,
+                              kv_heads=96, ffn=49152, n_layers=4, vocab=50304, seq_len=1024, tie_embeddings=True)
+    h, block = 12288, gpt.kinds["block"]
+    assert recompute_regathers(block, 1, 3_000_000_000) == []
+    cluster = parse_short("16x8xA100-80GB")
+    group = cluster.groups[0]
+    far = ENGINES["deepspeed"].with_options({"max_reuse_distance": 3_000_000_000})
+    cms = {e: CostModel(gpt, cluster, seq_len=1024, dtype="fp16", engine=e) for e in (ENGINES["deepspeed"], far)}
+    assert zero3_recompute_s(cms[far], "block", group, tp=1, replicas=128) == 0.0
+    assert zero3_recompute_s(cms[ENGINES["deepspeed"]], "block", group, tp=1, replicas=128) > 0
+    full = strategy(gpt, "layers.0", tp=1, sp=False, zero=3, recompute="full")
+    mem = {e: cm.layer_memory("block", group.device, full, dp=128, micro_batch=1, num_micro_batches=1)
+           for e, cm in cms.items()}
+    block_params = sum(map(sum, block_module_params(block, 1)))
+    largest = 4 * h * h
+    assert mem[ENGINES["deepspeed"]].transient_gathered == (largest + h) * 2 + largest * 2
+    assert mem[far].transient_gathered == block_params * 2 + largest * 2
+    with pytest.raises(PartitaError, match="max_reuse_distance must be a positive whole number"):
+        ENGINES["deepspeed"].with_options({"max_reuse_distance": 0})

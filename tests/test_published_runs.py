@@ -249,15 +249,17 @@ def test_deepspeed_s_zero3_gathers_carry_the_loss_of_throughput_with_the_ranks()
     ZeRO-3 lost 47 % of its throughput a GPU from 128 to 1,024 A100. Priced with the deepspeed
     engine (a ring a linear layer) the prediction falls with it and its error does not grow with
     the ranks; priced as FSDP's one gather a block it barely falls, and the error nearly doubles.
-    (The bound on the error is the engine's unpriced host cost, docs/published_runs.md: 79 % with
-    its gathers alone priced, 49 % since the recompute's re-gathers and the reduce-scatter a large
-    gradient runs alone are priced too, search/engines.py.)"""
+    (The bound on the error is what the engine spends beyond the priced traffic, docs/published_runs.md,
+    "DeepSpeed ZeRO-3 at micro-batch 1": 79 % with its gathers alone priced, 49 % with the recompute's
+    re-gathers and the reduce-scatter a large gradient runs alone, 67 % at the recipe's
+    stage3_max_reuse_distance of 3e9, which keeps a block's modules gathered from its recomputed
+    forward to its backward: no re-gathers, search/engines.py.)"""
     series = sorted((r for r in DEEPSPEED_ZERO3 if r.model.hidden == 12288 and r.micro_batch == 1), key=lambda r: r.dp)
     assert [r.dp for r in series] == [128, 256, 512, 1024]
     errors = [pr.price(r).error_pct for r in series]
     as_fsdp = [pr.price(dataclasses.replace(r, engine=ENGINES["partita"].with_options({"attention": "unfused"}))).error_pct
                for r in series]
-    assert errors[-1] <= errors[0] and max(abs(e) for e in errors) < 50
+    assert errors[-1] <= errors[0] and max(abs(e) for e in errors) < 70
     assert as_fsdp[-1] > 1.5 * as_fsdp[0]
     first, last = pr.price(series[0]), pr.price(series[-1])
     measured_drop = first.measured_tokens_per_s_per_gpu / last.measured_tokens_per_s_per_gpu

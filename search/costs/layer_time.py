@@ -105,7 +105,7 @@ def zero3_recompute_s(cm, role: str, group: NodeGroup, *, tp: int, replicas: int
         return 0.0
     dlink = cm.dp_link(group, replicas, tp)
     return sum(cm.collective_s("all_gather", m * cm.elem, replicas, dlink, group.device)
-               for m in recompute_regathers(cm.model.kinds[role], tp))
+               for m in recompute_regathers(cm.model.kinds[role], tp, cm.engine.max_reuse_distance))
 
 
 def tp_pass(cm, role: str, group: NodeGroup, *, tp: int, sp: bool, recompute: str,

@@ -37,7 +37,7 @@ from partita.model import LayerKind
 from partita.plan import boundary_split
 from partita.search.analytic import Shard, activation_bytes
 from partita.search.context import block_gather_traffic, cp_activation_bytes, ring_kv_heads, ring_transient_bytes
-from partita.search.engines import largest_module_params
+from partita.search.engines import block_module_params, largest_module_params, recompute_regathers
 from partita.units import GiB, MiB, loss_chunk_tokens, round_up_to_grain
 
 RESERVE_GPU_BYTES = 3 * GiB
@@ -199,6 +199,14 @@ def dense_memory(cm, role: str, device: str, *, tp: int, sp: bool, zero: int, re
         # a layer never holds more than two modules' parameters (search/engines.py).
         copy = min(params, largest_module_params(cm.model.kinds[role], tp)) * e
         gather_spike = resident = 2 * copy
+        modules = block_module_params(cm.model.kinds[role], tp)
+        if recompute == "full" and modules:
+            # ... except what its recomputed forward keeps gathered for the backward: the modules
+            # reused within stage3_max_reuse_distance (``engines.recompute_regathers``), all held
+            # when the backward starts, beside the next one fetched.
+            held = sum(map(sum, modules)) - sum(recompute_regathers(cm.model.kinds[role], tp,
+                                                                   cm.engine.max_reuse_distance))
+            resident = max(resident, held * e + copy)
         unsharded_grad = copy + min(params, cm.engine.reduce_bucket) * e if role != "head" else 0
     if role == "block":
         working = block_backward_transient(cm, tp, micro_batch)
