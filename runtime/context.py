@@ -49,6 +49,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from partita.errors import PartitaError
 from partita.runtime.models import Attention, Embed, causal_attention
+from partita.runtime.tp_linear import columns
 
 CONTIGUOUS, HEAD_TAIL = "contiguous", "head_tail"
 LAYOUTS = (CONTIGUOUS, HEAD_TAIL)
@@ -215,10 +216,9 @@ def all_to_all_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: 
 def _shard_qkv(attn: Attention, x: torch.Tensor, layout: str) -> tuple[torch.Tensor, ...]:
     """q, k, v of a sequence shard ([b, s/cp, heads, head_dim]), rotary at the shard's global
     positions in ``layout``."""
-    b, s_local, _ = x.shape
-    q = attn.wq(x).view(b, s_local, -1, attn.head_dim)
-    k = attn.wk(x).view(b, s_local, -1, attn.head_dim)
-    v = attn.wv(x).view(b, s_local, -1, attn.head_dim)
+    q, k, v = columns(attn, x, attn.wq, attn.wk, attn.wv)  # the cp shard's, whole over tp
+    b, s_local = q.shape[:2]
+    q, k, v = (t.view(b, s_local, -1, attn.head_dim) for t in (q, k, v))
     if attn.rope_theta is not None:
         cp, index = dist.get_world_size(attn.cp_group), dist.get_rank(attn.cp_group)
         positions = shard_positions(s_local * cp, cp, index, layout, device=x.device)
@@ -237,10 +237,9 @@ class _ShardAttention(Attention):
     attend: staticmethod
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s_local, _ = x.shape
         q, k, v = _shard_qkv(self, x, self.cp_layout)
         out = self.attend(q, k, v, self.cp_group, layout=self.cp_layout)
-        return self.wo(out.reshape(b, s_local, -1))
+        return self.wo(out.reshape(*q.shape[:2], -1))
 
 
 class AllToAllAttention(_ShardAttention):
@@ -387,10 +386,9 @@ class RingAttention(Attention):
     cp_layout: str
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s_local, _ = x.shape
         q, k, v = _shard_qkv(self, x, HEAD_TAIL)
         out = causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-        return self.wo(out.transpose(1, 2).reshape(b, s_local, -1))
+        return self.wo(out.transpose(1, 2).reshape(*q.shape[:2], -1))
 
 
 def check_ring_device(device_type: str) -> None:

@@ -32,6 +32,7 @@ from torch import nn
 from partita import parallel
 from partita.errors import PartitaError
 from partita.model import MOE_AUX_LOSS_COEF, ModelSpec
+from partita.runtime.tp_linear import columns
 
 ROLES = ("embed", "block", "head")
 INIT_STD = 0.02
@@ -88,11 +89,12 @@ class Attention(nn.Module):
         self.wo = nn.Linear(heads * head_dim, hidden, bias=out_bias, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        # -1 heads: under tensor parallelism each rank holds a slice of the heads.
-        q = self.wq(x).view(b, s, -1, self.head_dim)
-        k = self.wk(x).view(b, s, -1, self.head_dim)
-        v = self.wv(x).view(b, s, -1, self.head_dim)
+        # -1 heads: under tensor parallelism each rank holds a slice of the heads; under sequence
+        # parallelism x is this rank's sequence shard and q, k, v cover the whole sequence
+        # (``tp_linear.columns``).
+        q, k, v = columns(self, x, self.wq, self.wk, self.wv)
+        b, s = q.shape[:2]
+        q, k, v = (t.view(b, s, -1, self.head_dim) for t in (q, k, v))
         if self.rope_theta is not None:
             q, k = _rotary(q, self.rope_theta), _rotary(k, self.rope_theta)
         out = causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
@@ -108,7 +110,8 @@ class SwiGLU(nn.Module):
         self.w2 = nn.Linear(ffn, hidden, bias=False, **kw)  # down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        gate, up = columns(self, x, self.w1, self.w3)
+        return self.w2(F.silu(gate) * up)
 
 
 class GeluMLP(nn.Module):
@@ -119,7 +122,8 @@ class GeluMLP(nn.Module):
         self.w2 = nn.Linear(ffn, hidden, bias=True, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.gelu(self.w1(x), approximate="tanh"))
+        (inner,) = columns(self, x, self.w1)
+        return self.w2(F.gelu(inner, approximate="tanh"))
 
 
 # Weight of the load-balancing loss (Switch Transformer's alpha; Fedus et al. 2021, sec. 2.2):
@@ -312,7 +316,8 @@ class Head(nn.Module):
         self.output = nn.Linear(spec.hidden, vocab, bias=False, device=device, dtype=dtype)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.output(self.norm(h))
+        (logits,) = columns(self, self.norm(h), self.output)
+        return logits
 
 
 class Transformer(nn.Module):

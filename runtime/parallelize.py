@@ -49,6 +49,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from partita.plan import LayerStrategy, Plan, Stage, gives_whole
 from partita.runtime.mesh import Meshes
 from partita.runtime.models import Transformer, materialize
+from partita.runtime.tp_linear import mark
 
 FULL, SEQ = "full", "seq"
 _LAYOUT = {FULL: Replicate(), SEQ: Shard(1)}
@@ -102,12 +103,12 @@ def _block_styles(family: str, seq: bool, moe: bool = False) -> dict[str, object
         if family == "llama":
             styles["feed_forward.w3"] = ColwiseParallel()
     if seq:
-        gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                                    use_local_output=True)
+        # Each takes this rank's sequence shard: the column-parallel products gather it themselves
+        # (``tp_linear.columns``, marked by ``_mark_columns``); a MoE runs on it.
         local = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),),
                                    use_local_output=True)
         styles.update({"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel(),
-                       "attention": gather, "feed_forward": local if moe else gather})
+                       "attention": local, "feed_forward": local})
     return styles
 
 
@@ -126,6 +127,18 @@ def _head_styles(seq: bool) -> dict[str, object]:
     if seq:
         styles["norm"] = SequenceParallel()
     return styles
+
+
+def _mark_columns(layer: nn.Module, role: str, group, seq: bool, moe: bool) -> None:
+    """The layer's column-parallel products of one input run as one function that reduces the
+    input's gradient beside their weight gradients and, under sequence parallelism, gathers the
+    shard it keeps (``tp_linear.columns``): a block's q, k, v and its MLP's first products (a
+    MoE's run whole on sequence shards), the head's output layer. ``ColwiseParallel`` has
+    placed their weights; its input and output hooks no longer run."""
+    if role == "embed":
+        return
+    for owner in [layer] if role == "head" else [layer.attention] + ([] if moe else [layer.feed_forward]):
+        mark(owner, group, sequence=seq)
 
 
 def _convert(src: str, dst: str, *, inputs: bool) -> nn.Module | None:
@@ -172,7 +185,9 @@ def apply_tensor_parallel(model: Transformer, stage: Stage, meshes: Meshes) -> N
             role = model.spec.role_of(strategy.name)
             takes, gives = _takes_gives(strategy, role)
             if strategy.tensor_parallel > 1:
-                parallelize_module(layer, mesh, _layer_styles(role, family, _layout(strategy) == SEQ, model.spec.is_moe))
+                seq = _layout(strategy) == SEQ
+                parallelize_module(layer, mesh, _layer_styles(role, family, seq, model.spec.is_moe))
+                _mark_columns(layer, role, mesh.get_group(), seq, model.spec.is_moe)
             convert_in = _convert(previous, takes, inputs=True) if previous is not None else None
             if convert_in is not None:  # a hook on the layer itself, so recomputation replays it
                 parallelize_module(layer, mesh, convert_in)

@@ -28,8 +28,10 @@ The terms each behaviour selects, in one place each:
   Megatron-Core). Priced per linear beside its own weight-gradient product
   (``layer_time.dgrad_exposed_s``): the reduction's excess over the product and the product's
   slowdown while both run. The row-parallel linears' collectives (the forward's reductions, the
-  backward's all-gathers under SP) stay exposed. DTensor's backward (Partita's runtime,
-  torchtitan in eager mode) waits for each collective where it is issued.
+  backward's all-gathers under SP) stay exposed. Partita's runtime runs each group of column-
+  parallel products of one input (q, k, v; the MLP's first products; the output layer) as one
+  autograd function that does the same (``runtime.tp_linear``); DTensor's backward (torchtitan in
+  eager mode) waits for each collective where it is issued.
 * ``selective_scope``: what ``recompute: selective`` recomputes. "ops" (Partita's runtime and
   torchtitan: torch's selective checkpointing keeps every matrix product's output and recomputes
   the rest of the block, norms, activations and the attention core, ``analytic.
@@ -94,12 +96,13 @@ The terms each behaviour selects, in one place each:
   gradients). Communication only: the memory keeps fp32 gradient buffers (``costs.memory``).
 * ``sp_inputs``: under sequence parallelism, what a tensor-parallel linear keeps of its
   all-gathered input for the weight gradient: "whole" (DTensor's autograd keeps the gathered
-  tensor: Partita's runtime, torchtitan) or "sharded" (Megatron-LM keeps its sequence shard and
-  all-gathers it again in the backward, asynchronously beside the input-gradient product:
+  tensor: torchtitan) or "sharded" (Megatron-LM keeps its sequence shard and all-gathers it again
+  in the backward, asynchronously beside the input-gradient product:
   ``LinearWithGradAccumulationAndAsyncCommunication.backward``; Korthikanti et al. 2022, sec.
-  4.2.2). Sharded: the block's two linear inputs and the head's take 1/tp of the bytes
-  (``analytic.activation_bytes``), and each backward re-gathers them beside its compute
-  (``layer_time``).
+  4.2.2; Partita's runtime likewise, ``runtime.tp_linear``). Sharded: the block's two linear
+  inputs and the head's take 1/tp of the bytes (``analytic.activation_bytes``), each backward
+  re-gathers them beside its compute (``layer_time``) and holds the gathered input while its
+  weight gradients run (``costs.memory``).
 * ``glu_saves``, ``qkv_saves``: what a block's kernels keep for the backward
   (``analytic.activation_bytes``). "outputs" / "repeated" (the torch stack: Partita's runtime,
   torchtitan, Hugging Face models under DeepSpeed): SwiGLU keeps silu's output beside its inputs
@@ -227,8 +230,10 @@ class Engine:
 ENGINES: dict[str, Engine] = {
     # partita launch: torch SDPA (the H200 fit), FSDP2 units per block, DDP/FSDP2 reductions as
     # the backward frees each layer's gradients, torch.distributed.pipelining with receive
-    # buffers allocated as receives are posted, the chunked loss.
-    "partita": Engine("partita", p2p_buffers="on_receive"),
+    # buffers allocated as receives are posted, the chunked loss, and the column-parallel
+    # products of one input run as one function (runtime.tp_linear): the sequence shard kept and
+    # gathered again in the backward, the input gradient's reduction beside the weight gradients.
+    "partita": Engine("partita", dgrad_overlap=True, sp_inputs="sharded", p2p_buffers="on_receive"),
     # torchtitan as partita export --to torchtitan writes it: the same torch stack (SDPA, FSDP2
     # per block, torch pipelining), eager (async TP needs compile); its loss casts the logits to
     # fp32 (torchtitan/components/loss.py, cross_entropy_loss: pred.flatten(0, 1).float()).

@@ -12,6 +12,7 @@ from partita.search.costs.compute import sequence_parallel_savings
 from partita.search.costs.links import Link
 from partita.search.costs.memory import ON_RECEIVE_BUFFERS, block_backward_transient
 from partita.search.costs.model import CostModel
+from partita.search.engines import ENGINES
 from partita.search.evaluate import evaluate_layout
 from partita.search.schedules import closed_form_s
 from partita.units import GB
@@ -126,8 +127,6 @@ def test_a_data_parallel_group_across_nodes_uses_the_nics_of_its_ranks():
 def test_gradients_synced_after_the_backward_hide_behind_nothing():
     """Megatron-LM's 'local' DDP and DeepSpeed's pipeline engine start the gradient all-reduce
     when the whole backward has ended: all of it is exposed."""
-    from partita.search.engines import ENGINES
-
     model, cluster = load_model("llama-2-7b"), parse_short("2x8xH100")
     g = cluster.groups[0]
     layers = [LayerStrategy(name="embed")] + [LayerStrategy(name=f"layers.{i}") for i in range(32)] \
@@ -175,7 +174,9 @@ def test_selective_recompute_lies_between_none_and_full_in_memory_and_time():
     and its collectives but w2's reduction, shorter than full's."""
     model = load_model("llama-2-70b")
     cluster = parse_short("8xH100")
-    cm = CostModel(model, cluster, seq_len=4096)
+    # torchtitan's DTensor linears: every collective exposed where it is issued (Partita's own
+    # runtime reduces the column-parallel input gradients beside the weight gradients)
+    cm = CostModel(model, cluster, seq_len=4096, engine=ENGINES["torchtitan"])
     g = cluster.groups[0]
     for tp, sp in ((1, False), (8, False), (8, True)):
         s = {mode: LayerStrategy(name="layers.0", tensor_parallel=tp, sequence_parallel=sp, recompute=mode)

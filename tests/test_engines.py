@@ -248,7 +248,7 @@ def test_megatron_reduces_a_column_parallel_input_gradient_beside_its_weight_gra
     assert dgrad_exposed_s(2.0, 1.0, slowdown) == pytest.approx(slowdown * 1.0)
     assert dgrad_exposed_s(0.5, 1.0, slowdown) == pytest.approx(1.0 - 0.5)
     # Partita's runtime (DTensor) and torchtitan wait where they issue: nothing hidden.
-    assert not ENGINES["partita"].dgrad_overlap and not ENGINES["torchtitan"].dgrad_overlap
+    assert ENGINES["partita"].dgrad_overlap and not ENGINES["torchtitan"].dgrad_overlap  # runtime.tp_linear
 
 
 # Korthikanti et al. 2022 (arXiv 2205.05198), Table 4: one 22B GPT layer (hidden 6144, 64 heads,
@@ -391,9 +391,11 @@ def test_megatron_keeps_the_linears_inputs_as_sequence_shards():
     model, cluster = BUILTIN["llama-2-7b"], parse_short("1x8xH100")
     group, tp, seq = cluster.groups[0], 4, 4096
     kw = dict(dp=2, micro_batch=1, num_micro_batches=4)
-    plain, megatron = CostModel(model, cluster, seq_len=seq), CostModel(model, cluster, seq_len=seq,
-                                                                         engine=ENGINES["megatron"])
-    sharded = dataclasses.replace(PARTITA, sp_inputs="sharded")
+    whole = ENGINES["torchtitan"]  # DTensor's linears keep the gathered input
+    plain, megatron = CostModel(model, cluster, seq_len=seq, engine=whole), CostModel(model, cluster, seq_len=seq,
+                                                                                      engine=ENGINES["megatron"])
+    assert whole.sp_inputs == "whole" and PARTITA.sp_inputs == "sharded"  # Partita's runtime: runtime.tp_linear
+    sharded = dataclasses.replace(whole, sp_inputs="sharded")
     alone = CostModel(model, cluster, seq_len=seq, engine=sharded)  # the one behaviour, nothing else
     kernels = CostModel(model, cluster, seq_len=seq, engine=sharded.with_options(
         {"glu_saves": "input", "qkv_saves": "fused"}))  # and Megatron's kernels' saved tensors

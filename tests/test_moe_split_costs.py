@@ -11,6 +11,7 @@ from partita.model import BUILTIN
 from partita.plan import LayerStrategy
 from partita.search.analytic import Shard, activation_bytes, forward_matmuls
 from partita.search.costs.model import CostModel
+from partita.search.engines import ENGINES
 from partita.search.experts import all_to_all_bytes, moe_parts
 from partita.search.planner import PlanRequest, make_plan
 from partita.search.uniform import SearchSpace, sp_choices
@@ -53,7 +54,7 @@ def test_the_moes_weights_are_sharded_over_dp_x_tp():
 
 
 def test_a_moe_block_at_tp_runs_the_attentions_collectives_only():
-    cm = CostModel(MIXTRAL, H100, seq_len=4096)
+    cm = CostModel(MIXTRAL, H100, seq_len=4096, engine=ENGINES["torchtitan"])  # each collective exposed
     g = cm.cluster.groups[0]
     t = cm.layer_time("block", g, LayerStrategy(name="layers.0", tensor_parallel=2, sequence_parallel=True),
                       dp=1, micro_batch=1)

@@ -214,6 +214,9 @@ def dense_memory(cm, role: str, device: str, *, tp: int, sp: bool, zero: int, re
         working = loss_transient(cm, tp, micro_batch)
     else:
         working = 0
+    if sp and tp > 1 and role != "embed" and cm.engine.sp_inputs == "sharded":
+        # the input kept as a sequence shard, gathered again for the weight gradients (search/engines.py)
+        working += micro_batch * cm.seq_len * cm.model.hidden * e
     backward_extra = resident + unsharded_grad + max(recompute_extra, working)
     if gather_spike > backward_extra:
         phase, transient, transient_gathered = "forward", gather_spike, gather_spike
