@@ -429,12 +429,17 @@ def _candidates(cm: CostModel, stage_groups, names, of, *, tries: int, tp: int, 
         if terms is None:
             return
         room, sizes, bounds, _, sides = terms
+        fastest = {end: min(of(group, end), key=lambda c: c[0]) for end in ("embed", "head")}
+        held = [c for end, c in fastest.items() if any(end in chunk for chunk in names[r])]
+        # The plan's end layers take their fastest choices: their state beyond the leanest, which
+        # the bound's room took off, and their activations in each weighting's charge.
+        room -= sum(fastest[end][1] - min(c[1] for c in of(group, end)) for end in fastest
+                    if any(end in chunk for chunk in names[r]))
+        ends_act = [sum(fastest[n][2] for n in chunk if n in fastest) for chunk in names[r]]
         # every pair in flight (what the evaluator can charge), and the bound's first weighting,
         # each with what it charges the end layers
         every = chunk_in_flight(schedule, r, pp, v, m) if schedule not in ZERO_BUBBLE else bounds[1][0]
-        weightings.append(((every, sum(x * e for x, e in zip(every, _ends_act(of, group, names[r])))), bounds[0]))
-        fastest = {end: min(of(group, end), key=lambda c: c[0]) for end in ("embed", "head")}
-        held = [c for end, c in fastest.items() if any(end in chunk for chunk in names[r])]
+        weightings.append(tuple((w, sum(x * e for x, e in zip(w, ends_act))) for w in (every, bounds[0][0])))
         fixed.append(sides + sum(c[0] for c in held))
         fixed_e.append(sum(c[3] - c[7] for c in held))
         ranks.append((room, sizes, {end: c[6] for end, c in fastest.items()}))
