@@ -42,18 +42,20 @@ The terms each behaviour selects, in one place each:
   is the core's forward, with no tensor-parallel collective, and the block keeps what it keeps
   without recomputation less the core's own tensors (which a fused kernel does not keep anyway).
 * ``p2p_overlap``: an interleaved schedule's pipeline sends and receives posted before the next
-  virtual stage's compute and waited for after it (Megatron's ``overlap_p2p_comm``, on by
-  default in its training script for interleaved schedules: megatron/training/arguments.py,
-  ``--no-overlap-p2p-communication``): priced beside the compute (``stage.with_p2p_overlap``).
-  ``torch.distributed.pipelining``'s schedules of several stages a rank (Partita's runtime,
-  torchtitan) overlap too: ``_add_send_recv`` puts each receive on the receiving rank's list as
-  soon as its sender has computed, "as early as possible (ASAP) to overlap P2P communication with
-  computation" (``_defer_recv_ops``' docstring), and ``_PipelineScheduleRuntime`` waits for the
-  sends at the step's end (schedules.py; an interleaved stage of the runtime holds a second
-  receive buffer, posted while the chunk before it runs: tests/test_runtime_boundary.py). Those
-  engines are still priced with their transfers exposed, a known pessimism (the 405B on 8,192
-  H100: 0.33 s of 13.8): priced so, the interleaved bound could not prove the plans of
-  ``benchmarks/search_targets.py`` within their 1 % (llama-2-70b on 64 H100 at pp 8: 2.9 %).
+  virtual stage's compute and waited for after it, priced beside the compute
+  (``stage.with_p2p_overlap``). Megatron's ``overlap_p2p_comm``, on by default in its training
+  script for interleaved schedules (megatron/training/arguments.py,
+  ``--no-overlap-p2p-communication``). ``torch.distributed.pipelining``'s schedules of several
+  stages a rank (Partita's runtime, torchtitan) do it too: ``_add_send_recv`` puts each receive
+  on the receiving rank's list as soon as its sender has computed, "as early as possible (ASAP)
+  to overlap P2P communication with computation" (``_defer_recv_ops``' docstring), and
+  ``_PipelineScheduleRuntime`` waits for the sends at the step's end (schedules.py; an
+  interleaved stage of the runtime holds a second receive buffer, posted while the chunk before
+  it runs: tests/test_runtime_boundary.py). Priced so since the interleaved bound holds every
+  moment of torch's order at once where it matters (``interleaved_bound.variant_bound_s``'s
+  ``exact``): before, its one weighting at a time left the plans of
+  ``benchmarks/search_targets.py`` unproven within their 1 % (llama-2-70b on 64 H100 at pp 8:
+  2.9 %). DeepSpeed's pipeline engine sends and receives blocking.
 * ``zero3_gathers``: how many all-gathers ZeRO-3 runs for one layer's parameters. FSDP and FSDP2
   gather a block as one unit ("layer": Partita's runtime and torchtitan wrap each block).
   DeepSpeed's ZeRO-3 fetches parameters module by module as its hooks meet them
@@ -233,11 +235,11 @@ ENGINES: dict[str, Engine] = {
     # buffers allocated as receives are posted, the chunked loss, and the column-parallel
     # products of one input run as one function (runtime.tp_linear): the sequence shard kept and
     # gathered again in the backward, the input gradient's reduction beside the weight gradients.
-    "partita": Engine("partita", dgrad_overlap=True, sp_inputs="sharded", p2p_buffers="on_receive"),
+    "partita": Engine("partita", dgrad_overlap=True, p2p_overlap=True, sp_inputs="sharded", p2p_buffers="on_receive"),
     # torchtitan as partita export --to torchtitan writes it: the same torch stack (SDPA, FSDP2
     # per block, torch pipelining), eager (async TP needs compile); its loss casts the logits to
     # fp32 (torchtitan/components/loss.py, cross_entropy_loss: pred.flatten(0, 1).float()).
-    "torchtitan": Engine("torchtitan", loss="fp32"),
+    "torchtitan": Engine("torchtitan", p2p_overlap=True, loss="fp32"),
     # Megatron-LM as partita export --to megatron writes it: Transformer Engine's attention, which
     # on Hopper and later prefers cuDNN's fused attention over FlashAttention ("Disabling
     # FlashAttention to give FusedAttention preference on Hopper+", dot_product_attention/utils.py,

@@ -31,8 +31,6 @@ from collections import Counter
 from functools import lru_cache
 from typing import Sequence
 
-import numpy as np
-
 from partita.cluster import NodeGroup
 from partita.parallel import ZERO_BUBBLE, schedule_counts_rule
 from partita.search.costs.memory import (activation_message_bytes, kept_output_bytes, receive_buffers,
@@ -41,6 +39,7 @@ from partita.search.costs.model import CostModel
 from partita.search.costs.stage import boundary_s, canonical_order, choice_of
 from partita.search.evaluate import evaluate_interleaved, next_groups, weight_grad_bytes
 from partita.search.interleaved import VARIANTS, InterleavedLayout, chunk_names
+from partita.search.knapsack import least_time_s, least_whole, moment_least_s
 from partita.search.schedules import (chunk_in_flight, closed_form_s, held_moments, in_flight_chunks,
                                       pending_weight_grads)
 from partita.search.uniform import SearchSpace, replica_counts, sp_choices, strategy
@@ -69,71 +68,6 @@ def _choices(cm: CostModel, group: NodeGroup, name: str, *, tp: int, dp: int, mb
                 out.append((t.forward_s + t.backward_s, static, mem.activations, t.dp_sync_s, t.optimizer_s,
                             t.zero_edge_s, s, window, mem.transient))
     return out
-
-
-UNITS = 4096  # the knapsack's memory grain: a rank's room in this many parts
-
-
-def _pareto(points: Sequence[tuple]) -> list[tuple]:
-    """The points no other is at most as large and as slow as, leanest first."""
-    out = []
-    for p in sorted(points, key=lambda p: (p[0], p[1])):
-        if not out or p[1] < out[-1][1]:
-            out.append(p)
-    return out
-
-
-def least_whole(classes: Sequence[tuple[int, Sequence[tuple]]], room: float, *, plan: bool = False):
-    """The least total cost of ``count`` blocks of each class, each block taking one (memory,
-    cost, ...) point of its class, within ``room`` bytes together: a knapsack over the room in
-    ``UNITS`` parts. For a bound (``plan`` False) each point's memory is rounded down, so no
-    choice that fits is missed; for a plan up, so what it picks fits. (total, picks: per class
-    the points its blocks take; None for a bound), or (inf, None) if even the leanest do not
-    fit."""
-    if room < 0:
-        return math.inf, None
-    unit = max(room, 1.0) / UNITS
-    best = np.zeros(UNITS + 1)  # least cost within u units, of the blocks so far
-    steps = []
-    for k, (count, points) in enumerate(classes):
-        if not count:
-            continue
-        front = _pareto(points)
-        if not front:
-            return math.inf, None  # the schedule runs none of the block's choices
-        need = [math.ceil(p[0] / unit - 1e-9) if plan else math.floor(p[0] / unit) for p in front]
-        for _ in range(count):
-            if not plan:  # a bound needs only the least cost, not which points give it
-                nxt = np.full(UNITS + 1, np.inf)
-                for w, p in zip(need, front):
-                    if w <= UNITS:
-                        np.minimum(nxt[w:], best[:UNITS + 1 - w] + p[1], out=nxt[w:])
-                best = nxt
-                continue
-            cand = np.full((len(front), UNITS + 1), np.inf)
-            for j, (w, p) in enumerate(zip(need, front)):
-                if w <= UNITS:
-                    cand[j, w:] = best[:UNITS + 1 - w] + p[1]
-            arg = cand.argmin(axis=0)
-            best = cand[arg, np.arange(UNITS + 1)]
-            steps.append((k, front, need, arg))
-    if not math.isfinite(best[UNITS]):
-        return math.inf, None
-    if not plan:
-        return float(best[UNITS]), None
-    picks: dict[int, list] = {k: [] for k in range(len(classes))}
-    u = UNITS
-    for k, front, need, arg in reversed(steps):
-        j = int(arg[u])
-        picks[k].append(front[j])
-        u -= need[j]
-    return float(best[UNITS]), [picks[k] for k in range(len(classes))]
-
-
-def least_time_s(classes: Sequence[tuple[int, Sequence[tuple[float, float]]]], room: float) -> float:
-    """``least_whole``'s bound: the least total time of the blocks within ``room`` (inf if the
-    leanest do not fit)."""
-    return least_whole(classes, room)[0]
 
 
 def _rank_terms(cm: CostModel, stage_groups: Sequence[NodeGroup], names, r: int, of, *, tp: int, dp: int, mb: int,
@@ -208,7 +142,7 @@ def _priced(blocks, ends, sizes, weightings, room: float, sides: float, cost) ->
 
 
 def variant_bound_s(cm: CostModel, stage_groups: Sequence[NodeGroup], *, tp: int, dp: int, mb: int, m: int,
-                    space: SearchSpace, schedule: str, v: int, enough: float = math.inf) -> float:
+                    space: SearchSpace, schedule: str, v: int, enough: float = math.inf, exact: bool = False) -> float:
     """No plan of this grid entry under ``schedule`` with v virtual stages per rank, its blocks
     split evenly (``interleaved.chunk_names``), is faster than this (seconds); inf where none
     fits. Each rank's blocks are a knapsack within its memory (``least_whole``), and the step is
@@ -223,12 +157,16 @@ def variant_bound_s(cm: CostModel, stage_groups: Sequence[NodeGroup], *, tp: int
       bounds the max): a rank that buys memory with ZeRO 2 pays per micro-batch what ZeRO 1
       pays once, and a rank off the critical path can still set the exposed sync.
 
-    A bound that reaches ``enough`` (seconds) is returned as soon as it does."""
+    A bound that reaches ``enough`` (seconds) is returned as soon as it does. ``exact``: under
+    interleaved 1F1B each rank's least time also holds every moment of torch's order at once
+    (``moment_least_s``), at least the knapsacks' one weighting at a time (a few solver calls a
+    rank: ``tighten`` asks for it where an entry's bound is below the best plan)."""
     names, of, edges = _entry(cm, stage_groups, tp=tp, dp=dp, mb=mb, m=m, space=space, schedule=schedule, v=v)
     # The step pays m x the largest ZeRO edge of any layer (``costs.step``): the plans whose
     # largest edge is e take only choices with edges up to e, and pay m x e.
     memo: dict = {}
-    kw = dict(tp=tp, dp=dp, mb=mb, m=m, schedule=schedule, v=v, memo=memo)
+    kw = dict(tp=tp, dp=dp, mb=mb, m=m, schedule=schedule, v=v, memo=memo,
+              exact=exact and schedule == "interleaved-1f1b")
     base = _edgeless_bound_s(cm, stage_groups, names, of, enough=enough, **kw)
     bound = math.inf
     for e in edges:
@@ -261,7 +199,7 @@ def _capped(of, edge: float):
 
 
 def _edgeless_bound_s(cm: CostModel, stage_groups: Sequence[NodeGroup], names, of, *, tp: int, dp: int, mb: int,
-                      m: int, schedule: str, v: int, enough: float, memo: dict) -> float:
+                      m: int, schedule: str, v: int, enough: float, memo: dict, exact: bool = False) -> float:
     """``variant_bound_s`` over the choices ``of`` gives, without the ZeRO edges; returned once
     it reaches ``enough``. ``memo`` keeps each rank's knapsacks (ranks alike give the same)."""
     def priced(blocks, ends, sizes, weightings, room, sides, key, cost):
@@ -280,6 +218,14 @@ def _edgeless_bound_s(cm: CostModel, stage_groups: Sequence[NodeGroup], names, o
         room, sizes, weightings, ends, sides = terms
         blocks = of(group, "layers.0")
         best = priced(blocks, ends, sizes, weightings, room, sides, "time", lambda c: c[0])
+        if exact and math.isfinite(best):
+            at = (id(blocks), tuple(sizes), room, r, "moments")
+            if at not in memo:
+                sent = kept_output_bytes(cm, mb, tp)  # what a tensor sent that only its send holds takes
+                moments = [(vec, dead * sent) for _, vec, dead in held_moments(r, pp, v, m)]
+                least = moment_least_s(blocks, sizes, moments, _ends_act(of, group, names[r]), room)
+                memo[at] = least + sum(min(c[0] for c in end) for end in ends) + sides
+            best = max(best, memo[at])
         if not math.isfinite(best):
             return math.inf
         times.append(best)
@@ -362,7 +308,8 @@ def tighten(cm: CostModel, found, *, below_us: float, global_batch: int, space: 
             schedules: Sequence[str], tries: int = 8) -> float:
     """The least bound over the interleaved search's grid entries (``InterleavedResult.entries``),
     each entry's work bound tightened by ``entry_bounds_s`` where it is below ``below_us`` (the
-    others cannot beat that step anyway); and, for the ``tries`` (entry, schedule, v) of least
+    others cannot beat that step anyway), its interleaved 1F1B variants below it again with every
+    moment at once (``variant_bound_s``'s ``exact``); and, for the ``tries`` (entry, schedule, v) of least
     bound below it, a plan whose blocks mix choices (``mixed_layout``), kept in ``found`` when
     it fits and beats ``found.best``."""
     bound, open_ = math.inf, []
@@ -373,6 +320,11 @@ def tighten(cm: CostModel, found, *, below_us: float, global_batch: int, space: 
         groups, tp, dp, mb, m = entry
         tight = entry_bounds_s(cm, groups, tp=tp, dp=dp, mb=mb, m=m, global_batch=global_batch, space=space,
                                schedules=schedules, enough=min(bound, below_us) / 1e6)
+        for (schedule, v), us in tight.items():  # below the best plan: every moment at once
+            if schedule == "interleaved-1f1b" and us * 1e6 < min(bound, below_us):
+                tight[schedule, v] = max(us, variant_bound_s(cm, groups, tp=tp, dp=dp, mb=mb, m=m, space=space,
+                                                             schedule=schedule, v=v, exact=True,
+                                                             enough=min(bound, below_us) / 1e6))
         bound = min(bound, max(cheap, min(tight.values(), default=math.inf) * 1e6))
         open_ += [(us * 1e6, entry, variant) for variant, us in tight.items() if us * 1e6 < below_us]
     if space.price_cap is not None:

@@ -151,9 +151,10 @@ def test_megatron_s_p2p_overlap_takes_the_interleaved_sends_off_the_critical_pat
         head, tail = [l for l in ls if l.name == "embed"], [l for l in ls if l.name == "head"]
         per_stage.append((group, [head + blocks[:5], blocks[5:] + tail]))
     kw = dict(dp=1, tp=8, micro_batch=1, num_micro_batches=8, schedule="interleaved-1f1b")
-    blocking = evaluate_interleaved(CostModel(model, cluster, seq_len=4096), per_stage, **kw)
-    overlapped = evaluate_interleaved(CostModel(model, cluster, seq_len=4096,
-                                                engine=PARTITA.with_options({"p2p_overlap": True})), per_stage, **kw)
+    assert PARTITA.p2p_overlap and ENGINES["torchtitan"].p2p_overlap and not ENGINES["deepspeed"].p2p_overlap
+    blocking = evaluate_interleaved(CostModel(model, cluster, seq_len=4096,
+                                              engine=PARTITA.with_options({"p2p_overlap": False})), per_stage, **kw)
+    overlapped = evaluate_interleaved(CostModel(model, cluster, seq_len=4096), per_stage, **kw)
     assert blocking.breakdown["pipeline_send"] > 0
     assert overlapped.breakdown["pipeline_send"] < 0.5 * blocking.breakdown["pipeline_send"]
     assert overlapped.breakdown["compute"] == pytest.approx(blocking.breakdown["compute"])
