@@ -641,7 +641,8 @@ def plan_config(plan: Plan) -> str:
     micro-batching, schedule."""
     blocks = [l for st in plan.stages for l in st.layers if l.name.startswith("layers.")]
     zeros = sorted({l.zero for l in blocks})
-    parts = [f"tp{plan.tp} pp{plan.pp} dp{plan.dp}", "/".join(f"ZeRO-{z}" if z else "DDP" for z in zeros)]
+    cp = f" cp{plan.cp} {plan.cp_variant.replace('_', '-')}" if plan.cp > 1 else ""
+    parts = [f"tp{plan.tp}{cp} pp{plan.pp} dp{plan.dp}", "/".join(f"ZeRO-{z}" if z else "DDP" for z in zeros)]
     if any(l.sequence_parallel for l in blocks):
         parts.append("SP")
     parts.append(f"mb{plan.micro_batch}x{plan.num_micro_batches}")

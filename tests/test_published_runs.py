@@ -275,3 +275,18 @@ def test_the_script_writes_json_rows_and_the_summary(tmp_path, capsys):
                                                      "engine torchtitan", "engine megatron"}
     printed = capsys.readouterr().out
     assert "median |error|" in printed and "not expressible" in printed
+
+
+def test_a_free_plans_config_names_its_context_parallelism():
+    """``--free`` prints each free plan's layout (``plan_config``): a plan that splits sequences
+    says so, or its degrees would not multiply to the cluster's GPUs."""
+    from partita.cluster import parse_short
+    from partita.model import BUILTIN
+    from partita.search.planner import PlanRequest, make_plan
+
+    model = BUILTIN["llama-2-7b"]
+    plan, _ = make_plan(PlanRequest(model=model, cluster=parse_short("1x8xH100"), seq_len=32768, global_batch=8,
+                                    context_parallel=(2,)))
+    assert plan.cp == 2
+    assert pr.plan_config(plan).startswith(f"tp{plan.tp} cp2 {plan.cp_variant.replace('_', '-')} pp{plan.pp} dp{plan.dp},")
+    assert plan.tp * plan.cp * plan.pp * plan.dp == 8
