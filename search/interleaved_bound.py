@@ -382,11 +382,11 @@ def _candidates(cm: CostModel, stage_groups, names, of, *, tries: int, tp: int, 
             return
         room, sizes, bounds, _, sides = terms
         fastest = {end: min(of(group, end), key=lambda c: c[0]) for end in ("embed", "head")}
-        held = [c for end, c in fastest.items() if any(end in chunk for chunk in names[r])]
+        here = [end for end in fastest if any(end in chunk for chunk in names[r])]
+        held = [fastest[end] for end in here]
         # The plan's end layers take their fastest choices: their state beyond the leanest, which
         # the bound's room took off, and their activations in each weighting's charge.
-        room -= sum(fastest[end][1] - min(c[1] for c in of(group, end)) for end in fastest
-                    if any(end in chunk for chunk in names[r]))
+        room -= sum(fastest[end][1] - min(c[1] for c in of(group, end)) for end in here)
         ends_act = [sum(fastest[n][2] for n in chunk if n in fastest) for chunk in names[r]]
         # every pair in flight (what the evaluator can charge), and the bound's first weighting,
         # each with what it charges the end layers
