@@ -13,7 +13,7 @@ its matrix products (``roofline.matmul_time_s`` with m = micro_batch * seq_len t
 attention, and the memory-bound elementwise kernels (norms, rotary, activations, residual adds),
 each priced by the bytes it reads and writes. The backward runs two products per forward product
 (dX = dY @ W^T and dW = X^T @ dY), the attention backward, and elementwise kernels that move
-twice the forward's bytes, plus the reductions only the backward has (bias gradients, the
+twice the forward's bytes (a norm its own, ``norm_bytes_per_element``), plus the reductions only the backward has (bias gradients, the
 embedding's gradient table). Recomputing a checkpointed layer repeats its forward; a
 selectively recomputed block repeats all of it but its matrix products, whose outputs it kept
 (``selective_recompute_time_s``).
@@ -42,6 +42,31 @@ INDEX_BYTES = 8  # token ids, targets and position ids are int64
 QKV_SAVES = ("repeated", "fused")  # activation_bytes: what attention keeps of q, k and v
 GLU_SAVES = ("outputs", "input")  # activation_bytes: what llama's SwiGLU keeps
 STAT_BYTES = 4  # norm statistics and attention's logsumexp are fp32 whatever the dtype
+# How a llama layer's RMSNorm runs (``Engine.norm``): "fused", one kernel a pass (torch's fused
+# CUDA ``rms_norm``, pytorch#153666, 2025; Transformer Engine's, apex's, or torch.compile's
+# fusion), or "eager": the norm written as torch ops, an fp32 upcast, pow, mean, rsqrt, a
+# product, a downcast and the weight's product, each its own kernel (torchtitan's ``RMSNorm``
+# module, torchtitan/models/norms.py, run without torch.compile: its benchmarks up to Dec 2024;
+# pytorch#153666 measured the fused kernel ~9x faster than such a module). GPT-2's LayerNorm is
+# one native kernel either way.
+NORMS = ("fused", "eager")
+NORM_PARTS = ("attention norm", "ffn norm", "norm")  # forward_elementwise's names of a layer's norms
+
+
+def norm_bytes_per_element(norm: str, elem: int) -> tuple[int, int]:
+    """(forward, backward) bytes one RMSNorm reads and writes per element of its [tokens, hidden]
+    input (statistics aside). Fused: the input in and the output out; the backward twice that.
+    Eager, from the aten ops autograd runs (``tests/test_eager_norm.py`` traces them): forward
+    pow (8), mean (4), the product by rsqrt (8) and the weight's product (2e); backward the
+    weight's two products and sum (6e), the rsqrt branch's product and sum (12 + 4), the product
+    by rsqrt (8), the mean's expand divided (4), pow's backward (8 + 8 + 12) and the two branches'
+    sum (12); below fp32 each pass also casts up (e + 4) and down (4 + e)."""
+    if norm not in NORMS:
+        raise PartitaError(f"unknown norm {norm!r}; valid: {', '.join(NORMS)}")
+    if norm == "eager":
+        casts = 0 if elem == 4 else 8 + 2 * elem
+        return 20 + 2 * elem + casts, 68 + 6 * elem + casts
+    return 2 * elem, 4 * elem
 
 
 @dataclass(frozen=True)
@@ -115,10 +140,12 @@ def _rope_kernels(name: str, nbytes: float) -> list[tuple[str, float]]:
             (f"{name} *sin", 2 * nbytes), (f"{name} add", 3 * nbytes)]
 
 
-def forward_elementwise(kind: LayerKind, sh: Shard) -> list[tuple[str, float]]:
-    """(name, bytes read + written) of each memory-bound forward kernel."""
+def forward_elementwise(kind: LayerKind, sh: Shard, norm: str = "fused") -> list[tuple[str, float]]:
+    """(name, bytes read + written) of each memory-bound forward kernel (a layer's RMSNorm as
+    one entry for all its kernels under ``norm`` "eager")."""
     e, t, h = sh.elem, sh.tokens, sh.hidden
     act = t * h * e  # one [tokens, hidden] activation
+    normed = t * h * norm_bytes_per_element(norm if kind.family == "llama" else "fused", e)[0]
     if kind.role == "embed":
         ops = [("token gather", 2 * act)]
         if kind.learned_positions:
@@ -126,18 +153,18 @@ def forward_elementwise(kind: LayerKind, sh: Shard) -> list[tuple[str, float]]:
         return ops
     if kind.role == "head":
         logits = t * sh.vocab
-        ops = [("norm", 2 * act)]
+        ops = [("norm", normed)]
         if e != 4:
             ops.append(("logits to fp32", logits * (e + 4)))
         return ops + [("log_softmax", 2 * logits * 4), ("nll_loss", t * (INDEX_BYTES + 4))]
     q_bytes = t * sh.heads * sh.head_dim * e
     kv_bytes = t * sh.kv_heads * sh.head_dim * e
-    ops = [("attention norm", 2 * act)]
+    ops = [("attention norm", normed)]
     if kind.family == "llama":
         ops += _rope_kernels("rope q", q_bytes) + _rope_kernels("rope k", kv_bytes)
     if sh.heads != sh.kv_heads:
         ops += [("repeat k", kv_bytes + q_bytes), ("repeat v", kv_bytes + q_bytes)]
-    ops += [("residual add", 3 * act), ("ffn norm", 2 * act)]
+    ops += [("residual add", 3 * act), ("ffn norm", normed)]
     if kind.is_moe:
         return ops + moe_elementwise(kind, sh) + [("residual add", 3 * act)]
     mlp = t * sh.ffn * e
@@ -146,6 +173,15 @@ def forward_elementwise(kind: LayerKind, sh: Shard) -> list[tuple[str, float]]:
     else:
         ops += [("gelu", 2 * mlp)]
     return ops + [("residual add", 3 * act)]
+
+
+def backward_elementwise(kind: LayerKind, sh: Shard, norm: str = "fused") -> list[tuple[str, float]]:
+    """(name, bytes read + written) of the backward of each forward memory-bound kernel, in
+    ``forward_elementwise``'s order: twice the forward's bytes (the gradient in and out beside
+    what the forward read), a norm's its own (``norm_bytes_per_element``)."""
+    backward = norm_bytes_per_element(norm if kind.family == "llama" else "fused", sh.elem)[1]
+    return [(name, sh.tokens * sh.hidden * backward if name in NORM_PARTS else 2 * nbytes)
+            for name, nbytes in forward_elementwise(kind, sh, norm)]
 
 
 def moe_elementwise(kind: LayerKind, sh: Shard) -> list[tuple[str, float]]:
@@ -236,22 +272,23 @@ def attention_s(dev: DeviceType, sh: Shard, dtype: str, attention: str) -> tuple
 
 
 # ---- time -----------------------------------------------------------------------------------
-def forward_time_s(kind: LayerKind, dev: DeviceType, sh: Shard, dtype: str, attention: str = "sdpa") -> float:
+def forward_time_s(kind: LayerKind, dev: DeviceType, sh: Shard, dtype: str, attention: str = "sdpa",
+                   norm: str = "fused") -> float:
     total = sum(matmul_time_s(dev, m, n, k, dtype) for _, m, n, k in forward_matmuls(kind, sh))
-    total += sum(memory_time_s(dev, nbytes) for _, nbytes in forward_elementwise(kind, sh))
+    total += sum(memory_time_s(dev, nbytes) for _, nbytes in forward_elementwise(kind, sh, norm))
     if kind.role == "block":
         total += attention_s(dev, sh, dtype, attention)[0]
     return total
 
 
 def selective_recompute_time_s(kind: LayerKind, dev: DeviceType, sh: Shard, dtype: str,
-                               attention: str = "sdpa") -> float:
+                               attention: str = "sdpa", norm: str = "fused") -> float:
     """What a selectively recomputed block runs again in backward: its forward without the
     matrix products (the runtime keeps their outputs, ``runtime.parallelize.selective_context``)
     and without what follows the last product (the final residual add: the recomputation stops
     once the last product's inputs are back): the other memory-bound kernels and the attention
     core."""
-    elementwise = forward_elementwise(kind, sh)[:-1]  # the block's last kernel is the final residual add
+    elementwise = forward_elementwise(kind, sh, norm)[:-1]  # the block's last kernel is the final residual add
     return (sum(memory_time_s(dev, nbytes) for _, nbytes in elementwise)
             + attention_s(dev, sh, dtype, attention)[0])
 
@@ -262,19 +299,21 @@ def selective_recompute_time_s(kind: LayerKind, dev: DeviceType, sh: Shard, dtyp
 SEQUENCE_SHARDED = {"block": ("attention norm", "residual add", "ffn norm"), "head": ("norm",)}
 
 
-def sequence_parallel_savings_s(kind: LayerKind, dev: DeviceType, sh: Shard, tp: int) -> list[tuple[float, float]]:
+def sequence_parallel_savings_s(kind: LayerKind, dev: DeviceType, sh: Shard, tp: int,
+                                norm: str = "fused") -> list[tuple[float, float]]:
     """For each forward memory-bound kernel of the layer, in ``forward_elementwise``'s order, the
     (forward, backward) seconds sequence parallelism over ``tp`` tensor-parallel ranks takes off
-    it: the residual-stream kernels (``SEQUENCE_SHARDED``) on 1/tp of the tokens, their backward
-    moving twice the forward's bytes (``backward_time_s``); (0, 0) for the others. Korthikanti et
+    it: the residual-stream kernels (``SEQUENCE_SHARDED``) on 1/tp of the tokens, forward and
+    backward (``backward_elementwise``); (0, 0) for the others. Korthikanti et
     al. 2022, Table 4: a 22B layer's forward 7.7 -> 7.2 ms with it."""
     sharded = SEQUENCE_SHARDED.get(kind.role, ())
 
     def saved(nbytes: float) -> float:
         return memory_time_s(dev, nbytes) - memory_time_s(dev, nbytes / tp)
 
-    return [(saved(nbytes), saved(2 * nbytes)) if name in sharded and tp > 1 else (0.0, 0.0)
-            for name, nbytes in forward_elementwise(kind, sh)]
+    return [(saved(nbytes), saved(back)) if name in sharded and tp > 1 else (0.0, 0.0)
+            for (name, nbytes), (_, back) in zip(forward_elementwise(kind, sh, norm),
+                                                 backward_elementwise(kind, sh, norm))]
 
 
 # The column-parallel products of a layer (Megatron's ColumnParallelLinear: split by output
@@ -296,11 +335,12 @@ def column_wgrad_times_s(kind: LayerKind, dev: DeviceType, sh: Shard, dtype: str
                 for m, n, k in [products[name]]) for group in groups]
 
 
-def backward_time_s(kind: LayerKind, dev: DeviceType, sh: Shard, dtype: str, attention: str = "sdpa") -> float:
+def backward_time_s(kind: LayerKind, dev: DeviceType, sh: Shard, dtype: str, attention: str = "sdpa",
+                    norm: str = "fused") -> float:
     # dX[m,k] = dY[m,n] @ W^T[n,k] and dW[k,n] = X^T[k,m] @ dY[m,n].
     total = sum(matmul_time_s(dev, m, k, n, dtype) + matmul_time_s(dev, k, n, m, dtype)
                 for _, m, n, k in forward_matmuls(kind, sh))
-    total += sum(memory_time_s(dev, 2 * nbytes) for _, nbytes in forward_elementwise(kind, sh))
+    total += sum(memory_time_s(dev, nbytes) for _, nbytes in backward_elementwise(kind, sh, norm))
     total += sum(memory_time_s(dev, nbytes) for _, nbytes in backward_only_kernels(kind, sh))
     if kind.role == "block":
         total += attention_s(dev, sh, dtype, attention)[1]
@@ -311,7 +351,7 @@ def backward_time_s(kind: LayerKind, dev: DeviceType, sh: Shard, dtype: str, att
 def activation_bytes(kind: LayerKind, *, tp: int, micro_batch: int, seq_len: int, dtype: str,
                      sequence_parallel: bool = False, recompute: str = "none",
                      on_cpu: bool = False, local_experts: int = 0, sharded_inputs: bool = False,
-                     glu_saves: str = "outputs", qkv_saves: str = "repeated") -> int:
+                     glu_saves: str = "outputs", qkv_saves: str = "repeated", norm: str = "fused") -> int:
     """Bytes autograd keeps from one micro-batch's forward for the backward, on one rank
     (``local_experts``: the routed experts a rank of a mixture of experts holds, E/ep; 0: all).
 
@@ -323,6 +363,8 @@ def activation_bytes(kind: LayerKind, *, tp: int, micro_batch: int, seq_len: int
 
         R (RMSNorm, CUDA fused kernel)   = t*h*e + 4t               input, fp32 rstd
         R (RMSNorm, CPU: torch composite) = 2*t*h*max(e,4) + 4t     fp32 upcast input, fp32 x*rstd, rstd
+        R (RMSNorm, ``norm`` "eager")    = t*h*(4+e) + 4t           fp32 upcast input, rstd, the
+                                                                   downcast x*rstd the weight's product keeps
         R (LayerNorm, CUDA)              = t*h*e + 8t               input, fp32 mean and rstd
         R (LayerNorm, CPU)               = t*h*e + 2*t*e            input, mean and rstd in e
 
@@ -414,7 +456,7 @@ def activation_bytes(kind: LayerKind, *, tp: int, micro_batch: int, seq_len: int
     ffn_input = norm_output // sh.moe_split
     if kind.role == "head":
         loss = t * sh.vocab * 4 + t * INDEX_BYTES + 4
-        return _norm_bytes(kind, sh, on_cpu) // sp + norm_output + loss
+        return _norm_bytes(kind, sh, on_cpu, norm) // sp + norm_output + loss
     if qkv_saves not in QKV_SAVES or glu_saves not in GLU_SAVES:
         raise PartitaError(f"qkv_saves must be one of {', '.join(QKV_SAVES)} and glu_saves one of "
                            f"{', '.join(GLU_SAVES)}, got {qkv_saves!r}, {glu_saves!r}")
@@ -431,7 +473,7 @@ def activation_bytes(kind: LayerKind, *, tp: int, micro_batch: int, seq_len: int
     else:
         rotary = 0
         mlp = 2 * t * sh.ffn * e
-    return 2 * (_norm_bytes(kind, sh, on_cpu) // sp) + norm_output + ffn_input + attention + rotary + mlp
+    return 2 * (_norm_bytes(kind, sh, on_cpu, norm) // sp) + norm_output + ffn_input + attention + rotary + mlp
 
 
 def last_product_elements(kind: LayerKind, sh: Shard, local_experts: int = 0) -> int:
@@ -448,12 +490,16 @@ def last_product_elements(kind: LayerKind, sh: Shard, local_experts: int = 0) ->
     return m * n
 
 
-def _norm_bytes(kind: LayerKind, sh: Shard, on_cpu: bool) -> int:
+def _norm_bytes(kind: LayerKind, sh: Shard, on_cpu: bool, norm: str = "fused") -> int:
     """What one norm keeps for all t tokens (R in ``activation_bytes``)."""
     t, e, h = sh.tokens, sh.elem, sh.hidden
     if kind.family == "gpt2":
         # LayerNorm: input, mean and rstd; the CUDA kernel keeps the statistics in fp32, the CPU one in e.
         return t * h * e + 2 * t * (e if on_cpu else STAT_BYTES)
+    if norm == "eager":
+        # The module's ops keep the fp32 upcast input (pow's and the product's), rsqrt's output and
+        # the downcast product the weight multiplies: saved-tensor hooks, tests/test_analytic.py.
+        return t * h * (4 + e) + STAT_BYTES * t
     if on_cpu:
         # torch's composite rms_norm: the fp32 upcast input and the fp32 normalised tensor, fp32 rstd.
         return 2 * t * h * max(e, 4) + STAT_BYTES * t
@@ -482,17 +528,18 @@ def param_bytes(kind: LayerKind, *, tp: int, dtype: str) -> int:
 
 # ---- public ---------------------------------------------------------------------------------
 def layer_cost(kind: LayerKind, dev: DeviceType, *, tp: int, micro_batch: int, seq_len: int,
-               dtype: str, attention: str = "sdpa") -> LayerCost:
+               dtype: str, attention: str = "sdpa", norm: str = "fused") -> LayerCost:
     """Time and memory of one layer on one rank of a ``tp``-wide tensor-parallel group, for one
     micro-batch, without tensor-parallel communication. ``activation_bytes`` is the plain
     variant (no sequence parallelism, no recomputation); see ``activation_bytes`` for the others.
-    ``attention``: how a block's attention runs (``ATTENTION``; the runtime's is "sdpa")."""
+    ``attention``: how a block's attention runs (``ATTENTION``; the runtime's is "sdpa"); ``norm``:
+    how its RMSNorms run (``NORMS``; the runtime's is "fused")."""
     sh = Shard.of(kind, tp=tp, micro_batch=micro_batch, seq_len=seq_len, dtype=dtype)
-    fwd = forward_time_s(kind, dev, sh, dtype, attention)
+    fwd = forward_time_s(kind, dev, sh, dtype, attention, norm)
     return LayerCost(kind=kind, tp=tp, micro_batch=micro_batch, seq_len=seq_len, forward_s=fwd,
-                     backward_s=backward_time_s(kind, dev, sh, dtype, attention), recompute_s=fwd,
+                     backward_s=backward_time_s(kind, dev, sh, dtype, attention, norm), recompute_s=fwd,
                      activation_bytes=activation_bytes(kind, tp=tp, micro_batch=micro_batch, seq_len=seq_len,
-                                                       dtype=dtype, on_cpu=dev.is_cpu),
+                                                       dtype=dtype, on_cpu=dev.is_cpu, norm=norm),
                      param_bytes=param_bytes(kind, tp=tp, dtype=dtype))
 
 

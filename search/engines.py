@@ -114,6 +114,14 @@ The terms each behaviour selects, in one place each:
   (``SwiGLUFunction``, on by default: ``--no-bias-swiglu-fusion`` turns it off), and one qkv
   projection split into views feeds an attention kernel that takes k and v at their kv heads
   (``TEDotProductAttention``, ``num_gqa_groups``). Memory only.
+* ``norm``: how a llama layer's RMSNorm runs (``analytic.norm_bytes_per_element``). "fused" (every
+  engine as it runs today: torch's fused CUDA ``rms_norm`` under Partita's runtime and
+  torchtitan's ``nn.RMSNorm``, pytorch#153666; Transformer Engine's and apex's kernels;
+  torch.compile's fusion) or "eager": the norm as a Python module of torch ops, an fp32 upcast,
+  pow, mean, rsqrt, two products and a downcast, each its own kernel (torchtitan's ``RMSNorm``
+  with ``norm_type = "rmsnorm"`` and ``compile = false``, its train configs from April to
+  December 2024: 9x the fused kernel's bytes forward, 11x backward, and an fp32 copy of
+  the input kept). Time and memory.
 * ``reduce_bucket`` (elements; DeepSpeed's ``reduce_bucket_size``, default 5e8): with
   module-by-module gathers, the bucket ZeRO-3's gradients are reduce-scattered through. A
   gradient larger than the bucket is reduced alone, so a block of large linears runs one
@@ -155,7 +163,7 @@ from typing import Mapping
 
 from partita import parallel
 from partita.errors import PartitaError
-from partita.search.analytic import GLU_SAVES, QKV_SAVES
+from partita.search.analytic import GLU_SAVES, NORMS, QKV_SAVES
 from partita.search.timing import Software
 
 ZERO3_GATHERS = ("layer", "module")
@@ -196,13 +204,14 @@ class Engine:
     qkv_saves: str = "repeated"
     reduce_bucket: int = DEEPSPEED_REDUCE_BUCKET
     max_reuse_distance: int = DEEPSPEED_MAX_REUSE_DISTANCE
+    norm: str = "fused"
 
     def __post_init__(self) -> None:
         Software(attention=self.attention, grad_sync=self.grad_sync)  # its checks of the two names
         for name, valid in (("zero3_gathers", ZERO3_GATHERS), ("selective_scope", SELECTIVE_SCOPES),
                             ("zero2_gather", ZERO2_GATHERS), ("param_gather", PARAM_GATHERS), ("loss", LOSSES),
                             ("p2p_buffers", P2P_BUFFERS), ("sp_inputs", SP_INPUTS), ("glu_saves", GLU_SAVES),
-                            ("qkv_saves", QKV_SAVES)):
+                            ("qkv_saves", QKV_SAVES), ("norm", NORMS)):
             value = getattr(self, name)
             if value not in valid:
                 raise PartitaError(f"unknown {name} {value!r}; valid: {', '.join(valid)}")
