@@ -322,17 +322,25 @@ def sequence_parallel_savings_s(kind: LayerKind, dev: DeviceType, sh: Shard, tp:
 COLUMN_PARALLEL = {"block": (("wq", "wk", "wv"), ("w1", "w3")), "head": (("output",),)}
 
 
-def column_wgrad_times_s(kind: LayerKind, dev: DeviceType, sh: Shard, dtype: str) -> list[float]:
-    """The weight-gradient products (dW = X^T dY) of each of the layer's column-parallel linears,
-    one entry a linear: what each one's input-gradient reduction can run beside in an engine that
-    starts it before them (search/engines.py, ``dgrad_overlap``). A mixture of experts' block has
-    only its attention's (its experts run whole, on sequence shards)."""
+def column_groups(kind: LayerKind) -> list[tuple[str, ...]]:
+    """The layer's column-parallel products of one input (``COLUMN_PARALLEL``) as the kind has
+    them: a gpt2 MLP's first product is w1 alone; a mixture of experts' block has only its
+    attention's (its experts run whole, on sequence shards)."""
     groups = COLUMN_PARALLEL.get(kind.role, ())
     if kind.role == "block" and kind.is_moe:
         groups = groups[:1]
+    if kind.role == "block" and kind.family != "llama":
+        groups = tuple(tuple(name for name in group if name != "w3") for group in groups)
+    return [tuple(group) for group in groups]
+
+
+def column_wgrad_times_s(kind: LayerKind, dev: DeviceType, sh: Shard, dtype: str) -> list[float]:
+    """The weight-gradient products (dW = X^T dY) of each of the layer's column-parallel linears,
+    one entry a linear: what each one's input-gradient reduction can run beside in an engine that
+    starts it before them (search/engines.py, ``dgrad_overlap``)."""
     products = {name: (m, n, k) for name, m, n, k in forward_matmuls(kind, sh)}
     return [sum(matmul_time_s(dev, k, n, m, dtype) for name in group if name in products
-                for m, n, k in [products[name]]) for group in groups]
+                for m, n, k in [products[name]]) for group in column_groups(kind)]
 
 
 def backward_time_s(kind: LayerKind, dev: DeviceType, sh: Shard, dtype: str, attention: str = "sdpa",

@@ -17,6 +17,18 @@ The terms each behaviour selects, in one place each:
   userbuffers; torchtitan's async TP under ``torch.compile``). Only the first chunk is exposed:
   1/tp of the collective; the rest runs beside the compute and slows it by the overlap slowdown
   (``layer_time.tp_exposed_s``). Needs sequence parallelism (an all-reduce cannot be split so).
+* ``column_linears``: whether a layer's column-parallel products of one input are one linear
+  ("fused": Megatron-LM's ``linear_qkv`` and ``linear_fc1``) or one linear each ("separate": the
+  torch models' wq, wk, wv and w1, w3, torchtitan's and Partita's). Under ``tp_overlap`` it
+  decides the backward: the input gradient of separate linears is the sum of their products,
+  and torch's async TP fuses a reduce-scatter only with the one product that makes its input
+  (torch/_inductor/fx_passes/micro_pipeline_tp.py, ``fuse_matmul_reduce_scatter``:
+  ``_find_producer_matmul`` finds none behind a sum, and the reduce-scatter stays as it was), so
+  the block's two input-gradient reduce-scatters run exposed after their products
+  (``layer_time.tp_pass``). The forward's gathers feed the products directly and are chunked
+  (``fuse_all_gather_matmul`` takes every consumer product), as are the backward's gathers of
+  the output gradients. Userbuffers overlap the fused linear's reduce-scatter with its single
+  product (Transformer Engine's ``ub_overlap_rs_dgrad``).
 * ``dgrad_overlap``: a column-parallel linear's input-gradient reduction (the attention's q, k, v
   and the MLP's first product in a block, the output layer in the head: an all-reduce, or a
   reduce-scatter under sequence parallelism) started asynchronously before the linear's
@@ -180,6 +192,7 @@ PARAM_GATHERS = ("next_forward", "after_step")
 SELECTIVE_SCOPES = ("ops", "attention")
 LOSSES = ("chunked", "fp32", "fp32_in_place")
 SP_INPUTS = ("whole", "sharded")
+COLUMN_LINEARS = ("separate", "fused")
 
 
 @dataclass(frozen=True)
@@ -205,13 +218,14 @@ class Engine:
     reduce_bucket: int = DEEPSPEED_REDUCE_BUCKET
     max_reuse_distance: int = DEEPSPEED_MAX_REUSE_DISTANCE
     norm: str = "fused"
+    column_linears: str = "separate"
 
     def __post_init__(self) -> None:
         Software(attention=self.attention, grad_sync=self.grad_sync)  # its checks of the two names
         for name, valid in (("zero3_gathers", ZERO3_GATHERS), ("selective_scope", SELECTIVE_SCOPES),
                             ("zero2_gather", ZERO2_GATHERS), ("param_gather", PARAM_GATHERS), ("loss", LOSSES),
                             ("p2p_buffers", P2P_BUFFERS), ("sp_inputs", SP_INPUTS), ("glu_saves", GLU_SAVES),
-                            ("qkv_saves", QKV_SAVES), ("norm", NORMS)):
+                            ("qkv_saves", QKV_SAVES), ("norm", NORMS), ("column_linears", COLUMN_LINEARS)):
             value = getattr(self, name)
             if value not in valid:
                 raise PartitaError(f"unknown {name} {value!r}; valid: {', '.join(valid)}")
@@ -260,7 +274,7 @@ ENGINES: dict[str, Engine] = {
     # parallelism (Transformer Engine's userbuffers, set up by Megatron itself: initialize.py,
     # _initialize_tp_communicators, NCCL bootstrap by default since Transformer Engine 1.9),
     # its fused SwiGLU and GQA-native attention's saved tensors.
-    "megatron": Engine("megatron", attention="cudnn", tp_overlap=True, p2p_overlap=True, dgrad_overlap=True,
+    "megatron": Engine("megatron", attention="cudnn", column_linears="fused", tp_overlap=True, p2p_overlap=True, dgrad_overlap=True,
                        selective_scope="attention", loss="fp32_in_place", fp16_grad_reduce=True,
                        sp_inputs="sharded", p2p_buffers="per_transfer", glu_saves="input", qkv_saves="fused"),
     # DeepSpeed as partita export --to deepspeed writes it (ZeRO 0-3 with overlap_comm): ZeRO-3's

@@ -126,7 +126,7 @@ def test_megatron_prices_transformer_engines_attention_cudnn_on_hopper_flashatte
 def test_tensor_parallel_overlap_hides_all_but_the_first_chunk_and_needs_sequence_parallelism():
     model, cluster = BUILTIN["llama-3-70b"], parse_short("1x8xH100")
     group = cluster.groups[0]
-    overlap = PARTITA.with_options({"tp_overlap": True})
+    overlap = PARTITA.with_options({"tp_overlap": True, "column_linears": "fused"})
 
     def block(engine, sp):
         cm = CostModel(model, cluster, seq_len=4096, engine=engine)
@@ -138,6 +138,31 @@ def test_tensor_parallel_overlap_hides_all_but_the_first_chunk_and_needs_sequenc
     assert plain.tp_comm_s / 8 <= hidden.tp_comm_s < 0.5 * plain.tp_comm_s
     assert hidden.total_s < plain.total_s
     assert block(overlap, False).total_s == pytest.approx(block(PARTITA, False).total_s)  # all-reduces: not split
+
+
+def test_async_tp_leaves_the_summed_input_gradients_reduce_scatters_exposed():
+    """torch's async TP chunks a reduce-scatter with the one product that makes its input; the
+    input gradient of torchtitan's separate wq, wk, wv (and w1, w3) is a sum of products, so the
+    block's two backward reduce-scatters run whole after them. Megatron's fused linears have one
+    product each."""
+    model, cluster = BUILTIN["llama-3-70b"], parse_short("1x8xH100")
+    group = cluster.groups[0]
+    layer = strategy(model, "layers.0", tp=8, sp=True, zero=0, recompute="none")
+    cm = {columns: CostModel(model, cluster, seq_len=4096, engine=ENGINES["torchtitan"].with_options(
+        {"tp_overlap": True, "column_linears": columns})) for columns in ("separate", "fused")}
+    assert ENGINES["torchtitan"].column_linears == "separate" and ENGINES["megatron"].column_linears == "fused"
+    separate, fused = (cm[c].layer_time("block", group, layer, dp=1, micro_batch=1) for c in ("separate", "fused"))
+    link = cm["fused"].tp_link(group, 8)
+    reduce_scatter = cm["fused"].collective_s("reduce_scatter", 4096 * model.hidden * 2, 8, link, group.device)
+    # The two reduce-scatters leave the chunked pass, where each cost its first chunk (1/8) and
+    # the slowdown of the compute beside the other 7/8, and are charged whole.
+    slowdown = cm["fused"].time_constants(group.device).overlap_slowdown
+    extra = separate.tp_comm_s - fused.tp_comm_s
+    assert extra == pytest.approx(2 * reduce_scatter * 7 / 8 * (1 - slowdown))
+    assert separate.compute_s == pytest.approx(fused.compute_s)
+    head = [cm[c].layer_time("head", group, strategy(model, "head", tp=8, sp=True, zero=0, recompute="none"),
+                             dp=1, micro_batch=1).tp_comm_s for c in ("separate", "fused")]
+    assert head[0] == pytest.approx(head[1])  # the output layer is one product
 
 
 def test_megatron_s_p2p_overlap_takes_the_interleaved_sends_off_the_critical_path():

@@ -35,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from partita.cluster import NodeGroup
+from partita.search.analytic import column_groups
 from partita.search.costs.compute import dgrad_windows_s, optimizer_s, sequence_parallel_savings
 from partita.search.costs.links import Link
 from partita.search.engines import recompute_regathers, reduce_flushes, zero3_gathers
@@ -145,7 +146,14 @@ def tp_pass(cm, role: str, group: NodeGroup, *, tp: int, sp: bool, recompute: st
         fwd_compute, bwd_compute = fwd_compute - save_fwd, bwd_compute - save_bwd
     slowdown = cm.time_constants(device).overlap_slowdown
     if cm.engine.tp_overlap and sp and tp > 1:  # chunked beside the products they feed (search/engines.py)
-        tp_fwd, tp_bwd = tp_exposed_s(fwd_compute, tp_fwd, tp, slowdown), tp_exposed_s(bwd_compute, tp_bwd, tp, slowdown)
+        # A reduce-scatter of the summed input gradient of separate column-parallel linears has
+        # no single product to be chunked with: it runs after them (``column_linears``).
+        summed = 0.0
+        if cm.engine.column_linears == "separate":
+            groups = sum(1 for group in column_groups(cm.model.kinds[role]) if len(group) > 1)
+            summed = groups * cm.collective_s("reduce_scatter", act_bytes, tp, link, device)
+        tp_fwd = tp_exposed_s(fwd_compute, tp_fwd, tp, slowdown)
+        tp_bwd = tp_exposed_s(bwd_compute, tp_bwd - summed, tp, slowdown) + summed
     elif cm.engine.dgrad_overlap and tp > 1:
         # Each column-parallel linear's input-gradient reduction (an all-reduce; a reduce-scatter
         # under SP) is started before its weight-gradient product and waited for after it.
