@@ -281,16 +281,40 @@ def forward_time_s(kind: LayerKind, dev: DeviceType, sh: Shard, dtype: str, atte
     return total
 
 
+# What a block's selective recomputation keeps (search/engines.py, ``selective_scope``): "ops",
+# every matrix product's output (Partita's runtime); "alternate", the attention kernel's outputs
+# and every matrix product's but every second one in the forward's order (torchtitan's "op"
+# policy: its ``_save_list`` of mm, SDPA, reduce_scatter_tensor and max, and ``_custom_policy``'s
+# "except every second mm": torchtitan/models/llama3/parallelize_llama.py, 2024-25,
+# torchtitan/distributed/activation_checkpoint.py since).
+SELECTIVE_KEEPS = ("ops", "alternate")
+
+
+def alternate_recomputed(kind: LayerKind, sh: Shard) -> tuple[list, list]:
+    """(kept, recomputed) products of a block under torchtitan's policy (``SELECTIVE_KEEPS``):
+    the 2nd, 4th, ... of ``forward_matmuls`` are recomputed, but for the last product, whose
+    output only the final residual add reads (the recomputation stops before it); the others,
+    the last included, are kept. A llama block keeps wq, wv, w1, w2 and recomputes wk, wo, w3.
+    A mixture of experts' products are counted in the same order (torchtitan runs its experts
+    as grouped products, which the policy does not count: an approximation)."""
+    products = forward_matmuls(kind, sh)
+    recomputed = [p for i, p in enumerate(products) if i % 2 == 1 and i < len(products) - 1]
+    return [p for p in products if p not in recomputed], recomputed
+
+
 def selective_recompute_time_s(kind: LayerKind, dev: DeviceType, sh: Shard, dtype: str,
-                               attention: str = "sdpa", norm: str = "fused") -> float:
+                               attention: str = "sdpa", norm: str = "fused", keeps: str = "ops") -> float:
     """What a selectively recomputed block runs again in backward: its forward without the
     matrix products (the runtime keeps their outputs, ``runtime.parallelize.selective_context``)
     and without what follows the last product (the final residual add: the recomputation stops
     once the last product's inputs are back): the other memory-bound kernels and the attention
-    core."""
+    core. Under ``keeps`` "alternate" the attention core is kept and every second product is
+    run again instead (``alternate_recomputed``)."""
     elementwise = forward_elementwise(kind, sh, norm)[:-1]  # the block's last kernel is the final residual add
-    return (sum(memory_time_s(dev, nbytes) for _, nbytes in elementwise)
-            + attention_s(dev, sh, dtype, attention)[0])
+    rerun = sum(memory_time_s(dev, nbytes) for _, nbytes in elementwise)
+    if keeps == "alternate":
+        return rerun + sum(matmul_time_s(dev, m, n, k, dtype) for _, m, n, k in alternate_recomputed(kind, sh)[1])
+    return rerun + attention_s(dev, sh, dtype, attention)[0]
 
 
 # The memory-bound kernels a layer runs outside its tensor-parallel region, on the residual
@@ -359,7 +383,8 @@ def backward_time_s(kind: LayerKind, dev: DeviceType, sh: Shard, dtype: str, att
 def activation_bytes(kind: LayerKind, *, tp: int, micro_batch: int, seq_len: int, dtype: str,
                      sequence_parallel: bool = False, recompute: str = "none",
                      on_cpu: bool = False, local_experts: int = 0, sharded_inputs: bool = False,
-                     glu_saves: str = "outputs", qkv_saves: str = "repeated", norm: str = "fused") -> int:
+                     glu_saves: str = "outputs", qkv_saves: str = "repeated", norm: str = "fused",
+                     selective_keeps: str = "ops") -> int:
     """Bytes autograd keeps from one micro-batch's forward for the backward, on one rank
     (``local_experts``: the routed experts a rank of a mixture of experts holds, E/ep; 0: all).
 
@@ -439,6 +464,11 @@ def activation_bytes(kind: LayerKind, *, tp: int, micro_batch: int, seq_len: int
         parallelism) and recompute only the attention core, whose 5*a*s^2*b (softmax, its
         dropout mask and output) dominates; a fused attention kernel keeps no s^2 term, so the
         runtime recomputes the cheap elementwise work (norms, rotary, activation functions) too.
+        Under ``selective_keeps`` "alternate" (torchtitan's policy, ``alternate_recomputed``) the
+        block keeps its input, the kept products' outputs, the attention kernel's output and
+        logsumexp, and under sequence parallelism the two reduce-scatters' outputs (n/sp each)::
+
+            alternate, llama = n/sp + t*(H + KV)*d*e + t*f*e + t*h*e + t*H*d*e + 4*b*H*s (+ 2 n/sp)
 
     Not counted: CUDA SDPA's two int64 RNG scalars, the memory-efficient kernel's padding of
     logsumexp to a multiple of 32 rows, and tensors that live only during the forward.
@@ -455,6 +485,11 @@ def activation_bytes(kind: LayerKind, *, tp: int, micro_batch: int, seq_len: int
     if recompute == "selective":
         if kind.role != "block":
             raise PartitaError(f"selective recomputation applies to decoder blocks, not the {kind.role}")
+        if selective_keeps == "alternate":
+            kept = sum(m * n for _, m, n, _ in alternate_recomputed(kind, sh)[0])
+            attention_out = t * sh.heads * sh.head_dim * e + STAT_BYTES * sh.batch * sh.heads * seq_len
+            reduced = 2 * (t * h * e // sp) if sp > 1 else 0
+            return t * h * e // sp + e * kept + attention_out + reduced
         products = sum(m * n for _, m, n, _ in forward_matmuls(kind, sh))
         return t * h * e // sp + e * (products - last_product_elements(kind, sh, local_experts))
     norm_output = t * h * e  # saved by the linears that follow the norm

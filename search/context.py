@@ -294,7 +294,8 @@ def ring_backward_time_s(*, step_compute_s: float, kv_comm_s: float, grad_comm_s
 def cp_activation_bytes(kind: LayerKind, *, variant: str, cp: int, tp: int, micro_batch: int, seq_len: int,
                         dtype: str, sequence_parallel: bool = False, recompute: str = "none",
                         on_cpu: bool = False, local_experts: int = 0, sharded_inputs: bool = False,
-                        glu_saves: str = "outputs", qkv_saves: str = "repeated", norm: str = "fused") -> int:
+                        glu_saves: str = "outputs", qkv_saves: str = "repeated", norm: str = "fused",
+                        selective_keeps: str = "ops") -> int:
     """Bytes autograd keeps from one micro-batch's forward on one rank under context parallelism
     of degree cp: ``analytic.activation_bytes`` of the rank's s/cp tokens (every term is per
     token, or per position for rotary tables and the logsumexp, so it all divides by cp), plus
@@ -318,7 +319,7 @@ def cp_activation_bytes(kind: LayerKind, *, variant: str, cp: int, tp: int, micr
     base = activation_bytes(kind, tp=tp, micro_batch=micro_batch, seq_len=local, dtype=dtype,
                             sequence_parallel=sequence_parallel, recompute=recompute, on_cpu=on_cpu,
                             local_experts=local_experts, sharded_inputs=sharded_inputs, glu_saves=glu_saves,
-                            qkv_saves=qkv_saves, norm=norm)
+                            qkv_saves=qkv_saves, norm=norm, selective_keeps=selective_keeps)
     if cp == 1 or kind.role != "block" or variant == "ring" or recompute != "none":
         return base
     sh = Shard.of(kind, tp=tp, micro_batch=micro_batch, seq_len=local, dtype=dtype)

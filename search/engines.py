@@ -44,10 +44,15 @@ The terms each behaviour selects, in one place each:
   parallel products of one input (q, k, v; the MLP's first products; the output layer) as one
   autograd function that does the same (``runtime.tp_linear``); DTensor's backward (torchtitan in
   eager mode) waits for each collective where it is issued.
-* ``selective_scope``: what ``recompute: selective`` recomputes. "ops" (Partita's runtime and
-  torchtitan: torch's selective checkpointing keeps every matrix product's output and recomputes
-  the rest of the block, norms, activations and the attention core, ``analytic.
-  selective_recompute_time_s``) or "attention" (Megatron-LM's ``--recompute-granularity
+* ``selective_scope``: what ``recompute: selective`` recomputes. "ops" (Partita's runtime:
+  torch's selective checkpointing keeps every matrix product's output and recomputes the rest of
+  the block, norms, activations and the attention core, ``analytic.
+  selective_recompute_time_s``), "alternate" (torchtitan's ``selective_ac_option = "op"``, which
+  ``partita export --to torchtitan`` writes: its policy keeps the attention kernel's outputs, the
+  reduce-scatters' and every matrix product's but every second one, so a llama block runs wk, wo
+  and w3 again with the elementwise work and not its attention core; ``analytic.
+  alternate_recomputed``; torchtitan/models/llama3/parallelize_llama.py ``_save_list``, 2024-25) or
+  "attention" (Megatron-LM's ``--recompute-granularity
   selective``: only the attention core, from q, k, v to its output, is checkpointed and run again,
   ``TransformerBlock``'s ``recompute_granularity == 'selective'`` / ``_checkpointed_attention_forward``;
   Korthikanti et al. 2022, sec. 5: everything else is kept). Under "attention" the recomputation
@@ -189,7 +194,7 @@ DEEPSPEED_MAX_REUSE_DISTANCE = 1_000_000_000
 P2P_BUFFERS = ("per_micro_batch", "on_receive", "per_transfer")
 ZERO2_GATHERS = ("micro_batch", "step")
 PARAM_GATHERS = ("next_forward", "after_step")
-SELECTIVE_SCOPES = ("ops", "attention")
+SELECTIVE_SCOPES = ("ops", "attention", "alternate")
 LOSSES = ("chunked", "fp32", "fp32_in_place")
 SP_INPUTS = ("whole", "sharded")
 COLUMN_LINEARS = ("separate", "fused")
@@ -261,8 +266,9 @@ ENGINES: dict[str, Engine] = {
     "partita": Engine("partita", dgrad_overlap=True, p2p_overlap=True, sp_inputs="sharded", p2p_buffers="on_receive"),
     # torchtitan as partita export --to torchtitan writes it: the same torch stack (SDPA, FSDP2
     # per block, torch pipelining), eager (async TP needs compile); its loss casts the logits to
-    # fp32 (torchtitan/components/loss.py, cross_entropy_loss: pred.flatten(0, 1).float()).
-    "torchtitan": Engine("torchtitan", p2p_overlap=True, loss="fp32"),
+    # fp32 (torchtitan/components/loss.py, cross_entropy_loss: pred.flatten(0, 1).float()); its
+    # selective recomputation is the "op" policy the export writes.
+    "torchtitan": Engine("torchtitan", p2p_overlap=True, loss="fp32", selective_scope="alternate"),
     # Megatron-LM as partita export --to megatron writes it: Transformer Engine's attention, which
     # on Hopper and later prefers cuDNN's fused attention over FlashAttention ("Disabling
     # FlashAttention to give FusedAttention preference on Hopper+", dot_product_attention/utils.py,

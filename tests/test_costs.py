@@ -5,15 +5,18 @@ import pytest
 from partita.units import round_up_to_grain
 
 from partita.cluster import parse_short
+from partita.devices import get_device
 from partita.model_io import load_model
 from partita.plan import LayerStrategy
 from partita.profile import bus_bytes
+from partita.search.analytic import Shard, attention_s, forward_matmuls, selective_recompute_time_s
 from partita.search.costs.compute import sequence_parallel_savings
 from partita.search.costs.links import Link
 from partita.search.costs.memory import ON_RECEIVE_BUFFERS, block_backward_transient
 from partita.search.costs.model import CostModel
 from partita.search.engines import ENGINES
 from partita.search.evaluate import evaluate_layout
+from partita.search.roofline import matmul_time_s
 from partita.search.schedules import closed_form_s
 from partita.units import GB
 
@@ -175,8 +178,9 @@ def test_selective_recompute_lies_between_none_and_full_in_memory_and_time():
     model = load_model("llama-2-70b")
     cluster = parse_short("8xH100")
     # torchtitan's DTensor linears: every collective exposed where it is issued (Partita's own
-    # runtime reduces the column-parallel input gradients beside the weight gradients)
-    cm = CostModel(model, cluster, seq_len=4096, engine=ENGINES["torchtitan"])
+    # runtime reduces the column-parallel input gradients beside the weight gradients), with the
+    # runtime's selective scope (torchtitan's own policy: test_torchtitan_s_selective_policy...)
+    cm = CostModel(model, cluster, seq_len=4096, engine=ENGINES["torchtitan"].with_options({"selective_scope": "ops"}))
     g = cluster.groups[0]
     for tp, sp in ((1, False), (8, False), (8, True)):
         s = {mode: LayerStrategy(name="layers.0", tensor_parallel=tp, sequence_parallel=sp, recompute=mode)
@@ -206,6 +210,46 @@ def test_selective_recompute_lies_between_none_and_full_in_memory_and_time():
     t_ = 4096
     by_hand = 2 * (t_ * model.hidden // 8 + t_ * (8 + 1 + 1) * 128 + t_ * model.hidden + 2 * t_ * model.ffn // 8)
     assert mem["selective"].activations == round_up_to_grain(by_hand)
+
+
+def test_torchtitan_s_selective_policy_keeps_attention_and_every_other_product():
+    """torchtitan's "op" policy keeps the attention kernel's outputs, the reduce-scatters' and
+    the products' but every second one: a llama block runs wk, wo and w3 again, with the
+    elementwise work, and not its attention core; under SP only the all-gathers run again."""
+    model = load_model("llama-2-70b")
+    cluster = parse_short("8xH100")
+    g = cluster.groups[0]
+    titan = CostModel(model, cluster, seq_len=4096, engine=ENGINES["torchtitan"])
+    ops = CostModel(model, cluster, seq_len=4096, engine=ENGINES["torchtitan"].with_options({"selective_scope": "ops"}))
+    assert ENGINES["torchtitan"].selective_scope == "alternate" and ENGINES["partita"].selective_scope == "ops"
+    kind, h100 = model.kinds["block"], get_device("H100")
+    for tp, sp in ((1, False), (8, True)):
+        sh = Shard.of(kind, tp=tp, micro_batch=1, seq_len=4096, dtype="bf16")
+        products = {name: (m, n, k) for name, m, n, k in forward_matmuls(kind, sh)}
+        rerun_products = sum(matmul_time_s(h100, *products[name], "bf16") for name in ("wk", "wo", "w3"))
+        core = attention_s(h100, sh, "bf16", "sdpa")[0]
+        # the same elementwise rerun under both: the difference is the products against the core
+        # (the roofline's passes; the cost model's take the host's ops when those are longer)
+        alternate, kept = (selective_recompute_time_s(kind, h100, sh, "bf16", keeps=k) for k in ("alternate", "ops"))
+        assert alternate - kept == pytest.approx(rerun_products - core)
+        if tp == 1:  # device-bound: the cost model prices the same
+            assert (titan.recompute_s("block", "H100", tp, 1, "selective")
+                    - ops.recompute_s("block", "H100", tp, 1, "selective")) == pytest.approx(rerun_products - core)
+        layer = LayerStrategy(name="layers.0", tensor_parallel=tp, sequence_parallel=sp, recompute="selective")
+        mem = titan.layer_memory("block", "H100", layer, dp=1, micro_batch=1, num_micro_batches=4)
+        t_, h, d, H, KV, f = 4096, model.hidden, 128, 64 // tp, max(1, 8 // tp), model.ffn // tp
+        by_hand = 2 * (t_ * h // tp  # the block's input (its sequence shard under SP)
+                       + t_ * H * d + t_ * KV * d  # wq's and wv's outputs
+                       + t_ * f + t_ * h  # w1's and w2's (its [t, h] partial sum)
+                       + t_ * H * d) + 4 * H * t_  # the attention kernel's output and logsumexp
+        if sp:
+            by_hand += 2 * 2 * t_ * h // tp  # the two reduce-scatters' outputs
+        assert mem.activations == round_up_to_grain(by_hand)
+        none = LayerStrategy(name="layers.0", tensor_parallel=tp, sequence_parallel=sp, recompute="none")
+        t = {name: titan.layer_time("block", g, s, dp=1, micro_batch=1) for name, s in (("none", none), ("sel", layer))}
+        if sp:  # the two all-gathers again; both reduce-scatters kept
+            gather = titan.collective_s("all_gather", t_ * h * 2, tp, titan.tp_link(g, tp), "H100")
+            assert t["sel"].tp_comm_s == pytest.approx(t["none"].tp_comm_s + 2 * gather)
 
 
 def test_a_send_between_groups_goes_at_the_slower_side_and_the_link_between_them():

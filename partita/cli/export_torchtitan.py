@@ -21,11 +21,11 @@ What maps how:
   * ``[activation_checkpoint]``: ``mode = "none"`` or ``"full"`` (every block), or ``"selective"``
     with ``selective_ac_option = "k"``: every k-th block of each stage fully recomputed (counted
     from 1 in ``torchtitan/distributed/activation_checkpoint.py``, ``_apply_layer_sac``), or
-    with ``selective_ac_option = "op"``: every block selectively (``_apply_op_sac``, the policy
-    Partita's selective recomputation is closest to: torchtitan keeps the outputs of its
-    ``_op_sac_save_list`` in ``torchtitan/models/llama3/infra/parallelize.py``, every second
-    ``mm`` and the attention kernel's and the sequence-parallel reduce-scatter's outputs among
-    them, where Partita keeps every product's; the export is priced as Partita's).
+    with ``selective_ac_option = "op"``: every block selectively (``_apply_op_sac``: torchtitan
+    keeps the outputs of its ``_op_sac_save_list`` in ``torchtitan/models/llama3/infra/parallelize.py``,
+    every product's but every second ``mm``'s, and the attention kernel's and the
+    sequence-parallel reduce-scatters'; the torchtitan engine prices that policy,
+    ``selective_scope`` "alternate" in search/engines.py).
   * Context parallelism: torchtitan runs the ring (torch's ``context_parallel`` around SDPA,
     ``torchtitan/distributed/context_parallel.py``), not the all-to-all: ``context_parallel_degree``
     = cp with ``context_parallel_rotate_method = "alltoall"`` (K/V blocks passed one step at a
@@ -264,8 +264,4 @@ def notes(plan: Plan, model: ModelSpec, cluster: ClusterSpec) -> list[str]:
     if plan.cp > 1:
         out.append("torchtitan >= 0.3 has no context_parallel_rotate_method: its ring all-gathers the K/V blocks "
                    "(torch's default) where this prediction passes them one step at a time")
-    if any(l.recompute == "selective" for l in plan.layer_strategies()):
-        out.append("selective recomputation is priced as Partita's (every matrix product's output kept, all else "
-                   "recomputed); torchtitan's op policy keeps every second product's and the attention kernel's "
-                   "outputs instead, so its activation memory and recompute time differ from this prediction")
     return out

@@ -133,12 +133,14 @@ def tp_pass(cm, role: str, group: NodeGroup, *, tp: int, sp: bool, recompute: st
         tp_bwd += tp_fwd
     elif recompute == "selective" and cm.model.is_moe:
         tp_bwd += tp_fwd  # the last product is in the MoE, after the attention's collectives: all run again
-    elif recompute == "selective" and cm.engine.selective_scope == "ops":
+    elif recompute == "selective" and cm.engine.selective_scope in ("ops", "alternate"):
         # All but the last product's reduction (the recomputation stops before w2): with SP
-        # both all-gathers and wo's reduce-scatter, without it wo's all-reduce. (Megatron's
+        # both all-gathers and wo's reduce-scatter, without it wo's all-reduce. torchtitan's
+        # policy keeps both reduce-scatters' outputs (its ``_save_list``). (Megatron's
         # attention-core scope recomputes nothing that communicates.)
         reduction = cm.collective_s("reduce_scatter" if sp else "all_reduce", act_bytes, tp, link, device)
-        tp_bwd += tp_fwd - reduction
+        kept = 2 if sp and cm.engine.selective_scope == "alternate" and role == "block" else 1
+        tp_bwd += tp_fwd - kept * reduction
     fwd_compute = c.forward_s
     bwd_compute = c.backward_s + cm.recompute_s(role, device, tp, micro_batch, recompute)
     if sp and tp > 1:  # the residual stream's kernels on the rank's sequence shard

@@ -120,7 +120,8 @@ def _activations(cm, role: str, device: str, *, tp: int, sp: bool, recompute: st
     on_cpu = get_device(device).is_cpu
     local_experts = cm.model.experts // cm.ep if kind.is_moe else 0
     sharded = cm.engine.sp_inputs == "sharded"
-    saves = dict(glu_saves=cm.engine.glu_saves, qkv_saves=cm.engine.qkv_saves, norm=cm.engine.norm)
+    saves = dict(glu_saves=cm.engine.glu_saves, qkv_saves=cm.engine.qkv_saves, norm=cm.engine.norm,
+                 selective_keeps="alternate" if cm.engine.selective_scope == "alternate" else "ops")
     kw = dict(tp=tp, micro_batch=micro_batch, seq_len=cm.seq_len, dtype=cm.dtype, sequence_parallel=sp, on_cpu=on_cpu,
               local_experts=local_experts, sharded_inputs=sharded, **saves)
     full = activation_bytes(kind, recompute="none", **kw)
@@ -144,7 +145,8 @@ def _activations(cm, role: str, device: str, *, tp: int, sp: bool, recompute: st
                                                                           "sharded_inputs": False,
                                                                           "glu_saves": "outputs",
                                                                           "qkv_saves": "repeated",
-                                                                          "norm": "fused"}))
+                                                                          "norm": "fused",
+                                                                          "selective_keeps": "ops"}))
         scale = c.activation_bytes / analytic_plain if analytic_plain else 1.0
         scaled = int(plain * scale)
         full, kept, plain = int(full * scale), kept - plain + scaled, scaled
