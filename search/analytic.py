@@ -13,9 +13,9 @@ its matrix products (``roofline.matmul_time_s`` with m = micro_batch * seq_len t
 attention, and the memory-bound elementwise kernels (norms, rotary, activations, residual adds),
 each priced by the bytes it reads and writes. The backward runs two products per forward product
 (dX = dY @ W^T and dW = X^T @ dY), the attention backward, and elementwise kernels that move
-twice the forward's bytes (a norm its own, ``norm_bytes_per_element``), plus the reductions only the backward has (bias gradients, the
-embedding's gradient table). Recomputing a checkpointed layer repeats its forward; a
-selectively recomputed block repeats all of it but its matrix products, whose outputs it kept
+twice the forward's bytes (a norm its own, ``norm_bytes_per_element``), plus the reductions only
+the backward has (bias gradients, the embedding's gradient table). Recomputing a checkpointed
+layer repeats its forward; a selectively recomputed block repeats what it did not keep
 (``selective_recompute_time_s``).
 
 Tensor parallelism over ``tp`` ranks splits q, k, v, w1, w3 by columns and wo, w2 by rows, so a
@@ -282,11 +282,8 @@ def forward_time_s(kind: LayerKind, dev: DeviceType, sh: Shard, dtype: str, atte
 
 
 # What a block's selective recomputation keeps (search/engines.py, ``selective_scope``): "ops",
-# every matrix product's output (Partita's runtime); "alternate", the attention kernel's outputs
-# and every matrix product's but every second one in the forward's order (torchtitan's "op"
-# policy: its ``_save_list`` of mm, SDPA, reduce_scatter_tensor and max, and ``_custom_policy``'s
-# "except every second mm": torchtitan/models/llama3/parallelize_llama.py, 2024-25,
-# torchtitan/distributed/activation_checkpoint.py since).
+# every matrix product's output (Partita's runtime); "alternate", torchtitan's "op" policy (its
+# ``_save_list`` of mm, SDPA, reduce_scatter_tensor and max, "except every second mm").
 SELECTIVE_KEEPS = ("ops", "alternate")
 
 
@@ -310,6 +307,8 @@ def selective_recompute_time_s(kind: LayerKind, dev: DeviceType, sh: Shard, dtyp
     once the last product's inputs are back): the other memory-bound kernels and the attention
     core. Under ``keeps`` "alternate" the attention core is kept and every second product is
     run again instead (``alternate_recomputed``)."""
+    if keeps not in SELECTIVE_KEEPS:
+        raise PartitaError(f"unknown selective keeps {keeps!r}; valid: {', '.join(SELECTIVE_KEEPS)}")
     elementwise = forward_elementwise(kind, sh, norm)[:-1]  # the block's last kernel is the final residual add
     rerun = sum(memory_time_s(dev, nbytes) for _, nbytes in elementwise)
     if keeps == "alternate":
@@ -541,7 +540,7 @@ def _norm_bytes(kind: LayerKind, sh: Shard, on_cpu: bool, norm: str = "fused") -
         return t * h * e + 2 * t * (e if on_cpu else STAT_BYTES)
     if norm == "eager":
         # The module's ops keep the fp32 upcast input (pow's and the product's), rsqrt's output and
-        # the downcast product the weight multiplies: saved-tensor hooks, tests/test_analytic.py.
+        # the downcast product the weight multiplies: saved-tensor hooks, tests/test_eager_norm.py.
         return t * h * (4 + e) + STAT_BYTES * t
     if on_cpu:
         # torch's composite rms_norm: the fp32 upcast input and the fp32 normalised tensor, fp32 rstd.
