@@ -9,7 +9,8 @@ from partita.devices import get_device
 from partita.model_io import load_model
 from partita.plan import LayerStrategy
 from partita.profile import bus_bytes
-from partita.search.analytic import Shard, attention_s, forward_matmuls, selective_recompute_time_s
+from partita.search.analytic import (Shard, alternate_recomputed, attention_s, forward_matmuls,
+                                     selective_recompute_time_s)
 from partita.search.costs.compute import sequence_parallel_savings
 from partita.search.costs.links import Link
 from partita.search.costs.memory import ON_RECEIVE_BUFFERS, block_backward_transient
@@ -223,6 +224,12 @@ def test_torchtitan_s_selective_policy_keeps_attention_and_every_other_product()
     ops = CostModel(model, cluster, seq_len=4096, engine=ENGINES["torchtitan"].with_options({"selective_scope": "ops"}))
     assert ENGINES["torchtitan"].selective_scope == "alternate" and ENGINES["partita"].selective_scope == "ops"
     kind, h100 = model.kinds["block"], get_device("H100")
+    # the block's products in forward order: every second one runs again, but the last (w2 in a
+    # llama block; in a gpt2 block w2 is the sixth and last, so only wk and wo)
+    for name, rerun in (("llama-2-70b", ["wk", "wo", "w3"]), ("gpt2-xl", ["wk", "wo"])):
+        block = load_model(name).kinds["block"]
+        shard = Shard.of(block, tp=1, micro_batch=1, seq_len=1024, dtype="bf16")
+        assert [p[0] for p in alternate_recomputed(block, shard)[1]] == rerun
     for tp, sp in ((1, False), (8, True)):
         sh = Shard.of(kind, tp=tp, micro_batch=1, seq_len=4096, dtype="bf16")
         products = {name: (m, n, k) for name, m, n, k in forward_matmuls(kind, sh)}
