@@ -68,6 +68,9 @@ DEFAULT_RUNS = Path(__file__).with_name("published_runs.yaml")
 PRICINGS = ("exact", "closest", "not_expressible")
 METRICS = ("tokens_per_s_per_gpu", "tflops_per_gpu", "step_time_s")
 FLOPS_FORMULAS = ("megatron_recompute", "palm", "megatron_core")
+# What a published peak memory counts: torch's caching allocator's peak reserved bytes
+# (torch.cuda.memory_stats()["reserved_bytes.all.peak"], which torchtitan logs as max_reserved).
+MEMORY_METRICS = ("max_reserved",)
 OVERRIDES = ("memory_gib", "intra_node_gbps", "network_gbps")
 SOURCE_KEYS = ("title", "where", "url")
 DEVICE_FIGURES = ("memory_gib", "bf16_tflops", "fp16_tflops", "fp32_tflops", "hbm_gbps", "tdp_w", "power_limit_w",
@@ -123,6 +126,10 @@ class PublishedRun:
     # A known gap of the cost model on this row: what it does not price and why the row stays
     # (priced and printed like every row; the issue-10 regression test leaves it out).
     gap: str = ""
+    # The run's published peak device memory (GiB), where the source gives it, and what it
+    # counts (``MEMORY_METRICS``): compared with the priced peak of the fullest rank.
+    measured_memory_gib: float | None = None
+    memory_metric: str = ""
 
     @property
     def gpus(self) -> int:
@@ -168,6 +175,15 @@ class Row:
     breakdown: dict[str, float] = dataclasses.field(default_factory=dict)
     remark: str = ""  # the differences of a closest row, the reason of a not-expressible one
     gap: str = ""  # a known gap of the cost model on the row (``PublishedRun.gap``)
+    # The published peak memory and the priced peak of the fullest rank (GiB), where published.
+    measured_memory_gib: float | None = None
+    predicted_peak_gib: float | None = None
+
+    @property
+    def memory_error_pct(self) -> float | None:
+        if self.measured_memory_gib is None or self.predicted_peak_gib is None:
+            return None
+        return 100.0 * (self.predicted_peak_gib - self.measured_memory_gib) / self.measured_memory_gib
 
 
 # ---- reading the YAML ------------------------------------------------------------------------
@@ -230,7 +246,9 @@ def _devices(data: Any, where: str) -> tuple[DeviceType, ...]:
 
 def run_from_dict(data: Any, where: str, devices: Sequence[DeviceType] = ()) -> PublishedRun:
     data = specio.require_mapping(data, where)
-    fields = [f.name for f in dataclasses.fields(PublishedRun) if f.name != "devices"] + ["cluster_overrides", "engine_options"]
+    fields = ([f.name for f in dataclasses.fields(PublishedRun)
+               if f.name not in ("devices", "measured_memory_gib", "memory_metric")]
+              + ["cluster_overrides", "engine_options", "measured_memory"])
     unknown = [k for k in data if k not in fields]
     if unknown:
         raise PartitaError(f"{where}: unknown key {unknown[0]!r}; valid keys: {', '.join(fields)}")
@@ -265,7 +283,7 @@ def run_from_dict(data: Any, where: str, devices: Sequence[DeviceType] = ()) -> 
         differences=tuple(_strings(data, "differences", where)), assumed=tuple(_strings(data, "assumed", where)),
         why=_optional_str(data, "why", where), notes=_optional_str(data, "notes", where),
         gap=_optional_str(data, "gap", where),
-        **ints)
+        **_measured_memory(data, where), **ints)
     _check_run(run, where)
     return run
 
@@ -334,6 +352,19 @@ def _measured(data: Any, where: str) -> Measured:
     if extra:
         raise PartitaError(f"{where}: measured: unknown key {extra[0]!r}; valid keys: metric, value, flops")
     return Measured(metric=metric, value=value, flops=flops)
+
+
+def _measured_memory(data: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """``measured_memory: {gib: 82.4, metric: max_reserved}``, or nothing."""
+    if "measured_memory" not in data:
+        return {}
+    memory = specio.require_mapping(data["measured_memory"], f"{where}: measured_memory")
+    extra = [k for k in memory if k not in ("gib", "metric")]
+    if extra or "gib" not in memory or "metric" not in memory:
+        raise PartitaError(f"{where}: measured_memory takes gib and metric (one of {', '.join(MEMORY_METRICS)}), "
+                           f"got {', '.join(map(str, memory)) or 'nothing'}")
+    return dict(measured_memory_gib=specio.get_float(memory, "gib", f"{where}: measured_memory"),
+                memory_metric=specio.get_str(memory, "metric", f"{where}: measured_memory", choices=MEMORY_METRICS))
 
 
 def _optional_str(data: Mapping[str, Any], key: str, where: str) -> str:
@@ -485,7 +516,8 @@ def _price(run: PublishedRun) -> Row:
     base = dict(id=run.id, source=f"{run.source['title']} -- {run.source['where']}", url=run.source["url"],
                 config=run.config, pricing=run.pricing, zero=run.zero, engine=run.engine.name, gap=run.gap,
                 measured_as_published=as_published(run.measured),
-                measured_tokens_per_s_per_gpu=measured, measured_mfu=mfu(run, measured))
+                measured_tokens_per_s_per_gpu=measured, measured_mfu=mfu(run, measured),
+                measured_memory_gib=run.measured_memory_gib)
     if run.pricing == "not_expressible":
         return Row(**base, remark=f"not expressible: {run.why}")
     ev = evaluate_run(run)
@@ -493,7 +525,8 @@ def _price(run: PublishedRun) -> Row:
     return Row(**base, predicted_tokens_per_s_per_gpu=predicted, predicted_mfu=mfu(run, predicted),
                predicted_step_time_s=ev.step_time_s, error_pct=100.0 * (predicted - measured) / measured,
                fits=ev.fits, breakdown={k: round(v, 6) for k, v in ev.breakdown.items()},
-               remark="; ".join(run.differences))
+               remark="; ".join(run.differences),
+               predicted_peak_gib=max(s.peak_bytes for s in ev.stages) / 2**30)
 
 
 # ---- summary ----------------------------------------------------------------------------------
@@ -555,6 +588,15 @@ def render(rows: Sequence[Row], console: Console) -> None:
                           f"max |error| {s.max_abs_error_pct:.1f} % ({s.worst})")
         else:
             console.print(f"{s.label}: no rows")
+    with_memory = [r for r in rows if r.memory_error_pct is not None]
+    if with_memory:
+        console.print()
+        for r in with_memory:
+            console.print(f"memory, {r.id}: published {r.measured_memory_gib:.1f} GiB, priced peak "
+                          f"{r.predicted_peak_gib:.1f} GiB ({r.memory_error_pct:+.1f} %)")
+        errors = [abs(r.memory_error_pct) for r in with_memory]  # type: ignore[arg-type]
+        console.print(f"memory against published peaks: {len(with_memory)} rows, median |error| "
+                      f"{statistics.median(errors):.1f} %, max |error| {max(errors):.1f} %")
 
 
 # ---- the free search ------------------------------------------------------------------------------
