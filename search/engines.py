@@ -239,6 +239,12 @@ class Engine:
     def software(self) -> Software:
         return Software(attention=self.attention, grad_sync=self.grad_sync)
 
+    @property
+    def selective_keeps(self) -> str:
+        """What a selectively recomputed block keeps, as ``analytic`` counts it
+        (``analytic.SELECTIVE_KEEPS``); the "attention" scope keeps what no recomputation does."""
+        return "alternate" if self.selective_scope == "alternate" else "ops"
+
     def with_options(self, options: Mapping[str, object], where: str = "engine") -> "Engine":
         """This engine with some behaviours changed (a published run's own configuration)."""
         fields = {f.name: f.type for f in dataclasses.fields(self) if f.name != "name"}

@@ -111,8 +111,8 @@ def selective_recompute_s(cm, role: str, device: str, tp: int, micro_batch: int)
     if cm.engine.selective_scope == "attention":  # Megatron-LM: the attention core alone (search/engines.py)
         core = attention_s(dev, sh, cm.dtype, cm.software.attention)[0]
         return core * _pass_scales(cm, role, device, tp, micro_batch)[0]
-    keeps = "alternate" if cm.engine.selective_scope == "alternate" else "ops"
-    selective = selective_recompute_time_s(kind, dev, sh, cm.dtype, cm.software.attention, cm.engine.norm, keeps)
+    selective = selective_recompute_time_s(kind, dev, sh, cm.dtype, cm.software.attention, cm.engine.norm,
+                                           cm.engine.selective_keeps)
     profile = cm.profiles.get(device)
     if profile is not None and profile.dtype == cm.dtype:
         measured = layer_cost_at(profile, kind, tp, micro_batch, cm.seq_len)

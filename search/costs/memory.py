@@ -121,7 +121,7 @@ def _activations(cm, role: str, device: str, *, tp: int, sp: bool, recompute: st
     local_experts = cm.model.experts // cm.ep if kind.is_moe else 0
     sharded = cm.engine.sp_inputs == "sharded"
     saves = dict(glu_saves=cm.engine.glu_saves, qkv_saves=cm.engine.qkv_saves, norm=cm.engine.norm,
-                 selective_keeps="alternate" if cm.engine.selective_scope == "alternate" else "ops")
+                 selective_keeps=cm.engine.selective_keeps)
     kw = dict(tp=tp, micro_batch=micro_batch, seq_len=cm.seq_len, dtype=cm.dtype, sequence_parallel=sp, on_cpu=on_cpu,
               local_experts=local_experts, sharded_inputs=sharded, **saves)
     full = activation_bytes(kind, recompute="none", **kw)
