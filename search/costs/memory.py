@@ -37,7 +37,7 @@ from partita.model import LayerKind
 from partita.plan import boundary_split
 from partita.search.analytic import Shard, activation_bytes
 from partita.search.context import block_gather_traffic, cp_activation_bytes, ring_kv_heads, ring_transient_bytes
-from partita.search.engines import block_module_params, largest_module_params, recompute_regathers
+from partita.search.engines import ENGINES, Engine, block_module_params, largest_module_params, recompute_regathers
 from partita.units import GiB, MiB, loss_chunk_tokens, round_up_to_grain
 
 RESERVE_GPU_BYTES = 3 * GiB
@@ -108,6 +108,12 @@ def layer_memory(cm, role: str, device: str, *, tp: int, sp: bool, zero: int, re
     return m
 
 
+def _kernels_keep(engine: Engine) -> dict[str, str]:
+    """What ``engine``'s kernels keep for the backward, as ``analytic.activation_bytes`` takes it."""
+    return dict(glu_saves=engine.glu_saves, qkv_saves=engine.qkv_saves, norm=engine.norm,
+                selective_keeps=engine.selective_keeps)
+
+
 def _activations(cm, role: str, device: str, *, tp: int, sp: bool, recompute: str, micro_batch: int):
     """(without recomputation, with it, kept under the layout's context parallelism) activation
     bytes of one micro-batch of the layer on one rank; whatever its ZeRO level and replicas, so
@@ -120,8 +126,7 @@ def _activations(cm, role: str, device: str, *, tp: int, sp: bool, recompute: st
     on_cpu = get_device(device).is_cpu
     local_experts = cm.model.experts // cm.ep if kind.is_moe else 0
     sharded = cm.engine.sp_inputs == "sharded"
-    saves = dict(glu_saves=cm.engine.glu_saves, qkv_saves=cm.engine.qkv_saves, norm=cm.engine.norm,
-                 selective_keeps=cm.engine.selective_keeps)
+    saves = _kernels_keep(cm.engine)
     kw = dict(tp=tp, micro_batch=micro_batch, seq_len=cm.seq_len, dtype=cm.dtype, sequence_parallel=sp, on_cpu=on_cpu,
               local_experts=local_experts, sharded_inputs=sharded, **saves)
     full = activation_bytes(kind, recompute="none", **kw)
@@ -142,11 +147,8 @@ def _activations(cm, role: str, device: str, *, tp: int, sp: bool, recompute: st
         # A measured count (Partita's runtime, no SP, no recompute) replaces the analytic one; the
         # variants keep the analytic ratio to it. What the layout adds is not measured: it stays.
         analytic_plain = activation_bytes(kind, recompute="none", **(kw | {"sequence_parallel": False,
-                                                                          "sharded_inputs": False,
-                                                                          "glu_saves": "outputs",
-                                                                          "qkv_saves": "repeated",
-                                                                          "norm": "fused",
-                                                                          "selective_keeps": "ops"}))
+                                                                          "sharded_inputs": False}
+                                                                        | _kernels_keep(ENGINES["partita"])))
         scale = c.activation_bytes / analytic_plain if analytic_plain else 1.0
         scaled = int(plain * scale)
         full, kept, plain = int(full * scale), kept - plain + scaled, scaled
