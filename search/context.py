@@ -42,12 +42,22 @@ backward passes K/V the same way, and also passes the dK/dV accumulators around 
 every one of the cp steps, in fp32 (``convert_to_f32``, the default), so each rank's gradients
 return to it. The runtime repeats kv heads before SDPA (``partita.runtime.models.Attention``), so
 the blocks the ring moves hold H heads, not KV: ``ring_kv_heads``.
+
+Transformer Engine's ring (``AttnFuncWithCPAndKVP2P``, what Megatron-LM runs: the engine's
+``cp_ring`` "transformer_engine") passes the same blocks at the kv heads the attention kernel
+takes (no repetition) in the compute dtype; its backward sends, at the start of each of its cp
+steps, the K/V block to the next rank on step 0, the K/V block with the dK/dV accumulated so far
+on the steps between, and the dK/dV alone on the last, all in the compute dtype, one buffer pair
+(K/V and dK/dV) a direction (``transformer_engine/pytorch/attention.py``, TE 1.11, September
+2024; ``dot_product_attention/context_parallel.py`` today). Every pass runs beside the step's
+attention (``te_ring_traffic``, ``te_ring_backward_time_s``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Sequence
 
 from partita import parallel
 from partita.cluster import ClusterSpec, NodeGroup
@@ -288,6 +298,26 @@ def ring_backward_time_s(*, step_compute_s: float, kv_comm_s: float, grad_comm_s
     return (cp * step_compute_s + (cp - 1) * max(0.0, kv_comm_s + grad_comm_s - step_compute_s) + grad_comm_s)
 
 
+def te_ring_traffic(*, batch: int, seq: int, kv_heads: int, head_dim: int, elem: int, cp: int) -> Traffic:
+    """Transformer Engine's ring, ``kv_heads`` the kernel's kv heads and B the K/V block at the
+    compute dtype (``ring_block_bytes``): forward, cp-1 passes of B (as torch's "alltoall"
+    rotate); backward, one pass a step: B (K/V) on the first, 2B (K/V and the dK/dV so far) on
+    each between, B (dK/dV) on the last. Zero at cp = 1."""
+    block = ring_block_bytes(batch=batch, seq=seq, kv_heads=kv_heads, head_dim=head_dim, elem=elem, cp=cp)
+    if cp == 1:
+        return Traffic("p2p", (), (), 0.0, 0.0)
+    forward = (block,) * (cp - 1)
+    backward = (block,) + (2 * block,) * (cp - 2) + (block,)
+    return Traffic("p2p", forward, backward, float(sum(forward)), float(sum(backward)))
+
+
+def te_ring_backward_time_s(*, step_compute_s: float, step_comm_s: Sequence[float]) -> float:
+    """Transformer Engine's ring backward: each step's pass (``te_ring_traffic``) is posted before
+    the step's attention backward and waited for before the next, the last one before the dK/dV
+    correction: sum of max(a, c_i), the same overlap assumption as ``ring_forward_time_s``."""
+    return sum(max(step_compute_s, c) for c in step_comm_s)
+
+
 # ---- memory ------------------------------------------------------------------------------------
 
 
@@ -339,7 +369,7 @@ class RingTransient:
 
 
 def ring_transient_bytes(*, batch: int, seq: int, heads: int, kv_heads: int, head_dim: int, elem: int, cp: int,
-                         rotate: str = "alltoall") -> RingTransient:
+                         rotate: str = "alltoall", ring: str = "torch") -> RingTransient:
     """With B the K/V block (``kv_heads`` as the ring moves them), G its fp32 twin, and O the
     fp32 output [b, L, H, d]:
 
@@ -348,6 +378,8 @@ def ring_transient_bytes(*, batch: int, seq: int, heads: int, kv_heads: int, hea
       (O + 4 b H L);
     * backward: K/V blocks as in the forward, the dK/dV accumulator being sent and the one
       received (2G), this step's dK/dV (G) and the fp32 dQ accumulator (O).
+    Transformer Engine's ring (``ring`` "transformer_engine"): the forward as torch's; the
+    backward's two buffer pairs of K/V and dK/dV in the compute dtype (4B) and dQ (b L H d e).
     Not kept across layers; one layer's worth sits on top of the activations at the peak."""
     if rotate not in ROTATES:
         raise PartitaError(f"unknown ring rotate method {rotate!r}; valid: {', '.join(ROTATES)}")
@@ -358,6 +390,9 @@ def ring_transient_bytes(*, batch: int, seq: int, heads: int, kv_heads: int, hea
     grad = block * GRAD_ACCUM_BYTES // elem
     out32 = batch * local * heads * head_dim * GRAD_ACCUM_BYTES
     in_flight = 2 * block if rotate == "alltoall" else cp * block
+    if ring == "transformer_engine":
+        return RingTransient(forward=in_flight + out32 + STAT_BYTES * batch * heads * local,
+                             backward=4 * block + batch * local * heads * head_dim * elem)
     return RingTransient(forward=in_flight + out32 + STAT_BYTES * batch * heads * local,
                          backward=in_flight + 3 * grad + out32)
 
@@ -501,6 +536,15 @@ def attention_time(cm, group: NodeGroup, tp: int, micro_batch: int) -> Attention
         ag = sum(cm.collective_s("all_gather", m, cm.cp, link, device) for m in traffic.forward_messages)
         rs = sum(cm.collective_s("reduce_scatter", m, cm.cp, link, device) for m in traffic.backward_messages)
         return AttentionTime(fwd, bwd, ag, rs, local_f, local_b)
+    if cm.engine.cp_ring == "transformer_engine":
+        traffic = te_ring_traffic(batch=micro_batch, seq=cm.plan_seq_len, kv_heads=rank_kv_heads(kind, tp),
+                                  head_dim=local.head_dim, elem=cm.elem, cp=cm.cp)
+        kv = cm.collective_s("p2p", traffic.forward_messages[0], 2, link, device)
+        fwd = ring_forward_time_s(step_compute_s=local_f, step_comm_s=kv, cp=cm.cp)
+        bwd = te_ring_backward_time_s(step_compute_s=local_b, step_comm_s=[
+            cm.collective_s("p2p", m, 2, link, device) for m in traffic.backward_messages])
+        return AttentionTime(cm.cp * local_f, cm.cp * local_b, fwd - cm.cp * local_f, bwd - cm.cp * local_b,
+                             local_f, local_b)
     heads = ring_kv_heads(local.heads, local.heads)
     traffic = ring_traffic(batch=micro_batch, seq=cm.plan_seq_len, kv_heads=heads, head_dim=local.head_dim,
                            elem=cm.elem, cp=cm.cp)

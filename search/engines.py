@@ -162,6 +162,13 @@ The terms each behaviour selects, in one place each:
   layer's input, counted with its activations; a sent output's storage is freed at once,
   ``schedules.deallocate_output_tensor``, which its training script turns on with
   ``deallocate_pipeline_outputs``): one buffer per direction in flight and no kept outputs.
+* ``cp_ring``: how a ring of context-parallel ranks passes K and V (``cp_variant`` ring;
+  search/context.py). "torch" (``torch.distributed``'s context parallelism: Partita's runtime,
+  torchtitan): the blocks at the query heads (the models repeat kv heads before SDPA), the
+  dK/dV accumulators in fp32 around the whole ring. "transformer_engine" (Megatron-LM's
+  ``--context-parallel-size``, Transformer Engine's ``AttnFuncWithCPAndKVP2P``): the blocks at
+  the kernel's kv heads in the compute dtype, the backward's dK/dV riding with the K/V blocks,
+  one pass a step (``context.te_ring_traffic``). Time and memory.
 * ``loss``: "chunked" (Partita's runtime: runtime.schedule.ChunkedCrossEntropy, the logits kept in
   the compute dtype and an fp32 chunk at a time), "fp32" (the logits cast to fp32 before torch's
   cross entropy, the fp32 log-probabilities kept for its backward, which makes new gradients:
@@ -198,6 +205,7 @@ SELECTIVE_SCOPES = ("ops", "attention", "alternate")
 LOSSES = ("chunked", "fp32", "fp32_in_place")
 SP_INPUTS = ("whole", "sharded")
 COLUMN_LINEARS = ("separate", "fused")
+CP_RINGS = ("torch", "transformer_engine")
 
 
 @dataclass(frozen=True)
@@ -224,13 +232,15 @@ class Engine:
     max_reuse_distance: int = DEEPSPEED_MAX_REUSE_DISTANCE
     norm: str = "fused"
     column_linears: str = "separate"
+    cp_ring: str = "torch"
 
     def __post_init__(self) -> None:
         Software(attention=self.attention, grad_sync=self.grad_sync)  # its checks of the two names
         for name, valid in (("zero3_gathers", ZERO3_GATHERS), ("selective_scope", SELECTIVE_SCOPES),
                             ("zero2_gather", ZERO2_GATHERS), ("param_gather", PARAM_GATHERS), ("loss", LOSSES),
                             ("p2p_buffers", P2P_BUFFERS), ("sp_inputs", SP_INPUTS), ("glu_saves", GLU_SAVES),
-                            ("qkv_saves", QKV_SAVES), ("norm", NORMS), ("column_linears", COLUMN_LINEARS)):
+                            ("qkv_saves", QKV_SAVES), ("norm", NORMS), ("column_linears", COLUMN_LINEARS),
+                            ("cp_ring", CP_RINGS)):
             value = getattr(self, name)
             if value not in valid:
                 raise PartitaError(f"unknown {name} {value!r}; valid: {', '.join(valid)}")
@@ -288,7 +298,8 @@ ENGINES: dict[str, Engine] = {
     # its fused SwiGLU and GQA-native attention's saved tensors.
     "megatron": Engine("megatron", attention="cudnn", column_linears="fused", tp_overlap=True, p2p_overlap=True, dgrad_overlap=True,
                        selective_scope="attention", loss="fp32_in_place", fp16_grad_reduce=True,
-                       sp_inputs="sharded", p2p_buffers="per_transfer", glu_saves="input", qkv_saves="fused"),
+                       sp_inputs="sharded", p2p_buffers="per_transfer", glu_saves="input", qkv_saves="fused",
+                       cp_ring="transformer_engine"),
     # DeepSpeed as partita export --to deepspeed writes it (ZeRO 0-3 with overlap_comm): ZeRO-3's
     # module-by-module gathers, ZeRO-2's parameters whole and gathered once a step, a Hugging Face
     # model's fp32 loss, torch SDPA.
