@@ -113,6 +113,17 @@ The terms each behaviour selects, in one place each:
   on every engine (Megatron forces it: megatron/arguments.py, "bfloat16 requires gradient
   accumulation and all-reduce to be done in fp32"; DeepSpeed's BF16_Optimizer keeps fp32
   gradients). Communication only: the memory keeps fp32 gradient buffers (``costs.memory``).
+* ``grad_buffer``: the dtype gradients are accumulated, held and reduced in. "fp32" (every
+  engine's default: FSDP2's ``reduce_dtype``, Megatron-LM's fp32 ``main_grad`` buffers,
+  DeepSpeed's fp32 gradient partitions; fp16 reductions aside, ``fp16_grad_reduce``) or
+  "compute": NeMo's ``distributed_fused_adam`` with ``grad_sync_dtype`` bf16 (Apex's
+  ``DistributedFusedAdam`` allocates its contiguous gradient buffer in ``grad_sync_dtype``,
+  ``_init_grad_buffer``; NVIDIA's NeMo recipes set it). Memory and the data-parallel reductions'
+  bytes (``costs.memory.state_bytes``, ``CostModel.reduce_bytes``).
+* ``optimizer_state``: the dtype of the optimizer's master copy and Adam's moments. "fp32"
+  (every engine's default: 12 bytes a parameter, sharded at ZeRO 1-3) or "compute" (Apex's
+  ``DistributedFusedAdam`` with ``dtype`` bf16, "datatype for optimizer state", which NeMo's
+  Nemotron-4 340B recipe sets: 3 x 2 bytes). Memory.
 * ``sp_inputs``: under sequence parallelism, what a tensor-parallel linear keeps of its
   all-gathered input for the weight gradient: "whole" (DTensor's autograd keeps the gathered
   tensor: torchtitan) or "sharded" (Megatron-LM keeps its sequence shard and all-gathers it again
@@ -206,6 +217,7 @@ LOSSES = ("chunked", "fp32", "fp32_in_place")
 SP_INPUTS = ("whole", "sharded")
 COLUMN_LINEARS = ("separate", "fused")
 CP_RINGS = ("torch", "transformer_engine")
+DTYPE_CHOICES = ("fp32", "compute")
 
 
 @dataclass(frozen=True)
@@ -233,6 +245,8 @@ class Engine:
     norm: str = "fused"
     column_linears: str = "separate"
     cp_ring: str = "torch"
+    grad_buffer: str = "fp32"
+    optimizer_state: str = "fp32"
 
     def __post_init__(self) -> None:
         Software(attention=self.attention, grad_sync=self.grad_sync)  # its checks of the two names
@@ -240,7 +254,8 @@ class Engine:
                             ("zero2_gather", ZERO2_GATHERS), ("param_gather", PARAM_GATHERS), ("loss", LOSSES),
                             ("p2p_buffers", P2P_BUFFERS), ("sp_inputs", SP_INPUTS), ("glu_saves", GLU_SAVES),
                             ("qkv_saves", QKV_SAVES), ("norm", NORMS), ("column_linears", COLUMN_LINEARS),
-                            ("cp_ring", CP_RINGS)):
+                            ("cp_ring", CP_RINGS), ("grad_buffer", DTYPE_CHOICES),
+                            ("optimizer_state", DTYPE_CHOICES)):
             value = getattr(self, name)
             if value not in valid:
                 raise PartitaError(f"unknown {name} {value!r}; valid: {', '.join(valid)}")

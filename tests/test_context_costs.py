@@ -17,7 +17,8 @@ from partita.model_io import load_model
 from partita.search.analytic import activation_bytes
 from partita.search.context import (all_to_all_limit, all_to_all_traffic, attention_flops, causal_attention_flops,
                                     cp_activation_bytes, ring_backward_time_s, ring_block_bytes, ring_forward_time_s,
-                                    ring_kv_heads, ring_step_flops, ring_traffic, ring_transient_bytes, sequence_limit)
+                                    ring_kv_heads, ring_step_flops, ring_traffic, ring_transient_bytes, sequence_limit,
+                                    te_ring_backward_time_s, te_ring_traffic)
 from partita.search.costs.links import Link, collective_s
 from torch_blocker import BLOCK_TORCH
 
@@ -58,6 +59,51 @@ def test_ring_bytes_of_a_small_case():
     assert (t.forward_wire_bytes, t.backward_wire_bytes) == (128, 640)
     g = ring_traffic(kv_heads=kv, cp=2, rotate="allgather", **SMALL)
     assert g.op == "all_gather" and g.forward_messages == (256,) and g.forward_wire_bytes == 128
+
+
+def test_transformer_engine_s_ring_by_hand():
+    """Transformer Engine's ring (Megatron-LM's context parallelism): K/V at the kernel's kv
+    heads in the compute dtype; its backward passes K/V on the first step, K/V with the dK/dV so
+    far on each between, dK/dV alone on the last, all in the compute dtype."""
+    b = ring_block_bytes(kv_heads=2, cp=4, **SMALL)  # K and V, 2 tokens, 2 kv heads: 32 bytes
+    t = te_ring_traffic(kv_heads=2, cp=4, **SMALL)
+    assert t.forward_messages == (b, b, b)
+    assert t.backward_messages == (b, 2 * b, 2 * b, b)
+    assert (t.forward_wire_bytes, t.backward_wire_bytes) == (3 * b, 6 * b)
+    two = te_ring_traffic(kv_heads=2, cp=2, **SMALL)
+    assert two.forward_messages == (ring_block_bytes(kv_heads=2, cp=2, **SMALL),)
+    assert two.backward_messages == two.forward_messages * 2
+    assert te_ring_traffic(kv_heads=2, cp=1, **SMALL).total_wire_bytes == 0
+    # Against torch's ring at the same kv heads: no fp32 dK/dV travelling the whole ring.
+    torch_ring = ring_traffic(kv_heads=2, cp=4, **SMALL)
+    assert t.backward_wire_bytes < torch_ring.backward_wire_bytes
+    # Every pass beside its step: what a step's compute hides costs nothing.
+    assert te_ring_backward_time_s(step_compute_s=1.0, step_comm_s=[0.5, 0.9, 0.9, 0.5]) == 4.0
+    assert te_ring_backward_time_s(step_compute_s=1.0, step_comm_s=[0.5, 1.5, 1.5, 0.5]) == 5.0
+    te = ring_transient_bytes(heads=4, kv_heads=2, cp=2, ring="transformer_engine", **SMALL)
+    block = ring_block_bytes(kv_heads=2, cp=2, **SMALL)
+    assert te.backward == 4 * block + 1 * 4 * 4 * 2 * 2  # two K/V + dK/dV pairs and dQ (4 tokens, 4 heads)
+
+
+def test_the_megatron_engine_prices_its_ring_at_the_kv_heads():
+    """llama-3-8b (32 heads, 8 kv heads) at cp 2 on one node: under the megatron engine the ring
+    moves a quarter of torch's K/V bytes and no fp32 gradients, so it hides behind the steps'
+    attention; the same engine with torch's ring exposes some; the attention core is the same."""
+    from partita.cluster import parse_short
+    from partita.search.context import attention_time
+    from partita.search.costs.model import CostModel
+    from partita.search.engines import ENGINES
+    cluster = parse_short("1x8xH100")
+    times = {}
+    for ring in ("torch", "transformer_engine"):
+        engine = ENGINES["megatron"].with_options({"cp_ring": ring})
+        cm = CostModel(LLAMA_8B, cluster, seq_len=65536, dtype="bf16", engine=engine).at_cp(2, "ring", 0)
+        times[ring] = attention_time(cm, cm.cluster.groups[0], 1, 1)
+    assert ENGINES["megatron"].cp_ring == "transformer_engine" and ENGINES["partita"].cp_ring == "torch"
+    assert times["transformer_engine"].local_forward_s == times["torch"].local_forward_s
+    exposed = {k: t.exposed_forward_s + t.exposed_backward_s for k, t in times.items()}
+    assert exposed["torch"] > 0
+    assert exposed["transformer_engine"] == pytest.approx(0.0, abs=1e-9)
 
 
 def test_ring_wire_bytes_per_rank_grow_with_the_steps_but_each_block_shrinks():

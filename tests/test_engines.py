@@ -408,6 +408,35 @@ def test_megatron_and_deepspeed_reduce_fp16_gradients_in_fp16_and_bf16_ones_in_f
             assert mt.dp_sync_s == pytest.approx(pt.dp_sync_s)
 
 
+def test_a_compute_dtype_gradient_buffer_and_optimizer_state():
+    """``Engine.grad_buffer`` "compute" (NeMo's distributed_fused_adam with grad_sync_dtype bf16)
+    holds and reduces the gradients in bf16: 2 bytes a parameter, unsharded at ZeRO-1 while they
+    accumulate, and half the per-step reduction's bytes; ``optimizer_state`` "compute" (its dtype
+    bf16) keeps the master copy and Adam's two moments in bf16: 6 bytes a parameter, sharded.
+    Nothing else moves."""
+    model, cluster = BUILTIN["llama-3-8b"], parse_short("4x8xH100")
+    layer = strategy(model, "layers.0", tp=1, sp=False, zero=1, recompute="none")
+    group = cluster.groups[0]
+    params = CostModel(model, cluster, seq_len=4096, dtype="bf16").param_count("block", 1)
+    base = ENGINES["megatron"]
+    out = {}
+    for key, opts in (("fp32", {}), ("grads", {"grad_buffer": "compute"}),
+                      ("both", {"grad_buffer": "compute", "optimizer_state": "compute"})):
+        cm = CostModel(model, cluster, seq_len=4096, dtype="bf16", engine=base.with_options(opts))
+        mem = cm.layer_memory("block", group.device, layer, dp=32, micro_batch=1, num_micro_batches=4)
+        out[key] = (cm.reduce_bytes, mem, cm.layer_time("block", group, layer, dp=32, micro_batch=1))
+    (rb0, m0, t0), (rb1, m1, t1), (rb2, m2, t2) = out["fp32"], out["grads"], out["both"]
+    assert (rb0, rb1, rb2) == (4, 2, 2)
+    assert m0.gradients - m1.gradients == pytest.approx(2 * params, rel=0.01)
+    assert (m1.weights, m1.optimizer) == (m0.weights, m0.optimizer)
+    assert m2.weights == pytest.approx(m0.weights / 2, rel=0.01)
+    assert m2.optimizer == pytest.approx(m0.optimizer / 2, rel=0.01)
+    assert m1.activations == m0.activations and t1.compute_s == t0.compute_s
+    assert t1.dp_sync_s < t0.dp_sync_s and t2.dp_sync_s == t1.dp_sync_s
+    with pytest.raises(PartitaError, match="unknown grad_buffer 'fp8'"):
+        base.with_options({"grad_buffer": "fp8"})
+
+
 def test_megatron_keeps_the_linears_inputs_as_sequence_shards():
     """Under sequence parallelism Megatron-LM keeps each tensor-parallel linear's input as its
     sequence shard and gathers it again in the backward (``sp_inputs``): a llama block keeps

@@ -49,6 +49,18 @@ RESERVE_CPU_BYTES = 256 * MiB
 MASTER_BYTES = 4
 REDUCE_BYTES = 4
 ADAM_STATE_BYTES = 8
+
+
+def state_bytes(cm) -> tuple[int, int, int]:
+    """Bytes a parameter's gradient, master copy and Adam moments take under the cost model's
+    engine (``Engine.grad_buffer``, ``Engine.optimizer_state``): fp32 each (``REDUCE_BYTES``,
+    ``MASTER_BYTES``, ``ADAM_STATE_BYTES``), or the compute dtype's where the engine keeps them so."""
+    grad = cm.elem if cm.engine.grad_buffer == "compute" else REDUCE_BYTES
+    if cm.engine.optimizer_state == "compute":
+        return grad, cm.elem, 2 * cm.elem
+    return grad, MASTER_BYTES, ADAM_STATE_BYTES
+
+
 # What a layout whose data-parallel degree the ep degree does not divide is priced at: more than
 # any device holds, so every search discards it.
 UNRUNNABLE_BYTES = 1 << 50
@@ -169,13 +181,14 @@ def dense_memory(cm, role: str, device: str, *, tp: int, sp: bool, zero: int, re
     # FSDP2 wraps every layer when there is data parallelism or mixed precision (the
     # runtime's rule); it then also keeps the compute-dtype copy it gathers.
     fsdp = replicas > 1 or e != MASTER_BYTES
-    weights = params * MASTER_BYTES // shard
+    grad_bytes, master_bytes, adam_bytes = state_bytes(cm)
+    weights = params * master_bytes // shard
     gathered = params * e if fsdp and z < 3 else 0
     if fsdp and z < 2 and num_micro_batches > 1:
-        gradients = params * REDUCE_BYTES  # accumulated unsharded until the last micro-batch
+        gradients = params * grad_bytes  # accumulated unsharded until the last micro-batch
     else:
-        gradients = params * REDUCE_BYTES // shard
-    optimizer = params * ADAM_STATE_BYTES // shard
+        gradients = params * grad_bytes // shard
+    optimizer = params * adam_bytes // shard
     local_params = params // shard
     full, plain, kept = _activations(cm, role, device, tp=tp, sp=sp, recompute=recompute, micro_batch=micro_batch)
     # A layer's own extra memory peaks at one of two moments (measured per layer and phase with
@@ -197,7 +210,7 @@ def dense_memory(cm, role: str, device: str, *, tp: int, sp: bool, zero: int, re
     gather_spike = 0 if kept_whole else {2: params * e, 3: 2 * params * e}.get(z, 0)
     resident = 2 * params * e if z == 3 else 0
     recompute_extra = max(0, full - plain)
-    unsharded_grad = params * REDUCE_BYTES if fsdp and role != "head" else 0
+    unsharded_grad = params * grad_bytes if fsdp and role != "head" else 0
     copy = params * e
     if z == 3 and fsdp and cm.engine.zero3_gathers == "module":
         # DeepSpeed gathers a module at a time into the parameter's own storage, the next one
@@ -236,7 +249,7 @@ def dense_memory(cm, role: str, device: str, *, tp: int, sp: bool, zero: int, re
                        transient_gathered=up(transient_gathered), params=local_params, peak_phase=phase,
                        copy=up(copy) if fsdp else 0, forward_extra=up(gather_spike),
                        backward_own=up(recompute_extra + working),
-                       reduce_buffer=up(params * REDUCE_BYTES) if fsdp and every_micro_batch else 0,
+                       reduce_buffer=up(params * grad_bytes) if fsdp and every_micro_batch else 0,
                        regathers=fsdp and z == 3,
                        releases_copy=bool(gathered) and every_micro_batch and not kept_whole)
 
@@ -271,15 +284,16 @@ def expert_memory(cm, m: LayerMemory, *, params: int, replicas: int, zero: int, 
     shard = replicas if z >= 1 else 1
     # The experts are an FSDP2 unit whenever dp > 1 (always, at ep > 1): a compute-dtype copy
     # at ZeRO 0-2, gradients accumulated unsharded over micro-batches at ZeRO 0-1.
+    grad_bytes, master_bytes, adam_bytes = state_bytes(cm)
     gathered = params * e if z < 3 else 0
-    gradients = params * REDUCE_BYTES if z < 2 and num_micro_batches > 1 else params * REDUCE_BYTES // shard
-    spike = {2: params * e, 3: 2 * params * e}.get(z, 0) + params * REDUCE_BYTES  # a gather, the unsharded gradient
+    gradients = params * grad_bytes if z < 2 and num_micro_batches > 1 else params * grad_bytes // shard
+    spike = {2: params * e, 3: 2 * params * e}.get(z, 0) + params * grad_bytes  # a gather, the unsharded gradient
     up = round_up_to_grain
     return dataclasses.replace(
-        m, weights=m.weights + up(params * MASTER_BYTES // shard),
+        m, weights=m.weights + up(params * master_bytes // shard),
         gathered_weights=m.gathered_weights + up(gathered), gradients=m.gradients + up(gradients),
-        optimizer=m.optimizer + up(params * ADAM_STATE_BYTES // shard), params=m.params + params // shard,
-        transient=m.transient + up(spike), backward_own=m.backward_own + up(params * REDUCE_BYTES),
+        optimizer=m.optimizer + up(params * adam_bytes // shard), params=m.params + params // shard,
+        transient=m.transient + up(spike), backward_own=m.backward_own + up(params * grad_bytes),
         copy=m.copy + up(params * e))
 
 

@@ -224,9 +224,12 @@ class CostModel:
 
     @property
     def reduce_bytes(self) -> int:
-        """Bytes a gradient element moves in a reduction: fp32 (``memory.REDUCE_BYTES``), or fp16
-        under an engine that reduces fp16 gradients as they are (``Engine.fp16_grad_reduce``)."""
-        return self.elem if self.engine.fp16_grad_reduce and self.dtype == "fp16" else memory.REDUCE_BYTES
+        """Bytes a gradient element moves in a reduction: fp32 (``memory.REDUCE_BYTES``), or the
+        compute dtype's under an engine that reduces fp16 gradients as they are
+        (``Engine.fp16_grad_reduce``) or keeps its gradients in the compute dtype
+        (``Engine.grad_buffer``)."""
+        as_computed = self.engine.fp16_grad_reduce and self.dtype == "fp16" or self.engine.grad_buffer == "compute"
+        return self.elem if as_computed else memory.REDUCE_BYTES
 
     # ---- links --------------------------------------------------------------------------
     def tp_link(self, group: NodeGroup, tp: int) -> Link:
