@@ -11,7 +11,8 @@
 A layer's forward is the sum of the kernels PyTorch eager runs for it (``partita.runtime.models``):
 its matrix products (``roofline.matmul_time_s`` with m = micro_batch * seq_len tokens), fused
 attention, and the memory-bound elementwise kernels (norms, rotary, activations, residual adds),
-each priced by the bytes it reads and writes. The backward runs two products per forward product
+each priced by the bytes it reads and writes (``search/kernels.py``, with the fused kernels other
+engines run instead). The backward runs two products per forward product
 (dX = dY @ W^T and dW = X^T @ dY), the attention backward, and elementwise kernels that move
 twice the forward's bytes (a norm its own, ``norm_bytes_per_element``), plus the reductions only
 the backward has (bias gradients, the embedding's gradient table). Recomputing a checkpointed
@@ -35,40 +36,14 @@ from partita.errors import PartitaError
 from partita.model import LayerKind
 from partita.plan import RECOMPUTE
 from partita.profile import LayerCost, Profile, Provenance
+from partita.search.kernels import (INDEX_BYTES, NORM_PARTS, NORMS, Kernels, backward_elementwise,
+                                    forward_elementwise, moe_elementwise, norm_bytes_per_element)
 from partita.search.roofline import (ATTENTION_KERNELS, attention_time_s, batched_matmul_time_s, element_bytes,
                                      matmul_time_s, memory_time_s)
 
-INDEX_BYTES = 8  # token ids, targets and position ids are int64
 QKV_SAVES = ("repeated", "fused")  # activation_bytes: what attention keeps of q, k and v
 GLU_SAVES = ("outputs", "input")  # activation_bytes: what llama's SwiGLU keeps
 STAT_BYTES = 4  # norm statistics and attention's logsumexp are fp32 whatever the dtype
-# How a llama layer's RMSNorm runs (``Engine.norm``): "fused", one kernel a pass (torch's fused
-# CUDA ``rms_norm``, pytorch#153666, 2025; Transformer Engine's, apex's, or torch.compile's
-# fusion), or "eager": the norm written as torch ops, an fp32 upcast, pow, mean, rsqrt, a
-# product, a downcast and the weight's product, each its own kernel (torchtitan's ``RMSNorm``
-# module, torchtitan/models/norms.py, run without torch.compile: its benchmarks up to Dec 2024;
-# pytorch#153666 measured the fused kernel ~9x faster than such a module). GPT-2's LayerNorm is
-# one native kernel either way.
-NORMS = ("fused", "eager")
-NORM_PARTS = ("attention norm", "ffn norm", "norm")  # forward_elementwise's names of a layer's norms
-
-
-def norm_bytes_per_element(norm: str, elem: int) -> tuple[int, int]:
-    """(forward, backward) bytes one RMSNorm reads and writes per element of its [tokens, hidden]
-    input (statistics aside). Fused: the input in and the output out; the backward twice that.
-    Eager, from the aten ops autograd runs (``tests/test_eager_norm.py`` traces them): forward
-    pow (8), mean (4), the product by rsqrt (8) and the weight's product (2e); backward the
-    weight's two products and sum (6e), the rsqrt branch's product and sum (12 + 4), the product
-    by rsqrt (8), the mean's expand divided (4), pow's backward (8 + 8 + 12) and the two branches'
-    sum (12); below fp32 each pass also casts up (e + 4) and down (4 + e)."""
-    if norm not in NORMS:
-        raise PartitaError(f"unknown norm {norm!r}; valid: {', '.join(NORMS)}")
-    if norm == "eager":
-        casts = 0 if elem == 4 else 8 + 2 * elem
-        return 20 + 2 * elem + casts, 68 + 6 * elem + casts
-    return 2 * elem, 4 * elem
-
-
 @dataclass(frozen=True)
 class Shard:
     """One rank's share of a layer for one micro-batch: the dimensions its kernels see."""
@@ -132,73 +107,6 @@ def forward_matmuls(kind: LayerKind, sh: Shard) -> list[tuple[str, int, int, int
     if kind.family == "llama":
         return attention + [("w1", t, f, h), ("w3", t, f, h), ("w2", t, h, f)]
     return attention + [("w1", t, f, h), ("w2", t, h, f)]
-
-
-def _rope_kernels(name: str, nbytes: float) -> list[tuple[str, float]]:
-    # The runtime's rotate-half form: neg of one half, cat, x*cos, rotated*sin, add.
-    return [(f"{name} neg", nbytes), (f"{name} cat", 2 * nbytes), (f"{name} *cos", 2 * nbytes),
-            (f"{name} *sin", 2 * nbytes), (f"{name} add", 3 * nbytes)]
-
-
-def forward_elementwise(kind: LayerKind, sh: Shard, norm: str = "fused") -> list[tuple[str, float]]:
-    """(name, bytes read + written) of each memory-bound forward kernel (a layer's RMSNorm as
-    one entry for all its kernels under ``norm`` "eager")."""
-    e, t, h = sh.elem, sh.tokens, sh.hidden
-    act = t * h * e  # one [tokens, hidden] activation
-    normed = t * h * norm_bytes_per_element(norm if kind.family == "llama" else "fused", e)[0]
-    if kind.role == "embed":
-        ops = [("token gather", 2 * act)]
-        if kind.learned_positions:
-            ops += [("position gather", 2 * sh.seq * h * e), ("add positions", 3 * act)]
-        return ops
-    if kind.role == "head":
-        logits = t * sh.vocab
-        ops = [("norm", normed)]
-        if e != 4:
-            ops.append(("logits to fp32", logits * (e + 4)))
-        return ops + [("log_softmax", 2 * logits * 4), ("nll_loss", t * (INDEX_BYTES + 4))]
-    q_bytes = t * sh.heads * sh.head_dim * e
-    kv_bytes = t * sh.kv_heads * sh.head_dim * e
-    ops = [("attention norm", normed)]
-    if kind.family == "llama":
-        ops += _rope_kernels("rope q", q_bytes) + _rope_kernels("rope k", kv_bytes)
-    if sh.heads != sh.kv_heads:
-        ops += [("repeat k", kv_bytes + q_bytes), ("repeat v", kv_bytes + q_bytes)]
-    ops += [("residual add", 3 * act), ("ffn norm", normed)]
-    if kind.is_moe:
-        return ops + moe_elementwise(kind, sh) + [("residual add", 3 * act)]
-    mlp = t * sh.ffn * e
-    if kind.family == "llama":
-        ops += [("silu", 2 * mlp), ("gate mul", 3 * mlp)]
-    else:
-        ops += [("gelu", 2 * mlp)]
-    return ops + [("residual add", 3 * act)]
-
-
-def backward_elementwise(kind: LayerKind, sh: Shard, norm: str = "fused") -> list[tuple[str, float]]:
-    """(name, bytes read + written) of the backward of each forward memory-bound kernel, in
-    ``forward_elementwise``'s order: twice the forward's bytes (the gradient in and out beside
-    what the forward read), a norm's its own (``norm_bytes_per_element``)."""
-    backward = norm_bytes_per_element(norm if kind.family == "llama" else "fused", sh.elem)[1]
-    return [(name, sh.tokens * sh.hidden * backward if name in NORM_PARTS else 2 * nbytes)
-            for name, nbytes in forward_elementwise(kind, sh, norm)]
-
-
-def moe_elementwise(kind: LayerKind, sh: Shard) -> list[tuple[str, float]]:
-    """A mixture-of-experts MLP's memory-bound kernels (``runtime.models.MoE``): the router's
-    fp32 softmax and top-k, the gather of each token's k rows grouped by expert and their
-    scatter back, SwiGLU's activation on the expert rows, the weighted sum of a token's k
-    outputs, and the shared expert's activation and gate (on the rank's MoE tokens)."""
-    e, t, h, k = sh.elem, sh.moe_tokens, sh.hidden, kind.experts_per_token
-    rows = t * k * h * e  # the k expert rows of every token
-    mlp = t * k * sh.ffn * e
-    ops = [("router softmax", t * kind.experts * (e + 8)), ("top-k", t * kind.experts * 4),
-           ("gather rows", 2 * rows), ("silu", 2 * mlp), ("gate mul", 3 * mlp), ("scatter rows", 2 * rows),
-           ("weighted sum", 2 * rows + t * h * e)]
-    if kind.shared_expert_ffn:
-        shared = t * kind.shared_expert_ffn * e
-        ops += [("shared silu", 2 * shared), ("shared gate mul", 3 * shared), ("shared sigmoid", 3 * t * h * e)]
-    return ops
 
 
 def moe_activation_bytes(kind: LayerKind, sh: Shard) -> int:
@@ -273,9 +181,9 @@ def attention_s(dev: DeviceType, sh: Shard, dtype: str, attention: str) -> tuple
 
 # ---- time -----------------------------------------------------------------------------------
 def forward_time_s(kind: LayerKind, dev: DeviceType, sh: Shard, dtype: str, attention: str = "sdpa",
-                   norm: str = "fused") -> float:
+                   kernels: Kernels | str = "fused") -> float:
     total = sum(matmul_time_s(dev, m, n, k, dtype) for _, m, n, k in forward_matmuls(kind, sh))
-    total += sum(memory_time_s(dev, nbytes) for _, nbytes in forward_elementwise(kind, sh, norm))
+    total += sum(memory_time_s(dev, nbytes) for _, nbytes in forward_elementwise(kind, sh, kernels))
     if kind.role == "block":
         total += attention_s(dev, sh, dtype, attention)[0]
     return total
@@ -300,7 +208,7 @@ def alternate_recomputed(kind: LayerKind, sh: Shard) -> tuple[list, list]:
 
 
 def selective_recompute_time_s(kind: LayerKind, dev: DeviceType, sh: Shard, dtype: str,
-                               attention: str = "sdpa", norm: str = "fused", keeps: str = "ops") -> float:
+                               attention: str = "sdpa", kernels: Kernels | str = "fused", keeps: str = "ops") -> float:
     """What a selectively recomputed block runs again in backward: its forward without the
     matrix products (the runtime keeps their outputs, ``runtime.parallelize.selective_context``)
     and without what follows the last product (the final residual add: the recomputation stops
@@ -309,7 +217,7 @@ def selective_recompute_time_s(kind: LayerKind, dev: DeviceType, sh: Shard, dtyp
     run again instead (``alternate_recomputed``)."""
     if keeps not in SELECTIVE_KEEPS:
         raise PartitaError(f"unknown selective keeps {keeps!r}; valid: {', '.join(SELECTIVE_KEEPS)}")
-    elementwise = forward_elementwise(kind, sh, norm)[:-1]  # the block's last kernel is the final residual add
+    elementwise = forward_elementwise(kind, sh, kernels)[:-1]  # the block's last kernel is the final residual add
     rerun = sum(memory_time_s(dev, nbytes) for _, nbytes in elementwise)
     if keeps == "alternate":
         return rerun + sum(matmul_time_s(dev, m, n, k, dtype) for _, m, n, k in alternate_recomputed(kind, sh)[1])
@@ -323,7 +231,7 @@ SEQUENCE_SHARDED = {"block": ("attention norm", "residual add", "ffn norm"), "he
 
 
 def sequence_parallel_savings_s(kind: LayerKind, dev: DeviceType, sh: Shard, tp: int,
-                                norm: str = "fused") -> list[tuple[float, float]]:
+                                kernels: Kernels | str = "fused") -> list[tuple[float, float]]:
     """For each forward memory-bound kernel of the layer, in ``forward_elementwise``'s order, the
     (forward, backward) seconds sequence parallelism over ``tp`` tensor-parallel ranks takes off
     it: the residual-stream kernels (``SEQUENCE_SHARDED``) on 1/tp of the tokens, forward and
@@ -335,8 +243,8 @@ def sequence_parallel_savings_s(kind: LayerKind, dev: DeviceType, sh: Shard, tp:
         return memory_time_s(dev, nbytes) - memory_time_s(dev, nbytes / tp)
 
     return [(saved(nbytes), saved(back)) if name in sharded and tp > 1 else (0.0, 0.0)
-            for (name, nbytes), (_, back) in zip(forward_elementwise(kind, sh, norm),
-                                                 backward_elementwise(kind, sh, norm))]
+            for (name, nbytes), (_, back) in zip(forward_elementwise(kind, sh, kernels),
+                                                 backward_elementwise(kind, sh, kernels))]
 
 
 # The column-parallel products of a layer (Megatron's ColumnParallelLinear: split by output
@@ -367,11 +275,11 @@ def column_wgrad_times_s(kind: LayerKind, dev: DeviceType, sh: Shard, dtype: str
 
 
 def backward_time_s(kind: LayerKind, dev: DeviceType, sh: Shard, dtype: str, attention: str = "sdpa",
-                    norm: str = "fused") -> float:
+                    kernels: Kernels | str = "fused") -> float:
     # dX[m,k] = dY[m,n] @ W^T[n,k] and dW[k,n] = X^T[k,m] @ dY[m,n].
     total = sum(matmul_time_s(dev, m, k, n, dtype) + matmul_time_s(dev, k, n, m, dtype)
                 for _, m, n, k in forward_matmuls(kind, sh))
-    total += sum(memory_time_s(dev, nbytes) for _, nbytes in backward_elementwise(kind, sh, norm))
+    total += sum(memory_time_s(dev, nbytes) for _, nbytes in backward_elementwise(kind, sh, kernels))
     total += sum(memory_time_s(dev, nbytes) for _, nbytes in backward_only_kernels(kind, sh))
     if kind.role == "block":
         total += attention_s(dev, sh, dtype, attention)[1]
@@ -570,18 +478,19 @@ def param_bytes(kind: LayerKind, *, tp: int, dtype: str) -> int:
 
 # ---- public ---------------------------------------------------------------------------------
 def layer_cost(kind: LayerKind, dev: DeviceType, *, tp: int, micro_batch: int, seq_len: int,
-               dtype: str, attention: str = "sdpa", norm: str = "fused") -> LayerCost:
+               dtype: str, attention: str = "sdpa", kernels: Kernels | str = "fused") -> LayerCost:
     """Time and memory of one layer on one rank of a ``tp``-wide tensor-parallel group, for one
     micro-batch, without tensor-parallel communication. ``activation_bytes`` is the plain
     variant (no sequence parallelism, no recomputation); see ``activation_bytes`` for the others.
-    ``attention``: how a block's attention runs (``ATTENTION``; the runtime's is "sdpa"); ``norm``:
-    how its RMSNorms run (``NORMS``; the runtime's is "fused")."""
+    ``attention``: how a block's attention runs (``ATTENTION``; the runtime's is "sdpa");
+    ``kernels``: how its memory-bound kernels run (``kernels.Kernels``, or a norm's name, NORMS;
+    the runtime's is the default)."""
     sh = Shard.of(kind, tp=tp, micro_batch=micro_batch, seq_len=seq_len, dtype=dtype)
-    fwd = forward_time_s(kind, dev, sh, dtype, attention, norm)
+    fwd = forward_time_s(kind, dev, sh, dtype, attention, kernels)
     return LayerCost(kind=kind, tp=tp, micro_batch=micro_batch, seq_len=seq_len, forward_s=fwd,
-                     backward_s=backward_time_s(kind, dev, sh, dtype, attention, norm), recompute_s=fwd,
+                     backward_s=backward_time_s(kind, dev, sh, dtype, attention, kernels), recompute_s=fwd,
                      activation_bytes=activation_bytes(kind, tp=tp, micro_batch=micro_batch, seq_len=seq_len,
-                                                       dtype=dtype, on_cpu=dev.is_cpu, norm=norm),
+                                                       dtype=dtype, on_cpu=dev.is_cpu, norm=Kernels.of(kernels).norm),
                      param_bytes=param_bytes(kind, tp=tp, dtype=dtype))
 
 

@@ -133,8 +133,10 @@ The terms each behaviour selects, in one place each:
   inputs and the head's take 1/tp of the bytes (``analytic.activation_bytes``), each backward
   re-gathers them beside its compute (``layer_time``) and holds the gathered input while its
   weight gradients run (``costs.memory``).
-* ``glu_saves``, ``qkv_saves``: what a block's kernels keep for the backward
-  (``analytic.activation_bytes``). "outputs" / "repeated" (the torch stack: Partita's runtime,
+* ``glu_saves``, ``qkv_saves``: which SwiGLU and attention kernels a block runs, and so what
+  they keep for the backward (``analytic.activation_bytes``) and what elementwise work they do
+  (``Engine.kernels``, search/kernels.py: a fused SwiGLU is one kernel, an attention kernel at
+  the kv heads needs no copies of k and v). "outputs" / "repeated" (the torch stack: Partita's runtime,
   torchtitan, Hugging Face models under DeepSpeed): SwiGLU keeps silu's output beside its inputs
   and the product, and attention takes k and v repeated to the query heads (the models'
   ``repeat_kv`` / ``repeat_interleave`` before SDPA). "input" / "fused" (Megatron-LM with
@@ -173,6 +175,9 @@ The terms each behaviour selects, in one place each:
   layer's input, counted with its activations; a sent output's storage is freed at once,
   ``schedules.deallocate_output_tensor``, which its training script turns on with
   ``deallocate_pipeline_outputs``): one buffer per direction in flight and no kept outputs.
+* ``rope``: rotary positions as torch's rotate-half ops ("unfused", five kernels a tensor) or one
+  fused kernel ("fused": Transformer Engine's ``fused_apply_rotary_pos_emb``, Megatron-LM's
+  default, ``--no-rope-fusion`` turns it off; search/kernels.py). Time.
 * ``cp_ring``: how a ring of context-parallel ranks passes K and V (``cp_variant`` ring;
   search/context.py). "torch" (``torch.distributed``'s context parallelism: Partita's runtime,
   torchtitan): the blocks at the query heads (the models repeat kv heads before SDPA), the
@@ -198,7 +203,8 @@ from typing import Mapping
 
 from partita import parallel
 from partita.errors import PartitaError
-from partita.search.analytic import GLU_SAVES, NORMS, QKV_SAVES
+from partita.search.analytic import GLU_SAVES, QKV_SAVES
+from partita.search.kernels import NORMS, ROPES, Kernels
 from partita.search.timing import Software
 
 ZERO3_GATHERS = ("layer", "module")
@@ -247,6 +253,7 @@ class Engine:
     cp_ring: str = "torch"
     grad_buffer: str = "fp32"
     optimizer_state: str = "fp32"
+    rope: str = "unfused"
 
     def __post_init__(self) -> None:
         Software(attention=self.attention, grad_sync=self.grad_sync)  # its checks of the two names
@@ -255,7 +262,7 @@ class Engine:
                             ("p2p_buffers", P2P_BUFFERS), ("sp_inputs", SP_INPUTS), ("glu_saves", GLU_SAVES),
                             ("qkv_saves", QKV_SAVES), ("norm", NORMS), ("column_linears", COLUMN_LINEARS),
                             ("cp_ring", CP_RINGS), ("grad_buffer", DTYPE_CHOICES),
-                            ("optimizer_state", DTYPE_CHOICES)):
+                            ("optimizer_state", DTYPE_CHOICES), ("rope", ROPES)):
             value = getattr(self, name)
             if value not in valid:
                 raise PartitaError(f"unknown {name} {value!r}; valid: {', '.join(valid)}")
@@ -263,6 +270,15 @@ class Engine:
     @property
     def software(self) -> Software:
         return Software(attention=self.attention, grad_sync=self.grad_sync)
+
+    @property
+    def kernels(self) -> Kernels:
+        """How this engine runs a layer's memory-bound kernels (``kernels.Kernels``): its norm and
+        rotary kernels, and its SwiGLU and attention as the kernels its ``glu_saves`` and
+        ``qkv_saves`` name keep (a fused SwiGLU keeps its input; an attention kernel that takes k
+        and v at their kv heads keeps them so)."""
+        return Kernels(norm=self.norm, rope=self.rope, glu="fused" if self.glu_saves == "input" else "separate",
+                       kv="native" if self.qkv_saves == "fused" else "repeated")
 
     @property
     def selective_keeps(self) -> str:
@@ -314,7 +330,7 @@ ENGINES: dict[str, Engine] = {
     "megatron": Engine("megatron", attention="cudnn", column_linears="fused", tp_overlap=True, p2p_overlap=True, dgrad_overlap=True,
                        selective_scope="attention", loss="fp32_in_place", fp16_grad_reduce=True,
                        sp_inputs="sharded", p2p_buffers="per_transfer", glu_saves="input", qkv_saves="fused",
-                       cp_ring="transformer_engine"),
+                       cp_ring="transformer_engine", rope="fused"),
     # DeepSpeed as partita export --to deepspeed writes it (ZeRO 0-3 with overlap_comm): ZeRO-3's
     # module-by-module gathers, ZeRO-2's parameters whole and gathered once a step, a Hugging Face
     # model's fp32 loss, torch SDPA.

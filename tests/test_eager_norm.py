@@ -104,8 +104,8 @@ def test_an_eager_norm_prices_a_llama_block_slower_and_a_gpt2_block_alike():
         kind = load_model(name).kinds["block"]
         sh = Shard.of(kind, tp=1, micro_batch=2, seq_len=8192, dtype="bf16")
         fused = forward_time_s(kind, h100, sh, "bf16"), backward_time_s(kind, h100, sh, "bf16")
-        eager = (forward_time_s(kind, h100, sh, "bf16", norm="eager"),
-                 backward_time_s(kind, h100, sh, "bf16", norm="eager"))
+        eager = (forward_time_s(kind, h100, sh, "bf16", kernels="eager"),
+                 backward_time_s(kind, h100, sh, "bf16", kernels="eager"))
         if slower:
             # Two norms of 16,384 x 4,096 elements: 36 instead of 4 bytes an element forward and
             # 92 instead of 8 backward, at the 0.857 of the H100's 3.35 TB/s a copy reaches

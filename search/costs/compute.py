@@ -85,7 +85,7 @@ def layer_compute(cm, role: str, device: str, tp: int, micro_batch: int) -> tupl
             return measured, "measured"
     dev = get_device(device)
     c = layer_cost(kind, dev, tp=tp, micro_batch=micro_batch, seq_len=cm.seq_len, dtype=cm.dtype,
-                   attention=cm.software.attention, norm=cm.engine.norm)
+                   attention=cm.software.attention, kernels=cm.engine.kernels)
     k = cm.time_constants(device)
     source = "calibrated" if calibrated(profile, cm.dtype) else "analytic"
     # The roofline's device time, scaled by a calibration, and the host's eager ops: a pass
@@ -111,7 +111,7 @@ def selective_recompute_s(cm, role: str, device: str, tp: int, micro_batch: int)
     if cm.engine.selective_scope == "attention":  # Megatron-LM: the attention core alone (search/engines.py)
         core = attention_s(dev, sh, cm.dtype, cm.software.attention)[0]
         return core * _pass_scales(cm, role, device, tp, micro_batch)[0]
-    selective = selective_recompute_time_s(kind, dev, sh, cm.dtype, cm.software.attention, cm.engine.norm,
+    selective = selective_recompute_time_s(kind, dev, sh, cm.dtype, cm.software.attention, cm.engine.kernels,
                                            cm.engine.selective_keeps)
     profile = cm.profiles.get(device)
     if profile is not None and profile.dtype == cm.dtype:
@@ -119,7 +119,7 @@ def selective_recompute_s(cm, role: str, device: str, tp: int, micro_batch: int)
         if measured is not None and measured.selective_recompute_s is not None:
             return measured.selective_recompute_s
         if measured is not None:
-            forward = forward_time_s(kind, dev, sh, cm.dtype, cm.software.attention, cm.engine.norm)
+            forward = forward_time_s(kind, dev, sh, cm.dtype, cm.software.attention, cm.engine.kernels)
             return measured.recompute_s * selective / forward
     k = cm.time_constants(device)
     return host_bound_s(k.compute_scale * selective, layer_ops(kind)[0], k.op_overhead_s, dev.is_cpu)
@@ -131,8 +131,8 @@ def _pass_scales(cm, role: str, device: str, tp: int, micro_batch: int) -> tuple
     kind, dev = cm.model.kinds[role], get_device(device)
     sh = Shard.of(kind, tp=tp, micro_batch=micro_batch, seq_len=cm.seq_len, dtype=cm.dtype)
     c = cm.compute(role, device, tp, micro_batch)
-    forward = forward_time_s(kind, dev, sh, cm.dtype, cm.software.attention, cm.engine.norm)
-    backward = backward_time_s(kind, dev, sh, cm.dtype, cm.software.attention, cm.engine.norm)
+    forward = forward_time_s(kind, dev, sh, cm.dtype, cm.software.attention, cm.engine.kernels)
+    backward = backward_time_s(kind, dev, sh, cm.dtype, cm.software.attention, cm.engine.kernels)
     return (c.forward_s / forward if forward > 0 else 0.0), (c.backward_s / backward if backward > 0 else 0.0)
 
 
@@ -161,7 +161,7 @@ def sequence_parallel_savings(cm, role: str, device: str, tp: int, micro_batch: 
         return 0.0, 0.0
     kind, dev = cm.model.kinds[role], get_device(device)
     sh = Shard.of(kind, tp=tp, micro_batch=micro_batch, seq_len=cm.seq_len, dtype=cm.dtype)
-    per_kernel = sequence_parallel_savings_s(kind, dev, sh, tp, cm.engine.norm)
+    per_kernel = sequence_parallel_savings_s(kind, dev, sh, tp, cm.engine.kernels)
     forward = [f for f, _ in per_kernel]
     if not any(forward):
         return 0.0, 0.0

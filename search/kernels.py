@@ -1,0 +1,163 @@
+"""A layer's memory-bound kernels: what each reads and writes, as the engine that runs it runs them.
+
+    from partita.search.kernels import Kernels, forward_elementwise
+    forward_elementwise(kind, shard, Kernels(rope="fused", glu="fused", kv="native"))
+
+Each kernel is priced by its bytes (``roofline.memory_time_s``, in ``search/analytic.py``). What
+a layer's elementwise work is depends on the software that runs it (``Kernels``, which an
+engine's fields select: ``Engine.kernels``, search/engines.py):
+
+* ``norm``: a llama RMSNorm as one fused kernel or as eager torch ops (``norm_bytes_per_element``).
+* ``rope``: rotary positions as torch's rotate-half ops, five kernels a tensor (neg, cat, the two
+  products and the add: Partita's runtime, torchtitan and Hugging Face models in eager mode), or
+  one fused kernel that reads q (or k) and writes it (Transformer Engine's
+  ``fused_apply_rotary_pos_emb``, which Megatron-LM runs by default: ``--no-rope-fusion`` turns it
+  off; NeMo's ``apply_rope_fusion: true``). Its backward reads the gradient and writes it.
+* ``glu``: SwiGLU as torch's silu and product (two kernels, five ffn-wide passes forward), or one
+  fused kernel (Megatron-LM's ``SwiGLUFunction``, megatron/core/fusions/fused_bias_swiglu.py, on
+  by default: ``--no-bias-swiglu-fusion`` turns it off) that reads both inputs and writes the
+  product (3 passes); its backward reads both inputs and the gradient and writes the two input
+  gradients (5 passes), recomputing silu inside.
+* ``kv``: grouped-query attention's k and v repeated to the query heads before the kernel (torch
+  SDPA under the runtime's and torchtitan's models, two copies a layer), or taken at their kv
+  heads ("native": Transformer Engine's ``DotProductAttention`` with ``num_gqa_groups``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from partita.errors import PartitaError
+
+INDEX_BYTES = 8  # token ids, targets and position ids are int64
+# How a llama layer's RMSNorm runs (``Engine.norm``): "fused", one kernel a pass (torch's fused
+# CUDA ``rms_norm``, pytorch#153666, 2025; Transformer Engine's, apex's, or torch.compile's
+# fusion), or "eager": the norm written as torch ops, an fp32 upcast, pow, mean, rsqrt, a
+# product, a downcast and the weight's product, each its own kernel (torchtitan's ``RMSNorm``
+# module, torchtitan/models/norms.py, run without torch.compile: its benchmarks up to Dec 2024;
+# pytorch#153666 measured the fused kernel ~9x faster than such a module). GPT-2's LayerNorm is
+# one native kernel either way.
+NORMS = ("fused", "eager")
+NORM_PARTS = ("attention norm", "ffn norm", "norm")  # forward_elementwise's names of a layer's norms
+ROPES = ("unfused", "fused")
+GLUS = ("separate", "fused")
+KVS = ("repeated", "native")
+
+
+def norm_bytes_per_element(norm: str, elem: int) -> tuple[int, int]:
+    """(forward, backward) bytes one RMSNorm reads and writes per element of its [tokens, hidden]
+    input (statistics aside). Fused: the input in and the output out; the backward twice that.
+    Eager, from the aten ops autograd runs (``tests/test_eager_norm.py`` traces them): forward
+    pow (8), mean (4), the product by rsqrt (8) and the weight's product (2e); backward the
+    weight's two products and sum (6e), the rsqrt branch's product and sum (12 + 4), the product
+    by rsqrt (8), the mean's expand divided (4), pow's backward (8 + 8 + 12) and the two branches'
+    sum (12); below fp32 each pass also casts up (e + 4) and down (4 + e)."""
+    if norm not in NORMS:
+        raise PartitaError(f"unknown norm {norm!r}; valid: {', '.join(NORMS)}")
+    if norm == "eager":
+        casts = 0 if elem == 4 else 8 + 2 * elem
+        return 20 + 2 * elem + casts, 68 + 6 * elem + casts
+    return 2 * elem, 4 * elem
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """How a layer's memory-bound work runs (the module docstring has each choice and its source).
+    The default is Partita's runtime: torch's fused RMSNorm, everything else as eager torch ops."""
+
+    norm: str = "fused"
+    rope: str = "unfused"
+    glu: str = "separate"
+    kv: str = "repeated"
+
+    def __post_init__(self) -> None:
+        for name, valid in (("norm", NORMS), ("rope", ROPES), ("glu", GLUS), ("kv", KVS)):
+            if getattr(self, name) not in valid:
+                raise PartitaError(f"unknown {name} {getattr(self, name)!r}; valid: {', '.join(valid)}")
+
+    @classmethod
+    def of(cls, kernels: "Kernels | str") -> "Kernels":
+        """``kernels`` as is, or the default kernels with the norm named (``NORMS``)."""
+        return kernels if isinstance(kernels, Kernels) else cls(norm=kernels)
+
+
+def _rope_kernels(name: str, nbytes: float, rope: str) -> list[tuple[str, float]]:
+    if rope == "fused":  # one kernel: the tensor in, the rotated tensor out
+        return [(f"{name} fused", 2 * nbytes)]
+    # The runtime's rotate-half form: neg of one half, cat, x*cos, rotated*sin, add.
+    return [(f"{name} neg", nbytes), (f"{name} cat", 2 * nbytes), (f"{name} *cos", 2 * nbytes),
+            (f"{name} *sin", 2 * nbytes), (f"{name} add", 3 * nbytes)]
+
+
+def forward_elementwise(kind, sh, kernels: Kernels | str = "fused") -> list[tuple[str, float]]:
+    """(name, bytes read + written) of each memory-bound forward kernel of ``kind`` on the shard
+    ``sh`` (``analytic.Shard``): a layer's RMSNorm as one entry for all its kernels under ``norm``
+    "eager"; ``kernels`` as ``Kernels.of`` takes it."""
+    k = Kernels.of(kernels)
+    e, t, h = sh.elem, sh.tokens, sh.hidden
+    act = t * h * e  # one [tokens, hidden] activation
+    normed = t * h * norm_bytes_per_element(k.norm if kind.family == "llama" else "fused", e)[0]
+    if kind.role == "embed":
+        ops = [("token gather", 2 * act)]
+        if kind.learned_positions:
+            ops += [("position gather", 2 * sh.seq * h * e), ("add positions", 3 * act)]
+        return ops
+    if kind.role == "head":
+        logits = t * sh.vocab
+        ops = [("norm", normed)]
+        if e != 4:
+            ops.append(("logits to fp32", logits * (e + 4)))
+        return ops + [("log_softmax", 2 * logits * 4), ("nll_loss", t * (INDEX_BYTES + 4))]
+    q_bytes = t * sh.heads * sh.head_dim * e
+    kv_bytes = t * sh.kv_heads * sh.head_dim * e
+    ops = [("attention norm", normed)]
+    if kind.family == "llama":
+        ops += _rope_kernels("rope q", q_bytes, k.rope) + _rope_kernels("rope k", kv_bytes, k.rope)
+    if sh.heads != sh.kv_heads and k.kv == "repeated":
+        ops += [("repeat k", kv_bytes + q_bytes), ("repeat v", kv_bytes + q_bytes)]
+    ops += [("residual add", 3 * act), ("ffn norm", normed)]
+    if kind.is_moe:
+        return ops + moe_elementwise(kind, sh) + [("residual add", 3 * act)]
+    mlp = t * sh.ffn * e
+    if kind.family == "llama" and k.glu == "fused":
+        ops += [("swiglu", 3 * mlp)]
+    elif kind.family == "llama":
+        ops += [("silu", 2 * mlp), ("gate mul", 3 * mlp)]
+    else:
+        ops += [("gelu", 2 * mlp)]
+    return ops + [("residual add", 3 * act)]
+
+
+# A fused kernel whose backward moves other bytes than twice its forward's: the rotary kernel
+# (the gradient in, the gradient out: its forward's bytes) and the fused SwiGLU (both inputs and
+# the gradient in, both input gradients out: 5/3 of its forward's).
+_BACKWARD_OVER_FORWARD = {"rope q fused": 1.0, "rope k fused": 1.0, "swiglu": 5 / 3}
+
+
+def backward_elementwise(kind, sh, kernels: Kernels | str = "fused") -> list[tuple[str, float]]:
+    """(name, bytes read + written) of the backward of each forward memory-bound kernel, in
+    ``forward_elementwise``'s order: twice the forward's bytes (the gradient in and out beside
+    what the forward read), a norm's its own (``norm_bytes_per_element``), a fused rotary or
+    SwiGLU kernel's its own (``_BACKWARD_OVER_FORWARD``)."""
+    k = Kernels.of(kernels)
+    backward = norm_bytes_per_element(k.norm if kind.family == "llama" else "fused", sh.elem)[1]
+    return [(name, sh.tokens * sh.hidden * backward if name in NORM_PARTS
+             else _BACKWARD_OVER_FORWARD.get(name, 2.0) * nbytes)
+            for name, nbytes in forward_elementwise(kind, sh, k)]
+
+
+def moe_elementwise(kind, sh) -> list[tuple[str, float]]:
+    """A mixture-of-experts MLP's memory-bound kernels (``runtime.models.MoE``): the router's
+    fp32 softmax and top-k, the gather of each token's k rows grouped by expert and their
+    scatter back, SwiGLU's activation on the expert rows, the weighted sum of a token's k
+    outputs, and the shared expert's activation and gate (on the rank's MoE tokens)."""
+    e, t, h, k = sh.elem, sh.moe_tokens, sh.hidden, kind.experts_per_token
+    rows = t * k * h * e  # the k expert rows of every token
+    mlp = t * k * sh.ffn * e
+    ops = [("router softmax", t * kind.experts * (e + 8)), ("top-k", t * kind.experts * 4),
+           ("gather rows", 2 * rows), ("silu", 2 * mlp), ("gate mul", 3 * mlp), ("scatter rows", 2 * rows),
+           ("weighted sum", 2 * rows + t * h * e)]
+    if kind.shared_expert_ffn:
+        shared = t * kind.shared_expert_ffn * e
+        ops += [("shared silu", 2 * shared), ("shared gate mul", 3 * shared), ("shared sigmoid", 3 * t * h * e)]
+    return ops
