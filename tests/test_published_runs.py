@@ -256,7 +256,7 @@ def test_the_megatron_engine_meets_issue_23s_target_and_nemo_s_recipes_fit():
     assert len(rows) >= 40
     assert statistics.median(errors) <= 5 and errors[-1] <= 15
     recipes = [r for r in rows if r.id.startswith("dgxc-")]
-    assert len(recipes) == 27
+    assert len(recipes) == 32
     assert all(r.fits for r in recipes)
     assert all(abs(r.error_pct) <= 10 for r in recipes)
 
