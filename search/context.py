@@ -536,22 +536,18 @@ def attention_time(cm, group: NodeGroup, tp: int, micro_batch: int) -> Attention
         ag = sum(cm.collective_s("all_gather", m, cm.cp, link, device) for m in traffic.forward_messages)
         rs = sum(cm.collective_s("reduce_scatter", m, cm.cp, link, device) for m in traffic.backward_messages)
         return AttentionTime(fwd, bwd, ag, rs, local_f, local_b)
-    if cm.engine.cp_ring == "transformer_engine":
-        traffic = te_ring_traffic(batch=micro_batch, seq=cm.plan_seq_len, kv_heads=rank_kv_heads(kind, tp),
-                                  head_dim=local.head_dim, elem=cm.elem, cp=cm.cp)
-        kv = cm.collective_s("p2p", traffic.forward_messages[0], 2, link, device)
-        fwd = ring_forward_time_s(step_compute_s=local_f, step_comm_s=kv, cp=cm.cp)
-        bwd = te_ring_backward_time_s(step_compute_s=local_b, step_comm_s=[
-            cm.collective_s("p2p", m, 2, link, device) for m in traffic.backward_messages])
-        return AttentionTime(cm.cp * local_f, cm.cp * local_b, fwd - cm.cp * local_f, bwd - cm.cp * local_b,
-                             local_f, local_b)
-    heads = ring_kv_heads(local.heads, local.heads)
-    traffic = ring_traffic(batch=micro_batch, seq=cm.plan_seq_len, kv_heads=heads, head_dim=local.head_dim,
-                           elem=cm.elem, cp=cm.cp)
+    te = cm.engine.cp_ring == "transformer_engine"  # K/V at the kv heads, dK/dV riding with them
+    shape = dict(batch=micro_batch, seq=cm.plan_seq_len, head_dim=local.head_dim, elem=cm.elem, cp=cm.cp)
+    traffic = (te_ring_traffic(kv_heads=rank_kv_heads(kind, tp), **shape) if te
+               else ring_traffic(kv_heads=ring_kv_heads(local.heads, local.heads), **shape))
     kv = cm.collective_s("p2p", traffic.forward_messages[0], 2, link, device)
-    grad = cm.collective_s("p2p", traffic.backward_messages[-1], 2, link, device)
     fwd = ring_forward_time_s(step_compute_s=local_f, step_comm_s=kv, cp=cm.cp)
-    bwd = ring_backward_time_s(step_compute_s=local_b, kv_comm_s=kv, grad_comm_s=grad, cp=cm.cp)
+    if te:
+        passes = [cm.collective_s("p2p", m, 2, link, device) for m in traffic.backward_messages]
+        bwd = te_ring_backward_time_s(step_compute_s=local_b, step_comm_s=passes)
+    else:
+        grad = cm.collective_s("p2p", traffic.backward_messages[-1], 2, link, device)
+        bwd = ring_backward_time_s(step_compute_s=local_b, kv_comm_s=kv, grad_comm_s=grad, cp=cm.cp)
     return AttentionTime(cm.cp * local_f, cm.cp * local_b, fwd - cm.cp * local_f, bwd - cm.cp * local_b,
                          local_f, local_b)
 
