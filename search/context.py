@@ -43,14 +43,11 @@ every one of the cp steps, in fp32 (``convert_to_f32``, the default), so each ra
 return to it. The runtime repeats kv heads before SDPA (``partita.runtime.models.Attention``), so
 the blocks the ring moves hold H heads, not KV: ``ring_kv_heads``.
 
-Transformer Engine's ring (``AttnFuncWithCPAndKVP2P``, what Megatron-LM runs: the engine's
-``cp_ring`` "transformer_engine") passes the same blocks at the kv heads the attention kernel
-takes (no repetition) in the compute dtype; its backward sends, at the start of each of its cp
-steps, the K/V block to the next rank on step 0, the K/V block with the dK/dV accumulated so far
-on the steps between, and the dK/dV alone on the last, all in the compute dtype, one buffer pair
-(K/V and dK/dV) a direction (``transformer_engine/pytorch/attention.py``, TE 1.11, September
-2024; ``dot_product_attention/context_parallel.py`` today). Every pass runs beside the step's
-attention (``te_ring_traffic``, ``te_ring_backward_time_s``).
+Transformer Engine's ring (``AttnFuncWithCPAndKVP2P``, Megatron-LM's: ``cp_ring``
+"transformer_engine", ``ring_heads``) passes the blocks at the kernel's kv heads in the compute
+dtype; its backward sends K/V on step 0, K/V with the dK/dV so far on the steps between, dK/dV
+alone on the last, each beside the step's attention (``te_ring_traffic``; TE 1.11's
+``pytorch/attention.py``, September 2024; ``dot_product_attention/context_parallel.py`` today).
 """
 
 from __future__ import annotations
@@ -538,8 +535,8 @@ def attention_time(cm, group: NodeGroup, tp: int, micro_batch: int) -> Attention
         return AttentionTime(fwd, bwd, ag, rs, local_f, local_b)
     te = cm.engine.cp_ring == "transformer_engine"  # K/V at the kv heads, dK/dV riding with them
     shape = dict(batch=micro_batch, seq=cm.plan_seq_len, head_dim=local.head_dim, elem=cm.elem, cp=cm.cp)
-    traffic = (te_ring_traffic(kv_heads=rank_kv_heads(kind, tp), **shape) if te
-               else ring_traffic(kv_heads=ring_kv_heads(local.heads, local.heads), **shape))
+    moved = ring_heads(cm, tp)
+    traffic = te_ring_traffic(kv_heads=moved, **shape) if te else ring_traffic(kv_heads=moved, **shape)
     kv = cm.collective_s("p2p", traffic.forward_messages[0], 2, link, device)
     fwd = ring_forward_time_s(step_compute_s=local_f, step_comm_s=kv, cp=cm.cp)
     if te:
@@ -550,6 +547,14 @@ def attention_time(cm, group: NodeGroup, tp: int, micro_batch: int) -> Attention
         bwd = ring_backward_time_s(step_compute_s=local_b, kv_comm_s=kv, grad_comm_s=grad, cp=cm.cp)
     return AttentionTime(cm.cp * local_f, cm.cp * local_b, fwd - cm.cp * local_f, bwd - cm.cp * local_b,
                          local_f, local_b)
+
+
+def ring_heads(cm, tp: int) -> int:
+    """The heads of the K/V blocks the cost model's ring moves on a rank: the kv heads under
+    Transformer Engine's ring, the query heads under torch's (``ring_kv_heads``)."""
+    kind = cm.model.kinds["block"]
+    native = cm.engine.cp_ring == "transformer_engine"
+    return ring_kv_heads(kind.heads // tp, rank_kv_heads(kind, tp), repeated=not native)
 
 
 def rank_kv_heads(kind: LayerKind, tp: int) -> int:

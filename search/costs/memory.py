@@ -36,8 +36,7 @@ from partita.devices import get_device
 from partita.model import LayerKind
 from partita.plan import boundary_split
 from partita.search.analytic import Shard, activation_bytes
-from partita.search.context import (block_gather_traffic, cp_activation_bytes, rank_kv_heads, ring_kv_heads,
-                                    ring_transient_bytes)
+from partita.search.context import block_gather_traffic, cp_activation_bytes, ring_heads, ring_transient_bytes
 from partita.search.engines import ENGINES, Engine, block_module_params, largest_module_params, recompute_regathers
 from partita.units import GiB, MiB, loss_chunk_tokens, round_up_to_grain
 
@@ -258,9 +257,7 @@ def ring_memory(cm, m: LayerMemory, *, tp: int, micro_batch: int) -> LayerMemory
     """A block under ring attention also holds the ring's blocks in flight while its attention
     runs (``context.ring_transient_bytes``): a transient of its backward."""
     sh = Shard.of(cm.model.kinds["block"], tp=tp, micro_batch=micro_batch, seq_len=cm.seq_len, dtype=cm.dtype)
-    te = cm.engine.cp_ring == "transformer_engine"
-    kv_heads = rank_kv_heads(cm.model.kinds["block"], tp) if te else ring_kv_heads(sh.heads, sh.heads)
-    ring = ring_transient_bytes(batch=micro_batch, seq=cm.plan_seq_len, heads=sh.heads, kv_heads=kv_heads,
+    ring = ring_transient_bytes(batch=micro_batch, seq=cm.plan_seq_len, heads=sh.heads, kv_heads=ring_heads(cm, tp),
                                 head_dim=sh.head_dim, elem=cm.elem, cp=cm.cp, ring=cm.engine.cp_ring)
     extra = round_up_to_grain(max(ring.forward, ring.backward))
     return dataclasses.replace(m, transient=m.transient + extra, backward_own=m.backward_own + extra)
