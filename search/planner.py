@@ -436,10 +436,10 @@ CP_MIN_SEQ_LEN = 16384
 def context_options(req: PlanRequest, cm: CostModel) -> list[tuple[int, str]]:
     """The (cp, variant) pairs to search, cp 1 first. Named degrees (``PlanRequest.context_parallel``)
     or, for long sequences (``CP_MIN_SEQ_LEN``), every degree > 1 that divides each node group's
-    GPUs per node (cp groups stay inside a node) and the sequence. Variant: the request's, else
-    all-to-all where the model's heads and kv heads allow it (at the smallest tp), else the
-    all-gather (any heads; the sequence in 2 cp chunks), else the ring (on
-    GPUs, for a sequence divisible by 2 cp)."""
+    GPUs per node (cp groups stay inside a node) and the sequence. Variants: the request's, else
+    each one the rules allow at the smallest tp, searched apart and compared by the engine's price
+    (all-to-all where the model's heads and kv heads allow it; the all-gather for any heads, the
+    sequence in 2 cp chunks; the ring on GPUs, for a sequence divisible by 2 cp)."""
     if req.context_parallel:
         degrees = sorted(set(req.context_parallel))
     elif req.seq_len >= CP_MIN_SEQ_LEN:
@@ -462,16 +462,12 @@ def context_options(req: PlanRequest, cm: CostModel) -> list[tuple[int, str]]:
                                    f"multiple of them, and cp dividing the sequence length {req.seq_len}")
             continue
         variants = (req.cp_variant,) if req.cp_variant else ("all_to_all", "all_gather", "ring")
-        for variant in variants:
-            if variant == "ring" and cm.cluster.is_cpu:
-                continue
-            if parallel.cp_rule(block, cp, tp=tp0, variant=variant, seq_len=req.seq_len) is None:
-                out.append((cp, variant))
-                break
-        else:
-            if req.context_parallel:
-                why = parallel.cp_rule(block, cp, tp=tp0, variant=variants[0], seq_len=req.seq_len) or "the ring runs on GPUs only"
-                raise PartitaError(f"--cp {cp}: {why}")
+        runnable = [v for v in variants if not (v == "ring" and cm.cluster.is_cpu)
+                    and parallel.cp_rule(block, cp, tp=tp0, variant=v, seq_len=req.seq_len) is None]
+        if not runnable and req.context_parallel:
+            why = parallel.cp_rule(block, cp, tp=tp0, variant=variants[0], seq_len=req.seq_len) or "the ring runs on GPUs only"
+            raise PartitaError(f"--cp {cp}: {why}")
+        out += [(cp, variant) for variant in runnable]
     return out
 
 
