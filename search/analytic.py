@@ -36,8 +36,8 @@ from partita.errors import PartitaError
 from partita.model import LayerKind
 from partita.plan import RECOMPUTE
 from partita.profile import LayerCost, Profile, Provenance
-from partita.search.kernels import (INDEX_BYTES, NORM_PARTS, NORMS, Kernels, backward_elementwise,
-                                    forward_elementwise, moe_elementwise, norm_bytes_per_element)
+from partita.search.kernels import (INDEX_BYTES, Kernels, backward_elementwise, forward_elementwise,
+                                    norm_bytes_per_element)
 from partita.search.roofline import (ATTENTION_KERNELS, attention_time_s, batched_matmul_time_s, element_bytes,
                                      matmul_time_s, memory_time_s)
 
@@ -181,7 +181,7 @@ def attention_s(dev: DeviceType, sh: Shard, dtype: str, attention: str) -> tuple
 
 # ---- time -----------------------------------------------------------------------------------
 def forward_time_s(kind: LayerKind, dev: DeviceType, sh: Shard, dtype: str, attention: str = "sdpa",
-                   kernels: Kernels | str = "fused") -> float:
+                   kernels: Kernels = Kernels()) -> float:
     total = sum(matmul_time_s(dev, m, n, k, dtype) for _, m, n, k in forward_matmuls(kind, sh))
     total += sum(memory_time_s(dev, nbytes) for _, nbytes in forward_elementwise(kind, sh, kernels))
     if kind.role == "block":
@@ -208,7 +208,7 @@ def alternate_recomputed(kind: LayerKind, sh: Shard) -> tuple[list, list]:
 
 
 def selective_recompute_time_s(kind: LayerKind, dev: DeviceType, sh: Shard, dtype: str,
-                               attention: str = "sdpa", kernels: Kernels | str = "fused", keeps: str = "ops") -> float:
+                               attention: str = "sdpa", kernels: Kernels = Kernels(), keeps: str = "ops") -> float:
     """What a selectively recomputed block runs again in backward: its forward without the
     matrix products (the runtime keeps their outputs, ``runtime.parallelize.selective_context``)
     and without what follows the last product (the final residual add: the recomputation stops
@@ -231,7 +231,7 @@ SEQUENCE_SHARDED = {"block": ("attention norm", "residual add", "ffn norm"), "he
 
 
 def sequence_parallel_savings_s(kind: LayerKind, dev: DeviceType, sh: Shard, tp: int,
-                                kernels: Kernels | str = "fused") -> list[tuple[float, float]]:
+                                kernels: Kernels = Kernels()) -> list[tuple[float, float]]:
     """For each forward memory-bound kernel of the layer, in ``forward_elementwise``'s order, the
     (forward, backward) seconds sequence parallelism over ``tp`` tensor-parallel ranks takes off
     it: the residual-stream kernels (``SEQUENCE_SHARDED``) on 1/tp of the tokens, forward and
@@ -275,7 +275,7 @@ def column_wgrad_times_s(kind: LayerKind, dev: DeviceType, sh: Shard, dtype: str
 
 
 def backward_time_s(kind: LayerKind, dev: DeviceType, sh: Shard, dtype: str, attention: str = "sdpa",
-                    kernels: Kernels | str = "fused") -> float:
+                    kernels: Kernels = Kernels()) -> float:
     # dX[m,k] = dY[m,n] @ W^T[n,k] and dW[k,n] = X^T[k,m] @ dY[m,n].
     total = sum(matmul_time_s(dev, m, k, n, dtype) + matmul_time_s(dev, k, n, m, dtype)
                 for _, m, n, k in forward_matmuls(kind, sh))
@@ -478,19 +478,19 @@ def param_bytes(kind: LayerKind, *, tp: int, dtype: str) -> int:
 
 # ---- public ---------------------------------------------------------------------------------
 def layer_cost(kind: LayerKind, dev: DeviceType, *, tp: int, micro_batch: int, seq_len: int,
-               dtype: str, attention: str = "sdpa", kernels: Kernels | str = "fused") -> LayerCost:
+               dtype: str, attention: str = "sdpa", kernels: Kernels = Kernels()) -> LayerCost:
     """Time and memory of one layer on one rank of a ``tp``-wide tensor-parallel group, for one
     micro-batch, without tensor-parallel communication. ``activation_bytes`` is the plain
     variant (no sequence parallelism, no recomputation); see ``activation_bytes`` for the others.
     ``attention``: how a block's attention runs (``ATTENTION``; the runtime's is "sdpa");
-    ``kernels``: how its memory-bound kernels run (``kernels.Kernels``, or a norm's name, NORMS;
-    the runtime's is the default)."""
+    ``kernels``: how its memory-bound kernels run (``kernels.Kernels``; the runtime's is the
+    default)."""
     sh = Shard.of(kind, tp=tp, micro_batch=micro_batch, seq_len=seq_len, dtype=dtype)
     fwd = forward_time_s(kind, dev, sh, dtype, attention, kernels)
     return LayerCost(kind=kind, tp=tp, micro_batch=micro_batch, seq_len=seq_len, forward_s=fwd,
                      backward_s=backward_time_s(kind, dev, sh, dtype, attention, kernels), recompute_s=fwd,
                      activation_bytes=activation_bytes(kind, tp=tp, micro_batch=micro_batch, seq_len=seq_len,
-                                                       dtype=dtype, on_cpu=dev.is_cpu, norm=Kernels.of(kernels).norm),
+                                                       dtype=dtype, on_cpu=dev.is_cpu, norm=kernels.norm),
                      param_bytes=param_bytes(kind, tp=tp, dtype=dtype))
 
 

@@ -143,8 +143,8 @@ The terms each behaviour selects, in one place each:
   Transformer Engine): the fused SwiGLU keeps only its input and recomputes silu
   (``SwiGLUFunction``, on by default: ``--no-bias-swiglu-fusion`` turns it off), and one qkv
   projection split into views feeds an attention kernel that takes k and v at their kv heads
-  (``TEDotProductAttention``, ``num_gqa_groups``). Memory only.
-* ``norm``: how a llama layer's RMSNorm runs (``analytic.norm_bytes_per_element``). "fused" (every
+  (``TEDotProductAttention``, ``num_gqa_groups``). Memory and time.
+* ``norm``: how a llama layer's RMSNorm runs (``kernels.norm_bytes_per_element``). "fused" (every
   engine as it runs today: torch's fused CUDA ``rms_norm`` under Partita's runtime and
   torchtitan's ``nn.RMSNorm``, pytorch#153666; Transformer Engine's and apex's kernels;
   torch.compile's fusion) or "eager": the norm as a Python module of torch ops, an fp32 upcast,
@@ -204,7 +204,7 @@ from typing import Mapping
 from partita import parallel
 from partita.errors import PartitaError
 from partita.search.analytic import GLU_SAVES, QKV_SAVES
-from partita.search.kernels import NORMS, ROPES, Kernels
+from partita.search.kernels import Kernels
 from partita.search.timing import Software
 
 ZERO3_GATHERS = ("layer", "module")
@@ -257,12 +257,12 @@ class Engine:
 
     def __post_init__(self) -> None:
         Software(attention=self.attention, grad_sync=self.grad_sync)  # its checks of the two names
+        _ = self.kernels  # its checks of the norm and rotary names (kernels.Kernels)
         for name, valid in (("zero3_gathers", ZERO3_GATHERS), ("selective_scope", SELECTIVE_SCOPES),
                             ("zero2_gather", ZERO2_GATHERS), ("param_gather", PARAM_GATHERS), ("loss", LOSSES),
                             ("p2p_buffers", P2P_BUFFERS), ("sp_inputs", SP_INPUTS), ("glu_saves", GLU_SAVES),
-                            ("qkv_saves", QKV_SAVES), ("norm", NORMS), ("column_linears", COLUMN_LINEARS),
-                            ("cp_ring", CP_RINGS), ("grad_buffer", DTYPE_CHOICES),
-                            ("optimizer_state", DTYPE_CHOICES), ("rope", ROPES)):
+                            ("qkv_saves", QKV_SAVES), ("column_linears", COLUMN_LINEARS), ("cp_ring", CP_RINGS),
+                            ("grad_buffer", DTYPE_CHOICES), ("optimizer_state", DTYPE_CHOICES)):
             value = getattr(self, name)
             if value not in valid:
                 raise PartitaError(f"unknown {name} {value!r}; valid: {', '.join(valid)}")
@@ -326,7 +326,8 @@ ENGINES: dict[str, Engine] = {
     # the attention core alone (--recompute-granularity selective), --tp-comm-overlap under sequence
     # parallelism (Transformer Engine's userbuffers, set up by Megatron itself: initialize.py,
     # _initialize_tp_communicators, NCCL bootstrap by default since Transformer Engine 1.9),
-    # its fused SwiGLU and GQA-native attention's saved tensors.
+    # its fused SwiGLU, rotary kernel and GQA-native attention (their time and saved tensors),
+    # and Transformer Engine's context-parallel ring.
     "megatron": Engine("megatron", attention="cudnn", column_linears="fused", tp_overlap=True, p2p_overlap=True, dgrad_overlap=True,
                        selective_scope="attention", loss="fp32_in_place", fp16_grad_reduce=True,
                        sp_inputs="sharded", p2p_buffers="per_transfer", glu_saves="input", qkv_saves="fused",

@@ -75,11 +75,6 @@ class Kernels:
             if getattr(self, name) not in valid:
                 raise PartitaError(f"unknown {name} {getattr(self, name)!r}; valid: {', '.join(valid)}")
 
-    @classmethod
-    def of(cls, kernels: "Kernels | str") -> "Kernels":
-        """``kernels`` as is, or the default kernels with the norm named (``NORMS``)."""
-        return kernels if isinstance(kernels, Kernels) else cls(norm=kernels)
-
 
 def _rope_kernels(name: str, nbytes: float, rope: str) -> list[tuple[str, float]]:
     if rope == "fused":  # one kernel: the tensor in, the rotated tensor out
@@ -89,11 +84,10 @@ def _rope_kernels(name: str, nbytes: float, rope: str) -> list[tuple[str, float]
             (f"{name} *sin", 2 * nbytes), (f"{name} add", 3 * nbytes)]
 
 
-def forward_elementwise(kind, sh, kernels: Kernels | str = "fused") -> list[tuple[str, float]]:
+def forward_elementwise(kind, sh, k: Kernels = Kernels()) -> list[tuple[str, float]]:
     """(name, bytes read + written) of each memory-bound forward kernel of ``kind`` on the shard
-    ``sh`` (``analytic.Shard``): a layer's RMSNorm as one entry for all its kernels under ``norm``
-    "eager"; ``kernels`` as ``Kernels.of`` takes it."""
-    k = Kernels.of(kernels)
+    ``sh`` (``analytic.Shard``) run as ``k`` says: a layer's RMSNorm as one entry for all its
+    kernels under ``norm`` "eager"."""
     e, t, h = sh.elem, sh.tokens, sh.hidden
     act = t * h * e  # one [tokens, hidden] activation
     normed = t * h * norm_bytes_per_element(k.norm if kind.family == "llama" else "fused", e)[0]
@@ -134,12 +128,11 @@ def forward_elementwise(kind, sh, kernels: Kernels | str = "fused") -> list[tupl
 _BACKWARD_OVER_FORWARD = {"rope q fused": 1.0, "rope k fused": 1.0, "swiglu": 5 / 3}
 
 
-def backward_elementwise(kind, sh, kernels: Kernels | str = "fused") -> list[tuple[str, float]]:
+def backward_elementwise(kind, sh, k: Kernels = Kernels()) -> list[tuple[str, float]]:
     """(name, bytes read + written) of the backward of each forward memory-bound kernel, in
     ``forward_elementwise``'s order: twice the forward's bytes (the gradient in and out beside
     what the forward read), a norm's its own (``norm_bytes_per_element``), a fused rotary or
     SwiGLU kernel's its own (``_BACKWARD_OVER_FORWARD``)."""
-    k = Kernels.of(kernels)
     backward = norm_bytes_per_element(k.norm if kind.family == "llama" else "fused", sh.elem)[1]
     return [(name, sh.tokens * sh.hidden * backward if name in NORM_PARTS
              else _BACKWARD_OVER_FORWARD.get(name, 2.0) * nbytes)

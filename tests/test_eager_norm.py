@@ -1,6 +1,6 @@
 """The eager RMSNorm (``Engine.norm`` "eager"): the bytes its aten ops move and what autograd
 keeps, counted on torchtitan's module as written before torch.compile (torchtitan/models/norms.py,
-RMSNorm, 2024), against ``analytic.norm_bytes_per_element`` and ``activation_bytes``."""
+RMSNorm, 2024), against ``kernels.norm_bytes_per_element`` and ``activation_bytes``."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from partita.search.analytic import (Shard, activation_bytes, backward_time_s, f
                                      norm_bytes_per_element)
 from partita.devices import get_device  # noqa: E402
 from partita.search.engines import get_engine  # noqa: E402
+from partita.search.kernels import Kernels  # noqa: E402
 
 TOKENS, HIDDEN = 64, 512
 VIEWS = {"aten.view.default", "aten.expand.default", "aten.detach.default", "aten._unsafe_view.default"}
@@ -104,8 +105,8 @@ def test_an_eager_norm_prices_a_llama_block_slower_and_a_gpt2_block_alike():
         kind = load_model(name).kinds["block"]
         sh = Shard.of(kind, tp=1, micro_batch=2, seq_len=8192, dtype="bf16")
         fused = forward_time_s(kind, h100, sh, "bf16"), backward_time_s(kind, h100, sh, "bf16")
-        eager = (forward_time_s(kind, h100, sh, "bf16", kernels="eager"),
-                 backward_time_s(kind, h100, sh, "bf16", kernels="eager"))
+        eager = (forward_time_s(kind, h100, sh, "bf16", kernels=Kernels(norm="eager")),
+                 backward_time_s(kind, h100, sh, "bf16", kernels=Kernels(norm="eager")))
         if slower:
             # Two norms of 16,384 x 4,096 elements: 36 instead of 4 bytes an element forward and
             # 92 instead of 8 backward, at the 0.857 of the H100's 3.35 TB/s a copy reaches

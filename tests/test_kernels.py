@@ -56,7 +56,8 @@ def test_each_engine_runs_its_kernels():
     for name in ("partita", "torchtitan", "deepspeed"):
         assert ENGINES[name].kernels == Kernels()
     assert ENGINES["torchtitan"].with_options({"norm": "eager"}).kernels.norm == "eager"
-    assert Kernels.of("eager") == Kernels(norm="eager")
+    with pytest.raises(PartitaError, match="unknown norm 'compiled'; valid: fused, eager"):
+        ENGINES["torchtitan"].with_options({"norm": "compiled"})
     with pytest.raises(PartitaError, match="unknown rope 'triton'; valid: unfused, fused"):
         Kernels(rope="triton")
     with pytest.raises(PartitaError, match="unknown rope 'triton'"):
