@@ -150,7 +150,8 @@ class PublishedRun:
         parts.append({"none": "no recompute", "full": "recompute"}.get(self.recompute, f"{self.recompute} recompute"))
         if self.virtual_stages > 1:
             parts.append(f"{self.schedule} v{self.virtual_stages}")
-        return f"{self.model.name} on {self.cluster.short}: " + ", ".join(parts) + f", {self.dtype}"
+        dtype = f"{self.dtype}, fp8 products" if self.engine.matmul == "fp8" else self.dtype
+        return f"{self.model.name} on {self.cluster.short}: " + ", ".join(parts) + f", {dtype}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -248,7 +249,7 @@ def run_from_dict(data: Any, where: str, devices: Sequence[DeviceType] = ()) -> 
     data = specio.require_mapping(data, where)
     fields = ([f.name for f in dataclasses.fields(PublishedRun)
                if f.name not in ("devices", "measured_memory_gib", "memory_metric")]
-              + ["cluster_overrides", "engine_options", "measured_memory"])
+              + ["cluster_overrides", "engine_options", "measured_memory", "fp8"])
     unknown = [k for k in data if k not in fields]
     if unknown:
         raise PartitaError(f"{where}: unknown key {unknown[0]!r}; valid keys: {', '.join(fields)}")
@@ -336,8 +337,12 @@ def _cluster(text: Any, overrides: Any, where: str) -> ClusterSpec:
 
 
 def _engine(data: Mapping, where: str) -> Engine:
+    """The engine that ran the row, with its options; ``fp8: true`` (as a plan's ``fp8``): its
+    blocks' products in FP8 (``Engine.matmul``)."""
     name = specio.get_str(data, "engine", where, choices=tuple(ENGINES))
-    options = specio.require_mapping(data.get("engine_options") or {}, f"{where}: engine_options")
+    options = dict(specio.require_mapping(data.get("engine_options") or {}, f"{where}: engine_options"))
+    if "fp8" in data and specio.get_bool(data, "fp8", where):
+        options["matmul"] = "fp8"
     return ENGINES[name].with_options(options, f"{where}: engine_options")
 
 

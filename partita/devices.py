@@ -54,6 +54,9 @@ class DeviceType:
     # Hopper's tensor cores (``search.roofline.sustained_tensor_fraction``).
     tdp_w: float | None = None
     power_limit_w: float | None = None
+    # Dense FP8 tensor-core peak (TFLOP/s); 0 where the part has no FP8 tensor cores (before
+    # Hopper). Plans with FP8 matrix products (``Plan.fp8``) need it.
+    fp8_tflops: float = 0.0
 
     def memory_from_gib(self, memory_gib: float) -> int:
         """A node group's ``memory_gib`` in bytes. The datasheet's figure (``datasheet_gb``) and a
@@ -65,13 +68,15 @@ class DeviceType:
         return int(round(memory_gib * GiB))
 
     def peak_tflops(self, dtype: str) -> float:
+        if dtype == "fp8":
+            return self.fp8_tflops
         if dtype == "bf16":
             return self.bf16_tflops or self.fp16_tflops
         if dtype == "fp16":
             return self.fp16_tflops
         if dtype == "fp32":
             return self.fp32_tflops
-        raise PartitaError(f"unknown dtype {dtype!r}; valid: bf16, fp16, fp32")
+        raise PartitaError(f"unknown dtype {dtype!r}; valid: bf16, fp16, fp32, fp8")
 
     @property
     def is_cpu(self) -> bool:
@@ -82,19 +87,21 @@ CATALOG: dict[str, DeviceType] = {
     d.name: d
     for d in [
         # NVIDIA H100 Tensor Core GPU datasheet (SXM5): 80 GB HBM3, 3.35 TB/s, BF16 989 TFLOPS dense
-        # (1,979 with sparsity), FP32 67 TFLOPS, NVLink 900 GB/s bidirectional, up to 700 W (PCIe:
+        # (1,979 with sparsity), FP8 1,979 dense (3,958 with sparsity), FP32 67 TFLOPS, NVLink 900 GB/s bidirectional, up to 700 W (PCIe:
         # 300-350 W); DGX H100: 8x 400 Gb/s NDR.
         DeviceType(name="H100", memory_bytes=81559 * MiB, bf16_tflops=989, fp16_tflops=989, fp32_tflops=67,
                    hbm_gbps=3350, intra_link="nvlink", intra_node_gbps=450, network_gbps=50, gpus_per_node=8,
-                   source="NVIDIA H100 datasheet, SXM5", datasheet_gb=80, price_per_gpu_hour=3.00, tdp_w=700),
-        # Same datasheet, PCIe card: 80 GB HBM2e, 2.0 TB/s, BF16 756 dense, FP32 51; PCIe Gen5 x16 128 GB/s bidir.
+                   source="NVIDIA H100 datasheet, SXM5", datasheet_gb=80, price_per_gpu_hour=3.00, tdp_w=700,
+                   fp8_tflops=1979),
+        # Same datasheet, PCIe card: 80 GB HBM2e, 2.0 TB/s, BF16 756 dense, FP8 1,513 dense, FP32 51; PCIe Gen5 x16 128 GB/s bidir.
         DeviceType(name="H100-PCIe", memory_bytes=81559 * MiB, bf16_tflops=756, fp16_tflops=756, fp32_tflops=51,
                    hbm_gbps=2000, intra_link="pcie", intra_node_gbps=64, network_gbps=25, gpus_per_node=8,
-                   source="NVIDIA H100 datasheet, PCIe", datasheet_gb=80, tdp_w=350),
-        # NVIDIA H200 datasheet (SXM): 141 GB HBM3e (about 139 GiB usable, as this project's H200 reports), 4.8 TB/s, BF16 989 dense, FP32 67, NVLink 900 GB/s bidir, up to 700 W.
+                   source="NVIDIA H100 datasheet, PCIe", datasheet_gb=80, tdp_w=350, fp8_tflops=1513),
+        # NVIDIA H200 datasheet (SXM): 141 GB HBM3e (about 139 GiB usable, as this project's H200 reports), 4.8 TB/s, BF16 989 dense, FP8 1,979 dense, FP32 67, NVLink 900 GB/s bidir, up to 700 W.
         DeviceType(name="H200", memory_bytes=int(139 * GiB), bf16_tflops=989, fp16_tflops=989, fp32_tflops=67,
                    hbm_gbps=4800, intra_link="nvlink", intra_node_gbps=450, network_gbps=50, gpus_per_node=8,
-                   source="NVIDIA H200 datasheet, SXM", datasheet_gb=141, price_per_gpu_hour=4.00, tdp_w=700),
+                   source="NVIDIA H200 datasheet, SXM", datasheet_gb=141, price_per_gpu_hour=4.00, tdp_w=700,
+                   fp8_tflops=1979),
         # NVIDIA A100 datasheet (SXM4 80GB): HBM2e 2,039 GB/s, BF16 312 dense, FP32 19.5,
         # NVLink 600 GB/s bidir; DGX A100: 8x 200 Gb/s HDR.
         DeviceType(name="A100-80GB", memory_bytes=81920 * MiB, bf16_tflops=312, fp16_tflops=312, fp32_tflops=19.5,

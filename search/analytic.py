@@ -109,6 +109,23 @@ def forward_matmuls(kind: LayerKind, sh: Shard) -> list[tuple[str, int, int, int
     return attention + [("w1", t, f, h), ("w2", t, h, f)]
 
 
+# The products FP8 runs in (``Kernels.matmul`` "fp8"): a block's linear layers, the attention's and
+# a dense MLP's. Transformer Engine's FP8 covers its own layers (TELayerNormColumnParallelLinear,
+# TERowParallelLinear); Megatron-LM's output layer is its own ColumnParallelLinear, in the compute
+# dtype, as are the attention core (FP8 attention is a separate option, off by default) and, here,
+# a mixture's router and experts.
+FP8_PRODUCTS = {"attention": ("wq", "wk", "wv", "wo"), "mlp": ("w1", "w3", "w2")}
+
+
+def product_dtype(kind: LayerKind, name: str, dtype: str, kernels: Kernels = Kernels()) -> str:
+    """The dtype the product ``name`` of ``forward_matmuls`` runs in: "fp8" for a block's linear
+    layers (``FP8_PRODUCTS``) under ``kernels.matmul`` "fp8", else the compute dtype."""
+    if kernels.matmul != "fp8" or kind.role != "block":
+        return dtype
+    fp8 = FP8_PRODUCTS["attention"] + (() if kind.is_moe else FP8_PRODUCTS["mlp"])
+    return "fp8" if name in fp8 else dtype
+
+
 def moe_activation_bytes(kind: LayerKind, sh: Shard) -> int:
     """What a mixture-of-experts MLP keeps for its backward beyond what a dense block keeps
     before its MLP (its norm's output, counted there): the router's fp32 probabilities and the
@@ -182,7 +199,8 @@ def attention_s(dev: DeviceType, sh: Shard, dtype: str, attention: str) -> tuple
 # ---- time -----------------------------------------------------------------------------------
 def forward_time_s(kind: LayerKind, dev: DeviceType, sh: Shard, dtype: str, attention: str = "sdpa",
                    kernels: Kernels = Kernels()) -> float:
-    total = sum(matmul_time_s(dev, m, n, k, dtype) for _, m, n, k in forward_matmuls(kind, sh))
+    total = sum(matmul_time_s(dev, m, n, k, product_dtype(kind, name, dtype, kernels))
+                for name, m, n, k in forward_matmuls(kind, sh))
     total += sum(memory_time_s(dev, nbytes) for _, nbytes in forward_elementwise(kind, sh, kernels))
     if kind.role == "block":
         total += attention_s(dev, sh, dtype, attention)[0]
@@ -220,7 +238,8 @@ def selective_recompute_time_s(kind: LayerKind, dev: DeviceType, sh: Shard, dtyp
     elementwise = forward_elementwise(kind, sh, kernels)[:-1]  # the block's last kernel is the final residual add
     rerun = sum(memory_time_s(dev, nbytes) for _, nbytes in elementwise)
     if keeps == "alternate":
-        return rerun + sum(matmul_time_s(dev, m, n, k, dtype) for _, m, n, k in alternate_recomputed(kind, sh)[1])
+        return rerun + sum(matmul_time_s(dev, m, n, k, product_dtype(kind, name, dtype, kernels))
+                           for name, m, n, k in alternate_recomputed(kind, sh)[1])
     return rerun + attention_s(dev, sh, dtype, attention)[0]
 
 
@@ -265,20 +284,21 @@ def column_groups(kind: LayerKind) -> list[tuple[str, ...]]:
     return [tuple(group) for group in groups]
 
 
-def column_wgrad_times_s(kind: LayerKind, dev: DeviceType, sh: Shard, dtype: str) -> list[float]:
+def column_wgrad_times_s(kind: LayerKind, dev: DeviceType, sh: Shard, dtype: str,
+                         kernels: Kernels = Kernels()) -> list[float]:
     """The weight-gradient products (dW = X^T dY) of each of the layer's column-parallel linears,
     one entry a linear: what each one's input-gradient reduction can run beside in an engine that
     starts it before them (search/engines.py, ``dgrad_overlap``)."""
     products = {name: (m, n, k) for name, m, n, k in forward_matmuls(kind, sh)}
-    return [sum(matmul_time_s(dev, k, n, m, dtype) for name in group if name in products
+    return [sum(matmul_time_s(dev, k, n, m, product_dtype(kind, name, dtype, kernels)) for name in group if name in products
                 for m, n, k in [products[name]]) for group in column_groups(kind)]
 
 
 def backward_time_s(kind: LayerKind, dev: DeviceType, sh: Shard, dtype: str, attention: str = "sdpa",
                     kernels: Kernels = Kernels()) -> float:
     # dX[m,k] = dY[m,n] @ W^T[n,k] and dW[k,n] = X^T[k,m] @ dY[m,n].
-    total = sum(matmul_time_s(dev, m, k, n, dtype) + matmul_time_s(dev, k, n, m, dtype)
-                for _, m, n, k in forward_matmuls(kind, sh))
+    total = sum(matmul_time_s(dev, m, k, n, mm) + matmul_time_s(dev, k, n, m, mm)
+                for name, m, n, k in forward_matmuls(kind, sh) for mm in [product_dtype(kind, name, dtype, kernels)])
     total += sum(memory_time_s(dev, nbytes) for _, nbytes in backward_elementwise(kind, sh, kernels))
     total += sum(memory_time_s(dev, nbytes) for _, nbytes in backward_only_kernels(kind, sh))
     if kind.role == "block":

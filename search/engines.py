@@ -185,6 +185,16 @@ The terms each behaviour selects, in one place each:
   ``--context-parallel-size``, Transformer Engine's ``AttnFuncWithCPAndKVP2P``): the blocks at
   the kernel's kv heads in the compute dtype, the backward's dK/dV riding with the K/V blocks,
   one pass a step (``context.te_ring_traffic``). Time and memory.
+* ``matmul``: the dtype of a block's linear layers' products: "compute" (the plan's dtype) or
+  "fp8" (a plan's ``fp8``: Transformer Engine's FP8 layers, Megatron-LM's ``--fp8-format
+  hybrid``, e4m3 forward and e5m2 gradients with delayed scaling). Priced at the part's FP8
+  peak and the share of it FP8 products reach (``roofline.FP8_OVER_BF16_SHARE``), with the
+  casts they add (search/kernels.py, ``fp8_casts``); the output layer, the attention core and a
+  mixture's experts keep the compute dtype (``analytic.product_dtype``). Memory is priced as in
+  the compute dtype: with FP8 parameters (``--fp8-param-gather``, NeMo's ``fp8_params``) a weight
+  and its transposed copy take the bytes one bf16 weight did, and the inputs Transformer Engine
+  saves in FP8 for the weight gradients are counted at the compute dtype's size (an upper
+  bound). Only the megatron engine runs it (``parallel.FP8_ENGINES``). Time.
 * ``loss``: "chunked" (Partita's runtime: runtime.schedule.ChunkedCrossEntropy, the logits kept in
   the compute dtype and an fp32 chunk at a time), "fp32" (the logits cast to fp32 before torch's
   cross entropy, the fp32 log-probabilities kept for its backward, which makes new gradients:
@@ -204,7 +214,7 @@ from typing import Mapping
 from partita import parallel
 from partita.errors import PartitaError
 from partita.search.analytic import GLU_SAVES, QKV_SAVES
-from partita.search.kernels import Kernels
+from partita.search.kernels import MATMULS, Kernels
 from partita.search.timing import Software
 
 ZERO3_GATHERS = ("layer", "module")
@@ -254,6 +264,7 @@ class Engine:
     grad_buffer: str = "fp32"
     optimizer_state: str = "fp32"
     rope: str = "unfused"
+    matmul: str = "compute"
 
     def __post_init__(self) -> None:
         Software(attention=self.attention, grad_sync=self.grad_sync)  # its checks of the two names
@@ -262,7 +273,8 @@ class Engine:
                             ("zero2_gather", ZERO2_GATHERS), ("param_gather", PARAM_GATHERS), ("loss", LOSSES),
                             ("p2p_buffers", P2P_BUFFERS), ("sp_inputs", SP_INPUTS), ("glu_saves", GLU_SAVES),
                             ("qkv_saves", QKV_SAVES), ("column_linears", COLUMN_LINEARS), ("cp_ring", CP_RINGS),
-                            ("grad_buffer", DTYPE_CHOICES), ("optimizer_state", DTYPE_CHOICES)):
+                            ("grad_buffer", DTYPE_CHOICES), ("optimizer_state", DTYPE_CHOICES),
+                            ("matmul", MATMULS)):
             value = getattr(self, name)
             if value not in valid:
                 raise PartitaError(f"unknown {name} {value!r}; valid: {', '.join(valid)}")
@@ -278,7 +290,7 @@ class Engine:
         ``qkv_saves`` name keep (a fused SwiGLU keeps its input; an attention kernel that takes k
         and v at their kv heads keeps them so)."""
         return Kernels(norm=self.norm, rope=self.rope, glu="fused" if self.glu_saves == "input" else "separate",
-                       kv="native" if self.qkv_saves == "fused" else "repeated")
+                       kv="native" if self.qkv_saves == "fused" else "repeated", matmul=self.matmul)
 
     @property
     def selective_keeps(self) -> str:

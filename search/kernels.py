@@ -21,6 +21,17 @@ engine's fields select: ``Engine.kernels``, search/engines.py):
 * ``kv``: grouped-query attention's k and v repeated to the query heads before the kernel (torch
   SDPA under the runtime's and torchtitan's models, two copies a layer), or taken at their kv
   heads ("native": Transformer Engine's ``DotProductAttention`` with ``num_gqa_groups``).
+* ``matmul``: a block's linear layers' products in the compute dtype, or in FP8 ("fp8":
+  Transformer Engine's layers under ``fp8_autocast``, Megatron-LM's ``--fp8-format hybrid``;
+  ``analytic.product_dtype`` says which products). FP8 adds casts (``fp8_casts``): Hopper's FP8
+  products take both operands K-major, so each FP8 operand is written twice, as it is and
+  transposed (Transformer Engine's ``cast_transpose``). Forward, the inputs of the attention's
+  output projection and of the MLP's last product are cast from the compute dtype (read e, write
+  1 + 1 bytes an element); the norms' outputs that feed q, k, v and the MLP's first products come
+  out of Transformer Engine's fused norm in FP8 already (``LayerNormLinear``: no more bytes than
+  the compute dtype's output), and are transposed (read 1, write 1). Backward, every linear's
+  output gradient is cast and transposed (read e, write 1 + 1). The weights' casts run once a
+  step (cached across micro-batches, ``is_first_microbatch``) and are not counted.
 """
 
 from __future__ import annotations
@@ -42,6 +53,8 @@ NORM_PARTS = ("attention norm", "ffn norm", "norm")  # forward_elementwise's nam
 ROPES = ("unfused", "fused")
 GLUS = ("separate", "fused")
 KVS = ("repeated", "native")
+MATMULS = ("compute", "fp8")
+FP8_CASTS = ("fp8 casts attention", "fp8 casts mlp")  # forward_elementwise's names of the FP8 casts
 
 
 def norm_bytes_per_element(norm: str, elem: int) -> tuple[int, int]:
@@ -69,9 +82,10 @@ class Kernels:
     rope: str = "unfused"
     glu: str = "separate"
     kv: str = "repeated"
+    matmul: str = "compute"
 
     def __post_init__(self) -> None:
-        for name, valid in (("norm", NORMS), ("rope", ROPES), ("glu", GLUS), ("kv", KVS)):
+        for name, valid in (("norm", NORMS), ("rope", ROPES), ("glu", GLUS), ("kv", KVS), ("matmul", MATMULS)):
             if getattr(self, name) not in valid:
                 raise PartitaError(f"unknown {name} {getattr(self, name)!r}; valid: {', '.join(valid)}")
 
@@ -109,6 +123,8 @@ def forward_elementwise(kind, sh, k: Kernels = Kernels()) -> list[tuple[str, flo
         ops += _rope_kernels("rope q", q_bytes, k.rope) + _rope_kernels("rope k", kv_bytes, k.rope)
     if sh.heads != sh.kv_heads and k.kv == "repeated":
         ops += [("repeat k", kv_bytes + q_bytes), ("repeat v", kv_bytes + q_bytes)]
+    fp8 = fp8_casts(kind, sh) if k.matmul == "fp8" else {}
+    ops += [(name, forward) for name, (forward, _) in fp8.items() if name == FP8_CASTS[0]]
     ops += [("residual add", 3 * act), ("ffn norm", normed)]
     if kind.is_moe:
         return ops + moe_elementwise(kind, sh) + [("residual add", 3 * act)]
@@ -119,7 +135,23 @@ def forward_elementwise(kind, sh, k: Kernels = Kernels()) -> list[tuple[str, flo
         ops += [("silu", 2 * mlp), ("gate mul", 3 * mlp)]
     else:
         ops += [("gelu", 2 * mlp)]
+    ops += [(name, forward) for name, (forward, _) in fp8.items() if name == FP8_CASTS[1]]
     return ops + [("residual add", 3 * act)]
+
+
+def fp8_casts(kind, sh) -> dict[str, tuple[float, float]]:
+    """{name: (forward, backward) bytes} of a block's FP8 casts (``Kernels.matmul`` "fp8"; the
+    module docstring), its attention's and its MLP's (a mixture of experts' MLP runs its
+    products in the compute dtype: none). Forward: the norm output that feeds the first
+    products transposed (2 bytes an element), the last product's input cast and transposed
+    (e + 2); backward: each product's output gradient cast and transposed (e + 2)."""
+    e, t, h = sh.elem, sh.tokens, sh.hidden
+    q, kv = sh.heads * sh.head_dim, sh.kv_heads * sh.head_dim
+    casts = {FP8_CASTS[0]: (t * (2 * h + (e + 2) * q), t * (e + 2) * (q + 2 * kv + h))}
+    if not kind.is_moe:
+        first = 2 * sh.ffn if kind.family == "llama" else sh.ffn  # w1 and w3, or gpt2's w1
+        casts[FP8_CASTS[1]] = (t * (2 * h + (e + 2) * sh.ffn), t * (e + 2) * (first + h))
+    return casts
 
 
 # A fused kernel whose backward moves other bytes than twice its forward's: the rotary kernel
@@ -134,8 +166,9 @@ def backward_elementwise(kind, sh, k: Kernels = Kernels()) -> list[tuple[str, fl
     what the forward read), a norm's its own (``norm_bytes_per_element``), a fused rotary or
     SwiGLU kernel's its own (``_BACKWARD_OVER_FORWARD``)."""
     backward = norm_bytes_per_element(k.norm if kind.family == "llama" else "fused", sh.elem)[1]
+    fp8 = fp8_casts(kind, sh) if k.matmul == "fp8" else {}
     return [(name, sh.tokens * sh.hidden * backward if name in NORM_PARTS
-             else _BACKWARD_OVER_FORWARD.get(name, 2.0) * nbytes)
+             else fp8[name][1] if name in fp8 else _BACKWARD_OVER_FORWARD.get(name, 2.0) * nbytes)
             for name, nbytes in forward_elementwise(kind, sh, k)]
 
 

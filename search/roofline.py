@@ -104,6 +104,14 @@ HOPPER_SUSTAINED_TENSOR = 0.944
 # the clock cubed, an elasticity of 1/3), so at a lower limit this is the smallest loss, not a
 # fit: a 500 W limit on a 700 W design keeps 0.945 of its rate (0.894 by the cube law).
 HOPPER_POWER_ELASTICITY = 0.167
+# FP8 matrix products (``dtype`` "fp8": e4m3/e5m2 operands, a bf16 result) reach a smaller share of
+# their datasheet peak than bf16 ones. The one public pair of measurements of both on the same part
+# by one method, the Maximum Achievable Matmul FLOPS of an H100 SXM (stas00/ml-engineering,
+# compute/accelerator/README.md, torch 2.7.0 + CUDA 12.6): bf16 794.5 of 989 TFLOP/s (80.3 %), fp8
+# (float8_e4m3fn) 1,402.6 of 1,979 (70.9 %). The bf16 curve (``GEMM_CURVE``) is taken to fp8 at
+# the fp8 peak times this ratio of the two shares: an FP8 product runs 1.77x a bf16 one, not 2x.
+# (The same table's H200, 73.4 %, and GH200, 77.6 % against 83.8 %, give 0.91-0.93.)
+FP8_OVER_BF16_SHARE = (1402.6 / 1979) / (794.5 / 989)
 SUSTAINED_SERIES_M = 16384  # the products of gemm.jsonl measured last and longest
 
 # Fitted by the same script to /work/shared/data/h200/attn.jsonl: 24 causal bf16
@@ -302,6 +310,8 @@ def _peaks(dev: DeviceType, dtype: str) -> tuple[float, float]:
     peak = dev.peak_tflops(dtype) * 1e12 * sustained_tensor_fraction(dev)
     if peak <= 0:
         raise PartitaError(f"device {dev.name} has no {dtype} peak in the catalog; choose another dtype")
+    if dtype == "fp8":
+        peak *= FP8_OVER_BF16_SHARE
     return peak, dev.hbm_gbps * 1e9
 
 
@@ -323,7 +333,10 @@ def _check_positive(**dims: int) -> None:
 
 
 def matmul_flops_bytes(m: int, n: int, k: int, dtype: str) -> tuple[float, float]:
-    """FLOPs and bytes moved by C[m,n] = A[m,k] @ B[k,n] (each operand read or written once)."""
+    """FLOPs and bytes moved by C[m,n] = A[m,k] @ B[k,n] (each operand read or written once);
+    "fp8": one-byte operands and a bf16 result (Transformer Engine's FP8 GEMMs)."""
+    if dtype == "fp8":
+        return 2.0 * m * n * k, float(m * k + k * n + 2 * m * n)
     return 2.0 * m * n * k, float(element_bytes(dtype) * (m * k + k * n + m * n))
 
 

@@ -69,3 +69,53 @@ def test_a_gpt2_block_has_no_rotary_and_no_gate():
     sh = Shard.of(kind, tp=1, micro_batch=1, seq_len=1024, dtype="bf16")
     fused = Kernels(rope="fused", glu="fused", kv="native")
     assert forward_elementwise(kind, sh, fused) == forward_elementwise(kind, sh, Kernels())
+
+
+def test_fp8_casts_by_hand():
+    """FP8 products (``Kernels.matmul`` "fp8"): forward, the two norm outputs transposed (read and
+    write a byte an element) and the inputs of wo and w2 cast and transposed (read 2, write 1 + 1);
+    backward, every product's output gradient cast and transposed (4 bytes an element). The
+    block's last kernel is still its residual add (selective recomputation stops before it)."""
+    h, q, kv, f = 4096, 32 * 128, 8 * 128, 14336
+    fwd = forward_elementwise(KIND, SH, Kernels(matmul="fp8"))
+    casts = dict(fwd)
+    assert casts["fp8 casts attention"] == T * (2 * h + 4 * q)
+    assert casts["fp8 casts mlp"] == T * (2 * h + 4 * f)
+    assert fwd[-1][0] == "residual add"
+    back = dict(backward_elementwise(KIND, SH, Kernels(matmul="fp8")))
+    assert back["fp8 casts attention"] == T * 4 * (q + 2 * kv + h)
+    assert back["fp8 casts mlp"] == T * 4 * (2 * f + h)
+    plain = dict(forward_elementwise(KIND, SH, Kernels()))
+    assert {k: v for k, v in casts.items() if not k.startswith("fp8")} == plain
+    with pytest.raises(PartitaError, match="unknown matmul"):
+        Kernels(matmul="fp4")
+
+
+def test_fp8_runs_a_block_s_linear_layers_only():
+    """The products FP8 covers: a block's attention and dense MLP linears; not the output layer,
+    nor a mixture's router and experts (their products keep the compute dtype)."""
+    from partita.search.analytic import product_dtype
+    fp8 = Kernels(matmul="fp8")
+    assert [product_dtype(KIND, n, "bf16", fp8) for n in ("wq", "wo", "w1", "w3", "w2")] == ["fp8"] * 5
+    assert product_dtype(KIND, "wq", "bf16", Kernels()) == "bf16"
+    head = BUILTIN["llama-3-8b"].kinds["head"]
+    assert product_dtype(head, "output", "bf16", fp8) == "bf16"
+    moe = BUILTIN["mixtral-8x7b"].kinds["block"]
+    assert product_dtype(moe, "wq", "bf16", fp8) == "fp8" and product_dtype(moe, "w1", "bf16", fp8) == "bf16"
+    assert "fp8 casts mlp" not in dict(forward_elementwise(moe, Shard.of(moe, tp=1, micro_batch=1, seq_len=1024,
+                                                                         dtype="bf16"), fp8))
+
+
+def test_an_fp8_product_runs_at_the_measured_share_of_the_fp8_peak():
+    """A large FP8 product on an H100 takes the bf16 product's time over 2 x 0.883 (the FP8 peak,
+    twice bf16's, at the share of it the H100's FP8 matrix products reach against bf16's:
+    ml-engineering's Maximum Achievable Matmul FLOPS, 70.9 % against 80.3 %); a part without
+    FP8 tensor cores refuses it."""
+    from partita.devices import get_device
+    from partita.search.roofline import FP8_OVER_BF16_SHARE, matmul_time_s
+    assert FP8_OVER_BF16_SHARE == pytest.approx(0.883, abs=1e-3)
+    h100 = get_device("H100")
+    speedup = matmul_time_s(h100, 16384, 16384, 16384, "bf16") / matmul_time_s(h100, 16384, 16384, 16384, "fp8")
+    assert speedup == pytest.approx(2 * FP8_OVER_BF16_SHARE, rel=0.02)
+    with pytest.raises(PartitaError, match="no fp8 peak"):
+        matmul_time_s(get_device("A100-80GB"), 1024, 1024, 1024, "fp8")

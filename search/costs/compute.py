@@ -46,6 +46,13 @@ def calibrated(profile: Profile | None, dtype: str) -> bool:
     return profile is not None and profile.calibration is not None and profile.dtype == dtype
 
 
+def measures(profile: Profile | None, cm) -> bool:
+    """Whether ``profile``'s measured layers price the cost model ``cm``'s: measured in its dtype,
+    and with the compute dtype's products (the profiler runs no FP8 products: under the engine's
+    ``matmul`` "fp8" the layers are analytic, a calibration's constants still applied)."""
+    return profile is not None and profile.dtype == cm.dtype and cm.engine.matmul == "compute"
+
+
 def time_constants(profile: Profile | None, device: str, dtype: str) -> TimeConstants:
     """The device type's time constants: its profile's calibration, else the defaults, with
     the per-op overhead its profile measured (``Profile.op_overhead_s``) if it did."""
@@ -79,7 +86,7 @@ def layer_compute(cm, role: str, device: str, tp: int, micro_batch: int) -> tupl
     dtype, and where it came from: "measured", "calibrated" or "analytic"."""
     kind = cm.model.kinds[role]
     profile = cm.profiles.get(device)
-    if profile is not None and profile.dtype == cm.dtype:
+    if measures(profile, cm):
         measured = layer_cost_at(profile, kind, tp, micro_batch, cm.seq_len)
         if measured is not None:
             return measured, "measured"
@@ -114,7 +121,7 @@ def selective_recompute_s(cm, role: str, device: str, tp: int, micro_batch: int)
     selective = selective_recompute_time_s(kind, dev, sh, cm.dtype, cm.software.attention, cm.engine.kernels,
                                            cm.engine.selective_keeps)
     profile = cm.profiles.get(device)
-    if profile is not None and profile.dtype == cm.dtype:
+    if measures(profile, cm):
         measured = layer_cost_at(profile, kind, tp, micro_batch, cm.seq_len)
         if measured is not None and measured.selective_recompute_s is not None:
             return measured.selective_recompute_s
@@ -142,7 +149,7 @@ def dgrad_windows_s(cm, role: str, device: str, tp: int, micro_batch: int) -> li
     has it: measured, calibrated or analytic) that the roofline gives them."""
     kind, dev = cm.model.kinds[role], get_device(device)
     sh = Shard.of(kind, tp=tp, micro_batch=micro_batch, seq_len=cm.seq_len, dtype=cm.dtype)
-    windows = column_wgrad_times_s(kind, dev, sh, cm.dtype)
+    windows = column_wgrad_times_s(kind, dev, sh, cm.dtype, cm.engine.kernels)
     if not windows:
         return []
     scale = _pass_scales(cm, role, device, tp, micro_batch)[1]
