@@ -23,6 +23,25 @@ ZERO_BUBBLE = ("interleaved-zb", "zbv")  # the backward split into input (I) and
 # The engines a plan can be priced for and exported to (search/engines.py holds what each does).
 ENGINES = ("partita", "torchtitan", "megatron", "deepspeed")
 CP_VARIANTS = ("all_to_all", "ring", "all_gather")
+# The engines that run a plan's FP8 products (``Plan.fp8``): Megatron-LM through Transformer
+# Engine. Partita's runtime, torchtitan's Float8 and DeepSpeed are priced in the compute dtype.
+FP8_ENGINES = ("megatron",)
+
+
+# ---- numerics -----------------------------------------------------------------------------------
+
+def fp8_rule(engine: str, dtype: str, devices: Iterable[tuple[str, float]]) -> str | None:
+    """Why a plan on ``engine`` in ``dtype`` cannot run its products in FP8 on ``devices``
+    ((name, FP8 peak TFLOP/s) of each device type), or None."""
+    if engine not in FP8_ENGINES:
+        return (f"engine {engine} does not run FP8 products (engines that do: {', '.join(FP8_ENGINES)}); "
+                f"plan with --engine {FP8_ENGINES[0]}, or without --fp8")
+    if dtype != "bf16":
+        return f"FP8 products keep everything else in bf16, and the dtype is {dtype}: plan with --dtype bf16"
+    lacking = sorted(name for name, peak in devices if not peak)
+    if lacking:
+        return f"{', '.join(lacking)} has no FP8 tensor cores (Hopper and later do); plan without --fp8"
+    return None
 
 
 # ---- degrees of one layer kind ---------------------------------------------------------------

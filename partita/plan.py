@@ -59,6 +59,9 @@ Replicas on different device types. A stage's replicas may sit on different node
 the first replica's; empty: every replica on ``group``). Every replica runs the same layers with
 the same choices (so each layer's gradient is reduced over the same replicas); the replicas on
 the faster devices take the larger shares, and the step is the slowest replica's.
+
+FP8 (``fp8: true``): the blocks' linear layers multiply in FP8 (Transformer Engine's layers under
+Megatron-LM, the one engine that runs it: ``parallel.FP8_ENGINES``), the rest in ``dtype`` (bf16).
 """
 
 from __future__ import annotations
@@ -82,18 +85,16 @@ RECOMPUTE = ("none", "selective", "full")  # ``LayerStrategy.recompute``, least 
 
 
 def boundary_split(tokens: int, tp: int) -> int:
-    """How many ways a pipeline stage boundary splits a micro-batch's hidden states: tp when
-    the ``tokens`` a rank holds of each sequence (seq_len / cp) split tp ways evenly (each rank
-    of the tensor group sends and receives its sequence shard, the split sequence parallelism
-    uses), else 1 (every rank sends the whole tensor). The runtime (``runtime.parallelize``,
-    ``runtime.schedule``) and the cost model (``search.costs``) both follow it."""
+    """How many ways a pipeline stage boundary splits a micro-batch's hidden states: tp when the
+    ``tokens`` a rank holds of each sequence (seq_len / cp) split tp ways evenly (each rank of the
+    tensor group sends and receives its sequence shard, sequence parallelism's split), else 1 (every
+    rank sends the whole tensor). ``runtime.parallelize``, ``runtime.schedule`` and ``search.costs`` follow it."""
     return tp if tp > 1 and tokens % tp == 0 else 1
 
 
 def gives_whole(tensor_parallel: int, sequence_parallel: bool) -> bool:
-    """Whether a layer takes and gives whole hidden states (it is not sequence-parallel, or not
-    tensor-parallel at all) rather than this rank's sequence shard: the runtime's layouts
-    (``runtime.parallelize``) and the cost model's boundary gathers (``search.costs``)."""
+    """Whether a layer takes and gives whole hidden states (not sequence-parallel, or not tensor-parallel
+    at all) rather than its sequence shard: ``runtime.parallelize``'s layouts, ``search.costs``' gathers."""
     return not (tensor_parallel > 1 and sequence_parallel)
 
 
@@ -368,6 +369,7 @@ class Plan:
     moe_imbalance: float = 1.0
     schedule: str = "1f1b"
     engine: str = "partita"  # the engine the plan is priced for (search/engines.py)
+    fp8: bool = False  # the blocks' linear products in FP8 (the engine's matmul, search/engines.py)
     stages: tuple[Stage, ...]
     prediction: Prediction | None = None
     solver: SolverReport | None = None
@@ -503,8 +505,8 @@ class Plan:
                 v = list(v)
             elif f.name == "cp_variant" and self.cp == 1:
                 continue  # meaningful under context parallelism only
-            elif (f.name, v) in (("moe_imbalance", 1.0), ("engine", "partita")):
-                continue  # balanced routing (and every dense model); Partita's own runtime
+            elif (f.name, v) in (("moe_imbalance", 1.0), ("engine", "partita"), ("fp8", False)):
+                continue  # balanced routing (and every dense model); Partita's own runtime; bf16 products
             elif isinstance(v, Mapping):
                 v = dict(v)
             d[f.name] = v
@@ -530,13 +532,13 @@ class Plan:
         kwargs["schedule"] = specio.get_str(data, "schedule", where, default="1f1b", choices=SCHEDULES)
         kwargs["cp_variant"] = specio.get_str(data, "cp_variant", where, default="all_to_all", choices=CP_VARIANTS)
         kwargs["engine"] = specio.get_str(data, "engine", where, default="partita", choices=ENGINES)
+        kwargs["fp8"] = specio.get_bool(data, "fp8", where, default=False)
         kwargs["moe_imbalance"] = specio.get_float(data, "moe_imbalance", where, default=1.0)
         if kwargs["moe_imbalance"] < 1.0:
             raise PartitaError(f"{where}: moe_imbalance is the busiest rank's tokens over the balanced share: >= 1, "
                                f"got {kwargs['moe_imbalance']:g}")
         kwargs["batch_shares"] = _batch_shares(data.get("batch_shares"), where)
-        kwargs["micro_batch_sizes"] = _batch_shares(data.get("micro_batch_sizes"), where, "micro_batch_sizes",
-                                                    "micro-batch sizes")
+        kwargs["micro_batch_sizes"] = _batch_shares(data.get("micro_batch_sizes"), where, "micro_batch_sizes", "micro-batch sizes")
         if data.get("prediction") is not None:
             kwargs["prediction"] = Prediction.from_dict(data["prediction"], f"{where}: prediction")
         if data.get("solver") is not None:
@@ -564,8 +566,7 @@ def migrate(data: Mapping[str, Any], where: str = "plan") -> dict[str, Any]:
     if version == SCHEMA_VERSION:
         return data
     if version != 1:
-        raise PartitaError(f"{where}: schema_version {version!r} is not supported; this Partita reads versions 1 "
-                           f"and {SCHEMA_VERSION}")
+        raise PartitaError(f"{where}: schema_version {version!r} is not supported; this Partita reads 1 and {SCHEMA_VERSION}")
     valid = [f.name for f in dataclasses.fields(Plan) if f.name != "mesh"] + ["dp", "tp", "pp", "cp", "ep"]
     for key in data:
         if key not in valid:
@@ -595,6 +596,5 @@ def _batch_shares(value: Any, where: str, key: str = "batch_shares", what: str =
         return ()
     if not isinstance(value, list) or not value or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1
                                                            for n in value):
-        raise PartitaError(f"{where}: {key} must be a non-empty list of {what} >= 1, one per "
-                           f"data-parallel replica; got {value!r}")
+        raise PartitaError(f"{where}: {key} must be a non-empty list of {what} >= 1, one per replica; got {value!r}")
     return tuple(value)

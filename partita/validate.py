@@ -266,6 +266,10 @@ def _check_dtype(plan: Plan, cluster: ClusterSpec) -> None:
             raise PartitaError(f"stage {s.index} runs on CPU ranks, which train in fp32; the plan says {plan.dtype}")
         if group.device != "cpu" and plan.dtype == "bf16" and group.device_type.bf16_tflops == 0:
             raise PartitaError(f"stage {s.index}: {group.device} has no bf16; plan with dtype fp16")
+    if plan.fp8:
+        why = parallel.fp8_rule(plan.engine, plan.dtype, ((g.device, g.device_type.fp8_tflops) for g in cluster.groups))
+        if why:
+            raise PartitaError(f"plan: fp8: {why}")
 
 
 def _model_difference(plan: Plan, model: ModelSpec) -> str:

@@ -252,6 +252,9 @@ def check_launch(plan: Plan, args: argparse.Namespace, metrics: str | None = Non
         if not (cluster.fingerprint == plan.cluster_fingerprint and same_hardware(cluster, given)):
             cluster = given
     check_plan(plan, model, cluster)
+    if plan.fp8:
+        raise PartitaError(f"{args.plan} runs its products in FP8 (fp8: true), which Partita's runtime does not; "
+                           f"run it with Megatron-LM: partita export {args.plan} --to megatron")
     cfg = train_config(args, metrics)
     check_config(cfg)
     if not 0 < args.master_port < 65536:

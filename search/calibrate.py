@@ -56,7 +56,7 @@ from partita.model import ModelSpec
 from partita.plan import Plan
 from partita.profile import Calibration, CommCost, Profile, Provenance, bus_bytes
 from partita.search.costs.model import CostModel
-from partita.search.engines import get_engine
+from partita.search.engines import plan_engine
 from partita.search.costs.step import step_time_s
 from partita.search.evaluate import Evaluation, evaluate_plan
 from partita.search.timing import default_constants
@@ -186,7 +186,7 @@ def _evaluate(run: Run, profile: Profile | None) -> tuple[CostModel, Evaluation]
     model = ModelSpec.from_dict(run.plan.model)
     cluster = ClusterSpec.from_dict(run.plan.cluster)
     cm = CostModel(model, cluster, seq_len=run.plan.seq_len, dtype=run.plan.dtype,
-                   profiles=(profile,) if profile is not None else (), engine=get_engine(run.plan.engine))
+                   profiles=(profile,) if profile is not None else (), engine=plan_engine(run.plan))
     return cm, evaluate_plan(run.plan, cm)
 
 

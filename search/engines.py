@@ -354,13 +354,19 @@ DEFAULT_ENGINE = "partita"
 assert tuple(ENGINES) == parallel.ENGINES, "the rule book names the same engines"
 
 
-def get_engine(name: str | None) -> Engine:
-    """The engine by name (None: Partita's runtime); an unknown name is one clear error."""
+def get_engine(name: str | None, fp8: bool = False) -> Engine:
+    """The engine by name (None: Partita's runtime), with its blocks' products in FP8 where the
+    plan asks (``Plan.fp8``: ``matmul`` "fp8"); an unknown name is one clear error."""
     if name is None:
-        return ENGINES[DEFAULT_ENGINE]
+        name = DEFAULT_ENGINE
     if name not in ENGINES:
         raise PartitaError(f"unknown engine {name!r}; valid: {', '.join(ENGINES)}")
-    return ENGINES[name]
+    return dataclasses.replace(ENGINES[name], matmul="fp8") if fp8 else ENGINES[name]
+
+
+def plan_engine(plan) -> Engine:
+    """The engine a plan (``partita.plan.Plan``) is priced for, as it runs that plan."""
+    return get_engine(plan.engine, plan.fp8)
 
 
 def linear_modules(kind, *, local_experts: int = 0) -> int:

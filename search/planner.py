@@ -68,6 +68,7 @@ class PlanRequest:
     moe_imbalance: float = 1.0
     # The engine that will run the plan (search/engines.py): the search prices plans as it runs them.
     engine: str = "partita"
+    fp8: bool = False  # the blocks' products in FP8 (``Plan.fp8``; parallel.fp8_rule says where)
 
 
 # Bounds far above any real run, so that an absurd number is refused at once instead of sizing
@@ -251,7 +252,7 @@ def make_plan(req: PlanRequest, progress: Callable[[str], None] | None = None, *
 def cost_model(req: PlanRequest) -> CostModel:
     """The cost model of a request's model, cluster, sequence, dtype, profiles and engine."""
     return CostModel(req.model, req.cluster, seq_len=req.seq_len, dtype=req.dtype, profiles=req.profiles,
-                     engine=get_engine(req.engine))
+                     engine=get_engine(req.engine, req.fp8))
 
 
 def _make_plan(req: PlanRequest, progress: Callable[[str], None] | None = None,

@@ -56,7 +56,7 @@ def layout_to_plan(cm: CostModel, layout: Layout, *, global_batch: int, solver: 
                 cost_sources={}, dtype=cm.dtype, seq_len=cm.plan_seq_len, global_batch=global_batch,
                 micro_batch=layout.micro_batch, num_micro_batches=layout.num_micro_batches,
                 mesh=Mesh(pp=layout.pp, dp=layout.dp, cp=cp, tp=layout.tp, ep=cm.ep), cp_variant=cm.cp_variant,
-                moe_imbalance=cm.moe_imbalance, engine=cm.engine.name,
+                moe_imbalance=cm.moe_imbalance, engine=cm.engine.name, fp8=cm.engine.matmul == "fp8",
                 stages=tuple(stages),
                 prediction=None,
                 solver=solver,

@@ -26,7 +26,7 @@ from partita.units import GiB, fmt_bytes, fmt_seconds
 
 def check(args: argparse.Namespace) -> int:
     from partita.search.costs.model import CostModel
-    from partita.search.engines import get_engine
+    from partita.search.engines import plan_engine
     from partita.search.evaluate import evaluate_plan
     from partita.validate import validate_plan
 
@@ -42,7 +42,7 @@ def check(args: argparse.Namespace) -> int:
             cluster, same = own, f" (the same hardware as {given.short}, ranks numbered as the plan's {own.short})"
     validate_plan(p, model, cluster)
     profiles = usable_profiles(args.profile, model, cluster, seq_len=p.seq_len, dtype=p.dtype)
-    cm = CostModel(model, cluster, seq_len=p.seq_len, dtype=p.dtype, profiles=profiles, engine=get_engine(p.engine))
+    cm = CostModel(model, cluster, seq_len=p.seq_len, dtype=p.dtype, profiles=profiles, engine=plan_engine(p))
     ev = evaluate_plan(p, cm)
     over = [i for i, s in enumerate(ev.stages) if s.peak_bytes > s.capacity]
     if getattr(args, "json", False):

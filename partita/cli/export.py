@@ -161,6 +161,9 @@ def _variant(v: str) -> str:
 def describe_changes(original: Plan, exported: Plan) -> list[str]:
     """Each setting whose values over the layers differ between the two plans, as counts."""
     changes = []
+    if original.fp8 != exported.fp8:
+        changes.append(f"products {'FP8' if original.fp8 else 'bf16'} -> {'FP8' if exported.fp8 else 'bf16'} "
+                       f"({exported.engine} runs them so, as priced)")
     if original.cp > 1 and original.cp_variant != exported.cp_variant:
         changes.append(f"context parallelism (cp {original.cp}) {_variant(original.cp_variant)} -> "
                        f"{_variant(exported.cp_variant)}")
@@ -224,7 +227,7 @@ def _fits(p: Plan) -> bool:
 def export_plan(plan: Plan, target: str, *, profiles: Sequence = ()) -> Export:
     """Price the plan and the closest one the target runs; render the target's file."""
     from partita.search.costs.model import CostModel
-    from partita.search.engines import get_engine
+    from partita.search.engines import get_engine, plan_engine
     from partita.search.plans import attach_prediction
 
     mod = target_module(target)
@@ -245,10 +248,11 @@ def export_plan(plan: Plan, target: str, *, profiles: Sequence = ()) -> Export:
     cluster = plan_cluster(plan)
     # The plan as priced for its own engine; its exports as the target engine runs them.
     original = attach_prediction(plan, CostModel(model, cluster, seq_len=plan.seq_len, dtype=plan.dtype,
-                                                 profiles=profiles, engine=get_engine(plan.engine)))
+                                                 profiles=profiles, engine=plan_engine(plan)))
+    fp8 = plan.fp8 and target in parallel.FP8_ENGINES  # another engine runs the products in bf16
     cm = CostModel(model, cluster, seq_len=plan.seq_len, dtype=plan.dtype, profiles=profiles,
-                   engine=get_engine(target))
-    price = lambda p: attach_prediction(dataclasses.replace(p, engine=target), cm)  # noqa: E731
+                   engine=get_engine(target, fp8))
+    price = lambda p: attach_prediction(dataclasses.replace(p, engine=target, fp8=fp8), cm)  # noqa: E731
     exported, fits = closest(plan, mod.variants(plan, model), price)
     notes = list(mod.notes(exported, model, cluster)) + mixed_device_notes(exported, cluster)
     return Export(target=target, original=original, exported=exported,

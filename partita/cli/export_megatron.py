@@ -164,6 +164,9 @@ def arguments(plan: Plan, model: ModelSpec) -> list[str]:
     if plan.dtype in ("bf16", "fp16"):
         args.append(f"--{plan.dtype}")
     zero = layers[0].zero
+    if plan.fp8:  # Transformer Engine's FP8 layers as the megatron engine prices them (search/engines.py, matmul)
+        args += ["--fp8-format", "hybrid", "--fp8-recipe", "delayed", "--fp8-amax-history-len", "1024",
+                 "--fp8-amax-compute-algo", "max"] + (["--fp8-param-gather"] if zero >= 1 else [])
     # Gradient reductions as the backward frees them (the megatron engine prices them so:
     # search/engines.py); with the distributed optimizer, the parameter all-gathers overlapped too.
     args.append("--overlap-grad-reduce")

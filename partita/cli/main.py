@@ -173,6 +173,9 @@ def build_parser(with_torch_commands: bool = False) -> argparse.ArgumentParser:
                            "loss memory): partita (partita launch, the default), or torchtitan, megatron, deepspeed "
                            "as partita export configures them (docs/engines.md); for those the plan is one the engine "
                            "runs as it is, so its export is the plan itself")
+    plan.add_argument("--fp8", action="store_true",
+                      help="run the blocks' linear layers' products in FP8 (Transformer Engine's hybrid format; "
+                           "everything else in bf16): --engine megatron on Hopper parts (docs/engines.md)")
     plan.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None,
                       help="training dtype (default: bf16 on GPUs, fp16 where a device has no bf16, fp32 on CPU ranks)")
     plan.add_argument("--memory-margin", type=_memory_margin, default=None, metavar="M",

@@ -66,7 +66,11 @@ def _plan(args: argparse.Namespace) -> int:
                       seed=args.seed or 0, space=space, context_parallel=getattr(args, "cp", None) or (),
                       cp_variant=getattr(args, "cp_variant", None), expert_parallel=getattr(args, "ep", None) or (),
                       moe_imbalance=1.0 if getattr(args, "moe_imbalance", None) is None else args.moe_imbalance,
-                      engine=getattr(args, "engine", None) or "partita")
+                      engine=getattr(args, "engine", None) or "partita", fp8=getattr(args, "fp8", False))
+    if req.fp8:
+        why = parallel.fp8_rule(req.engine, dtype, ((g.device, g.device_type.fp8_tflops) for g in cluster.groups))
+        if why:
+            raise PartitaError(f"--fp8: {why}")
     start = time.perf_counter()
     as_json = getattr(args, "json", False)
     alternatives: list[Plan] = []
@@ -103,7 +107,7 @@ def _plan(args: argparse.Namespace) -> int:
                                   f"{_margin_text(margins)} free per device)") from None
         raise
     wall = time.perf_counter() - start
-    cm = CostModel(model, cluster, seq_len=seq_len, dtype=dtype, profiles=profiles, engine=get_engine(req.engine))
+    cm = CostModel(model, cluster, seq_len=seq_len, dtype=dtype, profiles=profiles, engine=get_engine(req.engine, req.fp8))
     if any(margins.values()):  # the plan is for the real cluster: its devices' full memory, the margin unused
         from partita.search.plans import attach_prediction
         from partita.validate import validate_plan
@@ -186,7 +190,7 @@ def _alternatives(req, best: Plan, count: int) -> list[Plan]:
     from partita.search.topk import alternative_plans
 
     cm = CostModel(req.model, req.cluster, seq_len=req.seq_len, dtype=req.dtype, profiles=req.profiles,
-                   engine=get_engine(req.engine))
+                   engine=get_engine(req.engine, req.fp8))
     deadline = time.perf_counter() + (req.time_limit_s if req.time_limit_s is not None else SAFETY_WALL_S)
     return alternative_plans(cm, req, best, count, work_limit=work_limit(req), deadline=deadline)
 

@@ -177,9 +177,10 @@ def print_plan(p: Plan, notes: Sequence[str] = ()) -> None:
     if pred is not None:
         print_memory(p)
         console.print(f"predicted step time [bold]{fmt_seconds(pred.step_time_s)}[/bold], "
-                      f"{pred.tokens_per_s:,.0f} tokens/s, MFU {100 * pred.mfu:.1f}%  "
-                      f"(costs: {', '.join(f'{d} {src}' for d, src in p.cost_sources.items())}; "
-                      f"engine: {p.engine})")
+                      f"{pred.tokens_per_s:,.0f} tokens/s, MFU {100 * pred.mfu:.1f}%"
+                      + (" of the bf16 peak" if p.fp8 else "")
+                      + f"  (costs: {', '.join(f'{d} {src}' for d, src in p.cost_sources.items())}; "
+                      f"engine: {p.engine}{', FP8 products' if p.fp8 else ''})")
         parts = [f"{k.replace('_', ' ')} {fmt_seconds(v)}"
                  + (f" ({100 * v / pred.step_time_s:.1f}% of the step)" if k == "pipeline_bubble" else "")
                  for k, v in pred.breakdown.items() if v > 0]

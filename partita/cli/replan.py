@@ -67,7 +67,7 @@ def _request(old: Plan, cluster: ClusterSpec, global_batch: int, time_limit_s: f
     from partita.search.planner import PlanRequest
 
     return PlanRequest(model=old.model_spec, cluster=cluster, seq_len=old.seq_len, global_batch=global_batch,
-                       dtype=old.dtype, time_limit_s=time_limit_s, engine=old.engine,
+                       dtype=old.dtype, time_limit_s=time_limit_s, engine=old.engine, fp8=old.fp8,
                        moe_imbalance=old.moe_imbalance)
 
 

@@ -177,11 +177,11 @@ def costed(plan: Plan, cluster: "ClusterSpec") -> tuple:
     """The cost model for the plan's model on ``cluster``, and the plan evaluated under it."""
     from partita.model import ModelSpec
     from partita.search.costs.model import CostModel
-    from partita.search.engines import get_engine
+    from partita.search.engines import plan_engine
     from partita.search.evaluate import evaluate_plan
 
     cm = CostModel(ModelSpec.from_dict(plan.model, where="plan: model"), cluster, seq_len=plan.seq_len,
-                   dtype=plan.dtype, engine=get_engine(plan.engine))
+                   dtype=plan.dtype, engine=plan_engine(plan))
     return cm, evaluate_plan(plan, cm)
 
 
@@ -351,11 +351,11 @@ def with_prediction(plan: Plan, cluster: "ClusterSpec") -> tuple[Plan, str]:
         return plan, ""
     from partita.model import ModelSpec
     from partita.search.costs.model import CostModel
-    from partita.search.engines import get_engine
+    from partita.search.engines import plan_engine
     from partita.search.plans import attach_prediction
 
     cm = CostModel(ModelSpec.from_dict(plan.model, where="plan: model"), cluster, seq_len=plan.seq_len,
-                   dtype=plan.dtype, engine=get_engine(plan.engine))
+                   dtype=plan.dtype, engine=plan_engine(plan))
     return attach_prediction(plan, cm), "The plan records no prediction; it is priced here by the analytic cost model."
 
 

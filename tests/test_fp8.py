@@ -1,0 +1,101 @@
+"""FP8 products as a plan's choice (``partita plan --engine megatron --fp8``): the rule that says
+where they run, the plan file, the search, the exports and the runtime's refusal. (The cost term
+itself: tests/test_kernels.py; against measured runs: tests/test_published_runs.py.)"""
+
+import dataclasses
+
+import pytest
+
+from partita import parallel
+from partita.cli import main
+from partita.cli.export import export_plan
+from partita.cluster import parse_short
+from partita.errors import PartitaError
+from partita.model_io import load_model
+from partita.plan import Plan
+from partita.search.planner import PlanRequest, make_plan
+from partita.validate import validate_plan
+
+MODEL = load_model("llama-3-8b")
+H100 = parse_short("1x8xH100")
+
+
+def _plan(fp8: bool, engine: str = "megatron") -> Plan:
+    req = PlanRequest(model=MODEL, cluster=H100, seq_len=4096, global_batch=32, engine=engine, dtype="bf16",
+                      search="uniform", fp8=fp8)
+    return make_plan(req)[0]
+
+
+@pytest.fixture(scope="module")
+def plans():
+    return _plan(False), _plan(True)
+
+
+def test_the_rule_names_the_engine_the_dtype_and_the_part():
+    assert parallel.fp8_rule("megatron", "bf16", [("H100", 1979)]) is None
+    assert "--engine megatron" in parallel.fp8_rule("partita", "bf16", [("H100", 1979)])
+    assert "--dtype bf16" in parallel.fp8_rule("megatron", "fp16", [("H100", 1979)])
+    assert "A100-80GB has no FP8" in parallel.fp8_rule("megatron", "bf16", [("H100", 1979), ("A100-80GB", 0)])
+
+
+def test_the_search_prices_fp8_faster_and_records_it(plans, tmp_path):
+    """The same request with FP8 products: a faster predicted step (the products at 1.77x), the
+    plan file saying ``fp8: true`` (and nothing when false), and a round trip that keeps it."""
+    bf16, fp8 = plans
+    assert fp8.fp8 and not bf16.fp8
+    assert fp8.prediction.step_time_s < 0.9 * bf16.prediction.step_time_s
+    assert "fp8" not in bf16.to_dict() and fp8.to_dict()["fp8"] is True
+    fp8.save(tmp_path / "p.yaml")
+    assert Plan.load(tmp_path / "p.yaml") == fp8
+    validate_plan(fp8, MODEL, H100)
+
+
+def test_the_validator_refuses_fp8_where_it_does_not_run(plans):
+    fp8 = plans[1]
+    for engine in ("partita", "torchtitan", "deepspeed"):
+        with pytest.raises(PartitaError, match=f"engine {engine} does not run FP8"):
+            validate_plan(dataclasses.replace(fp8, engine=engine), MODEL, H100)
+
+
+def test_the_megatron_export_turns_fp8_on_and_another_engine_prices_it_in_bf16(plans):
+    bf16, fp8 = plans
+    ex = export_plan(fp8, "megatron")
+    assert ex.changes == () and ex.exported.fp8
+    assert "--fp8-format hybrid" in ex.text and "--fp8-amax-history-len 1024" in ex.text
+    assert "--fp8" not in export_plan(bf16, "megatron").text
+    tt = export_plan(fp8, "torchtitan")
+    assert not tt.exported.fp8 and tt.changes[0].startswith("products FP8 -> bf16")
+    assert tt.exported.prediction.step_time_s > fp8.prediction.step_time_s
+
+
+@pytest.mark.parametrize("flags,message", [
+    ([], "engine partita does not run FP8"),
+    (["--engine", "megatron", "--dtype", "fp16"], "--dtype bf16"),
+])
+def test_plan_refuses_fp8_in_one_line(tmp_path, capsys, flags, message):
+    code = main(["plan", "--model", "llama-3-8b", "--cluster", "1x8xH100", "--fp8", *flags,
+                 "-o", str(tmp_path / "p.yaml")])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "p.yaml").exists()
+
+
+def test_plan_refuses_fp8_on_a_part_without_it(tmp_path, capsys):
+    code = main(["plan", "--model", "llama-3-8b", "--cluster", "1x8xA100-80GB", "--engine", "megatron", "--fp8",
+                 "-o", str(tmp_path / "p.yaml")])
+    assert code == 2 and "A100-80GB has no FP8 tensor cores" in capsys.readouterr().err
+
+
+def test_partita_launch_refuses_an_fp8_plan(plans, tmp_path):
+    """Partita's runtime multiplies in bf16: an FP8 plan is Megatron's to run."""
+    pytest.importorskip("torch")
+    import argparse
+
+    from partita.runtime.launch import add_launch_arguments, check_launch
+
+    path = tmp_path / "p.yaml"
+    plans[1].save(path)
+    parser = argparse.ArgumentParser()
+    add_launch_arguments(parser)
+    with pytest.raises(PartitaError, match="FP8.*--to megatron"):
+        check_launch(plans[1], parser.parse_args([str(path)]))
