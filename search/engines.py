@@ -190,11 +190,12 @@ The terms each behaviour selects, in one place each:
   hybrid``, e4m3 forward and e5m2 gradients with delayed scaling). Priced at the part's FP8
   peak and the share of it FP8 products reach (``roofline.FP8_OVER_BF16_SHARE``), with the
   casts they add (search/kernels.py, ``fp8_casts``); the output layer, the attention core and a
-  mixture's experts keep the compute dtype (``analytic.product_dtype``). Memory is priced as in
-  the compute dtype: with FP8 parameters (``--fp8-param-gather``, NeMo's ``fp8_params``) a weight
-  and its transposed copy take the bytes one bf16 weight did, and the inputs Transformer Engine
-  saves in FP8 for the weight gradients are counted at the compute dtype's size (an upper
-  bound). Only the megatron engine runs it (``parallel.FP8_ENGINES``). Time.
+  mixture's experts keep the compute dtype (``analytic.product_dtype``). Memory: with FP8
+  parameters (``--fp8-param-gather``, NeMo's ``fp8_params``; ZeRO 1 and up) a weight and its
+  transposed copy take the bytes one bf16 weight did; at ZeRO 0 the two FP8 copies sit beside the
+  bf16 weight (``costs.memory.dense_memory``); the inputs Transformer Engine saves in FP8 for the
+  weight gradients are counted at the compute dtype's size (an upper bound). Only the megatron
+  engine runs it (``parallel.FP8_ENGINES``). Time and memory.
 * ``loss``: "chunked" (Partita's runtime: runtime.schedule.ChunkedCrossEntropy, the logits kept in
   the compute dtype and an fp32 chunk at a time), "fp32" (the logits cast to fp32 before torch's
   cross entropy, the fp32 log-probabilities kept for its backward, which makes new gradients:

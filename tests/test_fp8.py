@@ -99,3 +99,22 @@ def test_partita_launch_refuses_an_fp8_plan(plans, tmp_path):
     add_launch_arguments(parser)
     with pytest.raises(PartitaError, match="FP8.*--to megatron"):
         check_launch(plans[1], parser.parse_args([str(path)]))
+
+
+def test_fp8_weights_cost_memory_only_where_they_sit_beside_bf16_ones():
+    """Without the distributed optimizer (ZeRO 0) Transformer Engine keeps an FP8 copy of each
+    block weight and its transpose beside the bf16 weight: 2 bytes a parameter more. Sharded
+    (ZeRO 1), the weights are FP8 themselves (--fp8-param-gather) and take what bf16 took."""
+    from partita.search.costs.memory import dense_memory
+    from partita.search.costs.model import CostModel
+    from partita.search.engines import get_engine
+
+    def held(fp8: bool, zero: int) -> int:
+        cm = CostModel(MODEL, H100, seq_len=4096, dtype="bf16", engine=get_engine("megatron", fp8))
+        m = dense_memory(cm, "block", "H100", tp=1, sp=False, zero=zero, recompute="none", replicas=8,
+                         micro_batch=1, num_micro_batches=4)
+        return m.static_bytes, cm.param_count("block", 1)
+
+    (bf16_0, params), (fp8_0, _) = held(False, 0), held(True, 0)
+    assert fp8_0 - bf16_0 == pytest.approx(2 * params, rel=1e-3)
+    assert held(True, 1)[0] == held(False, 1)[0]
