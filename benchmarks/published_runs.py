@@ -73,7 +73,7 @@ FLOPS_FORMULAS = ("megatron_recompute", "palm", "megatron_core")
 MEMORY_METRICS = ("max_reserved",)
 OVERRIDES = ("memory_gib", "intra_node_gbps", "network_gbps")
 SOURCE_KEYS = ("title", "where", "url")
-DEVICE_FIGURES = ("memory_gib", "bf16_tflops", "fp16_tflops", "fp32_tflops", "hbm_gbps", "tdp_w", "power_limit_w",
+DEVICE_FIGURES = ("memory_gib", "bf16_tflops", "fp16_tflops", "fp32_tflops", "fp8_tflops", "hbm_gbps", "tdp_w", "power_limit_w",
                   "intra_node_gbps", "network_gbps")
 
 

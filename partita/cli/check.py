@@ -165,12 +165,12 @@ def devices(args: argparse.Namespace | None = None) -> int:
         jsonout.emit(jsonout.devices_output())
         return 0
     t = Table(title="device catalog (datasheet, dense)")
-    for col in ("name", "memory", "bf16 TFLOP/s", "fp32 TFLOP/s", "HBM GB/s", "intra-node", "network GB/s", "$/GPU-hour",
-                "source"):
-        t.add_column(col)
+    for col in ("name", "memory", "bf16 TFLOP/s", "fp8 TFLOP/s", "fp32 TFLOP/s", "HBM GB/s", "intra-node", "network GB/s",
+                "$/GPU-hour", "source"):
+        t.add_column(col, no_wrap=col in ("name", "memory"))
     for d in CATALOG.values():
-        t.add_row(d.name, f"{d.memory_bytes / GiB:.2f} GiB" + (f" ({d.datasheet_gb:g} GB)" if d.datasheet_gb else ""), f"{d.bf16_tflops:g}", f"{d.fp32_tflops:g}",
-                  f"{d.hbm_gbps:g}", f"{d.intra_link} {d.intra_node_gbps:g} GB/s", f"{d.network_gbps:g}",
+        t.add_row(d.name, f"{d.memory_bytes / GiB:.2f} GiB" + (f" ({d.datasheet_gb:g} GB)" if d.datasheet_gb else ""), f"{d.bf16_tflops:g}",
+                  f"{d.fp8_tflops:g}" if d.fp8_tflops else "-", f"{d.fp32_tflops:g}", f"{d.hbm_gbps:g}", f"{d.intra_link} {d.intra_node_gbps:g} GB/s", f"{d.network_gbps:g}",
                   f"{d.price_per_gpu_hour:g}" if d.price_per_gpu_hour is not None else "-", d.source)
     console.print(t)
     console.print(f"prices: {PRICE_SOURCE}; a node group's price_per_gpu_hour in a cluster YAML overrides them")

@@ -85,7 +85,8 @@ def models_output() -> dict[str, Any]:
 def devices_output() -> dict[str, Any]:
     return _head("devices") | {"price_source": PRICE_SOURCE, "devices": [
         {"name": d.name, "memory_bytes": d.memory_bytes, "bf16_tflops": d.bf16_tflops,
-         "fp16_tflops": d.fp16_tflops, "fp32_tflops": d.fp32_tflops, "hbm_gbps": d.hbm_gbps,
+         "fp16_tflops": d.fp16_tflops, "fp32_tflops": d.fp32_tflops, "fp8_tflops": d.fp8_tflops,
+         "hbm_gbps": d.hbm_gbps,
          "intra_link": d.intra_link, "intra_node_gbps": d.intra_node_gbps, "network_gbps": d.network_gbps,
          "gpus_per_node": d.gpus_per_node, "price_per_gpu_hour": d.price_per_gpu_hour, "source": d.source}
         for d in CATALOG.values()]}
