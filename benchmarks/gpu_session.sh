@@ -19,6 +19,8 @@
 # 4b. how much of its burst matrix-product rate the GPU keeps under 30 s of sustained load
 #    (benchmarks/sustained_gemm.py, into $OUT/sustained_gemm.json): the measurement behind
 #    roofline.HOPPER_SUSTAINED_TENSOR, which the kernel file only approximates (docs/calibration.md);
+# 4c. FP8 against bf16 products, shape by shape (benchmarks/fp8_gemm.py, into $OUT/fp8_gemm.json):
+#    the ratio behind roofline.FP8_OVER_BF16_SHARE, taken from an H100's published pair (seconds);
 # 5. the GPU-only tests. The machine has torch, numpy, pyyaml, rich, pytest and hypothesis but no
 #    ortools: the package installs without dependencies, and nothing here plans.
 set -uo pipefail
@@ -47,6 +49,7 @@ timeout 90 "$PY" -m partita.cli profile --model llama-3-8b --device cuda --atten
     --attention-seq-lens 8192,16384,32768 --tp 1 --cp 1,8 -o "$OUT/h200-attention.yaml" 2>&1 | tee "$OUT/attention.txt"
 timeout 60 "$PY" benchmarks/sustained_gemm.py --device cuda --seconds 30 --out "$OUT/sustained_gemm.json" \
     2>&1 | tee "$OUT/sustained_gemm.txt"
+timeout 60 "$PY" benchmarks/fp8_gemm.py --device cuda --out "$OUT/fp8_gemm.json" 2>&1 | tee "$OUT/fp8_gemm.txt"
 GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())")
 if [ "$GPUS" -ge 2 ]; then
     timeout 180 "$PY" -m partita.cli profile --comm-only --device cuda --comm-sizes 64KiB:256MiB \
@@ -55,7 +58,7 @@ if [ "$GPUS" -ge 2 ]; then
 else
     echo "one GPU: the all_to_all comm fit and the ring test need two ranks; not run" | tee "$OUT/cp_skipped.txt"
 fi
-timeout 120 "$PY" -m pytest -q tests/test_runtime_gpu.py tests/test_profiler_gpu.py tests/test_context_profile.py \
+timeout 120 "$PY" -m pytest -q tests/test_runtime_gpu.py tests/test_profiler_gpu.py tests/test_context_profile.py tests/test_fp8_gemm.py \
     2>&1 | tee "$OUT/gpu_tests.txt"
 # the all-gather variant's CUDA kernels (a lower-right causal bias with grouped-query heads), one GPU
 timeout 60 "$PY" -m pytest -q tests/test_runtime_context.py -k all_gather_chunks_on_a_gpu 2>&1 | tee "$OUT/all_gather_gpu.txt"
