@@ -67,10 +67,6 @@ def _plan(args: argparse.Namespace) -> int:
                       cp_variant=getattr(args, "cp_variant", None), expert_parallel=getattr(args, "ep", None) or (),
                       moe_imbalance=1.0 if getattr(args, "moe_imbalance", None) is None else args.moe_imbalance,
                       engine=getattr(args, "engine", None) or "partita", fp8=getattr(args, "fp8", False))
-    if req.fp8:
-        why = parallel.fp8_rule(req.engine, dtype, ((g.device, g.device_type.fp8_tflops) for g in cluster.groups))
-        if why:
-            raise PartitaError(f"--fp8: {why}")
     start = time.perf_counter()
     as_json = getattr(args, "json", False)
     alternatives: list[Plan] = []
