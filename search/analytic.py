@@ -311,7 +311,7 @@ def activation_bytes(kind: LayerKind, *, tp: int, micro_batch: int, seq_len: int
                      sequence_parallel: bool = False, recompute: str = "none",
                      on_cpu: bool = False, local_experts: int = 0, sharded_inputs: bool = False,
                      glu_saves: str = "outputs", qkv_saves: str = "repeated", norm: str = "fused",
-                     selective_keeps: str = "ops") -> int:
+                     selective_keeps: str = "ops", fp8_inputs: bool = False) -> int:
     """Bytes autograd keeps from one micro-batch's forward for the backward, on one rank
     (``local_experts``: the routed experts a rank of a mixture of experts holds, E/ep; 0: all).
 
@@ -372,6 +372,11 @@ def activation_bytes(kind: LayerKind, *, tp: int, micro_batch: int, seq_len: int
         keeps the rotated q (H heads) and k (KV heads), the projection's whole output through v's
         view (H + 2 KV heads), and its output (H): t*d*e*(3H + 3KV) with rotary, t*d*e*(2H + 2KV)
         without (q, k and v all views then), against 4*t*H*d*e with the kv heads repeated.
+      * ``fp8_inputs`` (FP8 products, ``Kernels.matmul`` "fp8"; a dense block, no recomputation):
+        Transformer Engine's linears keep their inputs for the weight gradients in FP8, a byte an
+        element (``LayerNormLinear`` its norm's FP8 output, ``Linear`` the transposed FP8 cast,
+        ``cast_transpose``): the two norm outputs and w2's input shrink from e bytes to one, and
+        wo keeps an FP8 copy of the attention output beside the kernel's own (+ t*H*d).
       * ``recompute="full"`` (full activation checkpointing of the layer): only the layer's
         input is kept: n for a block or the head (n/tp with sequence parallelism), the token ids
         for embed.
@@ -443,6 +448,10 @@ def activation_bytes(kind: LayerKind, *, tp: int, micro_batch: int, seq_len: int
     else:
         rotary = 0
         mlp = 2 * t * sh.ffn * e
+    if fp8_inputs and not kind.is_moe:  # the linears' inputs in FP8: a byte an element
+        norm_output, ffn_input = norm_output // e, ffn_input // e
+        mlp -= t * sh.ffn * (e - 1)  # w2's input
+        attention += t * H * sh.head_dim  # wo's FP8 copy of the attention output
     return 2 * (_norm_bytes(kind, sh, on_cpu, norm) // sp) + norm_output + ffn_input + attention + rotary + mlp
 
 

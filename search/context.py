@@ -320,9 +320,7 @@ def te_ring_backward_time_s(*, step_compute_s: float, step_comm_s: Sequence[floa
 
 def cp_activation_bytes(kind: LayerKind, *, variant: str, cp: int, tp: int, micro_batch: int, seq_len: int,
                         dtype: str, sequence_parallel: bool = False, recompute: str = "none",
-                        on_cpu: bool = False, local_experts: int = 0, sharded_inputs: bool = False,
-                        glu_saves: str = "outputs", qkv_saves: str = "repeated", norm: str = "fused",
-                        selective_keeps: str = "ops") -> int:
+                        on_cpu: bool = False, local_experts: int = 0, sharded_inputs: bool = False, **keeps) -> int:
     """Bytes autograd keeps from one micro-batch's forward on one rank under context parallelism
     of degree cp: ``analytic.activation_bytes`` of the rank's s/cp tokens (every term is per
     token, or per position for rotary tables and the logsumexp, so it all divides by cp), plus
@@ -339,14 +337,14 @@ def cp_activation_bytes(kind: LayerKind, *, variant: str, cp: int, tp: int, micr
     * all_gather, no recomputation: ``gather_saved_bytes``.
     * recompute "selective" or "full": the kept tensors are products' outputs or the layer
       input, all sequence shards: nothing added.
+    ``keeps``: what the engine's kernels keep (``activation_bytes``' ``glu_saves`` to ``fp8_inputs``).
     Embed and head layers keep per-token tensors only; cp divides them. At cp 1, the plain count.
     The cost model's count of a layer's activations (``costs.memory.dense_memory``)."""
     _check_variant(variant)
     local = _local_tokens(seq_len, cp)
     base = activation_bytes(kind, tp=tp, micro_batch=micro_batch, seq_len=local, dtype=dtype,
                             sequence_parallel=sequence_parallel, recompute=recompute, on_cpu=on_cpu,
-                            local_experts=local_experts, sharded_inputs=sharded_inputs, glu_saves=glu_saves,
-                            qkv_saves=qkv_saves, norm=norm, selective_keeps=selective_keeps)
+                            local_experts=local_experts, sharded_inputs=sharded_inputs, **keeps)
     if cp == 1 or kind.role != "block" or variant == "ring" or recompute != "none":
         return base
     sh = Shard.of(kind, tp=tp, micro_batch=micro_batch, seq_len=local, dtype=dtype)

@@ -193,9 +193,9 @@ The terms each behaviour selects, in one place each:
   mixture's experts keep the compute dtype (``analytic.product_dtype``). Memory: with FP8
   parameters (``--fp8-param-gather``, NeMo's ``fp8_params``; ZeRO 1 and up) a weight and its
   transposed copy take the bytes one bf16 weight did; at ZeRO 0 the two FP8 copies sit beside the
-  bf16 weight (``costs.memory.dense_memory``); the inputs Transformer Engine saves in FP8 for the
-  weight gradients are counted at the compute dtype's size (an upper bound). Only the megatron
-  engine runs it (``parallel.FP8_ENGINES``). Time and memory.
+  bf16 weight (``costs.memory.dense_memory``); the linears' inputs kept for the weight gradients
+  are FP8 (``analytic.activation_bytes``, ``fp8_inputs``). Only the megatron engine runs it
+  (``parallel.FP8_ENGINES``). Time and memory.
 * ``loss``: "chunked" (Partita's runtime: runtime.schedule.ChunkedCrossEntropy, the logits kept in
   the compute dtype and an fp32 chunk at a time), "fp32" (the logits cast to fp32 before torch's
   cross entropy, the fp32 log-probabilities kept for its backward, which makes new gradients:

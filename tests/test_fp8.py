@@ -118,3 +118,19 @@ def test_fp8_weights_cost_memory_only_where_they_sit_beside_bf16_ones():
     (bf16_0, params), (fp8_0, _) = held(False, 0), held(True, 0)
     assert fp8_0 - bf16_0 == pytest.approx(2 * params, rel=1e-3)
     assert held(True, 1)[0] == held(False, 1)[0]
+
+
+def test_fp8_linears_keep_their_inputs_in_a_byte_by_hand():
+    """Transformer Engine's FP8 linears keep their weight-gradient inputs in FP8: a dense block
+    without recomputation keeps the two norm outputs and w2's input at a byte an element (e - 1
+    bytes less each), and wo's FP8 copy of the attention output beside the kernel's own."""
+    from partita.search.analytic import activation_bytes
+
+    kw = dict(tp=1, micro_batch=1, seq_len=4096, dtype="bf16", glu_saves="input", qkv_saves="fused")
+    block = MODEL.kinds["block"]  # hidden 4096, 32 heads of 128, ffn 14336
+    t, h, f, q = 4096, 4096, 14336, 32 * 128
+    saved = activation_bytes(block, **kw) - activation_bytes(block, fp8_inputs=True, **kw)
+    assert saved == 2 * t * h + t * f - t * q
+    moe = load_model("mixtral-8x7b").kinds["block"]
+    assert activation_bytes(moe, **kw) == activation_bytes(moe, fp8_inputs=True, **kw)
+    assert activation_bytes(block, recompute="full", **kw) == activation_bytes(block, recompute="full", fp8_inputs=True, **kw)
