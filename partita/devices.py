@@ -54,8 +54,8 @@ class DeviceType:
     # Hopper's tensor cores (``search.roofline.sustained_tensor_fraction``).
     tdp_w: float | None = None
     power_limit_w: float | None = None
-    # Dense FP8 tensor-core peak (TFLOP/s); 0 where the part has no FP8 tensor cores (before
-    # Hopper). Plans with FP8 matrix products (``Plan.fp8``) need it.
+    # Dense FP8 tensor-core peak (TFLOP/s) where FP8 products are priced (Hopper parts: the share
+    # they reach, roofline.FP8_OVER_BF16_SHARE, is an H100's); 0 elsewhere. ``Plan.fp8`` needs it.
     fp8_tflops: float = 0.0
 
     def memory_from_gib(self, memory_gib: float) -> int:

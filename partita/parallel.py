@@ -30,9 +30,12 @@ FP8_ENGINES = ("megatron",)
 
 # ---- numerics -----------------------------------------------------------------------------------
 
-def fp8_rule(engine: str, dtype: str, devices: Iterable[tuple[str, float]]) -> str | None:
+def fp8_rule(engine: str, dtype: str, devices: Iterable[tuple[str, float]], *, moe: bool = False) -> str | None:
     """Why a plan on ``engine`` in ``dtype`` cannot run its products in FP8 on ``devices``
-    ((name, FP8 peak TFLOP/s) of each device type), or None."""
+    ((name, FP8 peak TFLOP/s in the catalog) of each device type), or None. A mixture of experts'
+    FP8 experts (Megatron pads their tokens for FP8) are not priced: refused."""
+    if moe:
+        return "FP8 products are priced for dense models only (a mixture's FP8 experts are not); plan without --fp8"
     if engine not in FP8_ENGINES:
         return (f"engine {engine} does not run FP8 products (engines that do: {', '.join(FP8_ENGINES)}); "
                 f"plan with --engine {FP8_ENGINES[0]}, or without --fp8")
@@ -40,7 +43,8 @@ def fp8_rule(engine: str, dtype: str, devices: Iterable[tuple[str, float]]) -> s
         return f"FP8 products keep everything else in bf16, and the dtype is {dtype}: plan with --dtype bf16"
     lacking = sorted(name for name, peak in devices if not peak)
     if lacking:
-        return f"{', '.join(lacking)} has no FP8 tensor cores (Hopper and later do); plan without --fp8"
+        return (f"{', '.join(lacking)} has no FP8 peak in the catalog: FP8 products are priced on Hopper parts "
+                f"(H100, H200); plan without --fp8")
     return None
 
 

@@ -22,7 +22,7 @@ def validate_plan(plan: Plan, model: ModelSpec, cluster: ClusterSpec) -> None:
     _check_layers(plan, model)
     _check_context_parallel(plan, model, cluster)
     _check_expert_parallel(plan, model)
-    _check_dtype(plan, cluster)
+    _check_dtype(plan, model, cluster)
     _check_runtime_limits(plan, model)
 
 
@@ -259,7 +259,7 @@ def _check_layers(plan: Plan, model: ModelSpec) -> None:
                 raise PartitaError(f"{where}: recompute {l.recompute} applies to decoder blocks only; set it to none")
 
 
-def _check_dtype(plan: Plan, cluster: ClusterSpec) -> None:
+def _check_dtype(plan: Plan, model: ModelSpec, cluster: ClusterSpec) -> None:
     for s, name in ((s, name) for s in plan.stages for name in s.groups):
         group = cluster.group(name)
         if group.device == "cpu" and plan.dtype != "fp32":
@@ -267,7 +267,8 @@ def _check_dtype(plan: Plan, cluster: ClusterSpec) -> None:
         if group.device != "cpu" and plan.dtype == "bf16" and group.device_type.bf16_tflops == 0:
             raise PartitaError(f"stage {s.index}: {group.device} has no bf16; plan with dtype fp16")
     if plan.fp8:
-        why = parallel.fp8_rule(plan.engine, plan.dtype, ((g.device, g.device_type.fp8_tflops) for g in cluster.groups))
+        why = parallel.fp8_rule(plan.engine, plan.dtype, ((g.device, g.device_type.fp8_tflops) for g in cluster.groups),
+                                moe=model.is_moe)
         if why:
             raise PartitaError(f"plan: fp8: {why}")
 

@@ -252,9 +252,6 @@ def check_launch(plan: Plan, args: argparse.Namespace, metrics: str | None = Non
         if not (cluster.fingerprint == plan.cluster_fingerprint and same_hardware(cluster, given)):
             cluster = given
     check_plan(plan, model, cluster)
-    if plan.fp8:
-        raise PartitaError(f"{args.plan} runs its products in FP8 (fp8: true), which Partita's runtime does not; "
-                           f"run it with Megatron-LM: partita export {args.plan} --to megatron")
     cfg = train_config(args, metrics)
     check_config(cfg)
     if not 0 < args.master_port < 65536:
@@ -372,10 +369,14 @@ def plan_cluster(plan: Plan, where: str = "plan: cluster") -> ClusterSpec:
 
 
 def check_plan(plan: Plan, model: ModelSpec, cluster: ClusterSpec) -> None:
-    """The plan validator; it also refuses what the runtime cannot run (partita.validate)."""
+    """The plan validator; it also refuses what the runtime cannot run (partita.validate), and
+    FP8 products, which it does not run (``partita launch``, ``partita slurm``, the worker)."""
     from partita.validate import validate_plan
 
     validate_plan(plan, model, cluster)
+    if plan.fp8:
+        raise PartitaError("the plan runs its products in FP8 (fp8: true), which Partita's runtime does not; "
+                           "run it with Megatron-LM: partita export PLAN --to megatron")
 
 
 def _check_local_world(plan: Plan, cluster: ClusterSpec, nproc: int | None) -> None:

@@ -112,8 +112,8 @@ def forward_matmuls(kind: LayerKind, sh: Shard) -> list[tuple[str, int, int, int
 # The products FP8 runs in (``Kernels.matmul`` "fp8"): a block's linear layers, the attention's and
 # a dense MLP's. Transformer Engine's FP8 covers its own layers (TELayerNormColumnParallelLinear,
 # TERowParallelLinear); Megatron-LM's output layer is its own ColumnParallelLinear, in the compute
-# dtype, as are the attention core (FP8 attention is a separate option, off by default) and, here,
-# a mixture's router and experts.
+# dtype, as is the attention core (FP8 attention is a separate option, off by default). A mixture's
+# experts run in FP8 under Megatron too, which is not priced: parallel.fp8_rule refuses mixtures.
 FP8_PRODUCTS = {"attention": ("wq", "wk", "wv", "wo"), "mlp": ("w1", "w3", "w2")}
 
 

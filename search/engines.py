@@ -189,8 +189,8 @@ The terms each behaviour selects, in one place each:
   "fp8" (a plan's ``fp8``: Transformer Engine's FP8 layers, Megatron-LM's ``--fp8-format
   hybrid``, e4m3 forward and e5m2 gradients with delayed scaling). Priced at the part's FP8
   peak and the share of it FP8 products reach (``roofline.FP8_OVER_BF16_SHARE``), with the
-  casts they add (search/kernels.py, ``fp8_casts``); the output layer, the attention core and a
-  mixture's experts keep the compute dtype (``analytic.product_dtype``). Memory: with FP8
+  casts they add (search/kernels.py, ``fp8_casts``); the output layer and the attention core keep
+  the compute dtype (``analytic.product_dtype``); dense models only (``parallel.fp8_rule``). Memory: with FP8
   parameters (``--fp8-param-gather``, NeMo's ``fp8_params``; ZeRO 1 and up) a weight and its
   transposed copy take the bytes one bf16 weight did; at ZeRO 0 the two FP8 copies sit beside the
   bf16 weight (``costs.memory.dense_memory``); the linears' inputs kept for the weight gradients

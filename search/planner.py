@@ -98,7 +98,7 @@ def check_request(req: PlanRequest) -> None:
     if req.search not in ("cpsat", "uniform"):
         raise PartitaError(f"--search {req.search!r}: choose cpsat or uniform")
     devices = ((g.device, g.device_type.fp8_tflops) for g in req.cluster.groups)  # the validator's rule, asked first:
-    if why := req.fp8 and parallel.fp8_rule(req.engine, req.dtype or default_dtype(req.cluster), devices):
+    if why := req.fp8 and parallel.fp8_rule(req.engine, req.dtype or default_dtype(req.cluster), devices, moe=req.model.is_moe):
         raise PartitaError(f"--fp8: {why}")
     if req.time_limit_s is not None and req.time_limit_s <= 0:
         raise PartitaError(f"--time-limit must be > 0 seconds, got {req.time_limit_s}")

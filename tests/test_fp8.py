@@ -35,7 +35,8 @@ def test_the_rule_names_the_engine_the_dtype_and_the_part():
     assert parallel.fp8_rule("megatron", "bf16", [("H100", 1979)]) is None
     assert "--engine megatron" in parallel.fp8_rule("partita", "bf16", [("H100", 1979)])
     assert "--dtype bf16" in parallel.fp8_rule("megatron", "fp16", [("H100", 1979)])
-    assert "A100-80GB has no FP8" in parallel.fp8_rule("megatron", "bf16", [("H100", 1979), ("A100-80GB", 0)])
+    assert "A100-80GB has no FP8 peak" in parallel.fp8_rule("megatron", "bf16", [("H100", 1979), ("A100-80GB", 0)])
+    assert "dense models only" in parallel.fp8_rule("megatron", "bf16", [("H100", 1979)], moe=True)
 
 
 def test_the_search_prices_fp8_faster_and_records_it(plans, tmp_path):
@@ -83,15 +84,22 @@ def test_plan_refuses_fp8_in_one_line(tmp_path, capsys, flags, message):
 def test_plan_refuses_fp8_on_a_part_without_it(tmp_path, capsys):
     code = main(["plan", "--model", "llama-3-8b", "--cluster", "1x8xA100-80GB", "--engine", "megatron", "--fp8",
                  "-o", str(tmp_path / "p.yaml")])
-    assert code == 2 and "A100-80GB has no FP8 tensor cores" in capsys.readouterr().err
+    assert code == 2 and "A100-80GB has no FP8 peak" in capsys.readouterr().err
 
 
-def test_partita_launch_refuses_an_fp8_plan(plans, tmp_path):
-    """Partita's runtime multiplies in bf16: an FP8 plan is Megatron's to run."""
+def test_plan_refuses_fp8_for_a_mixture_of_experts(tmp_path, capsys):
+    code = main(["plan", "--model", "mixtral-8x7b", "--cluster", "2x8xH100", "--engine", "megatron", "--fp8",
+                 "-o", str(tmp_path / "p.yaml")])
+    assert code == 2 and "dense models only" in capsys.readouterr().err
+
+
+def test_partita_launch_and_slurm_refuse_an_fp8_plan(plans, tmp_path, capsys):
+    """Partita's runtime multiplies in bf16: an FP8 plan is Megatron's to run, whether launched
+    here, written as a Slurm job, or met by a worker (``runtime.launch.check_plan``)."""
     pytest.importorskip("torch")
     import argparse
 
-    from partita.runtime.launch import add_launch_arguments, check_launch
+    from partita.runtime.launch import add_launch_arguments, check_launch, check_plan
 
     path = tmp_path / "p.yaml"
     plans[1].save(path)
@@ -99,6 +107,11 @@ def test_partita_launch_refuses_an_fp8_plan(plans, tmp_path):
     add_launch_arguments(parser)
     with pytest.raises(PartitaError, match="FP8.*--to megatron"):
         check_launch(plans[1], parser.parse_args([str(path)]))
+    with pytest.raises(PartitaError, match="FP8.*--to megatron"):
+        check_plan(plans[1], MODEL, H100)
+    check_plan(plans[0], MODEL, H100)
+    assert main(["launch", str(path), "--emit", "slurm", "-o", str(tmp_path / "job.sh")]) == 2
+    assert "FP8" in capsys.readouterr().err and not (tmp_path / "job.sh").exists()
 
 
 def test_fp8_weights_cost_memory_only_where_they_sit_beside_bf16_ones():

@@ -182,12 +182,12 @@ def dense_memory(cm, role: str, device: str, *, tp: int, sp: bool, zero: int, re
     fsdp = replicas > 1 or e != MASTER_BYTES
     grad_bytes, master_bytes, adam_bytes = state_bytes(cm)
     weights = params * master_bytes // shard
-    gathered = params * e if fsdp and z < 3 else 0
-    if cm.engine.matmul == "fp8" and role == "block" and z == 0:
+    if cm.engine.matmul == "fp8" and role == "block" and zero == 0:
         # FP8 products: Transformer Engine casts each weight once a step into an FP8 copy and its
-        # transpose, kept beside the bf16 weight. Sharded (ZeRO 1-3) the weight itself is FP8
-        # (--fp8-param-gather, which the export writes): the two copies take the bf16 copy's bytes.
-        gathered += 2 * params
+        # transpose, kept all step beside the bf16 weight. With the distributed optimizer (ZeRO >= 1,
+        # where the export writes --fp8-param-gather) the weight itself is FP8: no more bytes.
+        weights += 2 * params
+    gathered = params * e if fsdp and z < 3 else 0
     if fsdp and z < 2 and num_micro_batches > 1:
         gradients = params * grad_bytes  # accumulated unsharded until the last micro-batch
     else:
