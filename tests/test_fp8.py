@@ -147,3 +147,10 @@ def test_fp8_linears_keep_their_inputs_in_a_byte_by_hand():
     moe = load_model("mixtral-8x7b").kinds["block"]
     assert activation_bytes(moe, **kw) == activation_bytes(moe, fp8_inputs=True, **kw)
     assert activation_bytes(block, recompute="full", **kw) == activation_bytes(block, recompute="full", fp8_inputs=True, **kw)
+
+
+def test_replan_of_an_fp8_plan_onto_parts_without_it_says_what_to_do(plans):
+    from partita.cli.replan import replan
+
+    with pytest.raises(PartitaError, match="A100-80GB has no FP8 peak.*partita plan \\(without --fp8\\)"):
+        replan(plans[1], parse_short("1x8xA100-80GB"))

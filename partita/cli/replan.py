@@ -42,8 +42,14 @@ def replan(old: Plan, cluster: ClusterSpec, *, keep_batch: bool = False, time_li
            progress: Callable[[str], None] | None = None) -> Replanned:
     """The best plan for ``old``'s model, sequence, dtype and engine on ``cluster``; its global
     batch, or the nearest one ``cluster`` runs (unless ``keep_batch``)."""
+    from partita import parallel
     from partita.search.planner import make_plan
 
+    why = old.fp8 and parallel.fp8_rule(old.engine, old.dtype, ((g.device, g.device_type.fp8_tflops)
+                                                                for g in cluster.groups))
+    if why:  # the plan's FP8 products cannot follow it to this cluster; a new plan can drop them
+        raise PartitaError(f"the plan runs its products in FP8 (fp8: true), and on {cluster.short}: {why.split(';')[0]}; "
+                           f"plan the new cluster with partita plan (without --fp8)")
     first: InfeasibleError | None = None
     for batch in [old.global_batch, *([] if keep_batch else nearest_batches(old.global_batch, cluster.world_size))]:
         if progress and batch != old.global_batch:
