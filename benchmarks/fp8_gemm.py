@@ -20,10 +20,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 # m x n x k: square products (8192^3 is also a Llama 3 70B block's wq and wo at 8,192 tokens and
@@ -139,12 +137,11 @@ def catalog_peaks(device_name: str) -> tuple[float | None, float | None]:
 
 
 def _write(path: Path, data: dict) -> None:
-    """Whole or not at all: a temporary name beside the target, then a rename."""
+    """Whole or not at all (``fileio.write_text``: a temporary name beside the target, then a rename)."""
+    from partita import fileio
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=1)
-    os.replace(tmp, path)
+    fileio.write_text(path, json.dumps(data, indent=1))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -99,12 +97,11 @@ def measure(device: str, shape: tuple[int, int, int], seconds: float, window: fl
 
 
 def _write(path: Path, data: dict) -> None:
-    """Whole or not at all: a temporary name beside the target, then a rename."""
+    """Whole or not at all (``fileio.write_text``: a temporary name beside the target, then a rename)."""
+    from partita import fileio
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=1)
-    os.replace(tmp, path)
+    fileio.write_text(path, json.dumps(data, indent=1))
 
 
 def main(argv: list[str] | None = None) -> int:
