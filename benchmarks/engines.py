@@ -7,7 +7,8 @@
 2. GPT-2's head at micro-batch 40 x 2048 tokens: what the loss keeps and its transient, fp32 loss
    (torchtitan) against the chunked loss (partita).
 3. Llama 3 405B on 1024x8xH100, seq 8192, global batch 2048, in Meta's layout (tp 8 x pp 16,
-   interleaved 1F1B, the uniform grid's plan): its step under each engine, and without recompute.
+   interleaved 1F1B, the uniform grid's plan): its step under each engine, without recompute,
+   and with FP8 products (``Plan.fp8``, the megatron engine).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from rich.table import Table
 from partita.cluster import parse_short
 from partita.model import BUILTIN
 from partita.search.costs.model import CostModel
-from partita.search.engines import ENGINES
+from partita.search.engines import ENGINES, get_engine
 from partita.search.evaluate import evaluate_layout, evaluate_plan
 from partita.search.planner import PlanRequest, make_plan
 from partita.search.plans import attach_prediction
@@ -75,9 +76,10 @@ def llama3_layout(console: Console) -> None:
         t.add_column(col, justify="right")
     exposed_tp = ENGINES["megatron"].with_options({"tp_overlap": False})
     for label, engine, p in (("partita", ENGINES["partita"], plan), ("megatron, tp exposed", exposed_tp, plan),
-                             ("megatron", ENGINES["megatron"], plan), ("megatron", ENGINES["megatron"], bare)):
+                             ("megatron", ENGINES["megatron"], plan), ("megatron", ENGINES["megatron"], bare),
+                             ("megatron, FP8 products", get_engine("megatron", fp8=True), plan)):
         cm = CostModel(model, cluster, seq_len=8192, engine=engine)
-        pred = attach_prediction(dataclasses.replace(p, engine=engine.name), cm).prediction
+        pred = attach_prediction(dataclasses.replace(p, engine=engine.name, fp8=engine.matmul == "fp8"), cm).prediction
         peak = max(pred.memory, key=lambda m: m.peak_bytes)
         recompute = "as planned" if p is plan else "none"
         t.add_row(label, recompute, f"{pred.step_time_s:.2f}",
