@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Iterable, NamedTuple
 
 if TYPE_CHECKING:
+    from partita.cluster import NodeGroup
     from partita.model import LayerKind, ModelSpec
 
 # The pipeline schedules a plan may name (``Plan.schedule``), and their families.
@@ -30,10 +31,10 @@ FP8_ENGINES = ("megatron",)
 
 # ---- numerics -----------------------------------------------------------------------------------
 
-def fp8_rule(engine: str, dtype: str, devices: Iterable[tuple[str, float]], *, moe: bool = False) -> str | None:
-    """Why a plan on ``engine`` in ``dtype`` cannot run its products in FP8 on ``devices``
-    ((name, FP8 peak TFLOP/s in the catalog) of each device type), or None. A mixture of experts'
-    FP8 experts (Megatron pads their tokens for FP8) are not priced: refused."""
+def fp8_rule(engine: str, dtype: str, groups: Iterable["NodeGroup"], *, moe: bool = False) -> str | None:
+    """Why a plan on ``engine`` in ``dtype`` cannot run its products in FP8 on the node ``groups``
+    (their device types' FP8 peaks in the catalog), or None. A mixture of experts' FP8 experts
+    (Megatron pads their tokens for FP8) are not priced: refused."""
     if moe:
         return "FP8 products are priced for dense models only (a mixture's FP8 experts are not); plan without --fp8"
     if engine not in FP8_ENGINES:
@@ -41,7 +42,7 @@ def fp8_rule(engine: str, dtype: str, devices: Iterable[tuple[str, float]], *, m
                 f"plan with --engine {FP8_ENGINES[0]}, or without --fp8")
     if dtype != "bf16":
         return f"FP8 products keep everything else in bf16, and the dtype is {dtype}: plan with --dtype bf16"
-    lacking = sorted(name for name, peak in devices if not peak)
+    lacking = sorted({g.device for g in groups if not g.device_type.fp8_tflops})
     if lacking:
         return (f"{', '.join(lacking)} has no FP8 peak in the catalog: FP8 products are priced on Hopper parts "
                 f"(H100, H200); plan without --fp8")

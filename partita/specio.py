@@ -149,6 +149,14 @@ def check_keys(data: Mapping[str, Any], cls: type, what: str, required: Iterable
             raise PartitaError(f"{what}: missing key {key!r}")
 
 
+def check_choices(obj: Any, choices: Iterable[tuple[str, Iterable[str]]]) -> None:
+    """Each named field of ``obj`` holds one of its valid values, else one error naming them."""
+    for name, valid in choices:
+        value = getattr(obj, name)
+        if value not in valid:
+            raise PartitaError(f"unknown {name} {value!r}; valid: {', '.join(valid)}")
+
+
 def check_version(data: Mapping[str, Any], supported: int, what: str) -> None:
     version = data.get("schema_version", supported)
     if version != supported:

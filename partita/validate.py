@@ -267,8 +267,7 @@ def _check_dtype(plan: Plan, model: ModelSpec, cluster: ClusterSpec) -> None:
         if group.device != "cpu" and plan.dtype == "bf16" and group.device_type.bf16_tflops == 0:
             raise PartitaError(f"stage {s.index}: {group.device} has no bf16; plan with dtype fp16")
     if plan.fp8:
-        why = parallel.fp8_rule(plan.engine, plan.dtype, ((g.device, g.device_type.fp8_tflops) for g in cluster.groups),
-                                moe=model.is_moe)
+        why = parallel.fp8_rule(plan.engine, plan.dtype, cluster.groups, moe=model.is_moe)
         if why:
             raise PartitaError(f"plan: fp8: {why}")
 

@@ -212,10 +212,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Mapping
 
-from partita import parallel
+from partita import parallel, specio
 from partita.errors import PartitaError
 from partita.search.analytic import GLU_SAVES, QKV_SAVES
-from partita.search.kernels import MATMULS, Kernels
+from partita.search.kernels import Kernels
 from partita.search.timing import Software
 
 ZERO3_GATHERS = ("layer", "module")
@@ -269,16 +269,12 @@ class Engine:
 
     def __post_init__(self) -> None:
         Software(attention=self.attention, grad_sync=self.grad_sync)  # its checks of the two names
-        _ = self.kernels  # its checks of the norm and rotary names (kernels.Kernels)
-        for name, valid in (("zero3_gathers", ZERO3_GATHERS), ("selective_scope", SELECTIVE_SCOPES),
-                            ("zero2_gather", ZERO2_GATHERS), ("param_gather", PARAM_GATHERS), ("loss", LOSSES),
-                            ("p2p_buffers", P2P_BUFFERS), ("sp_inputs", SP_INPUTS), ("glu_saves", GLU_SAVES),
-                            ("qkv_saves", QKV_SAVES), ("column_linears", COLUMN_LINEARS), ("cp_ring", CP_RINGS),
-                            ("grad_buffer", DTYPE_CHOICES), ("optimizer_state", DTYPE_CHOICES),
-                            ("matmul", MATMULS)):
-            value = getattr(self, name)
-            if value not in valid:
-                raise PartitaError(f"unknown {name} {value!r}; valid: {', '.join(valid)}")
+        _ = self.kernels  # its checks of the norm, rotary and matmul names (kernels.Kernels)
+        specio.check_choices(self, (("zero3_gathers", ZERO3_GATHERS), ("selective_scope", SELECTIVE_SCOPES),
+                                    ("zero2_gather", ZERO2_GATHERS), ("param_gather", PARAM_GATHERS), ("loss", LOSSES),
+                                    ("p2p_buffers", P2P_BUFFERS), ("sp_inputs", SP_INPUTS), ("glu_saves", GLU_SAVES),
+                                    ("qkv_saves", QKV_SAVES), ("column_linears", COLUMN_LINEARS), ("cp_ring", CP_RINGS),
+                                    ("grad_buffer", DTYPE_CHOICES), ("optimizer_state", DTYPE_CHOICES)))
 
     @property
     def software(self) -> Software:

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from partita import specio
 from partita.errors import PartitaError
 
 INDEX_BYTES = 8  # token ids, targets and position ids are int64
@@ -85,9 +86,7 @@ class Kernels:
     matmul: str = "compute"
 
     def __post_init__(self) -> None:
-        for name, valid in (("norm", NORMS), ("rope", ROPES), ("glu", GLUS), ("kv", KVS), ("matmul", MATMULS)):
-            if getattr(self, name) not in valid:
-                raise PartitaError(f"unknown {name} {getattr(self, name)!r}; valid: {', '.join(valid)}")
+        specio.check_choices(self, (("norm", NORMS), ("rope", ROPES), ("glu", GLUS), ("kv", KVS), ("matmul", MATMULS)))
 
 
 def _rope_kernels(name: str, nbytes: float, rope: str) -> list[tuple[str, float]]:

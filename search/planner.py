@@ -12,13 +12,13 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from partita import parallel
-from partita.search.costs.compute import default_dtype
 from partita.cluster import ClusterSpec
 from partita.errors import InfeasibleError, PartitaError
 from partita.model import ModelSpec
 from partita.parallel import CP_VARIANTS
 from partita.plan import ContextOption, Plan, SolverReport
 from partita.profile import Profile
+from partita.search.costs.compute import default_dtype
 from partita.search.costs.model import CostModel
 from partita.search.engines import get_engine
 from partita.search.evaluate import evaluate_plan
@@ -97,8 +97,8 @@ def check_request(req: PlanRequest) -> None:
         raise PartitaError(f"{req.model.name} learns {req.model.seq_len} positions; --seq-len {req.seq_len} is longer")
     if req.search not in ("cpsat", "uniform"):
         raise PartitaError(f"--search {req.search!r}: choose cpsat or uniform")
-    devices = ((g.device, g.device_type.fp8_tflops) for g in req.cluster.groups)  # the validator's rule, asked first:
-    if why := req.fp8 and parallel.fp8_rule(req.engine, req.dtype or default_dtype(req.cluster), devices, moe=req.model.is_moe):
+    dtype = req.dtype or default_dtype(req.cluster)  # the validator's FP8 rule, asked before the search
+    if why := req.fp8 and parallel.fp8_rule(req.engine, dtype, req.cluster.groups, moe=req.model.is_moe):
         raise PartitaError(f"--fp8: {why}")
     if req.time_limit_s is not None and req.time_limit_s <= 0:
         raise PartitaError(f"--time-limit must be > 0 seconds, got {req.time_limit_s}")

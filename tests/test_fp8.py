@@ -32,11 +32,12 @@ def plans():
 
 
 def test_the_rule_names_the_engine_the_dtype_and_the_part():
-    assert parallel.fp8_rule("megatron", "bf16", [("H100", 1979)]) is None
-    assert "--engine megatron" in parallel.fp8_rule("partita", "bf16", [("H100", 1979)])
-    assert "--dtype bf16" in parallel.fp8_rule("megatron", "fp16", [("H100", 1979)])
-    assert "A100-80GB has no FP8 peak" in parallel.fp8_rule("megatron", "bf16", [("H100", 1979), ("A100-80GB", 0)])
-    assert "dense models only" in parallel.fp8_rule("megatron", "bf16", [("H100", 1979)], moe=True)
+    h100, mixed = H100.groups, parse_short("1x8xH100+1x8xA100-80GB").groups
+    assert parallel.fp8_rule("megatron", "bf16", h100) is None
+    assert "--engine megatron" in parallel.fp8_rule("partita", "bf16", h100)
+    assert "--dtype bf16" in parallel.fp8_rule("megatron", "fp16", h100)
+    assert "A100-80GB has no FP8 peak" in parallel.fp8_rule("megatron", "bf16", mixed)
+    assert "dense models only" in parallel.fp8_rule("megatron", "bf16", h100, moe=True)
 
 
 def test_the_search_prices_fp8_faster_and_records_it(plans, tmp_path):

@@ -45,8 +45,7 @@ def replan(old: Plan, cluster: ClusterSpec, *, keep_batch: bool = False, time_li
     from partita import parallel
     from partita.search.planner import make_plan
 
-    why = old.fp8 and parallel.fp8_rule(old.engine, old.dtype, ((g.device, g.device_type.fp8_tflops)
-                                                                for g in cluster.groups))
+    why = old.fp8 and parallel.fp8_rule(old.engine, old.dtype, cluster.groups)
     if why:  # the plan's FP8 products cannot follow it to this cluster; a new plan can drop them
         raise PartitaError(f"the plan runs its products in FP8 (fp8: true), and on {cluster.short}: {why.split(';')[0]}; "
                            f"plan the new cluster with partita plan (without --fp8)")
