@@ -155,3 +155,28 @@ def test_replan_of_an_fp8_plan_onto_parts_without_it_says_what_to_do(plans):
 
     with pytest.raises(PartitaError, match="A100-80GB has no FP8 peak.*partita plan \\(without --fp8\\)"):
         replan(plans[1], parse_short("1x8xA100-80GB"))
+
+
+def test_the_fp8_pairs_benchmark_prints_what_the_docs_quote_and_restores_the_term():
+    """benchmarks/fp8_pairs.py (the figures docs/calibration.md quotes): 35 pairs, the speedups
+    within 10 % as priced; its counterfactuals (twice bf16's rate, no casts) are worse at the
+    worst pair, and the term is as it was afterwards."""
+    import sys
+    from pathlib import Path
+
+    from partita.search import kernels, roofline
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import fp8_pairs
+
+    both = fp8_pairs.pairs(fp8_pairs.pr.load_runs())
+    assert len(both) == 35
+    priced = fp8_pairs.summary(fp8_pairs.speedups(both))
+    share, casts = roofline.FP8_OVER_BF16_SHARE, kernels.fp8_casts
+    with fp8_pairs.counterfactual(share=1.0):
+        doubled = fp8_pairs.summary(fp8_pairs.speedups(both))
+    with fp8_pairs.counterfactual(casts=False):
+        no_casts = fp8_pairs.summary(fp8_pairs.speedups(both))
+    assert (roofline.FP8_OVER_BF16_SHARE, kernels.fp8_casts) == (share, casts)
+    assert priced[1] <= 10 and doubled[1] > priced[1] and no_casts[1] > priced[1]
+    assert 0.10 < fp8_pairs.saved_inputs_share("llama-3-8b", 1, False) < 0.15
