@@ -95,15 +95,22 @@ GEMM_CURVE = KernelCurve(floor_s=3.420e-05, efficiency=0.7573, memory_weight=1.0
 # (``docs/calibration.md``, "Sustained load").
 HOPPER_SUSTAINED_TENSOR = 0.944
 # A Hopper part run below the power its datasheet is specified at (``DeviceType.power_limit_w``
-# under ``tdp_w``) keeps less: its tensor rate scales as (limit / design)^HOPPER_POWER_ELASTICITY.
-# The elasticity is the one pair of public measurements of the same die's matrix products at two
-# power limits, by one method: the Maximum Achievable Matmul FLOPS of an H100 SXM at 700 W, 794.5
-# TFLOP/s, and of a GH200 at 900 W, 828.6 (stas00/ml-engineering, compute/accelerator/README.md,
-# "Maximum Achievable Matmul FLOPS comparison table", bf16): ln(828.6/794.5) / ln(900/700) = 0.167.
-# Near the top of the clock curve a watt buys less than lower down (dynamic power grows about as
-# the clock cubed, an elasticity of 1/3), so at a lower limit this is the smallest loss, not a
-# fit: a 500 W limit on a 700 W design keeps 0.945 of its rate (0.894 by the cube law).
-HOPPER_POWER_ELASTICITY = 0.167
+# under ``tdp_w``) keeps less of its tensor rate, by the one public sweep of an H100's training
+# throughput over power limits: Mayr et al., "AI Application Benchmarking: Power-Aware Performance
+# Analysis for Vision and Language Models" (arXiv 2603.16164, 2026), Table 4, Llama 3 8B
+# continued pre-training (LitGPT, bf16) on an H100 SXM 94 GB HBM2e (the HBM2e SXM variant of
+# torchtitan's Grand Teton hosts) with its limit set from 200 to 700 W, tokens/s a GPU:
+# 9,699.3, 17,982.3, 24,853.4, 27,705.3, 29,250.0 and 30,271.0 (the same table's ViT-L/16
+# training keeps 0.915 at 500 W too). ``HOPPER_POWER_CURVE`` is that column over its 700 W row,
+# against limit / 700 W, interpolated linearly; below 200 W the 200 W row's fraction (the range
+# measured ends there). The step's memory-bound kernels lose less than its products (HBM has its
+# own clock), so a step that keeps 0.915 has products that keep at most that: taken as the
+# products' rate, it is the smallest loss the sweep allows, not a fit. It replaces an elasticity of
+# 0.167 from an H100 at 700 W and a GH200 module at 900 W (whose limit covers the Grace CPU too),
+# which kept 0.945 at 500 W (docs/calibration.md, "Below the design power").
+HOPPER_POWER_CURVE = ((200 / 700, 9699.3 / 30271.0), (300 / 700, 17982.3 / 30271.0),
+                      (400 / 700, 24853.4 / 30271.0), (500 / 700, 27705.3 / 30271.0),
+                      (600 / 700, 29250.0 / 30271.0), (1.0, 1.0))
 # FP8 matrix products (``dtype`` "fp8": e4m3/e5m2 operands, a bf16 result) reach a smaller share of
 # their datasheet peak than bf16 ones. The one public pair of measurements of both on the same part
 # by one method, the Maximum Achievable Matmul FLOPS of an H100 SXM (stas00/ml-engineering,
@@ -297,13 +304,19 @@ def is_hopper(dev: DeviceType) -> bool:
 def sustained_tensor_fraction(dev: DeviceType) -> float:
     """The fraction of its burst tensor-core rate ``dev`` keeps under a training step's sustained
     load: ``HOPPER_SUSTAINED_TENSOR`` on Hopper parts, less below their design power
-    (``HOPPER_POWER_ELASTICITY``); 1 on other parts."""
+    (``power_limit_fraction``); 1 on other parts."""
     if not is_hopper(dev):
         return 1.0
-    fraction = HOPPER_SUSTAINED_TENSOR
-    if dev.tdp_w and dev.power_limit_w and dev.power_limit_w < dev.tdp_w:
-        fraction *= (dev.power_limit_w / dev.tdp_w) ** HOPPER_POWER_ELASTICITY
-    return fraction
+    return HOPPER_SUSTAINED_TENSOR * power_limit_fraction(dev)
+
+
+def power_limit_fraction(dev: DeviceType) -> float:
+    """The fraction of its tensor rate a Hopper part keeps at ``power_limit_w`` under its design
+    power ``tdp_w`` (``HOPPER_POWER_CURVE``); 1 at or above it, or without the two figures."""
+    if not (dev.tdp_w and dev.power_limit_w and dev.power_limit_w < dev.tdp_w):
+        return 1.0
+    xs, ys = zip(*HOPPER_POWER_CURVE)
+    return float(np.interp(dev.power_limit_w / dev.tdp_w, xs, ys))
 
 
 def _peaks(dev: DeviceType, dtype: str) -> tuple[float, float]:
