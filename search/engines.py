@@ -91,6 +91,18 @@ The terms each behaviour selects, in one place each:
   deepspeed/runtime/zero/stage_1_and_2.py): one all-gather a step beside the data-parallel sync,
   no gather per micro-batch, and no gather's buffer at a forward's peak (``layer_time.zero_traffic``,
   ``costs.memory.dense_memory``). The reduce-scatter of every micro-batch is the same on both.
+* ``shard_copies``: the copies around each per-micro-batch ZeRO gather and reduction that run on
+  the compute stream. "fsdp2" (Partita's runtime and torchtitan: FSDP2 shards parameter by
+  parameter, so after each all-gather ``foreach_all_gather_copy_out`` copies the gathered buffer
+  out into the unsharded parameters, ``split_with_sizes_copy`` on the current stream, and before
+  each reduce-scatter ``foreach_reduce_scatter_copy_in`` copies the unsharded gradients into the
+  reduce-scatter input in the reduce dtype, ``chunk_cat``, on the current stream: "Only after the
+  copy-in finishes can we free the gradients"; torch/distributed/fsdp/_fully_shard/
+  _fsdp_collectives.py) or "none" (FSDP1's flat parameters, gathered straight into the unsharded
+  flat parameter that the parameters view; Megatron-LM's contiguous parameter and gradient
+  buffers; DeepSpeed's copies are not priced). Priced as memory-bound kernels in the layer's
+  passes (``layer_time.shard_copies_s``): per gather 2 x its bytes, per reduction the gradients'
+  bytes in the compute dtype and the reduce dtype.
 * ``param_gather``: when the once-a-step all-gather of the updated parameters (ZeRO-1, and
   ZeRO-2 under ``zero2_gather`` "step") runs. "next_forward": layer by layer beside the next
   step's first forward, each layer's gather waited for where the layer starts (Partita's runtime
@@ -228,6 +240,7 @@ DEEPSPEED_REDUCE_BUCKET = 500_000_000
 DEEPSPEED_MAX_REUSE_DISTANCE = 1_000_000_000
 P2P_BUFFERS = ("per_micro_batch", "on_receive", "per_transfer")
 ZERO2_GATHERS = ("micro_batch", "step")
+SHARD_COPIES = ("fsdp2", "none")
 PARAM_GATHERS = ("next_forward", "after_step")
 SELECTIVE_SCOPES = ("ops", "attention", "alternate")
 LOSSES = ("chunked", "fp32", "fp32_in_place")
@@ -250,6 +263,7 @@ class Engine:
     selective_scope: str = "ops"
     zero3_gathers: str = "layer"
     zero2_gather: str = "micro_batch"
+    shard_copies: str = "none"
     param_gather: str = "next_forward"
     loss: str = "chunked"
     fp16_grad_reduce: bool = False
@@ -271,7 +285,7 @@ class Engine:
         Software(attention=self.attention, grad_sync=self.grad_sync)  # its checks of the two names
         _ = self.kernels  # its checks of the norm, rotary and matmul names (kernels.Kernels)
         specio.check_choices(self, (("zero3_gathers", ZERO3_GATHERS), ("selective_scope", SELECTIVE_SCOPES),
-                                    ("zero2_gather", ZERO2_GATHERS), ("param_gather", PARAM_GATHERS), ("loss", LOSSES),
+                                    ("zero2_gather", ZERO2_GATHERS), ("shard_copies", SHARD_COPIES), ("param_gather", PARAM_GATHERS), ("loss", LOSSES),
                                     ("p2p_buffers", P2P_BUFFERS), ("sp_inputs", SP_INPUTS), ("glu_saves", GLU_SAVES),
                                     ("qkv_saves", QKV_SAVES), ("column_linears", COLUMN_LINEARS), ("cp_ring", CP_RINGS),
                                     ("grad_buffer", DTYPE_CHOICES), ("optimizer_state", DTYPE_CHOICES)))
@@ -319,12 +333,13 @@ ENGINES: dict[str, Engine] = {
     # buffers allocated as receives are posted, the chunked loss, and the column-parallel
     # products of one input run as one function (runtime.tp_linear): the sequence shard kept and
     # gathered again in the backward, the input gradient's reduction beside the weight gradients.
-    "partita": Engine("partita", dgrad_overlap=True, p2p_overlap=True, sp_inputs="sharded", p2p_buffers="on_receive"),
+    "partita": Engine("partita", dgrad_overlap=True, p2p_overlap=True, sp_inputs="sharded", p2p_buffers="on_receive",
+                      shard_copies="fsdp2"),
     # torchtitan as partita export --to torchtitan writes it: the same torch stack (SDPA, FSDP2
     # per block, torch pipelining), eager (async TP needs compile); its loss casts the logits to
     # fp32 (torchtitan/components/loss.py, cross_entropy_loss: pred.flatten(0, 1).float()); its
     # selective recomputation is the "op" policy the export writes.
-    "torchtitan": Engine("torchtitan", p2p_overlap=True, loss="fp32", selective_scope="alternate"),
+    "torchtitan": Engine("torchtitan", p2p_overlap=True, loss="fp32", selective_scope="alternate", shard_copies="fsdp2"),
     # Megatron-LM as partita export --to megatron writes it: Transformer Engine's attention, which
     # on Hopper and later prefers cuDNN's fused attention over FlashAttention ("Disabling
     # FlashAttention to give FusedAttention preference on Hopper+", dot_product_attention/utils.py,

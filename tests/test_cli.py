@@ -87,7 +87,7 @@ def test_recompute_modes_are_searched_and_shown(tmp_path, capsys):
     """Where memory binds, blocks recompute selectively (the products' outputs kept), and the
     summary says so; --recompute limits the modes, and --no-recompute cannot disagree with it."""
     out = tmp_path / "p.yaml"
-    assert main(["plan", "--model", "llama-2-13b", "--cluster", "1x8xA100-40GB", "--seq-len", "4096",
+    assert main(["plan", "--model", "llama-2-13b", "--cluster", "1x8xA100-40GB", "--seq-len", "8192",
                  "--recompute", "none,selective", "-o", str(out)]) == 0
     assert "selective recompute" in capsys.readouterr().out
     modes = [l["recompute"] for s in yaml.safe_load(out.read_text())["stages"] for l in s["layers"]]

@@ -51,10 +51,12 @@ def test_zero3_module_gathers_pay_the_ring_s_latency_each_and_the_loss_grows_wit
     steps) loses throughput per GPU as the ranks grow much faster than FSDP's one gather a block."""
     model = BUILTIN["gpt3-175b"]
     per_gpu, compute = {}, {}
+    # FSDP's gathers without FSDP2's copies around them (``shard_copies``, a compute-stream term)
+    engines = {"partita": PARTITA.with_options({"shard_copies": "none"}), "deepspeed": ENGINES["deepspeed"]}
     for engine in ("partita", "deepspeed"):
         for gpus in (384, 1536):
             cluster = parse_short(f"{gpus // 8}x8xA100-80GB")
-            cm = CostModel(model, cluster, seq_len=2048, engine=ENGINES[engine])
+            cm = CostModel(model, cluster, seq_len=2048, engine=engines[engine])
             ev = evaluate_layout(cm, [(cluster.groups[0], layers(model, zero=3, recompute="full"))], dp=gpus, tp=1,
                                  micro_batch=1, num_micro_batches=1536 // gpus)
             per_gpu[engine, gpus] = 1536 * 2048 / ev.step_time_s / gpus
@@ -612,3 +614,29 @@ def test_deepspeed_s_reuse_distance_keeps_a_recomputed_block_gathered_for_its_ba
     assert mem[far].transient_gathered == block_params * 2 + largest * 2
     with pytest.raises(PartitaError, match="max_reuse_distance must be a positive whole number"):
         ENGINES["deepspeed"].with_options({"max_reuse_distance": 0})
+
+
+def test_fsdp2_copies_its_gathers_out_and_its_gradients_in_on_the_compute_stream():
+    """FSDP2 (Partita's runtime, torchtitan) copies each all-gather's output out into the
+    parameters and each micro-batch's gradients into the reduce-scatter input, on the compute
+    stream (``Engine.shard_copies`` "fsdp2"): a ZeRO-3 block's passes run two copies of its
+    gathered bytes and one of its gradients longer than with FSDP1's flat parameters ("none");
+    ZeRO 2 gathering each micro-batch, one gather and one reduction; unsharded, nothing."""
+    from partita.search.roofline import memory_time_s
+
+    model, cluster = BUILTIN["llama-3-8b"], parse_short("4x8xH100")
+    device = cluster.groups[0].device_type
+    flat = PARTITA.with_options({"shard_copies": "none"})
+    params = CostModel(model, cluster, seq_len=4096, engine=PARTITA).param_count("block", 1)
+    gather = memory_time_s(device, 2 * params * 2)
+    reduce = memory_time_s(device, params * (2 + 4))
+    assert ENGINES["torchtitan"].shard_copies == "fsdp2"
+    assert ENGINES["megatron"].shard_copies == ENGINES["deepspeed"].shard_copies == "none"
+    for zero, dp, added in ((3, 32, 2 * gather + reduce), (2, 32, gather + reduce), (0, 32, 0.0), (3, 1, 0.0)):
+        spec = strategy(model, "layers.0", tp=1, sp=False, zero=zero, recompute="none")
+        t = {name: CostModel(model, cluster, seq_len=4096, engine=engine).at_ep(1).layer_time(
+            "block", cluster.groups[0], spec, dp=dp, micro_batch=1) for name, engine in (("fsdp2", PARTITA), ("flat", flat))}
+        assert t["fsdp2"].compute_s - t["flat"].compute_s == pytest.approx(added, rel=1e-9, abs=1e-12)
+        assert t["fsdp2"].zero_comm_s == t["flat"].zero_comm_s
+    with pytest.raises(PartitaError, match="unknown shard_copies 'fsdp1'"):
+        PARTITA.with_options({"shard_copies": "fsdp1"})

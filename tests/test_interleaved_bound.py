@@ -104,8 +104,9 @@ def test_every_moment_at_once_tightens_the_bound_where_one_weighting_cannot():
     """llama-2-70b on 64 H100 at tp 2 x dp 4 x pp 8, interleaved v = 4, 16 micro-batches: one
     weighting of the virtual stages' activations at a time lets each rank's knapsack fill the
     memory a moment it was not weighted at would need; every moment at once (``exact``,
-    ``moment_least_s``) closes over 40 % of the gap to the entry's mixed plan (3.781 -> 3.855 s
-    against 3.946 s), and stays below it."""
+    ``moment_least_s``) closes a third of the gap to the entry's mixed plan (3.781 -> 3.855 s
+    against 4.000 s; 3.946 s before FSDP2's copies were priced, ``Engine.shard_copies``, which the
+    mixed plan's sharded layers pay), and stays below it."""
     from partita.search.interleaved_bound import mixed_layout
 
     model, cluster = BUILTIN["llama-2-70b"], parse_short("8x8xH100")
@@ -116,4 +117,4 @@ def test_every_moment_at_once_tightens_the_bound_where_one_weighting_cannot():
     every = variant_bound_s(cm, groups, exact=True, **kw)
     _, ev = mixed_layout(cm, groups, **kw)
     assert ev.fits and one < every <= ev.step_time_s
-    assert every - one > 0.4 * (ev.step_time_s - one)
+    assert every - one > 0.3 * (ev.step_time_s - one)

@@ -280,7 +280,7 @@ def test_optimal_says_what_it_proves():
     """CP-SAT proves 1F1B pipelines; the other schedules' plans are bounded by their memory-aware
     bound (``interleaved_bound``): where it reaches the plan, 'optimal' covers every schedule
     (the 7B on 8 H100, whose work bound m x W / pp alone is below the plan), where it does not,
-    'optimal' is said among 1F1B plans only (the 70B on 16 H100); without pipelines it needs
+    'optimal' is said among 1F1B plans only (the 70B on 16 H100, 64 sequences a step); without pipelines it needs
     no such word."""
     from partita.cluster import parse_short
     from partita.model_io import load_model
@@ -298,7 +298,7 @@ def test_optimal_says_what_it_proves():
     assert work.bound_us < plan.solver.objective_us  # the work bound alone would not prove it
     big = load_model("llama-2-70b")
     plan, _ = make_plan(PlanRequest(model=big, cluster=parse_short("2x8xH100"), seq_len=big.seq_len,
-                                    global_batch=32))
+                                    global_batch=64))
     assert plan.solver.status == "optimal" and plan.solver.proven_among == "1f1b"
     assert plan.solver.to_dict()["proven_among"] == "1f1b"
     flat, _ = make_plan(PlanRequest(model=model, cluster=cluster, seq_len=model.seq_len, global_batch=64,

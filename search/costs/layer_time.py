@@ -39,7 +39,7 @@ from partita.search.analytic import column_groups
 from partita.search.costs.compute import dgrad_windows_s, optimizer_s, sequence_parallel_savings
 from partita.search.costs.links import Link
 from partita.search.engines import recompute_regathers, reduce_flushes, zero3_gathers
-from partita.search.roofline import cpu_adam_s
+from partita.search.roofline import cpu_adam_s, memory_time_s
 from partita.search.timing import OPTIMIZER_OPS_PER_TENSOR, overlapped_s, param_tensors
 
 @dataclass(frozen=True)
@@ -95,6 +95,25 @@ def zero_traffic(cm, params: int, group: NodeGroup, *, tp: int, zero: int, repli
         else:
             zero_fwd, zero_bwd = ag, ag + rs
     return zero_fwd, zero_bwd, dp_sync, gather
+
+
+def shard_copies_s(cm, params: int, group: NodeGroup, *, zero: int, replicas: int) -> tuple[float, float]:
+    """(forward, backward) per micro-batch of the copies an engine that shards parameter by
+    parameter runs on the compute stream around its per-micro-batch gathers and reductions
+    (``Engine.shard_copies`` "fsdp2", search/engines.py): each all-gather's output copied out into
+    the parameters (FSDP2's ``split_with_sizes_copy``: the layer's gathered bytes read and
+    written), each reduce-scatter's input copied in from the gradients (``chunk_cat``: the
+    compute-dtype gradients read, the reduce dtype written). ZeRO 3 gathers in both passes and
+    reduces in the backward, ZeRO 2 gathering each micro-batch gathers in the forward; the
+    once-a-step gathers and reductions (ZeRO 1, ZeRO 2 gathered once a step) are not priced."""
+    if cm.engine.shard_copies != "fsdp2" or replicas < 2 or zero < 2:
+        return 0.0, 0.0
+    device = group.device_type
+    gather = memory_time_s(device, 2 * params * cm.elem)
+    reduce = memory_time_s(device, params * (cm.elem + cm.reduce_bytes))
+    if zero == 3:
+        return gather, gather + reduce
+    return (gather if cm.engine.zero2_gather == "micro_batch" else 0.0), reduce
 
 
 def zero3_recompute_s(cm, role: str, group: NodeGroup, *, tp: int, replicas: int) -> float:
@@ -183,6 +202,8 @@ def layer_time(cm, role: str, group: NodeGroup, *, tp: int, sp: bool, zero: int,
     # Parameters are gathered in the compute dtype; gradients are reduced in fp32
     # (FSDP2's reduce_dtype, the standard mixed-precision recipe).
     params = cm.param_count(role, tp)
+    copy_fwd, copy_bwd = shard_copies_s(cm, params, group, zero=zero, replicas=replicas)
+    fwd_compute, bwd_compute = fwd_compute + copy_fwd, bwd_compute + copy_bwd
     zero_fwd, zero_bwd, dp_sync, gather = cm.zero_traffic(role, group, tp, zero, replicas)
     if zero == 3 and recompute == "full" and replicas > 1:
         zero_bwd += zero3_recompute_s(cm, role, group, tp=tp, replicas=replicas)
