@@ -211,6 +211,7 @@ def _edgeless_bound_s(cm: CostModel, stage_groups: Sequence[NodeGroup], names, o
 
     pp = len(stage_groups)
     ranks, times, sync, optimizer = [], [], 0.0, 0.0
+    tied = _least_tied_sync_s(cm, stage_groups, names, of, dp=dp)
     for r, group in enumerate(stage_groups):
         terms = _rank_terms(cm, stage_groups, names, r, of, tp=tp, dp=dp, mb=mb, m=m, schedule=schedule, v=v)
         if terms is None:
@@ -234,7 +235,7 @@ def _edgeless_bound_s(cm: CostModel, stage_groups: Sequence[NodeGroup], names, o
         least_sync = min(c[3] for c in blocks)
         sync = max(sync, n_blocks * least_sync if schedule in ZERO_BUBBLE else least_sync)
         optimizer = max(optimizer, n_blocks * min(c[4] for c in blocks))
-        fixed = optimizer + cm.step_overhead_s
+        fixed = optimizer + cm.step_overhead_s + tied
         # the closed form only grows with the ranks still to come
         so_far = closed_form_s(schedule, times + [0.0] * (pp - len(times)), m, v) + sync + fixed
         if so_far >= enough:
@@ -256,6 +257,20 @@ def _edgeless_bound_s(cm: CostModel, stage_groups: Sequence[NodeGroup], names, o
             if bound + fixed >= enough:
                 break
     return bound + fixed
+
+
+def _least_tied_sync_s(cm: CostModel, stage_groups: Sequence[NodeGroup], names, of, *, dp: int) -> float:
+    """The least per-step sum of a tied embedding's two copies the step pays (``costs.step``: a
+    rank that holds the head and not the embedding, ``layer_time.tied_sync_s``), over the head's
+    choices; 0 where the model ties none or one rank holds both."""
+    if not cm.model.tie_embeddings:
+        return 0.0
+    holds = lambda end: next((r for r, chunks in enumerate(names) if any(end in c for c in chunks)), None)  # noqa: E731
+    head, embed = holds("head"), holds("embed")
+    if head is None or head == embed:
+        return 0.0
+    group = stage_groups[head]
+    return min(cm.tied_sync_s(group, dp=dp, tp=c[6].tensor_parallel, zero=c[6].zero) for c in of(group, "head"))
 
 
 def _buffers_bytes(cm: CostModel, groups: Sequence[NodeGroup], names, r: int, *, schedule: str, tp: int, mb: int,
@@ -345,11 +360,19 @@ def mixed_layout(cm: CostModel, stage_groups: Sequence[NodeGroup], *, tp: int, d
     (InterleavedLayout, Evaluation), or None."""
     names, every, edges = _entry(cm, stage_groups, tp=tp, dp=dp, mb=mb, m=m, space=space, schedule=schedule, v=v)
     best = None
-    for edge in (edges[0], math.inf):  # ZeRO 2/3 blocks cost m x their edge: plans without them, then any
-        for found in _candidates(cm, stage_groups, names, _capped(every, edge), tries=tries, tp=tp, dp=dp, mb=mb,
-                                 m=m, schedule=schedule, v=v):
-            if best is None or found[1].step_time_s < best[1].step_time_s:
-                best = found
+    # The end layers at their fastest choices, and (where that choice is unsharded and replicas
+    # share them) at their fastest sharded one: a tied embedding's unsharded copies sum their
+    # whole gradients across the replicas each step (``layer_time.tied_sync_s``), which their
+    # layer times do not show.
+    sharded = dp > 1 and any(_end_pick(every, g, end, sharded=False)[6].zero == 0
+                             and _end_pick(every, g, end, sharded=True)[6].zero > 0
+                             for g in set(stage_groups) for end in ("embed", "head"))
+    for ends in ((False, True) if sharded else (False,)):
+        for edge in (edges[0], math.inf):  # ZeRO 2/3 blocks cost m x their edge: plans without them, then any
+            for found in _candidates(cm, stage_groups, names, _capped(every, edge), tries=tries, tp=tp, dp=dp,
+                                     mb=mb, m=m, schedule=schedule, v=v, sharded_ends=ends):
+                if best is None or found[1].step_time_s < best[1].step_time_s:
+                    best = found
     if best is None:
         return None
     stages, ev = best
@@ -368,8 +391,16 @@ def mixed_layout(cm: CostModel, stage_groups: Sequence[NodeGroup], *, tp: int, d
                              chunk_sizes=tuple(tuple(len(c) for c in stage) for stage in names)), ev
 
 
+def _end_pick(of, group: NodeGroup, end: str, *, sharded: bool):
+    """An end layer's fastest choice; ``sharded``: its fastest with ZeRO 1 or more, if it has one."""
+    choices = of(group, end)
+    if sharded and any(c[6].zero > 0 for c in choices):
+        choices = [c for c in choices if c[6].zero > 0]
+    return min(choices, key=lambda c: c[0])
+
+
 def _candidates(cm: CostModel, stage_groups, names, of, *, tries: int, tp: int, dp: int, mb: int, m: int,
-                schedule: str, v: int):
+                schedule: str, v: int, sharded_ends: bool = False):
     """``mixed_layout``'s plans over the choices ``of`` gives, that fit, for two weightings of
     the in-flight activations: each rank's blocks for its least time; for its least m x time
     plus exposed sync; and (with data parallelism) for its least time, then blocks traded for
@@ -381,7 +412,7 @@ def _candidates(cm: CostModel, stage_groups, names, of, *, tries: int, tp: int, 
         if terms is None:
             return
         room, sizes, bounds, _, sides = terms
-        fastest = {end: min(of(group, end), key=lambda c: c[0]) for end in ("embed", "head")}
+        fastest = {end: _end_pick(of, group, end, sharded=sharded_ends) for end in ("embed", "head")}
         here = [end for end in fastest if any(end in chunk for chunk in names[r])]
         held = [fastest[end] for end in here]
         # The plan's end layers take their fastest choices: their state beyond the leanest, which

@@ -118,3 +118,30 @@ def test_every_moment_at_once_tightens_the_bound_where_one_weighting_cannot():
     _, ev = mixed_layout(cm, groups, **kw)
     assert ev.fits and one < every <= ev.step_time_s
     assert every - one > 0.3 * (ev.step_time_s - one)
+
+
+def test_a_tied_embedding_s_sync_is_in_the_bound_and_its_ends_are_tried_sharded():
+    """gpt3-175b on 1,024 H100 (the search target's instance), entry dp 32 x tp 2 x pp 16 at
+    interleaved 1F1B v 4: the step pays the sum of the tied embedding's two copies on the rank that
+    holds the head (``costs.step``), so the bound adds its least over the head's choices; and the
+    mixed plan tries the end layers at their fastest sharded choice as well as their fastest, whose
+    unsharded copies' sync the layer times do not show: it then beats the uniform plan (7.120 s),
+    and the bound stays below it. A model without tied embeddings pays nothing."""
+    from partita.search.interleaved_bound import _entry, _least_tied_sync_s, mixed_layout
+
+    model, cluster = BUILTIN["gpt3-175b"], parse_short("128x8xH100")
+    cm = CostModel(model, cluster, seq_len=model.seq_len)
+    groups = [cluster.groups[0]] * 16
+    kw = dict(tp=2, dp=32, mb=1, m=48, space=SearchSpace(), schedule="interleaved-1f1b", v=4)
+    names, of, _ = _entry(cm, groups, **kw)
+    tied = _least_tied_sync_s(cm, groups, names, of, dp=32)
+    assert tied > 0
+    _, ev = mixed_layout(cm, groups, **kw)
+    assert ev.fits and ev.step_time_s < 7.12
+    assert tied <= ev.breakdown["tied_embedding_sync"]
+    assert variant_bound_s(cm, groups, exact=True, **kw) <= ev.step_time_s
+    untied = BUILTIN["llama-2-70b"]
+    cm2 = CostModel(untied, parse_short("8x8xH100"), seq_len=4096)
+    names2, of2, _ = _entry(cm2, [cm2.cluster.groups[0]] * 8, tp=2, dp=4, mb=1, m=16, space=SearchSpace(),
+                            schedule="interleaved-1f1b", v=4)
+    assert _least_tied_sync_s(cm2, [cm2.cluster.groups[0]] * 8, names2, of2, dp=4) == 0.0
