@@ -270,7 +270,9 @@ def _least_tied_sync_s(cm: CostModel, stage_groups: Sequence[NodeGroup], names, 
     if head is None or head == embed:
         return 0.0
     group = stage_groups[head]
-    return min(cm.tied_sync_s(group, dp=dp, tp=c[6].tensor_parallel, zero=c[6].zero) for c in of(group, "head"))
+    # no choice of the head runs under this schedule: the rank's terms make the entry inf
+    return min((cm.tied_sync_s(group, dp=dp, tp=c[6].tensor_parallel, zero=c[6].zero) for c in of(group, "head")),
+               default=0.0)
 
 
 def _buffers_bytes(cm: CostModel, groups: Sequence[NodeGroup], names, r: int, *, schedule: str, tp: int, mb: int,
@@ -364,7 +366,7 @@ def mixed_layout(cm: CostModel, stage_groups: Sequence[NodeGroup], *, tp: int, d
     # share them) at their fastest sharded one: a tied embedding's unsharded copies sum their
     # whole gradients across the replicas each step (``layer_time.tied_sync_s``), which their
     # layer times do not show.
-    sharded = dp > 1 and any(_end_pick(every, g, end, sharded=False)[6].zero == 0
+    sharded = dp > 1 and cm.model.tie_embeddings and any(_end_pick(every, g, end, sharded=False)[6].zero == 0
                              and _end_pick(every, g, end, sharded=True)[6].zero > 0
                              for g in set(stage_groups) for end in ("embed", "head"))
     for ends in ((False, True) if sharded else (False,)):

@@ -105,7 +105,8 @@ def shard_copies_s(cm, params: int, group: NodeGroup, *, zero: int, replicas: in
     written), each reduce-scatter's input copied in from the gradients (``chunk_cat``: the
     compute-dtype gradients read, the reduce dtype written). ZeRO 3 gathers in both passes and
     reduces in the backward, ZeRO 2 gathering each micro-batch gathers in the forward; the
-    once-a-step gathers and reductions (ZeRO 1, ZeRO 2 gathered once a step) are not priced."""
+    once-a-step gathers and reductions (ZeRO 1, ZeRO 2 gathered once a step) are not priced, nor
+    those of a mixture's experts sharded on their own (``extra_zero``)."""
     if cm.engine.shard_copies != "fsdp2" or replicas < 2 or zero < 2:
         return 0.0, 0.0
     device = group.device_type
@@ -202,7 +203,9 @@ def layer_time(cm, role: str, group: NodeGroup, *, tp: int, sp: bool, zero: int,
     # Parameters are gathered in the compute dtype; gradients are reduced in fp32
     # (FSDP2's reduce_dtype, the standard mixed-precision recipe).
     params = cm.param_count(role, tp)
-    copy_fwd, copy_bwd = shard_copies_s(cm, params, group, zero=zero, replicas=replicas)
+    # FSDP2's copies run on the compute stream, scaled as the optimizer's memory-bound passes are
+    copy_fwd, copy_bwd = (cm.time_constants(group.device).compute_scale * s
+                          for s in shard_copies_s(cm, params, group, zero=zero, replicas=replicas))
     fwd_compute, bwd_compute = fwd_compute + copy_fwd, bwd_compute + copy_bwd
     zero_fwd, zero_bwd, dp_sync, gather = cm.zero_traffic(role, group, tp, zero, replicas)
     if zero == 3 and recompute == "full" and replicas > 1:
