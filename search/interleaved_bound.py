@@ -363,10 +363,11 @@ def mixed_layout(cm: CostModel, stage_groups: Sequence[NodeGroup], *, tp: int, d
     names, every, edges = _entry(cm, stage_groups, tp=tp, dp=dp, mb=mb, m=m, space=space, schedule=schedule, v=v)
     best = None
     # The end layers at their fastest choices, and (where that choice is unsharded and replicas
-    # share them) at their fastest sharded one: a tied embedding's unsharded copies sum their
-    # whole gradients across the replicas each step (``layer_time.tied_sync_s``), which their
-    # layer times do not show.
-    sharded = dp > 1 and cm.model.tie_embeddings and any(_end_pick(every, g, end, sharded=False)[6].zero == 0
+    # share them) at their fastest sharded one: what an unsharded end layer pays once a step (its
+    # whole gradient's all-reduce; a tied embedding's two copies summed across the replicas,
+    # ``layer_time.tied_sync_s``) is not in the layer time the choice is picked by. (Untied models
+    # gain too: llama-3-405b on 16,384 H100, 7.130 -> 7.117 s, docs/benchmarks.md.)
+    sharded = dp > 1 and any(_end_pick(every, g, end, sharded=False)[6].zero == 0
                              and _end_pick(every, g, end, sharded=True)[6].zero > 0
                              for g in set(stage_groups) for end in ("embed", "head"))
     for ends in ((False, True) if sharded else (False,)):
