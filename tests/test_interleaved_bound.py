@@ -164,3 +164,22 @@ def test_a_tied_head_with_no_choice_under_the_schedule_bounds_the_entry_at_inf()
     space = SearchSpace(zero_levels=(2, 3))
     assert variant_bound_s(cm, [cluster.groups[0]] * 4, tp=1, dp=2, mb=1, m=8, space=space,
                            schedule="interleaved-zb", v=2) == math.inf
+
+
+def test_zbv_ties_the_embedding_within_its_first_rank():
+    """Under ZB-V the first rank holds the embedding (its first virtual stage) and the head (its
+    last): the runtime ties the two there (runtime/tied.py), so the step pays no tied sync and the
+    rank keeps no second copy; under interleaved 1F1B the head is on the last rank and pays it."""
+    model, cluster = BUILTIN["gpt2-medium"], parse_short("1x8xH100")
+    cm = CostModel(model, cluster, seq_len=model.seq_len)
+    pp, v, m = 4, 2, 8
+    syncs = {}
+    for schedule in ("zbv", "interleaved-1f1b"):
+        choice = {n: choice_of(model, strategy(model, n, tp=1, sp=False, zero=1, recompute="none"))
+                  for n in ("embed", "layers.0", "head")}
+        counts = [[Counter(choice["layers.0" if n.startswith("layers.") else n] for n in chunk) for chunk in stage]
+                  for stage in chunk_names(model.n_layers, pp, v, schedule)]
+        ev = evaluate_interleaved(cm, [(cluster.groups[0], c) for c in counts], dp=2, tp=1, micro_batch=1,
+                                  num_micro_batches=m, schedule=schedule)
+        syncs[schedule] = ev.breakdown.get("tied_embedding_sync", 0.0)
+    assert syncs["zbv"] == 0.0 and syncs["interleaved-1f1b"] > 0

@@ -112,13 +112,15 @@ def choice_of(model: ModelSpec, s: LayerStrategy) -> LayerChoice:
 
 
 def stage_cost(cm: CostModel, group: NodeGroup, layers: Sequence[LayerStrategy], *, stage: int, pp: int, dp: int,
-               tp: int, micro_batch: int, num_micro_batches: int, next_group: NodeGroup | None) -> StageCost:
+               tp: int, micro_batch: int, num_micro_batches: int, next_group: NodeGroup | None,
+               embed_on_rank: bool = False) -> StageCost:
     """Cost of one pipeline stage holding these layers, in this order: a plan's prediction. Its
     memory peak also looks at each layer's neighbours (``neighbour_peak``) and is never more
     than the per-layer terms the search counts (``stage_cost_counts``)."""
     runs = tuple((choice_of(cm.model, s), 1, s.name) for s in layers)
     return _stage_cost_runs(cm, group, runs, stage=stage, pp=pp, dp=dp, tp=tp, micro_batch=micro_batch,
-                            num_micro_batches=num_micro_batches, next_group=next_group, neighbours=True)
+                            num_micro_batches=num_micro_batches, next_group=next_group, neighbours=True,
+                            embed_on_rank=embed_on_rank)
 
 
 def canonical_order(cm: CostModel, device: str, choices: Iterable[LayerChoice], *, dp: int, micro_batch: int,
@@ -141,30 +143,31 @@ def canonical_order(cm: CostModel, device: str, choices: Iterable[LayerChoice], 
 
 def stage_cost_counts(cm: CostModel, group: NodeGroup, counts: Mapping[LayerChoice, int], *, stage: int, pp: int,
                       dp: int, tp: int, micro_batch: int, num_micro_batches: int,
-                      next_group: NodeGroup | None) -> StageCost:
+                      next_group: NodeGroup | None, embed_on_rank: bool = False) -> StageCost:
     """Cost of one stage from how many of its layers make each choice, the layers in the
     canonical order (``canonical_order``)."""
     order = canonical_order(cm, group.device, (c for c, n in counts.items() if n), dp=dp, micro_batch=micro_batch,
                             num_micro_batches=num_micro_batches)
     runs = tuple((c, counts[c], c[0]) for c in order)
     return _stage_cost_runs(cm, group, runs, stage=stage, pp=pp, dp=dp, tp=tp, micro_batch=micro_batch,
-                            num_micro_batches=num_micro_batches, next_group=next_group)
+                            num_micro_batches=num_micro_batches, next_group=next_group, embed_on_rank=embed_on_rank)
 
 
 def _stage_cost_runs(cm: CostModel, group: NodeGroup, runs: Runs, *, stage: int, pp: int, dp: int, tp: int,
                      micro_batch: int, num_micro_batches: int, next_group: NodeGroup | None,
-                     neighbours: bool = False) -> StageCost:
+                     neighbours: bool = False, embed_on_rank: bool = False) -> StageCost:
     """Identical blocks cost the same, so each distinct run is priced once; stages alike but
     for their position share everything but the micro-batches in flight."""
     key = (group.name, runs, dp, tp, micro_batch, num_micro_batches, next_group.name if next_group else None,
-           neighbours)
+           neighbours, embed_on_rank)
     k = in_flight(stage, pp, num_micro_batches)
     placed = cm.stage_cache.get(key + (k,))
     if placed is None:
         base = cm.stage_cache.get(key)
         if base is None:
             base = _stage_cost(cm, group, runs, dp=dp, tp=tp, micro_batch=micro_batch,
-                               num_micro_batches=num_micro_batches, next_group=next_group, neighbours=neighbours)
+                               num_micro_batches=num_micro_batches, next_group=next_group, neighbours=neighbours,
+                               embed_on_rank=embed_on_rank)
             cm.stage_cache[key] = base
         placed = copy.copy(base)  # dataclasses.replace re-runs __init__: this is the search's hot path
         object.__setattr__(placed, "in_flight", k)
@@ -173,7 +176,8 @@ def _stage_cost_runs(cm: CostModel, group: NodeGroup, runs: Runs, *, stage: int,
 
 
 def _stage_cost(cm: CostModel, group: NodeGroup, runs: Runs, *, dp: int, tp: int, micro_batch: int,
-                num_micro_batches: int, next_group: NodeGroup | None, neighbours: bool = False) -> StageCost:
+                num_micro_batches: int, next_group: NodeGroup | None, neighbours: bool = False,
+                embed_on_rank: bool = False) -> StageCost:
     fwd = bwd = compute = tp_comm = zero_comm = dp_sync = cp_comm = 0.0
     zero_edge = dp_edge = window = optimizer_s = 0.0
     weights = gathered_weights = grads = opt = acts = 0
@@ -181,7 +185,9 @@ def _stage_cost(cm: CostModel, group: NodeGroup, runs: Runs, *, dp: int, tp: int
     # layer and that layer's transient (the other micro-batches in flight hold all of theirs).
     peak: tuple[int, int, LayerMemory, str] | None = None  # (acts so far + transient, acts so far, memory, name)
     roles = {r[0][0] for r in runs}
-    tied_copy = cm.model.tie_embeddings and "head" in roles and "embed" not in roles
+    # A tied head keeps its own copy where its rank does not hold the embedding (``embed_on_rank``:
+    # another virtual stage of the rank does, as zbv's first rank: runtime/tied.py ties them there).
+    tied_copy = cm.model.tie_embeddings and "head" in roles and "embed" not in roles and not embed_on_rank
     tied_sync = 0.0
     memories: list[tuple[LayerMemory, int, str]] = []
     for choice, n, name in runs:
@@ -324,9 +330,16 @@ def interleaved_stage_cost(cm: CostModel, group: NodeGroup,
     ``schedules.in_flight_chunks`` pairs, each at the largest virtual stage's activations, the
     running one at the peak of whichever virtual stage peaks highest. The head's logits once per
     pair of its virtual stage in flight."""
+    def roles(layers) -> set[str]:
+        if isinstance(layers, Mapping):
+            return {c[0] for c, n in layers.items() if n}
+        return {cm.model.role_of(s.name) for s in layers}
+
+    embed_here = any("embed" in roles(layers) for layers in chunks)
+
     def part(layers, nxt: NodeGroup | None) -> StageCost:
         kw = dict(stage=0, pp=1, dp=dp, tp=tp, micro_batch=micro_batch, num_micro_batches=num_micro_batches,
-                  next_group=nxt)
+                  next_group=nxt, embed_on_rank=embed_here)
         if isinstance(layers, Mapping):  # counts of choices (the search's fast path): canonical order
             return stage_cost_counts(cm, group, layers, **kw)
         return stage_cost(cm, group, layers, **kw)
