@@ -42,10 +42,17 @@ def fp8_rule(engine: str, dtype: str, groups: Iterable["NodeGroup"], *, moe: boo
                 f"plan with --engine {FP8_ENGINES[0]}, or without --fp8")
     if dtype != "bf16":
         return f"FP8 products keep everything else in bf16, and the dtype is {dtype}: plan with --dtype bf16"
+    why = fp8_devices_rule(groups)
+    return f"{why}; plan without --fp8" if why else None
+
+
+def fp8_devices_rule(groups: Iterable["NodeGroup"]) -> str | None:
+    """Why the node ``groups`` cannot run FP8 products (a device type without an FP8 peak in the
+    catalog), or None: the part of ``fp8_rule`` a plan moved to other hardware can break."""
     lacking = sorted({g.device for g in groups if not g.device_type.fp8_tflops})
     if lacking:
         return (f"{', '.join(lacking)} has no FP8 peak in the catalog: FP8 products are priced on Hopper parts "
-                f"(H100, H200); plan without --fp8")
+                f"(H100, H200)")
     return None
 
 

@@ -45,9 +45,9 @@ def replan(old: Plan, cluster: ClusterSpec, *, keep_batch: bool = False, time_li
     from partita import parallel
     from partita.search.planner import make_plan
 
-    why = old.fp8 and parallel.fp8_rule(old.engine, old.dtype, cluster.groups)
+    why = old.fp8 and parallel.fp8_devices_rule(cluster.groups)  # its engine and dtype stay the plan's
     if why:  # the plan's FP8 products cannot follow it to this cluster; a new plan can drop them
-        raise PartitaError(f"the plan runs its products in FP8 (fp8: true), and on {cluster.short}: {why.split(';')[0]}; "
+        raise PartitaError(f"the plan runs its products in FP8 (fp8: true), and on {cluster.short}: {why}; "
                            f"plan the new cluster with partita plan (without --fp8)")
     first: InfeasibleError | None = None
     for batch in [old.global_batch, *([] if keep_batch else nearest_batches(old.global_batch, cluster.world_size))]:

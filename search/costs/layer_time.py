@@ -203,9 +203,10 @@ def layer_time(cm, role: str, group: NodeGroup, *, tp: int, sp: bool, zero: int,
     # Parameters are gathered in the compute dtype; gradients are reduced in fp32
     # (FSDP2's reduce_dtype, the standard mixed-precision recipe).
     params = cm.param_count(role, tp)
+    device = group.device
+    k = cm.time_constants(device)
     # FSDP2's copies run on the compute stream, scaled as the optimizer's memory-bound passes are
-    copy_fwd, copy_bwd = (cm.time_constants(group.device).compute_scale * s
-                          for s in shard_copies_s(cm, params, group, zero=zero, replicas=replicas))
+    copy_fwd, copy_bwd = (k.compute_scale * s for s in shard_copies_s(cm, params, group, zero=zero, replicas=replicas))
     fwd_compute, bwd_compute = fwd_compute + copy_fwd, bwd_compute + copy_bwd
     zero_fwd, zero_bwd, dp_sync, gather = cm.zero_traffic(role, group, tp, zero, replicas)
     if zero == 3 and recompute == "full" and replicas > 1:
@@ -216,8 +217,6 @@ def layer_time(cm, role: str, group: NodeGroup, *, tp: int, sp: bool, zero: int,
     # slows (``overlapped_s``); the stage's first gather and last reduce-scatter have nothing
     # to hide behind: the stage charges its largest layer's traffic once more, less what the
     # slowdown already charged (``zero_edge_s``; search/timing.py, docs/search.md).
-    device = group.device
-    k = cm.time_constants(device)
     slowdown = k.overlap_slowdown
     forward = overlapped_s(fwd_compute + tp_fwd, zero_fwd, slowdown)
     backward = overlapped_s(bwd_compute + tp_bwd, zero_bwd, slowdown)
