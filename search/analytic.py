@@ -294,6 +294,33 @@ def column_wgrad_times_s(kind: LayerKind, dev: DeviceType, sh: Shard, dtype: str
                 for m, n, k in [products[name]]) for group in column_groups(kind)]
 
 
+# A block's tensor-parallel segments: the column-parallel products of one input whose input is
+# all-gathered under sequence parallelism, and the row-parallel product whose output is
+# reduce-scattered (``tp_segments``).
+ROW_PARALLEL = {"block": ("wo", "w2")}
+
+
+def tp_segments(kind: LayerKind) -> list[tuple[tuple[str, ...], str]]:
+    """(column-parallel group, row-parallel product) of each of a block's tensor-parallel regions
+    as the kind has them: the attention's (wq, wk, wv; wo) and the MLP's ((w1, w3); w2, a gpt2
+    MLP's w1 alone); a mixture of experts' block the attention's only (``column_groups``)."""
+    if kind.role != "block":
+        return []
+    return list(zip(column_groups(kind), ROW_PARALLEL["block"]))
+
+
+def linear_times_s(kind: LayerKind, dev: DeviceType, sh: Shard, dtype: str,
+                   kernels: Kernels = Kernels()) -> dict[str, tuple[float, float]]:
+    """(forward, backward: input and weight gradients) seconds of each product of
+    ``forward_matmuls`` by name, on the roofline: the products a tensor-parallel collective
+    chunked beside them can hide behind (search/costs/layer_time.py, ``tp_overlap_exposed_s``)."""
+    times = {}
+    for name, m, n, k in forward_matmuls(kind, sh):
+        mm = product_dtype(kind, name, dtype, kernels)
+        times[name] = (matmul_time_s(dev, m, n, k, mm), matmul_time_s(dev, m, k, n, mm) + matmul_time_s(dev, k, n, m, mm))
+    return times
+
+
 def backward_time_s(kind: LayerKind, dev: DeviceType, sh: Shard, dtype: str, attention: str = "sdpa",
                     kernels: Kernels = Kernels()) -> float:
     # dX[m,k] = dY[m,n] @ W^T[n,k] and dW[k,n] = X^T[k,m] @ dY[m,n].

@@ -16,7 +16,9 @@ The terms each behaviour selects, in one place each:
   beside the matrix products they feed (Megatron's ``--tp-comm-overlap``, Transformer Engine's
   userbuffers; torchtitan's async TP under ``torch.compile``). Only the first chunk is exposed:
   1/tp of the collective; the rest runs beside the compute and slows it by the overlap slowdown
-  (``layer_time.tp_exposed_s``). Needs sequence parallelism (an all-reduce cannot be split so).
+  (``layer_time.tp_exposed_s``); in a block each collective beside its own products only, the
+  part longer than them exposed (``layer_time.tp_overlap_exposed_s``). Needs sequence
+  parallelism (an all-reduce cannot be split so).
 * ``column_linears``: whether a layer's column-parallel products of one input are one linear
   ("fused": Megatron-LM's ``linear_qkv`` and ``linear_fc1``) or one linear each ("separate": the
   torch models' wq, wk, wv and w1, w3, torchtitan's and Partita's). Under ``tp_overlap`` it

@@ -142,6 +142,38 @@ def test_tensor_parallel_overlap_hides_all_but_the_first_chunk_and_needs_sequenc
     assert block(overlap, False).total_s == pytest.approx(block(PARTITA, False).total_s)  # all-reduces: not split
 
 
+def _block_tp_overlap(model_name: str, tp: int, seq_len: int):
+    from partita.search.costs.layer_time import tp_exposed_s, tp_overlap_exposed_s
+
+    model, cluster = BUILTIN[model_name], parse_short("1x8xH100")
+    group = cluster.groups[0]
+    cm = CostModel(model, cluster, seq_len=seq_len, engine=ENGINES["megatron"])
+    link = cm.tp_link(group, tp)
+    ag, rs = (cm.collective_s(op, seq_len * model.hidden * 2, tp, link, group.device)
+              for op in ("all_gather", "reduce_scatter"))
+    slowdown = cm.time_constants(group.device).overlap_slowdown
+    paired = tp_overlap_exposed_s(cm, "block", group.device, tp, 1, "none", ag, rs, slowdown)[0]
+    pooled = tp_exposed_s(cm.compute("block", group.device, tp, 1).forward_s, 2 * (ag + rs), tp, slowdown)
+    return cm, group, rs, paired, pooled
+
+
+def test_a_chunked_collective_hides_behind_its_own_products_only():
+    """Under tp_overlap each collective is chunked beside the products it feeds or is fed by
+    (Transformer Engine's userbuffers, torch's micro-pipelined TP): llama-3-8b's attention output
+    at tp 8 (wo, 4096 x 512 a token) is shorter than its reduce-scatter, which shows by the
+    difference though the MLP's products could have hidden it; where every collective fits
+    beside its products (llama-2-13b at tp 2) the pass costs what the chunked pass cost before."""
+    from partita.search.costs.compute import linear_windows_s
+
+    cm, group, rs, paired, pooled = _block_tp_overlap("llama-3-8b", 8, 8192)
+    wo = linear_windows_s(cm, "block", group.device, 8, 1)["wo"][0]
+    assert wo < rs * 7 / 8
+    assert paired >= rs * 7 / 8 - wo + rs / 8
+    assert paired > pooled
+    _, _, _, paired, pooled = _block_tp_overlap("llama-2-13b", 2, 4096)
+    assert paired == pytest.approx(pooled)
+
+
 def test_async_tp_leaves_the_summed_input_gradients_reduce_scatters_exposed():
     """torch's async TP chunks a reduce-scatter with the one product that makes its input; the
     input gradient of torchtitan's separate wq, wk, wv (and w1, w3) is a sum of products, so the

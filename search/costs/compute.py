@@ -22,7 +22,7 @@ from partita.cluster import ClusterSpec, NodeGroup
 from partita.devices import get_device
 from partita.profile import LayerCost, Profile, layer_cost_at
 from partita.search.analytic import (Shard, attention_s, backward_time_s, column_wgrad_times_s, forward_time_s,
-                                     layer_cost, selective_recompute_time_s, sequence_parallel_savings_s)
+                                     layer_cost, linear_times_s, selective_recompute_time_s, sequence_parallel_savings_s)
 from partita.search.roofline import cpu_weight_stream_s
 from partita.search.timing import TimeConstants, default_constants, host_bound_s, layer_ops
 
@@ -154,6 +154,17 @@ def dgrad_windows_s(cm, role: str, device: str, tp: int, micro_batch: int) -> li
         return []
     scale = _pass_scales(cm, role, device, tp, micro_batch)[1]
     return [w * scale for w in windows]
+
+
+def linear_windows_s(cm, role: str, device: str, tp: int, micro_batch: int) -> dict[str, tuple[float, float]]:
+    """(forward, backward) seconds of each of the layer's products by name
+    (``analytic.linear_times_s``) at the share of the layer's passes (measured, calibrated or
+    analytic) that the roofline gives them."""
+    kind, dev = cm.model.kinds[role], get_device(device)
+    sh = Shard.of(kind, tp=tp, micro_batch=micro_batch, seq_len=cm.seq_len, dtype=cm.dtype)
+    fwd_scale, bwd_scale = _pass_scales(cm, role, device, tp, micro_batch)
+    return {name: (f * fwd_scale, b * bwd_scale)
+            for name, (f, b) in linear_times_s(kind, dev, sh, cm.dtype, cm.engine.kernels).items()}
 
 
 def sequence_parallel_savings(cm, role: str, device: str, tp: int, micro_batch: int,

@@ -35,8 +35,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from partita.cluster import NodeGroup
-from partita.search.analytic import column_groups
-from partita.search.costs.compute import dgrad_windows_s, optimizer_s, sequence_parallel_savings
+from partita.search.analytic import Shard, alternate_recomputed, column_groups, tp_segments
+from partita.search.costs.compute import dgrad_windows_s, linear_windows_s, optimizer_s, sequence_parallel_savings
 from partita.search.costs.links import Link
 from partita.search.engines import recompute_regathers, reduce_flushes, zero3_gathers
 from partita.search.roofline import cpu_adam_s, memory_time_s
@@ -167,7 +167,11 @@ def tp_pass(cm, role: str, group: NodeGroup, *, tp: int, sp: bool, recompute: st
         save_fwd, save_bwd = sequence_parallel_savings(cm, role, device, tp, micro_batch, recompute)
         fwd_compute, bwd_compute = fwd_compute - save_fwd, bwd_compute - save_bwd
     slowdown = cm.time_constants(device).overlap_slowdown
-    if cm.engine.tp_overlap and sp and tp > 1:  # chunked beside the products they feed (search/engines.py)
+    if cm.engine.tp_overlap and sp and tp > 1 and role == "block":  # each beside its own products
+        ag = cm.collective_s("all_gather", act_bytes, tp, link, device)
+        rs = cm.collective_s("reduce_scatter", act_bytes, tp, link, device)
+        tp_fwd, tp_bwd = tp_overlap_exposed_s(cm, role, device, tp, micro_batch, recompute, ag, rs, slowdown)
+    elif cm.engine.tp_overlap and sp and tp > 1:  # chunked beside the pass's products (search/engines.py)
         # A reduce-scatter of the summed input gradient of separate column-parallel linears has
         # no single product to be chunked with: it runs after them (``column_linears``).
         summed = 0.0
@@ -251,6 +255,54 @@ def dgrad_exposed_s(wgrad_s: float, reduction_s: float, slowdown: float) -> floa
     Megatron-LM runs it (search/engines.py, ``dgrad_overlap``): the part longer than the product,
     and the slowdown of the product while the two overlap (``timing.overlapped_s``)."""
     return overlapped_s(wgrad_s, reduction_s, slowdown) - wgrad_s
+
+
+def tp_overlap_exposed_s(cm, role: str, device: str, tp: int, micro_batch: int, recompute: str,
+                         ag: float, rs: float, slowdown: float) -> tuple[float, float]:
+    """(forward, backward with its recomputation) seconds a block's sequence-parallel collectives
+    add to its passes when each is chunked beside the products it belongs to and no others
+    (Transformer Engine's userbuffers overlap one GEMM with its own all-gather or reduce-scatter;
+    torch's micro-pipelined TP fuses a collective with the products that consume or produce it):
+    per tensor-parallel region (``analytic.tp_segments``) the all-gather of the input runs beside
+    the column-parallel products (forward), the reduce-scatter of the output beside the
+    row-parallel product; in the backward the all-gather of the output gradient beside the
+    row-parallel product's two gradient products, the reduce-scatter of the input gradient
+    beside the column-parallel products' (``tp_exposed_s`` each). A collective longer than its
+    own products is exposed by the difference even where the pass has other compute: the
+    attention's core and elementwise kernels hide nothing. The input gradient of separate
+    column-parallel linears is their sum, reduce-scattered after them, exposed (``column_linears``).
+    The recomputed forward's collectives run again beside the products it runs again: all under
+    full recomputation (and a mixture's selective, which reruns the attention), the all-gathers
+    under a selective scope that keeps the reduce-scatters' outputs ("alternate", beside the
+    products it recomputes) or all but the last ("ops": no products)."""
+    kind = cm.model.kinds[role]
+    times = linear_windows_s(cm, role, device, tp, micro_batch)
+    fwd = lambda names: sum(times[n][0] for n in names if n in times)  # noqa: E731
+    bwd = lambda names: sum(times[n][1] for n in names if n in times)  # noqa: E731
+    rerun = set()
+    if recompute == "full" or (recompute == "selective" and kind.is_moe):
+        rerun = set(times)
+    elif recompute == "selective" and cm.engine.selective_scope == "alternate":
+        sh = Shard.of(kind, tp=tp, micro_batch=micro_batch, seq_len=cm.seq_len, dtype=cm.dtype)
+        rerun = {name for name, *_ in alternate_recomputed(kind, sh)[1]}
+    segments = tp_segments(kind)
+    exposed_fwd = exposed_bwd = 0.0
+    for i, (group, row) in enumerate(segments):
+        exposed_fwd += tp_exposed_s(fwd(group), ag, tp, slowdown) + tp_exposed_s(fwd([row]), rs, tp, slowdown)
+        exposed_bwd += tp_exposed_s(bwd([row]), ag, tp, slowdown)
+        if cm.engine.column_linears == "separate" and len(group) > 1:
+            exposed_bwd += rs
+        else:
+            exposed_bwd += tp_exposed_s(bwd(group), rs, tp, slowdown)
+        if recompute == "none" or (recompute == "selective" and not kind.is_moe
+                                   and cm.engine.selective_scope not in ("ops", "alternate")):
+            continue
+        exposed_bwd += tp_exposed_s(fwd([n for n in group if n in rerun]), ag, tp, slowdown)
+        rs_rerun = (recompute == "full" or kind.is_moe
+                    or (cm.engine.selective_scope == "ops" and i < len(segments) - 1))
+        if rs_rerun:
+            exposed_bwd += tp_exposed_s(fwd([row]) if row in rerun else 0.0, rs, tp, slowdown)
+    return exposed_fwd, exposed_bwd
 
 
 def tp_exposed_s(compute_s: float, comm_s: float, tp: int, slowdown: float) -> float:
