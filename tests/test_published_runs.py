@@ -250,17 +250,21 @@ def test_the_cost_model_meets_issue_10s_target_on_the_published_runs():
 def test_the_megatron_engine_meets_issue_23s_target_and_nemo_s_recipes_fit():
     """Issue 23's per-engine line on the megatron engine's rows: median |error| at most 5 %, none
     beyond 15 %. NVIDIA's DGX Cloud Benchmarking recipes give every setting (the ``dgxc-*`` rows,
-    8 to 2,304 H100, and the 405B recipe cut to 7-42 layers): each fits its 80 GB; in BF16 each is within 10 %, with FP8 products (the
-    same recipes, ``-fp8``) within 15 %."""
+    8 to 2,304 H100, and the 405B recipe cut to 7-42 layers): each fits its 80 GB; the dense models in BF16
+    each within 10 %, with FP8 products (the same recipes, ``-fp8``) within 15 %. The mixture of
+    experts (Grok-1 314B, 8 to 2,048 H100, ``dgxc-grok1-*``, priced with whole experts where the
+    recipe splits them over tp) within 15 %: its 2-layer proxy on one node is the farthest."""
     rows = [pr.price(r) for r in RUNS if r.engine.name == "megatron" and r.pricing != "not_expressible"]
     errors = sorted(abs(r.error_pct) for r in rows)
     assert len(rows) >= 40
     assert statistics.median(errors) <= 5 and errors[-1] <= 15
     recipes = [r for r in rows if r.id.startswith("dgxc-")]
-    bf16 = [r for r in recipes if not r.id.endswith("-fp8")]
-    assert len(bf16) == 35 and len(recipes) == 70
+    moe = [r for r in recipes if r.id.startswith("dgxc-grok1-")]
+    dense_bf16 = [r for r in recipes if not r.id.endswith("-fp8") and r not in moe]
+    assert len(dense_bf16) == 35 and len(moe) == 9 and len(recipes) == 79
     assert all(r.fits for r in recipes)
-    assert all(abs(r.error_pct) <= 10 for r in bf16)
+    assert all(abs(r.error_pct) <= 10 for r in dense_bf16)
+    assert all(abs(r.error_pct) <= 15 for r in moe)
 
 
 def test_fp8_products_speed_each_recipe_up_as_much_as_it_measured():
