@@ -100,11 +100,20 @@ The terms each behaviour selects, in one place each:
   each reduce-scatter ``foreach_reduce_scatter_copy_in`` copies the unsharded gradients into the
   reduce-scatter input in the reduce dtype, ``chunk_cat``, on the current stream: "Only after the
   copy-in finishes can we free the gradients"; torch/distributed/fsdp/_fully_shard/
-  _fsdp_collectives.py) or "none" (FSDP1's flat parameters, gathered straight into the unsharded
-  flat parameter that the parameters view; Megatron-LM's contiguous parameter and gradient
-  buffers; DeepSpeed's copies are not priced). Priced as memory-bound kernels in the layer's
-  passes (``layer_time.shard_copies_s``): per gather 2 x its bytes, per reduction the gradients'
-  bytes in the compute dtype and the reduce dtype.
+  _fsdp_collectives.py), "fsdp1" (FSDP1's flat parameters, torch.distributed.fsdp's
+  ``FlatParameter``: gathered straight into the unsharded flat parameter, which the parameters
+  view, so the forward copies nothing; the views are made with ``torch.split``, whose backward
+  concatenates the parameters' gradients into the flat gradient on the compute stream, and the
+  post-backward hook then casts that gradient to the reduce dtype and divides it by the
+  pre-divide factor, in place, on its own stream before the reduce-scatter:
+  ``_flat_param.py``, ``_get_unflat_views``; ``_runtime_utils.py``, ``_post_backward_hook``,
+  ``_reduce_grad``, ``_div_if_needed``; llm-foundry's Composer and IBM's fms-fsdp train so) or
+  "none" (Megatron-LM's contiguous parameter and gradient buffers; DeepSpeed's copies are not
+  priced). Priced as memory-bound kernels (``layer_time.shard_copies_s``): FSDP2's in the
+  layer's passes, per gather 2 x its bytes, per reduction the gradients' bytes in the compute
+  dtype and the reduce dtype; FSDP1's concatenation in the backward pass (2 x the gradients'
+  bytes), its cast and division beside it with the reduction they precede (the post-backward
+  stream runs them one after the other).
 * ``param_gather``: when the once-a-step all-gather of the updated parameters (ZeRO-1, and
   ZeRO-2 under ``zero2_gather`` "step") runs. "next_forward": layer by layer beside the next
   step's first forward, each layer's gather waited for where the layer starts (Partita's runtime
@@ -134,6 +143,11 @@ The terms each behaviour selects, in one place each:
   ``DistributedFusedAdam`` allocates its contiguous gradient buffer in ``grad_sync_dtype``,
   ``_init_grad_buffer``; NVIDIA's NeMo recipes set it). Memory and the data-parallel reductions'
   bytes (``costs.memory.state_bytes``, ``CostModel.reduce_bytes``).
+* ``reduce_dtype``: the dtype gradients are reduced in where they are held otherwise. "fp32"
+  (every engine's default, as ``grad_buffer``) or "compute": FSDP's ``MixedPrecision`` with a
+  ``reduce_dtype`` of bf16 over fp32 parameters (IBM's fms-fsdp ``bfSixteen`` policy): the
+  reduce-scatters move the compute dtype, the sharded gradients are cast back to the
+  parameters' fp32 after them. Communication only (``CostModel.reduce_bytes``).
 * ``optimizer_state``: the dtype of the optimizer's master copy and Adam's moments. "fp32"
   (every engine's default: 12 bytes a parameter, sharded at ZeRO 1-3) or "compute" (Apex's
   ``DistributedFusedAdam`` with ``dtype`` bf16, "datatype for optimizer state", which NeMo's
@@ -242,7 +256,7 @@ DEEPSPEED_REDUCE_BUCKET = 500_000_000
 DEEPSPEED_MAX_REUSE_DISTANCE = 1_000_000_000
 P2P_BUFFERS = ("per_micro_batch", "on_receive", "per_transfer")
 ZERO2_GATHERS = ("micro_batch", "step")
-SHARD_COPIES = ("fsdp2", "none")
+SHARD_COPIES = ("fsdp2", "fsdp1", "none")
 PARAM_GATHERS = ("next_forward", "after_step")
 SELECTIVE_SCOPES = ("ops", "attention", "alternate")
 LOSSES = ("chunked", "fp32", "fp32_in_place")
@@ -279,6 +293,7 @@ class Engine:
     column_linears: str = "separate"
     cp_ring: str = "torch"
     grad_buffer: str = "fp32"
+    reduce_dtype: str = "fp32"
     optimizer_state: str = "fp32"
     rope: str = "unfused"
     matmul: str = "compute"
@@ -290,7 +305,8 @@ class Engine:
                                     ("zero2_gather", ZERO2_GATHERS), ("shard_copies", SHARD_COPIES), ("param_gather", PARAM_GATHERS), ("loss", LOSSES),
                                     ("p2p_buffers", P2P_BUFFERS), ("sp_inputs", SP_INPUTS), ("glu_saves", GLU_SAVES),
                                     ("qkv_saves", QKV_SAVES), ("column_linears", COLUMN_LINEARS), ("cp_ring", CP_RINGS),
-                                    ("grad_buffer", DTYPE_CHOICES), ("optimizer_state", DTYPE_CHOICES)))
+                                    ("grad_buffer", DTYPE_CHOICES), ("reduce_dtype", DTYPE_CHOICES),
+                                    ("optimizer_state", DTYPE_CHOICES)))
 
     @property
     def software(self) -> Software:

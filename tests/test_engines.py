@@ -672,5 +672,41 @@ def test_fsdp2_copies_its_gathers_out_and_its_gradients_in_on_the_compute_stream
             "block", cluster.groups[0], spec, dp=dp, micro_batch=1) for name, engine in (("fsdp2", PARTITA), ("flat", flat))}
         assert t["fsdp2"].compute_s - t["flat"].compute_s == pytest.approx(added, rel=1e-9, abs=1e-12)
         assert t["fsdp2"].zero_comm_s == t["flat"].zero_comm_s
-    with pytest.raises(PartitaError, match="unknown shard_copies 'fsdp1'"):
-        PARTITA.with_options({"shard_copies": "fsdp1"})
+    with pytest.raises(PartitaError, match="unknown shard_copies 'fsdp3'"):
+        PARTITA.with_options({"shard_copies": "fsdp3"})
+
+
+def test_fsdp1_concatenates_the_gradients_then_casts_and_divides_them_beside_the_reduction():
+    """FSDP1's flat parameters (``Engine.shard_copies`` "fsdp1": llm-foundry's Composer, IBM's
+    fms-fsdp) are viewed by the parameters, so the forward copies nothing; the backward of those
+    views concatenates the gradients into the flat gradient on the compute stream (its bf16
+    bytes read and written), and the post-backward stream casts it to the reduce dtype and
+    divides it in place before the reduce-scatter: ZeRO traffic, not compute. Reduced in bf16
+    (``reduce_dtype`` "compute", fms-fsdp's bfSixteen policy) there is no cast, the division
+    moves half the bytes, and so does the reduce-scatter."""
+    from partita.search.roofline import memory_time_s
+
+    model, cluster = BUILTIN["llama-3-8b"], parse_short("4x8xH100")
+    group, device = cluster.groups[0], cluster.groups[0].device_type
+    params = CostModel(model, cluster, seq_len=4096, engine=PARTITA).param_count("block", 1)
+    concat = memory_time_s(device, 2 * params * 2)
+    fsdp1 = PARTITA.with_options({"shard_copies": "fsdp1"})
+    flat = PARTITA.with_options({"shard_copies": "none"})
+    spec = strategy(model, "layers.0", tp=1, sp=False, zero=3, recompute="none")
+
+    def block(engine):
+        cm = CostModel(model, cluster, seq_len=4096, engine=engine).at_ep(1)
+        return cm, cm.layer_time("block", group, spec, dp=32, micro_batch=1)
+
+    (_, one), (_, none) = block(fsdp1), block(flat)
+    assert one.compute_s - none.compute_s == pytest.approx(concat, rel=1e-9)
+    side = memory_time_s(device, params * (2 + 4)) + memory_time_s(device, 2 * params * 4)
+    assert one.zero_comm_s - none.zero_comm_s == pytest.approx(side, rel=1e-9)
+    (cm16, bf16), (cm_flat16, flat16) = (block(e.with_options({"reduce_dtype": "compute"})) for e in (fsdp1, flat))
+    assert cm16.reduce_bytes == 2 and cm_flat16.reduce_bytes == 2
+    assert bf16.zero_comm_s - flat16.zero_comm_s == pytest.approx(memory_time_s(device, 2 * params * 2), rel=1e-9)
+    assert flat16.zero_comm_s < none.zero_comm_s  # the reduce-scatter moves bf16
+    zero1 = strategy(model, "layers.0", tp=1, sp=False, zero=1, recompute="none")
+    t = [CostModel(model, cluster, seq_len=4096, engine=e).at_ep(1).layer_time("block", group, zero1, dp=32, micro_batch=1)
+         for e in (fsdp1, flat)]
+    assert t[0].compute_s == t[1].compute_s and t[0].zero_comm_s == t[1].zero_comm_s

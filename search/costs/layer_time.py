@@ -97,24 +97,32 @@ def zero_traffic(cm, params: int, group: NodeGroup, *, tp: int, zero: int, repli
     return zero_fwd, zero_bwd, dp_sync, gather
 
 
-def shard_copies_s(cm, params: int, group: NodeGroup, *, zero: int, replicas: int) -> tuple[float, float]:
-    """(forward, backward) per micro-batch of the copies an engine that shards parameter by
-    parameter runs on the compute stream around its per-micro-batch gathers and reductions
-    (``Engine.shard_copies`` "fsdp2", search/engines.py): each all-gather's output copied out into
+def shard_copies_s(cm, params: int, group: NodeGroup, *, zero: int, replicas: int) -> tuple[float, float, float]:
+    """(forward, backward, beside the backward's reduction) per micro-batch of the copies an
+    engine's FSDP runs around its per-micro-batch gathers and reductions (``Engine.shard_copies``,
+    search/engines.py). "fsdp2", on the compute stream: each all-gather's output copied out into
     the parameters (FSDP2's ``split_with_sizes_copy``: the layer's gathered bytes read and
     written), each reduce-scatter's input copied in from the gradients (``chunk_cat``: the
-    compute-dtype gradients read, the reduce dtype written). ZeRO 3 gathers in both passes and
-    reduces in the backward, ZeRO 2 gathering each micro-batch gathers in the forward; the
-    once-a-step gathers and reductions (ZeRO 1, ZeRO 2 gathered once a step) are not priced, nor
-    those of a mixture's experts sharded on their own (``extra_zero``)."""
-    if cm.engine.shard_copies != "fsdp2" or replicas < 2 or zero < 2:
-        return 0.0, 0.0
+    compute-dtype gradients read, the reduce dtype written). "fsdp1": the backward's
+    concatenation of the parameters' gradients into the flat gradient (the compute-dtype bytes
+    read and written) on the compute stream, and on the post-backward stream, before the
+    reduce-scatter, the cast to the reduce dtype (where it differs) and the in-place division by
+    the pre-divide factor (the reduce dtype's bytes read and written; ZeRO 2 and 3 alike). ZeRO 3
+    gathers in both passes and reduces in the backward, ZeRO 2 gathering each micro-batch
+    gathers in the forward; the once-a-step gathers and reductions (ZeRO 1, ZeRO 2 gathered once
+    a step) are not priced, nor those of a mixture's experts sharded on their own
+    (``extra_zero``), nor the casts of the local shard before a gather (1/replicas of the bytes)."""
+    if cm.engine.shard_copies == "none" or replicas < 2 or zero < 2:
+        return 0.0, 0.0, 0.0
     device = group.device_type
+    if cm.engine.shard_copies == "fsdp1":
+        cast = memory_time_s(device, params * (cm.elem + cm.reduce_bytes)) if cm.reduce_bytes != cm.elem else 0.0
+        return 0.0, memory_time_s(device, 2 * params * cm.elem), cast + memory_time_s(device, 2 * params * cm.reduce_bytes)
     gather = memory_time_s(device, 2 * params * cm.elem)
     reduce = memory_time_s(device, params * (cm.elem + cm.reduce_bytes))
     if zero == 3:
-        return gather, gather + reduce
-    return (gather if cm.engine.zero2_gather == "micro_batch" else 0.0), reduce
+        return gather, gather + reduce, 0.0
+    return (gather if cm.engine.zero2_gather == "micro_batch" else 0.0), reduce, 0.0
 
 
 def zero3_recompute_s(cm, role: str, group: NodeGroup, *, tp: int, replicas: int) -> float:
@@ -209,10 +217,13 @@ def layer_time(cm, role: str, group: NodeGroup, *, tp: int, sp: bool, zero: int,
     params = cm.param_count(role, tp)
     device = group.device
     k = cm.time_constants(device)
-    # FSDP2's copies run on the compute stream, scaled as the optimizer's memory-bound passes are
-    copy_fwd, copy_bwd = (k.compute_scale * s for s in shard_copies_s(cm, params, group, zero=zero, replicas=replicas))
+    # FSDP's copies, scaled as the optimizer's memory-bound passes are: on the compute stream, or
+    # on FSDP1's post-backward stream ahead of the reduce-scatter they feed.
+    copy_fwd, copy_bwd, copy_side = (k.compute_scale * s for s in shard_copies_s(cm, params, group, zero=zero,
+                                                                                  replicas=replicas))
     fwd_compute, bwd_compute = fwd_compute + copy_fwd, bwd_compute + copy_bwd
     zero_fwd, zero_bwd, dp_sync, gather = cm.zero_traffic(role, group, tp, zero, replicas)
+    zero_bwd += copy_side
     if zero == 3 and recompute == "full" and replicas > 1:
         zero_bwd += zero3_recompute_s(cm, role, group, tp=tp, replicas=replicas)
     if extra_zero is not None:

@@ -226,9 +226,10 @@ class CostModel:
     def reduce_bytes(self) -> int:
         """Bytes a gradient element moves in a reduction: fp32 (``memory.REDUCE_BYTES``), or the
         compute dtype's under an engine that reduces fp16 gradients as they are
-        (``Engine.fp16_grad_reduce``) or keeps its gradients in the compute dtype
-        (``Engine.grad_buffer``)."""
-        as_computed = self.engine.fp16_grad_reduce and self.dtype == "fp16" or self.engine.grad_buffer == "compute"
+        (``Engine.fp16_grad_reduce``), keeps its gradients in the compute dtype
+        (``Engine.grad_buffer``) or reduces them in it (``Engine.reduce_dtype``)."""
+        as_computed = (self.engine.fp16_grad_reduce and self.dtype == "fp16" or self.engine.grad_buffer == "compute"
+                       or self.engine.reduce_dtype == "compute")
         return self.elem if as_computed else memory.REDUCE_BYTES
 
     # ---- links --------------------------------------------------------------------------
