@@ -148,6 +148,18 @@ The terms each behaviour selects, in one place each:
   ``reduce_dtype`` of bf16 over fp32 parameters (IBM's fms-fsdp ``bfSixteen`` policy): the
   reduce-scatters move the compute dtype, the sharded gradients are cast back to the
   parameters' fp32 after them. Communication only (``CostModel.reduce_bytes``).
+* ``expert_tp``: how a mixture of experts' experts run under tensor parallelism (with sequence
+  parallelism, ``parallel.moe_tp_rule``). "whole" (every engine as Partita runs and exports it:
+  ``partita export --to megatron`` writes ``--expert-tensor-parallel-size 1``): each rank runs
+  whole experts on its own sequence shard's rows. "split": each expert's weights split over the
+  tp ranks, which all-gather their routed rows over tp before the experts and reduce-scatter the
+  outputs after (Megatron-Core's default, expert tensor parallelism = tp, its only mode before
+  0.10: ``MoEAlltoAllTokenDispatcher``, ``gather_from_sequence_parallel_region`` and
+  ``reduce_scatter_to_sequence_parallel_region``, megatron/core/transformer/moe/
+  token_dispatcher.py at core_v0.9.0; NVIDIA's Grok-1 recipe ran so). The same expert FLOPs a
+  rank; the experts' state a tp-th (``experts.moe_parts``), the gathered rows kept for the
+  weight gradients (``costs.memory``), the gather and reduce-scatter on the critical path
+  (``experts.expert_tp_s``).
 * ``optimizer_state``: the dtype of the optimizer's master copy and Adam's moments. "fp32"
   (every engine's default: 12 bytes a parameter, sharded at ZeRO 1-3) or "compute" (Apex's
   ``DistributedFusedAdam`` with ``dtype`` bf16, "datatype for optimizer state", which NeMo's
@@ -257,6 +269,7 @@ DEEPSPEED_MAX_REUSE_DISTANCE = 1_000_000_000
 P2P_BUFFERS = ("per_micro_batch", "on_receive", "per_transfer")
 ZERO2_GATHERS = ("micro_batch", "step")
 SHARD_COPIES = ("fsdp2", "fsdp1", "none")
+EXPERT_TPS = ("whole", "split")
 PARAM_GATHERS = ("next_forward", "after_step")
 SELECTIVE_SCOPES = ("ops", "attention", "alternate")
 LOSSES = ("chunked", "fp32", "fp32_in_place")
@@ -295,6 +308,7 @@ class Engine:
     grad_buffer: str = "fp32"
     reduce_dtype: str = "fp32"
     optimizer_state: str = "fp32"
+    expert_tp: str = "whole"
     rope: str = "unfused"
     matmul: str = "compute"
 
@@ -306,7 +320,7 @@ class Engine:
                                     ("p2p_buffers", P2P_BUFFERS), ("sp_inputs", SP_INPUTS), ("glu_saves", GLU_SAVES),
                                     ("qkv_saves", QKV_SAVES), ("column_linears", COLUMN_LINEARS), ("cp_ring", CP_RINGS),
                                     ("grad_buffer", DTYPE_CHOICES), ("reduce_dtype", DTYPE_CHOICES),
-                                    ("optimizer_state", DTYPE_CHOICES)))
+                                    ("optimizer_state", DTYPE_CHOICES), ("expert_tp", EXPERT_TPS)))
 
     @property
     def software(self) -> Software:

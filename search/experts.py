@@ -27,7 +27,11 @@ its attention tp ways and runs its MoE on the rank's 1/tp of the tokens with who
 (``analytic.Shard.moe_split``): one all-gather and one reduce-scatter a pass (the attention's),
 the all-to-alls carry the rank's t/tp tokens, and the MoE's weights are replicated over the tp
 ranks, which are data replicas of them: they are sharded and reduced over dp x cp x tp (the
-experts over dp x cp / ep x tp), ``moe_parts``. Under tp or cp the balancing loss sums its
+experts over dp x cp / ep x tp), ``moe_parts``. An engine that splits the experts over tp
+instead (``Engine.expert_tp`` "split", Megatron-Core's expert tensor parallelism = tp) holds a
+tp-th of each of its experts, sharded over dp x cp / ep, and all-gathers the routed rows over tp
+around them (``expert_tp_s``): the same FLOPs a rank, the gathered rows kept for the weight
+gradients (``costs.memory``). Under tp or cp the balancing loss sums its
 per-sequence statistics over the cp x tp ranks: one all-reduce of (2 E + 1) b fp32 values a
 forward (``sequence_stats_s``).
 
@@ -96,6 +100,9 @@ def moe_parts(cm, role: str, tp: int) -> tuple[MoePart, ...]:
     if role != "block" or not kind.is_moe:
         return ()
     parts = []
+    if tp > 1 and cm.engine.expert_tp == "split":  # a tp-th of each of the rank's E/ep experts
+        parts.append(MoePart(cm.expert_params() // tp, cm.ep, 1, kind.experts // cm.ep))
+        return (*parts, MoePart(kind.moe_params - kind.expert_params, 1, tp, 0))
     if cm.ep > 1:
         parts.append(MoePart(cm.expert_params(), cm.ep, tp, kind.experts // cm.ep))
     if tp > 1:
@@ -159,6 +166,26 @@ def imbalance_s(cm, group: NodeGroup, tp: int, micro_batch: int, recompute: str)
     return extra, 2 * extra + (extra if recompute != "none" else 0.0)
 
 
+def expert_rows_bytes(cm, micro_batch: int) -> int:
+    """The routed rows a tp group's experts run under ``Engine.expert_tp`` "split": every token of
+    the group's micro-batch k times (what each rank's experts all-gather before their products and
+    reduce-scatter after)."""
+    return micro_batch * cm.seq_len * cm.model.experts_per_token * cm.model.hidden * cm.elem
+
+
+def expert_tp_s(cm, group: NodeGroup, tp: int, micro_batch: int, recompute: str) -> tuple[float, float]:
+    """(forward, backward) seconds of the all-gather and the reduce-scatter of the routed rows
+    over tp around experts split tp ways (``Engine.expert_tp`` "split"), on the tp link: forward
+    the pair, backward its mirror (the reduce-scatter of the input rows' gradient, the gather of
+    the output's), and the pair again under full recomputation. Not beside any product."""
+    if cm.engine.expert_tp != "split" or tp == 1 or not cm.model.is_moe:
+        return 0.0, 0.0
+    nbytes, link = expert_rows_bytes(cm, micro_batch), cm.tp_link(group, tp)
+    pair = (cm.collective_s("all_gather", nbytes, tp, link, group.device)
+            + cm.collective_s("reduce_scatter", nbytes, tp, link, group.device))
+    return pair, pair + (pair if recompute == "full" else 0.0)
+
+
 def sequence_stats_s(cm, group: NodeGroup, tp: int, micro_batch: int, recompute: str) -> tuple[float, float]:
     """(forward, backward) seconds of the balancing loss's all-reduce over the cp x tp ranks of
     each sequence (module docstring): once a forward, again when the block is recomputed."""
@@ -190,6 +217,7 @@ def with_moe_time(cm, t, group: NodeGroup, *, tp: int, zero: int, recompute: str
     a2a_f, a2a_b = all_to_all_s(cm, group, tp, micro_batch, recompute) if cm.ep > 1 else (0.0, 0.0)
     imb_f, imb_b = imbalance_s(cm, group, tp, micro_batch, recompute) if cm.ep > 1 else (0.0, 0.0)
     st_f, st_b = sequence_stats_s(cm, group, tp, micro_batch, recompute)
+    etp_f, etp_b = expert_tp_s(cm, group, tp, micro_batch, recompute)
     k = cm.time_constants(group.device)
     stream = cm.weight_stream_gbps(group.device)
     optimizer = 0.0
@@ -197,8 +225,9 @@ def with_moe_time(cm, t, group: NodeGroup, *, tp: int, zero: int, recompute: str
         replicas = part.replicas(dp, cm.cp)
         local = part.params // (replicas if zero >= 1 and replicas > 1 else 1)
         optimizer += cpu_adam_s(local, stream) if stream is not None else k.compute_scale * optimizer_s(group, local)
-    # The all-to-alls and the statistics' all-reduce are on the critical path (counted with tp's collectives).
-    comm_f, comm_b = a2a_f + st_f, a2a_b + st_b
+    # The all-to-alls, the statistics' all-reduce and split experts' gathers are on the critical
+    # path (counted with tp's collectives).
+    comm_f, comm_b = a2a_f + st_f + etp_f, a2a_b + st_b + etp_b
     return dataclasses.replace(
         t, forward_s=t.forward_s + comm_f + imb_f, backward_s=t.backward_s + comm_b + imb_b,
         compute_s=t.compute_s + imb_f + imb_b, tp_comm_s=t.tp_comm_s + comm_f + comm_b,

@@ -69,6 +69,46 @@ def test_a_moe_block_at_tp_runs_the_attentions_collectives_only():
         all_to_all_bytes(view, recompute="none", micro_batch=1).forward[1]
 
 
+def test_experts_split_over_tp_hold_a_tp_th_gather_their_rows_and_keep_them():
+    """Megatron-Core's expert tensor parallelism = tp (``Engine.expert_tp`` "split"): each rank
+    holds a tp-th of its E/ep experts, replicated over dp x cp / ep only; it all-gathers the
+    tp group's routed rows (t k h) before the experts and reduce-scatters after, forward and
+    backward (and again for a recomputed forward), and keeps the gathered rows for the weight
+    gradients, (tp - 1)/tp of them beyond what whole experts keep. The experts' FLOPs a rank do
+    not change."""
+    engine = ENGINES["megatron"]
+    split = engine.with_options({"expert_tp": "split"})
+    assert engine.expert_tp == "whole"
+    whole_cm, split_cm = (CostModel(MIXTRAL, H100, seq_len=4096, engine=e).at_ep(4) for e in (engine, split))
+    parts = moe_parts(split_cm, "block", 2)
+    assert [(p.params, p.replicas(8, 1)) for p in parts] == [(KIND.expert_params // 4 // 2, 2),
+                                                              (KIND.router_params + KIND.shared_expert_params, 16)]
+    g = H100.groups[0]
+    rows = 4096 * KIND.experts_per_token * KIND.hidden * 2
+    assert split_cm.expert_rows_bytes(1) == rows
+    link = split_cm.tp_link(g, 2)
+    pair = split_cm.collective_s("all_gather", rows, 2, link, "H100") + split_cm.collective_s("reduce_scatter", rows, 2,
+                                                                                              link, "H100")
+    for recompute, backward_pairs in (("none", 1), ("full", 2)):
+        s = LayerStrategy(name="layers.0", tensor_parallel=2, sequence_parallel=True, zero=1, recompute=recompute)
+        w, sp = (cm.layer_time("block", g, s, dp=8, micro_batch=1) for cm in (whole_cm, split_cm))
+        assert sp.tp_comm_s - w.tp_comm_s == pytest.approx((1 + backward_pairs) * pair)
+        assert sp.compute_s == pytest.approx(w.compute_s)
+    s = LayerStrategy(name="layers.0", tensor_parallel=2, sequence_parallel=True, zero=1, recompute="none")
+    mw, ms = (cm.layer_memory("block", "H100", s, dp=8, micro_batch=1, num_micro_batches=4) for cm in (whole_cm, split_cm))
+    assert ms.activations - mw.activations == pytest.approx(rows // 2, abs=2 * 1024 * 1024)
+    # The compute-dtype copy and the gradients are a tp-th; the fp32 master and Adam's moments,
+    # sharded (ZeRO 1) over the replicas of what the rank holds, are the same bytes either way.
+    assert ms.gathered_weights < 0.55 * mw.gathered_weights and ms.gradients < 0.55 * mw.gradients
+    assert ms.weights == mw.weights and ms.optimizer == mw.optimizer
+    full = LayerStrategy(name="layers.0", tensor_parallel=2, sequence_parallel=True, zero=1, recompute="full")
+    mw, ms = (cm.layer_memory("block", "H100", full, dp=8, micro_batch=1, num_micro_batches=4)
+              for cm in (whole_cm, split_cm))
+    assert ms.activations == mw.activations  # recomputed: only the block's input is kept
+    with pytest.raises(Exception, match="expert_tp"):
+        engine.with_options({"expert_tp": "halves"})
+
+
 def test_sequence_parallelism_is_the_only_choice_for_a_moe_at_tp():
     cm = CostModel(MIXTRAL, H100, seq_len=4096)
     assert sp_choices(cm, 2, SearchSpace()) == (True,)

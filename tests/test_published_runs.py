@@ -252,8 +252,9 @@ def test_the_megatron_engine_meets_issue_23s_target_and_nemo_s_recipes_fit():
     beyond 15 %. NVIDIA's DGX Cloud Benchmarking recipes give every setting (the ``dgxc-*`` rows,
     8 to 2,304 H100, and the 405B recipe cut to 7-42 layers): each fits its 80 GB; the dense models in BF16
     each within 10 %, with FP8 products (the same recipes, ``-fp8``) within 15 %. The mixture of
-    experts (Grok-1 314B, 8 to 2,048 H100, ``dgxc-grok1-*``, priced with whole experts where the
-    recipe splits them over tp) within 15 %: its 2-layer proxy on one node is the farthest."""
+    experts (Grok-1 314B, 8 to 2,048 H100, ``dgxc-grok1-*``, its experts split over tp as the
+    recipe's Megatron-Core ran them: engine option expert_tp split) within 15 %: its 2-layer
+    proxy on one node is the farthest."""
     rows = [pr.price(r) for r in RUNS if r.engine.name == "megatron" and r.pricing != "not_expressible"]
     errors = sorted(abs(r.error_pct) for r in rows)
     assert len(rows) >= 40

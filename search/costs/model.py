@@ -278,6 +278,10 @@ class CostModel:
         """A MoE block's parts sharded apart from its dense part (``experts.moe_parts``)."""
         return experts.moe_parts(self, role, tp)
 
+    def expert_rows_bytes(self, micro_batch: int) -> int:
+        """The routed rows a tp group's split experts run (``experts.expert_rows_bytes``)."""
+        return experts.expert_rows_bytes(self, micro_batch)
+
     def expert_params(self) -> int:
         """The routed experts' parameters on one rank: E/ep of them."""
         return self.model.kinds["block"].expert_params // self.ep
