@@ -160,6 +160,15 @@ The terms each behaviour selects, in one place each:
   rank; the experts' state a tp-th (``experts.moe_parts``), the gathered rows kept for the
   weight gradients (``costs.memory``), the gather and reduce-scatter on the critical path
   (``experts.expert_tp_s``).
+* ``expert_ranks``: which ranks an expert-parallel group spans. "data_parallel": ep of the
+  data-parallel ranks, tp x cp apart (Partita's runtime, whose mesh carves ep out of dp;
+  Megatron-Core before 0.10, order "tp-cp-ep-dp-pp" with ep taken from dp: parallel_state.py at
+  core_v0.9.0, ``RankGenerator``). "folded": Megatron-Core 0.10 and later build the experts'
+  groups with their own rank generator (``expert_decoder_rank_generator``: tp the expert tp, cp
+  1, then ep), so the ep ranks are expert-tp apart, consecutive ranks under whole experts, and an
+  ep group of up to a node's GPUs all-to-alls over NVLink however the attention is split ("MoE
+  parallel folding"); ``partita export --to megatron`` writes ``--expert-tensor-parallel-size``,
+  a 0.10 flag, so the megatron engine prices this. The all-to-alls' link (``experts.ep_link``).
 * ``optimizer_state``: the dtype of the optimizer's master copy and Adam's moments. "fp32"
   (every engine's default: 12 bytes a parameter, sharded at ZeRO 1-3) or "compute" (Apex's
   ``DistributedFusedAdam`` with ``dtype`` bf16, "datatype for optimizer state", which NeMo's
@@ -270,6 +279,7 @@ P2P_BUFFERS = ("per_micro_batch", "on_receive", "per_transfer")
 ZERO2_GATHERS = ("micro_batch", "step")
 SHARD_COPIES = ("fsdp2", "fsdp1", "none")
 EXPERT_TPS = ("whole", "split")
+EXPERT_RANKS = ("data_parallel", "folded")
 PARAM_GATHERS = ("next_forward", "after_step")
 SELECTIVE_SCOPES = ("ops", "attention", "alternate")
 LOSSES = ("chunked", "fp32", "fp32_in_place")
@@ -309,6 +319,7 @@ class Engine:
     reduce_dtype: str = "fp32"
     optimizer_state: str = "fp32"
     expert_tp: str = "whole"
+    expert_ranks: str = "data_parallel"
     rope: str = "unfused"
     matmul: str = "compute"
 
@@ -320,7 +331,8 @@ class Engine:
                                     ("p2p_buffers", P2P_BUFFERS), ("sp_inputs", SP_INPUTS), ("glu_saves", GLU_SAVES),
                                     ("qkv_saves", QKV_SAVES), ("column_linears", COLUMN_LINEARS), ("cp_ring", CP_RINGS),
                                     ("grad_buffer", DTYPE_CHOICES), ("reduce_dtype", DTYPE_CHOICES),
-                                    ("optimizer_state", DTYPE_CHOICES), ("expert_tp", EXPERT_TPS)))
+                                    ("optimizer_state", DTYPE_CHOICES), ("expert_tp", EXPERT_TPS),
+                                    ("expert_ranks", EXPERT_RANKS)))
 
     @property
     def software(self) -> Software:
@@ -385,6 +397,7 @@ ENGINES: dict[str, Engine] = {
     # its fused SwiGLU, rotary kernel and GQA-native attention (their time and saved tensors),
     # and Transformer Engine's context-parallel ring.
     "megatron": Engine("megatron", attention="cudnn", column_linears="fused", tp_overlap=True, p2p_overlap=True, dgrad_overlap=True,
+                       expert_ranks="folded",
                        selective_scope="attention", loss="fp32_in_place", fp16_grad_reduce=True,
                        sp_inputs="sharded", p2p_buffers="per_transfer", glu_saves="input", qkv_saves="fused",
                        cp_ring="transformer_engine", rope="fused"),

@@ -137,8 +137,14 @@ def all_to_all_bytes(cm, *, recompute: str, micro_batch: int, tp: int = 1) -> Al
 
 def ep_link(cm, group: NodeGroup, tp: int) -> Link:
     """An ep group: ep consecutive data-parallel ranks, tp devices apart (x cp under context
-    parallelism)."""
-    return link_within(cm.real_cluster.group(group.name), cm.ep * cm.cp * tp)
+    parallelism); under an engine that folds the experts' ranks (``Engine.expert_ranks``
+    "folded", Megatron-Core 0.10+), ep ranks the experts' own tp apart: consecutive ranks for
+    whole experts."""
+    if cm.engine.expert_ranks == "folded":
+        span = cm.ep * (tp if cm.engine.expert_tp == "split" else 1)
+    else:
+        span = cm.ep * cm.cp * tp
+    return link_within(cm.real_cluster.group(group.name), span)
 
 
 def all_to_all_s(cm, group: NodeGroup, tp: int, micro_batch: int, recompute: str) -> tuple[float, float]:

@@ -109,6 +109,27 @@ def test_experts_split_over_tp_hold_a_tp_th_gather_their_rows_and_keep_them():
         engine.with_options({"expert_tp": "halves"})
 
 
+def test_megatron_folds_the_expert_ranks_into_a_node():
+    """Megatron-Core 0.10+ builds the experts' groups with their own rank generator (the expert tp,
+    then ep: ``Engine.expert_ranks`` "folded"), so at tp 4 x cp 2 the 8 ep ranks of whole experts
+    are one node and all-to-all over NVLink, where ep taken from the data-parallel ranks (Partita's
+    runtime, Megatron-Core 0.9) spans 64 GPUs, 8 nodes; split experts put them tp apart."""
+    from partita.search.experts import ep_link
+
+    cluster = parse_short("8x8xH100")
+    g = cluster.groups[0]
+    megatron = ENGINES["megatron"]
+    assert megatron.expert_ranks == "folded" and ENGINES["partita"].expert_ranks == "data_parallel"
+    links = {}
+    for name, engine in (("folded", megatron), ("split", megatron.with_options({"expert_tp": "split"})),
+                         ("data_parallel", megatron.with_options({"expert_ranks": "data_parallel"}))):
+        cm = CostModel(MIXTRAL, cluster, seq_len=8192, engine=engine).at_cp(2, "ring").at_ep(8)
+        links[name] = ep_link(cm, g, 4)
+    assert links["folded"].kind == "nvlink"
+    assert links["split"].kind == links["data_parallel"].kind == "network"
+    assert links["folded"].gbps > links["data_parallel"].gbps
+
+
 def test_sequence_parallelism_is_the_only_choice_for_a_moe_at_tp():
     cm = CostModel(MIXTRAL, H100, seq_len=4096)
     assert sp_choices(cm, 2, SearchSpace()) == (True,)
