@@ -6,8 +6,11 @@ Partita's whole space: per-layer strategies, ZeRO levels and schedules an engine
 ZeRO-1; DeepSpeed's pipeline runs 1F1B on an even split). So for another engine the plan command
 maps the search's best plan, and the best plans of a few other shapes, to the closest plan the
 engine runs in each shape (the export's own variants: ``partita.cli.export.export_plan``),
-priced as the engine runs it, and keeps the fastest that fits. Its export is then the plan
-itself (``partita export`` says "expresses the plan exactly").
+priced as the engine runs it, and keeps the fastest that fits. The search's best uniform plan
+(every layer the same strategy, which an engine sets once for all layers) is one more candidate
+(``uniform_candidate``): the mapping must never return a plan slower than one the search priced
+and the engine runs. Its export is then the plan itself (``partita export`` says "expresses the
+plan exactly").
 
 The search's bound stays a true lower bound (the engine's plans are a subset of the space it
 covers), so the plan's gap is measured from it; the proof no longer says "optimal" unless the
@@ -24,6 +27,18 @@ from partita.plan import Plan
 
 # Other shapes whose best plans are mapped too, beyond the search's best.
 SHAPES = 3
+
+
+def uniform_candidate(cm, plan: Plan, uni) -> Plan | None:
+    """The uniform grid's best layout (``search.uniform.UniformResult.best``) of the view ``plan``
+    was found on (``cm`` at the plan's ep), as a plan; None under context parallelism, whose views
+    a plan does not say enough to rebuild, or when the grid found none."""
+    from partita.search.plans import layout_to_plan
+
+    if uni is None or uni.best is None or plan.cp > 1:
+        return None
+    view = cm.at_ep(plan.ep, plan.moe_imbalance) if cm.model.is_moe else cm
+    return layout_to_plan(view, uni.best, global_batch=plan.global_batch, solver=None)
 
 
 def restrict_to_engine(plan: Plan, engine: str, alternatives: Callable[[int], list[Plan]],

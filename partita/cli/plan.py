@@ -86,13 +86,16 @@ def _plan(args: argparse.Namespace) -> int:
                 if objective == "cost":
                     for g in cluster.groups:  # the cost is still reported: every group needs a price
                         device_price(g)
-                result, _ = make_plan(req, progress=lambda what: status.update(what))
+                result, uni = make_plan(req, progress=lambda what: status.update(what))
             if req.engine != "partita" and not (objective == "cost" and release):
-                from partita.cli.engine_fit import restrict_to_engine
+                from partita.cli.engine_fit import restrict_to_engine, uniform_candidate
+                from partita.search.planner import cost_model
 
                 status.update(f"the closest plans {req.engine} runs as they are")
                 best = result
-                result, engine_note = restrict_to_engine(best, req.engine, lambda k: _alternatives(req, best, k),
+                uniform = [p for p in [uniform_candidate(cost_model(req), best, uni)] if p is not None]
+                result, engine_note = restrict_to_engine(best, req.engine,
+                                                         lambda k: uniform + _alternatives(req, best, k),
                                                          profiles=profiles)
             if top > 1:
                 status.update(f"the best plans of {top - 1} other shapes")
