@@ -32,7 +32,8 @@ Three variants (``VARIANTS``), matching ``partita.runtime.context``:
   the keys and values of the whole sequence at their own kv heads (under grouped-query attention
   far fewer than the queries' heads: 1 a rank for Llama 3 405B at tp 8), then attends for its
   head_tail chunks (``gather_traffic``); the backward reduce-scatters dK and dV. Exposed: the
-  attention waits for the gather.
+  attention waits for the gather. Transformer Engine's (``AttnFuncWithCPAndKVAllGather``, the
+  megatron engine's ``cp_ring``) keeps the local k and v and gathers again in the backward.
 
 What torch's ring does, read from ``torch/distributed/tensor/experimental/_context_parallel/
 _attention.py`` (torch 2.13): the forward runs cp steps; before step i < cp-1 it starts sending
@@ -320,7 +321,8 @@ def te_ring_backward_time_s(*, step_compute_s: float, step_comm_s: Sequence[floa
 
 def cp_activation_bytes(kind: LayerKind, *, variant: str, cp: int, tp: int, micro_batch: int, seq_len: int,
                         dtype: str, sequence_parallel: bool = False, recompute: str = "none",
-                        on_cpu: bool = False, local_experts: int = 0, sharded_inputs: bool = False, **keeps) -> int:
+                        on_cpu: bool = False, local_experts: int = 0, sharded_inputs: bool = False,
+                        regathers: bool = False, **keeps) -> int:
     """Bytes autograd keeps from one micro-batch's forward on one rank under context parallelism
     of degree cp: ``analytic.activation_bytes`` of the rank's s/cp tokens (every term is per
     token, or per position for rotary tables and the logsumexp, so it all divides by cp), plus
@@ -334,7 +336,8 @@ def cp_activation_bytes(kind: LayerKind, *, variant: str, cp: int, tp: int, micr
       byte on CPU ranks (``tests/test_runtime_context``).
     * ring: torch's ring op keeps q, k, v and the merged output and logsumexp of the local
       tokens, as the local SDPA does: nothing added (GPU-only; not measured here).
-    * all_gather, no recomputation: ``gather_saved_bytes``.
+    * all_gather, no recomputation: ``gather_saved_bytes``; nothing added where the kernel keeps the
+      local k and v and gathers again in the backward (``regathers``: Transformer Engine's).
     * recompute "selective" or "full": the kept tensors are products' outputs or the layer
       input, all sequence shards: nothing added.
     ``keeps``: what the engine's kernels keep (``activation_bytes``' ``glu_saves`` to ``fp8_inputs``).
@@ -345,7 +348,7 @@ def cp_activation_bytes(kind: LayerKind, *, variant: str, cp: int, tp: int, micr
     base = activation_bytes(kind, tp=tp, micro_batch=micro_batch, seq_len=local, dtype=dtype,
                             sequence_parallel=sequence_parallel, recompute=recompute, on_cpu=on_cpu,
                             local_experts=local_experts, sharded_inputs=sharded_inputs, **keeps)
-    if cp == 1 or kind.role != "block" or variant == "ring" or recompute != "none":
+    if cp == 1 or kind.role != "block" or variant == "ring" or recompute != "none" or (regathers and variant == "all_gather"):
         return base
     sh = Shard.of(kind, tp=tp, micro_batch=micro_batch, seq_len=local, dtype=dtype)
     if variant == "all_gather":
@@ -524,13 +527,14 @@ def attention_time(cm, group: NodeGroup, tp: int, micro_batch: int) -> Attention
     if cm.cp_variant == "all_gather":
         # 1/cp of the whole sequence's causal attention on this rank's heads (head_tail: every
         # rank alike, ``attention_flops``), at the kernel's rate for the whole length; the gathers
-        # before it and the gradients' reduce-scatters after its backward are exposed.
+        # before it (again before its backward under Transformer Engine's) and the RS after, exposed.
         whole = Shard.of(kind, tp=tp, micro_batch=micro_batch, seq_len=cm.plan_seq_len, dtype=cm.dtype)
         fwd, bwd = (t / cm.cp for t in attention_core_s(cm, device, whole))
         traffic = block_gather_traffic(cm, tp, micro_batch)
         ag = sum(cm.collective_s("all_gather", m, cm.cp, link, device) for m in traffic.forward_messages)
         rs = sum(cm.collective_s("reduce_scatter", m, cm.cp, link, device) for m in traffic.backward_messages)
-        return AttentionTime(fwd, bwd, ag, rs, local_f, local_b)
+        return AttentionTime(fwd, bwd, ag, rs + (ag if cm.engine.cp_ring == "transformer_engine" else 0.0),
+                             local_f, local_b)
     te = cm.engine.cp_ring == "transformer_engine"  # K/V at the kv heads, dK/dV riding with them
     shape = dict(batch=micro_batch, seq=cm.plan_seq_len, head_dim=local.head_dim, elem=cm.elem, cp=cm.cp)
     moved = ring_heads(cm, tp)

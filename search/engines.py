@@ -233,7 +233,12 @@ The terms each behaviour selects, in one place each:
   dK/dV accumulators in fp32 around the whole ring. "transformer_engine" (Megatron-LM's
   ``--context-parallel-size``, Transformer Engine's ``AttnFuncWithCPAndKVP2P``): the blocks at
   the kernel's kv heads in the compute dtype, the backward's dK/dV riding with the K/V blocks,
-  one pass a step (``context.te_ring_traffic``). Time and memory.
+  one pass a step (``context.te_ring_traffic``); and under ``cp_variant`` all_gather its
+  ``AttnFuncWithCPAndKVAllGather`` saves the rank's own k and v, not the gathered ones, and
+  gathers them again for the backward (transformer_engine/pytorch/attention/
+  dot_product_attention/context_parallel.py: ``save_for_backward`` of the local k, v,
+  ``gather_along_first_dim`` in ``backward``), where the torch models keep the gathered K and V.
+  Time and memory.
 * ``matmul``: the dtype of a block's linear layers' products: "compute" (the plan's dtype) or
   "fp8" (a plan's ``fp8``: Transformer Engine's FP8 layers, Megatron-LM's ``--fp8-format
   hybrid``, e4m3 forward and e5m2 gradients with delayed scaling). Priced at the part's FP8

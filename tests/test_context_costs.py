@@ -299,3 +299,29 @@ def test_the_all_gather_variant_moves_kv_heads_and_does_1_over_cp_of_the_attenti
                                         seq_len=131072, dtype="bf16")
     assert saved - plain == context.gather_saved_bytes(batch=1, seq=131072, heads=16, kv_heads=1, head_dim=128,
                                                        elem=2, cp=16)
+
+
+def test_transformer_engine_s_all_gather_keeps_the_local_k_and_v_and_gathers_again():
+    """Transformer Engine's all-gather context parallelism (``AttnFuncWithCPAndKVAllGather``: the
+    megatron engine, ``cp_ring`` "transformer_engine") saves the rank's own k and v and all-gathers
+    them again before its backward: it keeps what the ring keeps (nothing added to the local
+    count), and its backward pays the gathers beside the gradients' reduce-scatters."""
+    from partita.cluster import parse_short
+    from partita.model import BUILTIN
+    from partita.search import context
+    from partita.search.costs.model import CostModel
+    from partita.search.engines import ENGINES
+
+    model, cluster = BUILTIN["llama-3-405b"], parse_short("16x8xH100")
+    kind = model.kinds["block"]
+    shape = dict(cp=16, tp=8, micro_batch=1, seq_len=131072, dtype="bf16")
+    ring = context.cp_activation_bytes(kind, variant="ring", **shape)
+    assert context.cp_activation_bytes(kind, variant="all_gather", regathers=True, **shape) == ring
+    assert context.cp_activation_bytes(kind, variant="all_gather", **shape) > ring
+    torch_cm, te_cm = (CostModel(model, cluster, seq_len=131072, engine=ENGINES[e]).at_cp(16, "all_gather", span_tp=8)
+                       for e in ("torchtitan", "megatron"))
+    assert ENGINES["megatron"].cp_ring == "transformer_engine" and ENGINES["torchtitan"].cp_ring == "torch"
+    group = te_cm.cluster.groups[0]
+    t, te = (context.attention_time(cm, group, 8, 1) for cm in (torch_cm, te_cm))
+    assert te.exposed_forward_s == pytest.approx(t.exposed_forward_s)
+    assert te.exposed_backward_s == pytest.approx(t.exposed_backward_s + t.exposed_forward_s)

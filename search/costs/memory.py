@@ -148,7 +148,8 @@ def _activations(cm, role: str, device: str, *, tp: int, sp: bool, recompute: st
     plain = activation_bytes(kind, recompute=kept_as, **kw)  # the rank's tokens, as a profile measures them
     kept = cp_activation_bytes(kind, variant=cm.cp_variant, cp=cm.cp, tp=tp, micro_batch=micro_batch,
                                seq_len=cm.plan_seq_len, dtype=cm.dtype, sequence_parallel=sp, recompute=kept_as,
-                               on_cpu=on_cpu, local_experts=local_experts, sharded_inputs=sharded, **saves)
+                               on_cpu=on_cpu, local_experts=local_experts, sharded_inputs=sharded,
+                               regathers=cm.engine.cp_ring == "transformer_engine", **saves)
     if role == "head" and tp == 1 and cm.engine.loss == "chunked":
         # The runtime's chunked loss keeps the logits themselves (compute dtype) and each token's
         # fp32 log-sum-exp where log_softmax kept an fp32 copy (``chunked_loss_saved``).
