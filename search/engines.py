@@ -19,6 +19,14 @@ The terms each behaviour selects, in one place each:
   (``layer_time.tp_exposed_s``); in a block each collective beside its own products only, the
   part longer than them exposed (``layer_time.tp_overlap_exposed_s``). Needs sequence
   parallelism (an all-reduce cannot be split so).
+* ``tp_overlap_impl``: what runs the chunked collectives under ``tp_overlap``. "userbuffers"
+  (Transformer Engine's, Megatron-LM's ``--tp-comm-overlap``) or "symmetric_memory" (torch's
+  micro-pipelined TP, torchtitan's async TP: torch/distributed/_symmetric_memory/__init__.py),
+  which adds two memory-bound passes on the compute stream: before a fused all-gather's first
+  barrier the rank's shard is copied into its symmetric buffer ("we are giving up the chance to
+  overlap 'mv' and 'b' with the first shard_consumer"), and after a fused reduce-scatter's
+  products the tp partial chunks it pulled are summed (``reduce_fn`` over ``stacked_partials``:
+  the whole output read, a tp-th written) (``layer_time.tp_overlap_exposed_s``). Time.
 * ``column_linears``: whether a layer's column-parallel products of one input are one linear
   ("fused": Megatron-LM's ``linear_qkv`` and ``linear_fc1``) or one linear each ("separate": the
   torch models' wq, wk, wv and w1, w3, torchtitan's and Partita's). Under ``tp_overlap`` it
@@ -284,6 +292,7 @@ P2P_BUFFERS = ("per_micro_batch", "on_receive", "per_transfer")
 ZERO2_GATHERS = ("micro_batch", "step")
 SHARD_COPIES = ("fsdp2", "fsdp1", "none")
 EXPERT_TPS = ("whole", "split")
+TP_OVERLAP_IMPLS = ("userbuffers", "symmetric_memory")
 EXPERT_RANKS = ("data_parallel", "folded")
 PARAM_GATHERS = ("next_forward", "after_step")
 SELECTIVE_SCOPES = ("ops", "attention", "alternate")
@@ -302,6 +311,7 @@ class Engine:
     attention: str = "sdpa"
     grad_sync: str = "overlapped"
     tp_overlap: bool = False
+    tp_overlap_impl: str = "userbuffers"
     p2p_overlap: bool = False
     dgrad_overlap: bool = False
     selective_scope: str = "ops"
@@ -337,7 +347,7 @@ class Engine:
                                     ("qkv_saves", QKV_SAVES), ("column_linears", COLUMN_LINEARS), ("cp_ring", CP_RINGS),
                                     ("grad_buffer", DTYPE_CHOICES), ("reduce_dtype", DTYPE_CHOICES),
                                     ("optimizer_state", DTYPE_CHOICES), ("expert_tp", EXPERT_TPS),
-                                    ("expert_ranks", EXPERT_RANKS)))
+                                    ("expert_ranks", EXPERT_RANKS), ("tp_overlap_impl", TP_OVERLAP_IMPLS)))
 
     @property
     def software(self) -> Software:
@@ -388,7 +398,8 @@ ENGINES: dict[str, Engine] = {
     # per block, torch pipelining), eager (async TP needs compile); its loss casts the logits to
     # fp32 (torchtitan/components/loss.py, cross_entropy_loss: pred.flatten(0, 1).float()); its
     # selective recomputation is the "op" policy the export writes.
-    "torchtitan": Engine("torchtitan", p2p_overlap=True, loss="fp32", selective_scope="alternate", shard_copies="fsdp2"),
+    "torchtitan": Engine("torchtitan", p2p_overlap=True, loss="fp32", selective_scope="alternate", shard_copies="fsdp2",
+                         tp_overlap_impl="symmetric_memory"),
     # Megatron-LM as partita export --to megatron writes it: Transformer Engine's attention, which
     # on Hopper and later prefers cuDNN's fused attention over FlashAttention ("Disabling
     # FlashAttention to give FusedAttention preference on Hopper+", dot_product_attention/utils.py,

@@ -183,7 +183,8 @@ def test_async_tp_leaves_the_summed_input_gradients_reduce_scatters_exposed():
     group = cluster.groups[0]
     layer = strategy(model, "layers.0", tp=8, sp=True, zero=0, recompute="none")
     cm = {columns: CostModel(model, cluster, seq_len=4096, engine=ENGINES["torchtitan"].with_options(
-        {"tp_overlap": True, "column_linears": columns})) for columns in ("separate", "fused")}
+        {"tp_overlap": True, "column_linears": columns, "tp_overlap_impl": "userbuffers"}))  # the copies aside
+          for columns in ("separate", "fused")}
     assert ENGINES["torchtitan"].column_linears == "separate" and ENGINES["megatron"].column_linears == "fused"
     separate, fused = (cm[c].layer_time("block", group, layer, dp=1, micro_batch=1) for c in ("separate", "fused"))
     link = cm["fused"].tp_link(group, 8)
@@ -710,3 +711,30 @@ def test_fsdp1_concatenates_the_gradients_then_casts_and_divides_them_beside_the
     t = [CostModel(model, cluster, seq_len=4096, engine=e).at_ep(1).layer_time("block", group, zero1, dp=32, micro_batch=1)
          for e in (fsdp1, flat)]
     assert t[0].compute_s == t[1].compute_s and t[0].zero_comm_s == t[1].zero_comm_s
+
+
+def test_torch_s_symmetric_memory_tp_adds_a_shard_copy_and_a_partial_sum_per_fused_collective():
+    """torchtitan's async TP runs torch's symmetric-memory collectives (``tp_overlap_impl``
+    "symmetric_memory"): a fused all-gather first copies the rank's shard into its symmetric
+    buffer (2 x act/tp bytes) and a fused reduce-scatter sums the tp partial chunks it pulled
+    (act + act/tp), both on the compute stream; Transformer Engine's userbuffers are priced
+    without them. A block's forward fuses two of each."""
+    from partita.search.roofline import memory_time_s
+
+    model, cluster = BUILTIN["llama-3-70b"], parse_short("1x8xH100")
+    group = cluster.groups[0]
+    layer = strategy(model, "layers.0", tp=8, sp=True, zero=0, recompute="none")
+    assert ENGINES["torchtitan"].tp_overlap_impl == "symmetric_memory"
+    assert ENGINES["megatron"].tp_overlap_impl == "userbuffers"
+    symm = ENGINES["torchtitan"].with_options({"tp_overlap": True})
+    ub = symm.with_options({"tp_overlap_impl": "userbuffers"})
+    t = {name: CostModel(model, cluster, seq_len=4096, engine=e).layer_time("block", group, layer, dp=1, micro_batch=1)
+         for name, e in (("symm", symm), ("ub", ub))}
+    act = 4096 * model.hidden * 2
+    dev = group.device_type
+    per_forward = 2 * memory_time_s(dev, 2 * act / 8) + 2 * memory_time_s(dev, act + act / 8)
+    # backward: the two gathers of the output gradients fused; the summed input gradients' two
+    # reduce-scatters run whole (separate column-parallel linears), without the copies
+    per_backward = 2 * memory_time_s(dev, 2 * act / 8)
+    assert t["symm"].tp_comm_s - t["ub"].tp_comm_s == pytest.approx(per_forward + per_backward, rel=1e-6)
+    assert t["symm"].compute_s == pytest.approx(t["ub"].compute_s)

@@ -35,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from partita.cluster import NodeGroup
+from partita.devices import get_device
 from partita.search.analytic import Shard, alternate_recomputed, column_groups, tp_segments
 from partita.search.costs.compute import dgrad_windows_s, linear_windows_s, optimizer_s, sequence_parallel_savings
 from partita.search.costs.links import Link
@@ -296,23 +297,34 @@ def tp_overlap_exposed_s(cm, role: str, device: str, tp: int, micro_batch: int, 
     elif recompute == "selective" and cm.engine.selective_scope == "alternate":
         sh = Shard.of(kind, tp=tp, micro_batch=micro_batch, seq_len=cm.seq_len, dtype=cm.dtype)
         rerun = {name for name, *_ in alternate_recomputed(kind, sh)[1]}
+    # torch's symmetric-memory collectives add a copy of the shard before a fused gather and the
+    # sum of the pulled partial chunks after a fused reduce-scatter (``Engine.tp_overlap_impl``).
+    act = micro_batch * cm.seq_len * cm.model.hidden * cm.elem
+    symm = cm.engine.tp_overlap_impl == "symmetric_memory"
+    scale = cm.time_constants(device).compute_scale
+    ag_copy = scale * memory_time_s(get_device(device), 2 * act / tp) if symm else 0.0
+    rs_copy = scale * memory_time_s(get_device(device), act + act / tp) if symm else 0.0
+
+    def fused(window: float, comm: float, copy: float) -> float:  # a collective chunked beside its products
+        return tp_exposed_s(window, comm, tp, slowdown) + (copy if window > 0 else 0.0)
+
     segments = tp_segments(kind)
     exposed_fwd = exposed_bwd = 0.0
     for i, (group, row) in enumerate(segments):
-        exposed_fwd += tp_exposed_s(fwd(group), ag, tp, slowdown) + tp_exposed_s(fwd([row]), rs, tp, slowdown)
-        exposed_bwd += tp_exposed_s(bwd([row]), ag, tp, slowdown)
+        exposed_fwd += fused(fwd(group), ag, ag_copy) + fused(fwd([row]), rs, rs_copy)
+        exposed_bwd += fused(bwd([row]), ag, ag_copy)
         if cm.engine.column_linears == "separate" and len(group) > 1:
             exposed_bwd += rs
         else:
-            exposed_bwd += tp_exposed_s(bwd(group), rs, tp, slowdown)
+            exposed_bwd += fused(bwd(group), rs, rs_copy)
         if recompute == "none" or (recompute == "selective" and not kind.is_moe
                                    and cm.engine.selective_scope not in ("ops", "alternate")):
             continue
-        exposed_bwd += tp_exposed_s(fwd([n for n in group if n in rerun]), ag, tp, slowdown)
+        exposed_bwd += fused(fwd([n for n in group if n in rerun]), ag, ag_copy)
         rs_rerun = (recompute == "full" or kind.is_moe
                     or (cm.engine.selective_scope == "ops" and i < len(segments) - 1))
         if rs_rerun:
-            exposed_bwd += tp_exposed_s(fwd([row]) if row in rerun else 0.0, rs, tp, slowdown)
+            exposed_bwd += fused(fwd([row]) if row in rerun else 0.0, rs, rs_copy)
     return exposed_fwd, exposed_bwd
 
 
