@@ -170,3 +170,52 @@ def test_bad_moe_layouts_get_one_line(args, says, capsys, tmp_path):
     err = capsys.readouterr().err.strip()
     assert says in err and len(err.splitlines()) == 1 and "Traceback" not in err
     assert not (tmp_path / "p.yaml").exists()
+
+
+def test_a_moe_s_selective_recomputation_reruns_its_collectives_without_their_products():
+    """Under a selective scope that reruns the block to its last product (Partita's "ops") a
+    mixture's recomputed forward runs the attention's all-gather and reduce-scatter again but
+    none of the products they were chunked beside: both exposed whole. Megatron-LM's
+    attention-core scope reruns nothing that communicates: no TP collective, no all-to-all."""
+    PARTITA = ENGINES["partita"]
+
+    g = H100.groups[0]
+    overlap = CostModel(MIXTRAL, H100, seq_len=4096, engine=PARTITA.with_options({"tp_overlap": True}))
+    assert overlap.engine.selective_scope == "ops"
+    t = {r: overlap.layer_time("block", g, LayerStrategy(name="layers.0", tensor_parallel=8, sequence_parallel=True,
+                                                          recompute=r), dp=1, micro_batch=1) for r in ("none", "selective")}
+    act = 4096 * KIND.hidden * 2
+    link = overlap.tp_link(g, 8)
+    pair = overlap.collective_s("all_gather", act, 8, link, "H100") + overlap.collective_s("reduce_scatter", act, 8,
+                                                                                           link, "H100")
+    stats = overlap.collective_s("all_reduce", (2 * KIND.experts + 1) * 4, 8, link, "H100")
+    assert t["selective"].tp_comm_s - t["none"].tp_comm_s == pytest.approx(pair + stats)
+    megatron = CostModel(MIXTRAL, H100, seq_len=4096, engine=ENGINES["megatron"]).at_ep(4)
+    assert megatron.engine.selective_scope == "attention"
+    m = {r: megatron.layer_time("block", g, LayerStrategy(name="layers.0", tensor_parallel=2, sequence_parallel=True,
+                                                           recompute=r), dp=8, micro_batch=1) for r in ("none", "selective")}
+    assert m["selective"].tp_comm_s == pytest.approx(m["none"].tp_comm_s)
+    assert all_to_all_bytes(megatron, recompute="selective", micro_batch=1, tp=2) == \
+        all_to_all_bytes(megatron, recompute="none", micro_batch=1, tp=2)
+
+
+def test_split_experts_keep_no_gathered_rows_when_selectively_recomputed_and_reduce_across_their_group():
+    """A selective scope keeps the products' outputs, not the experts' gathered input rows: split
+    experts then keep what whole experts keep. Their replicas sit an expert-parallel group apart
+    (ep x tp ranks folded, ep x cp x tp as Megatron-Core 0.9 placed them): at ep 2, tp 2, cp 2 the
+    two replicas share a node folded and do not otherwise."""
+    PARTITA = ENGINES["partita"]
+    from partita.search.experts import zero_traffic
+
+    s = LayerStrategy(name="layers.0", tensor_parallel=2, sequence_parallel=True, zero=1, recompute="selective")
+    whole, split = (CostModel(MIXTRAL, H100, seq_len=4096, engine=PARTITA.with_options(o)).at_ep(2)
+                    for o in ({}, {"expert_tp": "split"}))
+    mw, ms = (cm.layer_memory("block", "H100", s, dp=8, micro_batch=1, num_micro_batches=4) for cm in (whole, split))
+    assert ms.activations == mw.activations
+    cluster = parse_short("8x8xH100")
+    g = cluster.groups[0]
+    folded, data_parallel = (CostModel(MIXTRAL, cluster, seq_len=4096, engine=ENGINES["megatron"].with_options(
+        {"expert_tp": "split", "expert_ranks": r})).at_cp(2, "ring").at_ep(2) for r in ("folded", "data_parallel"))
+    # the split experts' once-a-step sync (ZeRO 1) over 2 replicas: NVLink folded, the network otherwise
+    sync = [zero_traffic(cm, g, tp=2, zero=1, dp=2)[2] for cm in (folded, data_parallel)]
+    assert 0 < sync[0] < sync[1]

@@ -160,7 +160,7 @@ def tp_pass(cm, role: str, group: NodeGroup, *, tp: int, sp: bool, recompute: st
         tp_fwd += 3 * cm.collective_s("all_reduce", micro_batch * cm.seq_len * 4, tp, link, device)
     if recompute == "full":
         tp_bwd += tp_fwd
-    elif recompute == "selective" and cm.model.is_moe:
+    elif recompute == "selective" and cm.model.is_moe and cm.engine.selective_scope in ("ops", "alternate"):
         tp_bwd += tp_fwd  # the last product is in the MoE, after the attention's collectives: all run again
     elif recompute == "selective" and cm.engine.selective_scope in ("ops", "alternate"):
         # All but the last product's reduction (the recomputation stops before w2): with SP
@@ -188,7 +188,8 @@ def tp_pass(cm, role: str, group: NodeGroup, *, tp: int, sp: bool, recompute: st
             groups = sum(1 for group in column_groups(cm.model.kinds[role]) if len(group) > 1)
             summed = groups * cm.collective_s("reduce_scatter", act_bytes, tp, link, device)
         tp_fwd = tp_exposed_s(fwd_compute, tp_fwd, tp, slowdown)
-        tp_bwd = tp_exposed_s(bwd_compute, tp_bwd - summed, tp, slowdown) + summed
+        tp_bwd = tp_exposed_s(bwd_compute, tp_bwd - summed, tp, slowdown) + summed + sum(symm_copies_s(cm, device, tp,
+                                                                                                   micro_batch))
     elif cm.engine.dgrad_overlap and tp > 1:
         # Each column-parallel linear's input-gradient reduction (an all-reduce; a reduce-scatter
         # under SP) is started before its weight-gradient product and waited for after it.
@@ -284,26 +285,22 @@ def tp_overlap_exposed_s(cm, role: str, device: str, tp: int, micro_batch: int, 
     attention's core and elementwise kernels hide nothing. The input gradient of separate
     column-parallel linears is their sum, reduce-scattered after them, exposed (``column_linears``).
     The recomputed forward's collectives run again beside the products it runs again: all under
-    full recomputation (and a mixture's selective, which reruns the attention), the all-gathers
-    under a selective scope that keeps the reduce-scatters' outputs ("alternate", beside the
-    products it recomputes) or all but the last ("ops": no products)."""
+    full recomputation; under a selective scope that reruns the block to its last product the
+    all-gathers, beside the products it recomputes ("alternate", which keeps the reduce-scatters'
+    outputs; "ops", which reruns no product and all but the last reduce-scatter; a mixture's
+    every reduce-scatter, its last product being in the MoE); none under Megatron-LM's
+    attention-core scope."""
     kind = cm.model.kinds[role]
     times = linear_windows_s(cm, role, device, tp, micro_batch)
     fwd = lambda names: sum(times[n][0] for n in names if n in times)  # noqa: E731
     bwd = lambda names: sum(times[n][1] for n in names if n in times)  # noqa: E731
     rerun = set()
-    if recompute == "full" or (recompute == "selective" and kind.is_moe):
+    if recompute == "full":
         rerun = set(times)
     elif recompute == "selective" and cm.engine.selective_scope == "alternate":
         sh = Shard.of(kind, tp=tp, micro_batch=micro_batch, seq_len=cm.seq_len, dtype=cm.dtype)
         rerun = {name for name, *_ in alternate_recomputed(kind, sh)[1]}
-    # torch's symmetric-memory collectives add a copy of the shard before a fused gather and the
-    # sum of the pulled partial chunks after a fused reduce-scatter (``Engine.tp_overlap_impl``).
-    act = micro_batch * cm.seq_len * cm.model.hidden * cm.elem
-    symm = cm.engine.tp_overlap_impl == "symmetric_memory"
-    scale = cm.time_constants(device).compute_scale
-    ag_copy = scale * memory_time_s(get_device(device), 2 * act / tp) if symm else 0.0
-    rs_copy = scale * memory_time_s(get_device(device), act + act / tp) if symm else 0.0
+    ag_copy, rs_copy = symm_copies_s(cm, device, tp, micro_batch)
 
     def fused(window: float, comm: float, copy: float) -> float:  # a collective chunked beside its products
         return tp_exposed_s(window, comm, tp, slowdown) + (copy if window > 0 else 0.0)
@@ -317,8 +314,7 @@ def tp_overlap_exposed_s(cm, role: str, device: str, tp: int, micro_batch: int, 
             exposed_bwd += rs
         else:
             exposed_bwd += fused(bwd(group), rs, rs_copy)
-        if recompute == "none" or (recompute == "selective" and not kind.is_moe
-                                   and cm.engine.selective_scope not in ("ops", "alternate")):
+        if recompute == "none" or (recompute == "selective" and cm.engine.selective_scope not in ("ops", "alternate")):
             continue
         exposed_bwd += fused(fwd([n for n in group if n in rerun]), ag, ag_copy)
         rs_rerun = (recompute == "full" or kind.is_moe
@@ -326,6 +322,18 @@ def tp_overlap_exposed_s(cm, role: str, device: str, tp: int, micro_batch: int, 
         if rs_rerun:
             exposed_bwd += fused(fwd([row]) if row in rerun else 0.0, rs, rs_copy)
     return exposed_fwd, exposed_bwd
+
+
+def symm_copies_s(cm, device: str, tp: int, micro_batch: int) -> tuple[float, float]:
+    """(per fused all-gather, per fused reduce-scatter) seconds torch's symmetric-memory
+    collectives add on the compute stream (``Engine.tp_overlap_impl`` "symmetric_memory"): the
+    rank's shard copied into its symmetric buffer, 2 x act/tp bytes; the tp partial chunks it
+    pulled summed, act + act/tp; 0 for Transformer Engine's userbuffers."""
+    if cm.engine.tp_overlap_impl != "symmetric_memory":
+        return 0.0, 0.0
+    act = micro_batch * cm.seq_len * cm.model.hidden * cm.elem
+    dev, scale = get_device(device), cm.time_constants(device).compute_scale
+    return scale * memory_time_s(dev, 2 * act / tp), scale * memory_time_s(dev, act + act / tp)
 
 
 def tp_exposed_s(compute_s: float, comm_s: float, tp: int, slowdown: float) -> float:

@@ -155,12 +155,6 @@ def _activations(cm, role: str, device: str, *, tp: int, sp: bool, recompute: st
         # fp32 log-sum-exp where log_softmax kept an fp32 copy (``chunked_loss_saved``).
         delta = chunked_loss_saved(cm, micro_batch) - (4 * micro_batch * cm.seq_len * cm.model.vocab + 4)
         full, plain, kept = full + delta, plain + delta, kept + delta
-    if kind.is_moe and role == "block" and tp > 1 and cm.engine.expert_tp == "split":
-        # Experts split over tp keep the tp group's gathered rows for their weight gradients where
-        # whole experts keep the rank's own (search/experts.py, ``expert_rows_bytes``).
-        gathered = cm.expert_rows_bytes(micro_batch) * (tp - 1) // tp
-        full, plain = full + gathered, plain + (gathered if kept_as != "full" else 0)
-        kept += gathered if kept_as != "full" else 0
     c = cm.compute(role, device, tp, micro_batch)
     if device in cm.profiles and c.activation_bytes:
         # A measured count (Partita's runtime, no SP, no recompute) replaces the analytic one; the
@@ -171,6 +165,13 @@ def _activations(cm, role: str, device: str, *, tp: int, sp: bool, recompute: st
         scale = c.activation_bytes / analytic_plain if analytic_plain else 1.0
         scaled = int(plain * scale)
         full, kept, plain = int(full * scale), kept - plain + scaled, scaled
+    if kind.is_moe and role == "block" and tp > 1 and cm.engine.expert_tp == "split":
+        # Experts split over tp keep the tp group's gathered rows for their weight gradients where
+        # whole experts keep the rank's own (search/experts.py, ``expert_rows_bytes``); recomputed
+        # (selectively: the products' outputs kept, the rows not) they keep neither.
+        gathered = cm.expert_rows_bytes(micro_batch) * (tp - 1) // tp
+        kept_rows = gathered if kept_as == "none" else 0
+        full, plain, kept = full + gathered, plain + kept_rows, kept + kept_rows
     cache[key] = full, plain, kept
     return cache[key]
 
