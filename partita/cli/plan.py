@@ -93,10 +93,12 @@ def _plan(args: argparse.Namespace) -> int:
 
                 status.update(f"the closest plans {req.engine} runs as they are")
                 best = result
-                uniform = [p for p in [uniform_candidate(cost_model(req), best, uni)] if p is not None]
-                result, engine_note = restrict_to_engine(best, req.engine,
-                                                         lambda k: uniform + _alternatives(req, best, k),
-                                                         profiles=profiles)
+
+                def candidates(k: int) -> list[Plan]:  # asked only when the search's best does not map as it is
+                    uniform = uniform_candidate(cost_model(req), best, uni)
+                    return ([uniform] if uniform is not None else []) + _alternatives(req, best, k)
+
+                result, engine_note = restrict_to_engine(best, req.engine, candidates, profiles=profiles)
             if top > 1:
                 status.update(f"the best plans of {top - 1} other shapes")
                 alternatives = _alternatives(req, result, top - 1)
