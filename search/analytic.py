@@ -317,15 +317,20 @@ def linear_times_s(kind: LayerKind, dev: DeviceType, sh: Shard, dtype: str,
     times = {}
     for name, m, n, k in forward_matmuls(kind, sh):
         mm = product_dtype(kind, name, dtype, kernels)
-        times[name] = (matmul_time_s(dev, m, n, k, mm), matmul_time_s(dev, m, k, n, mm) + matmul_time_s(dev, k, n, m, mm))
+        times[name] = (matmul_time_s(dev, m, n, k, mm), backward_matmul_s(dev, m, n, k, mm))
     return times
+
+
+def backward_matmul_s(dev: DeviceType, m: int, n: int, k: int, dtype: str) -> float:
+    """The backward of the forward product C[m,n] = X[m,k] @ W[k,n]: dX[m,k] = dY[m,n] @ W^T[n,k]
+    and dW[k,n] = X^T[k,m] @ dY[m,n]."""
+    return matmul_time_s(dev, m, k, n, dtype) + matmul_time_s(dev, k, n, m, dtype)
 
 
 def backward_time_s(kind: LayerKind, dev: DeviceType, sh: Shard, dtype: str, attention: str = "sdpa",
                     kernels: Kernels = Kernels()) -> float:
-    # dX[m,k] = dY[m,n] @ W^T[n,k] and dW[k,n] = X^T[k,m] @ dY[m,n].
-    total = sum(matmul_time_s(dev, m, k, n, mm) + matmul_time_s(dev, k, n, m, mm)
-                for name, m, n, k in forward_matmuls(kind, sh) for mm in [product_dtype(kind, name, dtype, kernels)])
+    total = sum(backward_matmul_s(dev, m, n, k, product_dtype(kind, name, dtype, kernels))
+                for name, m, n, k in forward_matmuls(kind, sh))
     total += sum(memory_time_s(dev, nbytes) for _, nbytes in backward_elementwise(kind, sh, kernels))
     total += sum(memory_time_s(dev, nbytes) for _, nbytes in backward_only_kernels(kind, sh))
     if kind.role == "block":

@@ -368,6 +368,14 @@ class Engine:
         (``analytic.SELECTIVE_KEEPS``); the "attention" scope keeps what no recomputation does."""
         return "alternate" if self.selective_scope == "alternate" else "ops"
 
+    def reruns_communication(self, recompute: str) -> bool:
+        """Whether a layer recomputed under ``recompute`` runs its forward's communication again
+        (tensor-parallel collectives, a mixture's all-to-alls, split experts' gathers, the
+        balancing statistics): under full recomputation, and under a selective scope that reruns
+        the block up to its last product ("ops", "alternate"); Megatron-LM's attention-core scope
+        recomputes nothing that communicates."""
+        return recompute == "full" or (recompute == "selective" and self.selective_scope != "attention")
+
     def with_options(self, options: Mapping[str, object], where: str = "engine") -> "Engine":
         """This engine with some behaviours changed (a published run's own configuration)."""
         fields = {f.name: f.type for f in dataclasses.fields(self) if f.name != "name"}

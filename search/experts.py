@@ -125,14 +125,6 @@ def check_layout(model: ModelSpec, ep: int, imbalance: float) -> None:
         raise PartitaError(f"the routing imbalance is the busiest rank's tokens over the mean: >= 1, got {imbalance}")
 
 
-def reruns_dispatch(cm, recompute: str) -> bool:
-    """Whether a recomputed block runs its MoE's forward communication (the all-to-alls, split
-    experts' gathers, the balancing statistics) again: under full recomputation, and under a
-    selective scope that reruns the block up to its last product, which is in the MoE ("ops",
-    "alternate"); Megatron-LM's attention-core scope recomputes nothing that communicates."""
-    return recompute == "full" or (recompute == "selective" and cm.engine.selective_scope in ("ops", "alternate"))
-
-
 def all_to_all_bytes(cm, *, recompute: str, micro_batch: int, tp: int = 1) -> AllToAllBytes:
     """The all-to-alls of one MoE block per rank and micro-batch at the cost model ``cm``'s ep
     (none at ep 1), on the rank's 1/tp of the tokens: module docstring."""
@@ -141,7 +133,7 @@ def all_to_all_bytes(cm, *, recompute: str, micro_batch: int, tp: int = 1) -> Al
         return AllToAllBytes(0, 0.0, (), ())
     rows = micro_batch * cm.seq_len // tp * model.experts_per_token * model.hidden * cm.elem
     forward = (COUNT_BYTES * model.experts, rows, rows)
-    backward = (rows, rows) + (forward if reruns_dispatch(cm, recompute) else ())
+    backward = (rows, rows) + (forward if cm.engine.reruns_communication(recompute) else ())
     buffer = sum(forward) + sum(backward)
     return AllToAllBytes(buffer, buffer * (ep - 1) / ep, forward, backward)
 
@@ -151,11 +143,15 @@ def ep_link(cm, group: NodeGroup, tp: int) -> Link:
     parallelism); under an engine that folds the experts' ranks (``Engine.expert_ranks``
     "folded", Megatron-Core 0.10+), ep ranks the experts' own tp apart: consecutive ranks for
     whole experts."""
+    return link_within(cm.real_cluster.group(group.name), ep_span(cm, tp))
+
+
+def ep_span(cm, tp: int) -> int:
+    """The ranks an ep group spans (``ep_link``): ep x cp x tp as data-parallel ranks, ep x the
+    experts' own tp when folded."""
     if cm.engine.expert_ranks == "folded":
-        span = cm.ep * (tp if cm.engine.expert_tp == "split" else 1)
-    else:
-        span = cm.ep * cm.cp * tp
-    return link_within(cm.real_cluster.group(group.name), span)
+        return cm.ep * (tp if cm.engine.expert_tp == "split" else 1)
+    return cm.ep * cm.cp * tp
 
 
 def all_to_all_s(cm, group: NodeGroup, tp: int, micro_batch: int, recompute: str) -> tuple[float, float]:
@@ -194,14 +190,14 @@ def expert_tp_s(cm, group: NodeGroup, tp: int, micro_batch: int, recompute: str)
     """(forward, backward) seconds of the all-gather and the reduce-scatter of the routed rows
     over tp around experts split tp ways (``Engine.expert_tp`` "split"), on the tp link: forward
     the pair, backward its mirror (the reduce-scatter of the input rows' gradient, the gather of
-    the output's), and the pair again where the MoE's forward is recomputed (``reruns_dispatch``).
-    Not beside any product."""
+    the output's), and the pair again where the MoE's forward is recomputed
+    (``Engine.reruns_communication``). Not beside any product."""
     if cm.engine.expert_tp != "split" or tp == 1 or not cm.model.is_moe:
         return 0.0, 0.0
     nbytes, link = expert_rows_bytes(cm, micro_batch), cm.tp_link(group, tp)
     pair = (cm.collective_s("all_gather", nbytes, tp, link, group.device)
             + cm.collective_s("reduce_scatter", nbytes, tp, link, group.device))
-    return pair, pair + (pair if reruns_dispatch(cm, recompute) else 0.0)
+    return pair, pair + (pair if cm.engine.reruns_communication(recompute) else 0.0)
 
 
 def sequence_stats_s(cm, group: NodeGroup, tp: int, micro_batch: int, recompute: str) -> tuple[float, float]:
@@ -212,7 +208,7 @@ def sequence_stats_s(cm, group: NodeGroup, tp: int, micro_batch: int, recompute:
     nbytes = (2 * cm.model.experts + 1) * micro_batch * 4
     one = cm.collective_s("all_reduce", nbytes, cm.cp * tp, link_within(cm.real_cluster.group(group.name), cm.cp * tp),
                           group.device)
-    return one, one if reruns_dispatch(cm, recompute) else 0.0
+    return one, one if cm.engine.reruns_communication(recompute) else 0.0
 
 
 def zero_traffic(cm, group: NodeGroup, *, tp: int, zero: int, dp: int) -> tuple[float, float, float, float]:
@@ -221,10 +217,9 @@ def zero_traffic(cm, group: NodeGroup, *, tp: int, zero: int, dp: int) -> tuple[
     total = (0.0, 0.0, 0.0, 0.0)
     for part in moe_parts(cm, "block", tp):
         replicas = part.replicas(dp, cm.cp)
-        # Experts split over tp have their replicas one expert-parallel group apart: ep x tp ranks
-        # (folded ranks), ep x cp x tp (ep of the data-parallel ranks).
+        # Experts split over tp have their replicas one expert-parallel group apart (``ep_span``).
         split = cm.engine.expert_tp == "split" and tp > 1 and part.local_experts
-        stride = tp * cm.ep * (cm.cp if cm.engine.expert_ranks == "data_parallel" else 1) if split else tp
+        stride = ep_span(cm, tp) if split else tp
         t = params_zero_traffic(cm, part.params, group, tp=tp, zero=zero, replicas=replicas,
                                 dlink=cm.dp_link(group, replicas, stride), local_experts=part.local_experts)
         total = tuple(a + b for a, b in zip(total, t))

@@ -158,11 +158,11 @@ def tp_pass(cm, role: str, group: NodeGroup, *, tp: int, sp: bool, recompute: st
     tp_fwd, tp_bwd = n_fwd * one, n_bwd * one
     if role == "head":  # the vocab-parallel loss: all-reduces of each token's max, sum and target logit
         tp_fwd += 3 * cm.collective_s("all_reduce", micro_batch * cm.seq_len * 4, tp, link, device)
-    if recompute == "full":
+    reruns = cm.engine.reruns_communication(recompute)
+    if reruns and (recompute == "full" or cm.model.is_moe):
+        # (a mixture's selective too: its last product is in the MoE, after the attention's collectives)
         tp_bwd += tp_fwd
-    elif recompute == "selective" and cm.model.is_moe and cm.engine.selective_scope in ("ops", "alternate"):
-        tp_bwd += tp_fwd  # the last product is in the MoE, after the attention's collectives: all run again
-    elif recompute == "selective" and cm.engine.selective_scope in ("ops", "alternate"):
+    elif reruns:  # selective
         # All but the last product's reduction (the recomputation stops before w2): with SP
         # both all-gathers and wo's reduce-scatter, without it wo's all-reduce. torchtitan's
         # policy keeps both reduce-scatters' outputs (its ``_save_list``). (Megatron's
@@ -314,7 +314,7 @@ def tp_overlap_exposed_s(cm, role: str, device: str, tp: int, micro_batch: int, 
             exposed_bwd += rs
         else:
             exposed_bwd += fused(bwd(group), rs, rs_copy)
-        if recompute == "none" or (recompute == "selective" and cm.engine.selective_scope not in ("ops", "alternate")):
+        if not cm.engine.reruns_communication(recompute):
             continue
         exposed_bwd += fused(fwd([n for n in group if n in rerun]), ag, ag_copy)
         rs_rerun = (recompute == "full" or kind.is_moe
