@@ -110,6 +110,50 @@ def test_fsdp_gathers_slow_compute_and_the_first_gather_is_exposed():
                                                    0.0)
 
 
+def test_a_data_parallel_collective_slows_hopper_products_more():
+    """On Hopper parts a data-parallel collective (here ZeRO-3's gathers and reduce-scatters)
+    slows the matrix products beside it by HOPPER_GEMM_OVERLAP_SLOWDOWN and the rest of the pass
+    by the average, weighted by the products' share of the pass; elsewhere, and under a
+    calibration (which measured the whole), the one slowdown stands."""
+    from partita.search.costs.compute import gemm_shares
+
+    model = load_model("llama-2-7b")
+    z3 = LayerStrategy(name="layers.0", zero=3)
+    hopper = CostModel(model, parse_short("8xH100"), seq_len=4096)
+    g = hopper.cluster.groups[0]
+    k = hopper.time_constants(g.device)
+    assert k.overlap_slowdown == timing.OVERLAP_SLOWDOWN_GPU
+    assert k.gemm_overlap_slowdown == timing.HOPPER_GEMM_OVERLAP_SLOWDOWN > k.overlap_slowdown
+    share_fwd, share_bwd = gemm_shares(hopper, "block", g.device, 1, 1)
+    assert 0.5 < share_fwd < 1.0 and 0.5 < share_bwd < 1.0  # a 7B block at 4k tokens is mostly products
+    assert k.collective_slowdown(share_bwd) == pytest.approx(
+        share_bwd * timing.HOPPER_GEMM_OVERLAP_SLOWDOWN + (1 - share_bwd) * timing.OVERLAP_SLOWDOWN_GPU)
+    assert k.collective_slowdown(0.0) == k.overlap_slowdown and k.collective_slowdown(1.0) == k.gemm_overlap_slowdown
+    t = hopper.layer_time("block", g, z3, dp=8, micro_batch=1)
+    zero_fwd, zero_bwd, _, _ = hopper.zero_traffic("block", g, 1, 3, 8)
+    assert zero_fwd > 0 and zero_bwd > 0
+    # the same constants as a calibration (which prices every kernel at the one slowdown)
+    plain = CostModel(model, parse_short("8xH100"), seq_len=4096, profiles=[_calibrated(
+        "H100", op_overhead_s=k.op_overhead_s, step_overhead_s=k.step_overhead_s)])
+    p = plain.layer_time("block", g, z3, dp=8, micro_batch=1)
+    assert t.compute_s == pytest.approx(p.compute_s) and t.zero_comm_s == pytest.approx(p.zero_comm_s)
+    assert t.forward_s > p.forward_s and t.backward_s > p.backward_s
+    extra = (k.collective_slowdown(share_fwd) - k.overlap_slowdown) * zero_fwd \
+        + (k.collective_slowdown(share_bwd) - k.overlap_slowdown) * zero_bwd  # traffic shorter than the passes
+    assert t.forward_s + t.backward_s - p.forward_s - p.backward_s == pytest.approx(extra)
+    assert t.zero_edge_s == pytest.approx((1 - k.collective_slowdown(share_fwd)) * zero_fwd
+                                          + (1 - k.collective_slowdown(share_bwd)) * zero_bwd)
+    # an A100 keeps the average, as does a calibrated H100
+    ampere = CostModel(model, parse_short("8xA100-80GB"), seq_len=4096)
+    a = ampere.cluster.groups[0]
+    assert ampere.time_constants(a.device).gemm_overlap_slowdown is None
+    assert ampere.time_constants(a.device).collective_slowdown(0.9) == timing.OVERLAP_SLOWDOWN_GPU
+    calibrated = CostModel(model, parse_short("8xH100"), seq_len=4096,
+                           profiles=[_calibrated("H100", overlap_slowdown=0.3)])
+    kc = calibrated.time_constants(g.device)
+    assert kc.gemm_overlap_slowdown is None and kc.collective_slowdown(0.9) == 0.3
+
+
 def test_data_parallel_sync_exposes_at_least_the_last_reduction():
     model, cluster = load_model("llama-2-7b"), parse_short("2x8xH100")
     g = cluster.groups[0]

@@ -23,7 +23,7 @@ from partita.devices import get_device
 from partita.profile import LayerCost, Profile, layer_cost_at
 from partita.search.analytic import (Shard, attention_s, backward_time_s, column_wgrad_times_s, forward_time_s,
                                      layer_cost, linear_times_s, selective_recompute_time_s, sequence_parallel_savings_s)
-from partita.search.roofline import cpu_weight_stream_s
+from partita.search.roofline import cpu_weight_stream_s, is_hopper
 from partita.search.timing import TimeConstants, default_constants, host_bound_s, layer_ops
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -60,7 +60,8 @@ def time_constants(profile: Profile | None, device: str, dtype: str) -> TimeCons
         cal = profile.calibration
         return TimeConstants(compute_scale=cal.compute_scale, op_overhead_s=cal.op_overhead_s,
                              overlap_slowdown=cal.overlap_slowdown, step_overhead_s=cal.step_overhead_s)
-    defaults = default_constants(get_device(device).is_cpu)
+    dev = get_device(device)
+    defaults = default_constants(dev.is_cpu, hopper=is_hopper(dev))
     if profile is not None and profile.op_overhead_s is not None:
         return dataclasses.replace(defaults, op_overhead_s=profile.op_overhead_s)
     return defaults
@@ -154,6 +155,23 @@ def dgrad_windows_s(cm, role: str, device: str, tp: int, micro_batch: int) -> li
         return []
     scale = _pass_scales(cm, role, device, tp, micro_batch)[1]
     return [w * scale for w in windows]
+
+
+def gemm_shares(cm, role: str, device: str, tp: int, micro_batch: int) -> tuple[float, float]:
+    """(forward, backward): the share of each of the layer's passes its matrix products take, on
+    the roofline (``analytic.linear_times_s`` over the pass): what a data-parallel collective
+    beside the pass slows by the products' rate (``TimeConstants.collective_slowdown``)."""
+    cache = cm.__dict__.setdefault("_gemm_shares", {})  # a cost model's engine and sequence are fixed
+    key = (role, device, tp, micro_batch)
+    if key not in cache:
+        kind, dev = cm.model.kinds[role], get_device(device)
+        sh = Shard.of(kind, tp=tp, micro_batch=micro_batch, seq_len=cm.seq_len, dtype=cm.dtype)
+        products = linear_times_s(kind, dev, sh, cm.dtype, cm.engine.kernels).values()
+        forward = forward_time_s(kind, dev, sh, cm.dtype, cm.software.attention, cm.engine.kernels)
+        backward = backward_time_s(kind, dev, sh, cm.dtype, cm.software.attention, cm.engine.kernels)
+        cache[key] = (sum(f for f, _ in products) / forward if forward > 0 else 0.0,
+                      sum(b for _, b in products) / backward if backward > 0 else 0.0)
+    return cache[key]
 
 
 def linear_windows_s(cm, role: str, device: str, tp: int, micro_batch: int) -> dict[str, tuple[float, float]]:

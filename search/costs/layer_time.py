@@ -37,7 +37,8 @@ from dataclasses import dataclass
 from partita.cluster import NodeGroup
 from partita.devices import get_device
 from partita.search.analytic import Shard, alternate_recomputed, column_groups, tp_segments
-from partita.search.costs.compute import dgrad_windows_s, linear_windows_s, optimizer_s, sequence_parallel_savings
+from partita.search.costs.compute import (dgrad_windows_s, gemm_shares, linear_windows_s, optimizer_s,
+                                          sequence_parallel_savings)
 from partita.search.costs.links import Link
 from partita.search.engines import recompute_regathers, reduce_flushes, zero3_gathers
 from partita.search.roofline import cpu_adam_s, memory_time_s
@@ -234,10 +235,14 @@ def layer_time(cm, role: str, group: NodeGroup, *, tp: int, sp: bool, zero: int,
     # slows (``overlapped_s``); the stage's first gather and last reduce-scatter have nothing
     # to hide behind: the stage charges its largest layer's traffic once more, less what the
     # slowdown already charged (``zero_edge_s``; search/timing.py, docs/search.md).
-    slowdown = k.overlap_slowdown
-    forward = overlapped_s(fwd_compute + tp_fwd, zero_fwd, slowdown)
-    backward = overlapped_s(bwd_compute + tp_bwd, zero_bwd, slowdown)
-    edge = max(0.0, 1.0 - slowdown) * (zero_fwd + zero_bwd)
+    # A data-parallel collective slows the matrix products beside it more than the rest on
+    # Hopper parts (persistent GEMM kernels; ``timing.HOPPER_GEMM_OVERLAP_SLOWDOWN``).
+    slow_fwd, slow_bwd = k.overlap_slowdown, k.overlap_slowdown
+    if k.gemm_overlap_slowdown is not None:
+        slow_fwd, slow_bwd = (k.collective_slowdown(share) for share in gemm_shares(cm, role, device, tp, micro_batch))
+    forward = overlapped_s(fwd_compute + tp_fwd, zero_fwd, slow_fwd)
+    backward = overlapped_s(bwd_compute + tp_bwd, zero_bwd, slow_bwd)
+    edge = max(0.0, 1.0 - slow_fwd) * zero_fwd + max(0.0, 1.0 - slow_bwd) * zero_bwd
     shard = replicas if zero >= 1 and replicas > 1 else 1
     tensors = param_tensors(cm.model.kinds[role], tied_head=role == "head" and cm.model.tie_embeddings)
     host_ops = OPTIMIZER_OPS_PER_TENSOR["cpu" if group.device_type.is_cpu else "gpu"] * tensors
@@ -246,14 +251,14 @@ def layer_time(cm, role: str, group: NodeGroup, *, tp: int, sp: bool, zero: int,
     if stream is not None:  # CPU ranks: AdamW's passes over the fp32 state (roofline.cpu_adam_s)
         optimizer = cpu_adam_s(params // shard, stream) + host_ops * k.op_overhead_s
     # Software that starts the gradient reductions only after the whole backward hides none.
-    window = max(0.0, 1.0 - slowdown) * backward if cm.software.grad_sync == "overlapped" else 0.0
+    window = max(0.0, 1.0 - slow_bwd) * backward if cm.software.grad_sync == "overlapped" else 0.0
     # The updated parameters' once-a-step gather (search/engines.py, ``param_gather``): beside the
     # next step's first forward of the layer, which joins the window the per-step sync hides
     # behind up to the gather's own time (no reduction waits for the next forward; the stage's
     # reductions and gathers are priced as one sync against the one window), or exposed after
     # the update, with it.
     if gather and cm.engine.param_gather == "next_forward":
-        window += min(gather, max(0.0, 1.0 - slowdown) * forward)
+        window += min(gather, max(0.0, 1.0 - slow_fwd) * forward)
     elif gather:
         dp_sync -= gather
         optimizer += gather
