@@ -235,6 +235,10 @@ The terms each behaviour selects, in one place each:
 * ``rope``: rotary positions as torch's rotate-half ops ("unfused", five kernels a tensor) or one
   fused kernel ("fused": Transformer Engine's ``fused_apply_rotary_pos_emb``, Megatron-LM's
   default, ``--no-rope-fusion`` turns it off; search/kernels.py). Time.
+* ``attention_padding``: "none" (every engine: the attention kernel takes the batch as it is) or
+  "unpad" (llm-foundry's ``attn_impl: flash``: flash-attn's variable-length kernel behind
+  ``bert_padding``, which copies q, k and v into packed rows and scatters the output back, and
+  the reverse in the backward; search/kernels.py). Time.
 * ``cp_ring``: how a ring of context-parallel ranks passes K and V (``cp_variant`` ring;
   search/context.py). "torch" (``torch.distributed``'s context parallelism: Partita's runtime,
   torchtitan): the blocks at the query heads (the models repeat kv heads before SDPA), the
@@ -337,6 +341,7 @@ class Engine:
     expert_ranks: str = "data_parallel"
     rope: str = "unfused"
     matmul: str = "compute"
+    attention_padding: str = "none"
 
     def __post_init__(self) -> None:
         Software(attention=self.attention, grad_sync=self.grad_sync)  # its checks of the two names
@@ -360,7 +365,8 @@ class Engine:
         ``qkv_saves`` name keep (a fused SwiGLU keeps its input; an attention kernel that takes k
         and v at their kv heads keeps them so)."""
         return Kernels(norm=self.norm, rope=self.rope, glu="fused" if self.glu_saves == "input" else "separate",
-                       kv="native" if self.qkv_saves == "fused" else "repeated", matmul=self.matmul)
+                       kv="native" if self.qkv_saves == "fused" else "repeated", matmul=self.matmul,
+                       attention_padding=self.attention_padding)
 
     @property
     def selective_keeps(self) -> str:

@@ -32,6 +32,16 @@ engine's fields select: ``Engine.kernels``, search/engines.py):
   the compute dtype's output), and are transposed (read 1, write 1). Backward, every linear's
   output gradient is cast and transposed (read e, write 1 + 1). The weights' casts run once a
   step (cached across micro-batches, ``is_first_microbatch``) and are not counted.
+* ``attention_padding``: the attention kernel called on the batch as it is ("none"), or through
+  flash-attn's variable-length interface behind its ``bert_padding`` helpers ("unpad":
+  llm-foundry's ``flash_attn_fn``, llmfoundry/models/layers/attention.py at 5e85bd62d, the path of
+  ``attn_impl: flash``). Forward, ``unpad_input`` copies q, k and v into packed rows
+  (``IndexFirstAxis``: a gather, each tensor read and written) and ``pad_input`` scatters the
+  output back into a zero-filled [tokens, heads x head_dim] tensor (the zeros written, the rows
+  read and written); backward, each gather's gradient is a zero-filled tensor the gradient is
+  scattered into (three passes) and the output's is a gather (two): flash_attn/bert_padding.py at
+  v2.4.2. Each ``unpad_input`` also waits for the device twice (``nonzero`` and ``.item()``),
+  which is not priced.
 """
 
 from __future__ import annotations
@@ -54,6 +64,7 @@ NORM_PARTS = ("attention norm", "ffn norm", "norm")  # forward_elementwise's nam
 ROPES = ("unfused", "fused")
 GLUS = ("separate", "fused")
 KVS = ("repeated", "native")
+ATTENTION_PADDINGS = ("none", "unpad")
 MATMULS = ("compute", "fp8")
 FP8_CASTS = ("fp8 casts attention", "fp8 casts mlp")  # forward_elementwise's names of the FP8 casts
 
@@ -84,9 +95,11 @@ class Kernels:
     glu: str = "separate"
     kv: str = "repeated"
     matmul: str = "compute"
+    attention_padding: str = "none"
 
     def __post_init__(self) -> None:
-        specio.check_choices(self, (("norm", NORMS), ("rope", ROPES), ("glu", GLUS), ("kv", KVS), ("matmul", MATMULS)))
+        specio.check_choices(self, (("norm", NORMS), ("rope", ROPES), ("glu", GLUS), ("kv", KVS), ("matmul", MATMULS),
+                                    ("attention_padding", ATTENTION_PADDINGS)))
 
 
 def _rope_kernels(name: str, nbytes: float, rope: str) -> list[tuple[str, float]]:
@@ -122,6 +135,9 @@ def forward_elementwise(kind, sh, k: Kernels = Kernels()) -> list[tuple[str, flo
         ops += _rope_kernels("rope q", q_bytes, k.rope) + _rope_kernels("rope k", kv_bytes, k.rope)
     if sh.heads != sh.kv_heads and k.kv == "repeated":
         ops += [("repeat k", kv_bytes + q_bytes), ("repeat v", kv_bytes + q_bytes)]
+    if k.attention_padding == "unpad":  # k and v as the kernel takes them (repeated or not)
+        taken = q_bytes if sh.heads != sh.kv_heads and k.kv == "repeated" else kv_bytes
+        ops += [("unpad q k v", 2 * (q_bytes + 2 * taken)), ("pad output", 3 * q_bytes)]
     fp8 = fp8_casts(kind, sh) if k.matmul == "fp8" else {}
     ops += [(name, forward) for name, (forward, _) in fp8.items() if name == FP8_CASTS[0]]
     ops += [("residual add", 3 * act), ("ffn norm", normed)]
@@ -153,10 +169,13 @@ def fp8_casts(kind, sh) -> dict[str, tuple[float, float]]:
     return casts
 
 
-# A fused kernel whose backward moves other bytes than twice its forward's: the rotary kernel
-# (the gradient in, the gradient out: its forward's bytes) and the fused SwiGLU (both inputs and
-# the gradient in, both input gradients out: 5/3 of its forward's).
-_BACKWARD_OVER_FORWARD = {"rope q fused": 1.0, "rope k fused": 1.0, "swiglu": 5 / 3}
+# A kernel whose backward moves other bytes than twice its forward's: the rotary kernel (the
+# gradient in, the gradient out: its forward's bytes), the fused SwiGLU (both inputs and the
+# gradient in, both input gradients out: 5/3 of its forward's), flash-attn's unpadding (zeros
+# written, then the gradient read and scattered: 3/2 of the forward's copy) and padding (a
+# gather of the output's gradient: 2/3 of the forward's zeros and scatter).
+_BACKWARD_OVER_FORWARD = {"rope q fused": 1.0, "rope k fused": 1.0, "swiglu": 5 / 3, "unpad q k v": 1.5,
+                          "pad output": 2 / 3}
 
 
 def backward_elementwise(kind, sh, k: Kernels = Kernels()) -> list[tuple[str, float]]:

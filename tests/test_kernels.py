@@ -64,6 +64,26 @@ def test_each_engine_runs_its_kernels():
         ENGINES["megatron"].with_options({"rope": "triton"})
 
 
+def test_flash_attn_unpadding_by_hand():
+    """llm-foundry's ``attn_impl: flash`` (``attention_padding`` "unpad"): forward, q, k and v
+    gathered into packed rows (each read and written) and the output scattered back into zeros
+    (written, then the rows read and written); backward, zeros and a scatter for each input's
+    gradient (three passes) and a gather of the output's (two). With k and v repeated to the
+    query heads the copies move the repeated tensors; with the kernel's kv heads, their own."""
+    fwd = _bytes(forward_elementwise(KIND, SH, Kernels(attention_padding="unpad")))
+    bwd = _bytes(backward_elementwise(KIND, SH, Kernels(attention_padding="unpad")))
+    assert fwd["unpad q k v"] == 2 * (Q + 2 * Q) and fwd["pad output"] == 3 * Q
+    assert bwd["unpad q k v"] == pytest.approx(3 * (Q + 2 * Q)) and bwd["pad output"] == pytest.approx(2 * Q)
+    native = _bytes(forward_elementwise(KIND, SH, Kernels(kv="native", attention_padding="unpad")))
+    assert native["unpad q k v"] == 2 * (Q + 2 * KV)
+    plain = _bytes(forward_elementwise(KIND, SH, Kernels()))
+    assert not {"unpad q k v", "pad output"} & set(plain)
+    assert {k: v for k, v in fwd.items() if k not in ("unpad q k v", "pad output")} == plain
+    assert ENGINES["torchtitan"].with_options({"attention_padding": "unpad"}).kernels.attention_padding == "unpad"
+    with pytest.raises(PartitaError, match="unknown attention_padding 'varlen'; valid: none, unpad"):
+        ENGINES["torchtitan"].with_options({"attention_padding": "varlen"})
+
+
 def test_a_gpt2_block_has_no_rotary_and_no_gate():
     kind = BUILTIN["gpt2"].kinds["block"]
     sh = Shard.of(kind, tp=1, micro_batch=1, seq_len=1024, dtype="bf16")
