@@ -158,19 +158,16 @@ def dgrad_windows_s(cm, role: str, device: str, tp: int, micro_batch: int) -> li
 
 
 def gemm_shares(cm, role: str, device: str, tp: int, micro_batch: int) -> tuple[float, float]:
-    """(forward, backward): the share of each of the layer's passes its matrix products take, on
-    the roofline (``analytic.linear_times_s`` over the pass): what a data-parallel collective
-    beside the pass slows by the products' rate (``TimeConstants.collective_slowdown``)."""
+    """(forward, backward): the share of each of the layer's passes its matrix products take
+    (``linear_windows_s`` over the pass): what a data-parallel collective beside the pass slows
+    by the products' rate (``TimeConstants.collective_slowdown``)."""
     cache = cm.__dict__.setdefault("_gemm_shares", {})  # a cost model's engine and sequence are fixed
     key = (role, device, tp, micro_batch)
     if key not in cache:
-        kind, dev = cm.model.kinds[role], get_device(device)
-        sh = Shard.of(kind, tp=tp, micro_batch=micro_batch, seq_len=cm.seq_len, dtype=cm.dtype)
-        products = linear_times_s(kind, dev, sh, cm.dtype, cm.engine.kernels).values()
-        forward = forward_time_s(kind, dev, sh, cm.dtype, cm.software.attention, cm.engine.kernels)
-        backward = backward_time_s(kind, dev, sh, cm.dtype, cm.software.attention, cm.engine.kernels)
-        cache[key] = (sum(f for f, _ in products) / forward if forward > 0 else 0.0,
-                      sum(b for _, b in products) / backward if backward > 0 else 0.0)
+        c = cm.compute(role, device, tp, micro_batch)
+        products = linear_windows_s(cm, role, device, tp, micro_batch).values()
+        cache[key] = (sum(f for f, _ in products) / c.forward_s if c.forward_s > 0 else 0.0,
+                      sum(b for _, b in products) / c.backward_s if c.backward_s > 0 else 0.0)
     return cache[key]
 
 
