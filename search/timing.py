@@ -54,7 +54,7 @@ OVERLAP_SLOWDOWN_CPU = 1.0
 # slowdown measured the whole and replaces both. Checked on the published runs: the FSDP rows on
 # H100 (MosaicML's, torchtitan's, IBM's, Meta's) were 5-16 % fast where ZeRO-3 traffic is a third
 # to two thirds of the compute, and each source alone is best matched near 0.4-0.5
-# (docs/published_runs.md, tenth session).
+# (``benchmarks/overlap_sweep.py``; docs/published_runs.md, tenth session).
 HOPPER_GEMM_OVERLAP_SLOWDOWN = 0.40
 
 

@@ -347,3 +347,23 @@ def test_a_free_plans_config_names_its_context_parallelism():
     assert plan.cp == 2
     assert pr.plan_config(plan).startswith(f"tp{plan.tp} cp2 {plan.cp_variant.replace('_', '-')} pp{plan.pp} dp{plan.dp},")
     assert plan.tp * plan.cp * plan.pp * plan.dp == 8
+
+
+def test_the_overlap_sweep_prices_the_rows_at_each_value_and_restores_the_constant():
+    """benchmarks/overlap_sweep.py, the check behind ``timing.HOPPER_GEMM_OVERLAP_SLOWDOWN``: at
+    the committed value it prices a row as the benchmark does; at the average slowdown (the term
+    off) an H100 FSDP row reads faster, an A100 row the same; the module constant is restored."""
+    from partita.search import timing
+
+    spec = importlib.util.spec_from_file_location("overlap_sweep", BENCHMARKS / "overlap_sweep.py")
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    rows = [r for r in RUNS if r.id in ("mpt-13b-2k-8xH100-fsdp", "tt-llama3-70b-64xA100-fsdp")]
+    assert len(rows) == 2
+    committed = timing.HOPPER_GEMM_OVERLAP_SLOWDOWN
+    at_value = sweep.errors(rows, committed)
+    off = sweep.errors(rows, timing.OVERLAP_SLOWDOWN_GPU)
+    assert timing.HOPPER_GEMM_OVERLAP_SLOWDOWN == committed
+    assert at_value == {r.id: pr.price(r).error_pct for r in rows}
+    assert off["mpt-13b-2k-8xH100-fsdp"] > at_value["mpt-13b-2k-8xH100-fsdp"] + 1.0
+    assert off["tt-llama3-70b-64xA100-fsdp"] == at_value["tt-llama3-70b-64xA100-fsdp"]
