@@ -89,8 +89,21 @@ The terms each behaviour selects, in one place each:
   (``PartitionedParameterCoordinator.fetch_sub_module``); a parameter under
   ``stage3_param_persistence_threshold`` (1e5 elements) stays whole, so a block gathers once per
   linear layer ("module": ``linear_modules``). Each gather is a ring of n - 1 steps that
-  pays the network's latency on every step: at a fixed layer and growing dp, latency, not bytes,
-  sets the time (docs/calibration.md, "Collectives at scale").
+  pays a hop's latency on every step (the network's where it crosses between nodes): at a fixed
+  layer and growing dp, latency, not bytes, sets the time (docs/calibration.md, "Collectives at
+  scale").
+* ``zero3_overlap``: whether ZeRO-3's per-micro-batch gathers and reduce-scatters run beside the
+  layers' compute (FSDP's prefetch: Partita's runtime, torchtitan, Megatron's distributed
+  optimizer) or after it, one after the other (DeepSpeed: False). DeepSpeed 0.6.2's published
+  sweep on Azure (the 175B model at micro-batches 1 to 16 on 128 to 1,024 A100, the 530B at 1 to 8
+  on 512 and 1,024; docs/published_runs.md, "DeepSpeed ZeRO-3: the traffic beside the compute")
+  measured a step longer than its compute by the same seconds at every micro-batch of a GPU
+  count, and by about the traffic priced serially: at micro-batch 16 the compute of a 175B
+  module is sixteen times its gather, which any overlap would hide. Its prefetcher runs one
+  module ahead on its own stream (``PartitionedParameterCoordinator.fetch_sub_module``), but
+  the runs behave as if it did not; newer DeepSpeed releases rewrote the trace and prefetch
+  (DeepSpeed#1916, #2016) and no published run of them is here, so the engine prices what was
+  measured.
 * ``zero2_gather``: when a ZeRO-2 layer's parameters are all-gathered. "micro_batch" (FSDP's
   SHARD_GRAD_OP, FSDP2 with ``reshard_after_forward=False``: Partita's runtime, torchtitan): each
   micro-batch gathers them for its forward and keeps them to its backward's end, then reshards.
@@ -320,6 +333,7 @@ class Engine:
     dgrad_overlap: bool = False
     selective_scope: str = "ops"
     zero3_gathers: str = "layer"
+    zero3_overlap: bool = True
     zero2_gather: str = "micro_batch"
     shard_copies: str = "none"
     param_gather: str = "next_forward"
@@ -432,10 +446,10 @@ ENGINES: dict[str, Engine] = {
                        sp_inputs="sharded", p2p_buffers="per_transfer", glu_saves="input", qkv_saves="fused",
                        cp_ring="transformer_engine", rope="fused"),
     # DeepSpeed as partita export --to deepspeed writes it (ZeRO 0-3 with overlap_comm): ZeRO-3's
-    # module-by-module gathers, ZeRO-2's parameters whole and gathered once a step, a Hugging Face
+    # module-by-module gathers, run after the compute they feed as its published runs measured, ZeRO-2's parameters whole and gathered once a step, a Hugging Face
     # model's fp32 loss, torch SDPA.
-    "deepspeed": Engine("deepspeed", zero3_gathers="module", zero2_gather="step", param_gather="after_step", loss="fp32",
-                        fp16_grad_reduce=True),
+    "deepspeed": Engine("deepspeed", zero3_gathers="module", zero3_overlap=False, zero2_gather="step",
+                        param_gather="after_step", loss="fp32", fp16_grad_reduce=True),
 }
 DEFAULT_ENGINE = "partita"
 assert tuple(ENGINES) == parallel.ENGINES, "the rule book names the same engines"

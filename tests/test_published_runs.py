@@ -229,9 +229,9 @@ def test_a_devices_figures_reach_the_cost_model_only_while_its_runs_are_priced()
     assert slower.predicted_step_time_s > as_sxm.predicted_step_time_s  # 2.4 TB/s against 3.35
 
 
-# Rows with a known gap of the cost model (``gap``: DeepSpeed's ZeRO-3 beyond its gathers, long
-# sequences under FSDP; docs/published_runs.md) are priced and printed but kept out of issue 10's
-# regression line; the DeepSpeed rows are held to their own test below.
+# Rows with a known gap of the cost model (``gap``: a measurement no cost that grows with the
+# ranks can price; docs/published_runs.md) are priced and printed but kept out of issue 10's
+# regression line; the DeepSpeed rows are also held to their own tests below.
 DEEPSPEED_ZERO3 = [r for r in RUNS if r.engine.name == "deepspeed" and r.zero == 3]
 
 
@@ -239,7 +239,7 @@ def test_the_cost_model_meets_issue_10s_target_on_the_published_runs():
     """The cost model, not the file: over the rows Partita can express, the median |error| of
     predicted throughput is at most 10 % and none is off by more than 25 % (ZeRO-3 rows included).
     A change to the cost model that breaks this has made its predictions worse."""
-    assert all(r.gap for r in DEEPSPEED_ZERO3)
+    assert sum(1 for r in DEEPSPEED_ZERO3 if r.gap) <= 1
     rows = [pr.price(r) for r in RUNS if not r.gap]
     overall, _, zero3, *_ = pr.summaries(rows)
     assert overall.count >= 12 and zero3.count >= 6
@@ -293,23 +293,35 @@ def test_fp8_products_speed_each_recipe_up_as_much_as_it_measured():
 def test_deepspeed_s_zero3_gathers_carry_the_loss_of_throughput_with_the_ranks():
     """At micro-batch 1 a GPU (the same gathered bytes a step at every size), DeepSpeed's 175B
     ZeRO-3 lost 47 % of its throughput a GPU from 128 to 1,024 A100. Priced with the deepspeed
-    engine (a ring a linear layer) the prediction falls with it and its error does not grow with
-    the ranks; priced as FSDP's one gather a block it barely falls, and the error nearly doubles.
-    (The bound on the error is what the engine spends beyond the priced traffic, docs/published_runs.md,
-    "DeepSpeed ZeRO-3 at micro-batch 1": 79 % with its gathers alone priced, 49 % with the recompute's
-    re-gathers and the reduce-scatter a large gradient runs alone, 67 % at the recipe's
-    stage3_max_reuse_distance of 3e9, which keeps a block's modules gathered from its recomputed
-    forward to its backward: no re-gathers, search/engines.py.)"""
+    engine (a ring a linear layer) the prediction falls at least as much; priced as FSDP's one
+    gather a block it barely falls, and the error nearly doubles."""
     series = sorted((r for r in DEEPSPEED_ZERO3 if r.model.hidden == 12288 and r.micro_batch == 1), key=lambda r: r.dp)
     assert [r.dp for r in series] == [128, 256, 512, 1024]
     errors = [pr.price(r).error_pct for r in series]
     as_fsdp = [pr.price(dataclasses.replace(r, engine=ENGINES["partita"].with_options({"attention": "unfused"}))).error_pct
                for r in series]
-    assert errors[-1] <= errors[0] and max(abs(e) for e in errors) < 70
+    assert errors[-1] <= errors[0] and max(abs(e) for e in errors) < 25
     assert as_fsdp[-1] > 1.5 * as_fsdp[0]
     first, last = pr.price(series[0]), pr.price(series[-1])
     measured_drop = first.measured_tokens_per_s_per_gpu / last.measured_tokens_per_s_per_gpu
     assert first.predicted_tokens_per_s_per_gpu / last.predicted_tokens_per_s_per_gpu >= 0.8 * measured_drop
+
+
+def test_deepspeed_s_zero3_traffic_runs_after_the_compute_at_every_micro_batch():
+    """DeepSpeed 0.6.2's published sweep (175B at micro-batches 1-16 on 128-1,024 A100, 530B at
+    1-8 on 512 and 1,024): at each GPU count the step exceeds its compute by about the same
+    seconds whatever the micro-batch, so the traffic does not hide behind a compute sixteen times
+    longer (search/engines.py, ``zero3_overlap``). Priced so, the 28 rows' median error is under
+    8 % and none is off by more than 30 %; priced beside the compute, as FSDP's prefetch runs, the
+    median is more than twice that and the large micro-batches' rows are all predicted fast."""
+    assert len(DEEPSPEED_ZERO3) == 28 and not ENGINES["deepspeed"].zero3_overlap
+    serial = [pr.price(r).error_pct for r in DEEPSPEED_ZERO3]
+    beside = [pr.price(dataclasses.replace(r, engine=dataclasses.replace(r.engine, zero3_overlap=True))).error_pct
+              for r in DEEPSPEED_ZERO3]
+    assert statistics.median(abs(e) for e in serial) < 8 and max(abs(e) for e in serial) < 30
+    assert statistics.median(abs(e) for e in beside) > 2 * statistics.median(abs(e) for e in serial)
+    large = [e for r, e in zip(DEEPSPEED_ZERO3, beside) if r.micro_batch >= 4]
+    assert len(large) >= 12 and min(large) > 0
 
 
 def test_published_peak_memory_is_priced_for_the_rank_that_holds_the_most():

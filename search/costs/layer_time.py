@@ -242,6 +242,9 @@ def layer_time(cm, role: str, group: NodeGroup, *, tp: int, sp: bool, zero: int,
         slow_fwd, slow_bwd = (k.collective_slowdown(share) for share in gemm_shares(cm, role, device, tp, micro_batch))
     forward = overlapped_s(fwd_compute + tp_fwd, zero_fwd, slow_fwd)
     backward = overlapped_s(bwd_compute + tp_bwd, zero_bwd, slow_bwd)
+    if zero == 3 and not cm.engine.zero3_overlap:  # after the compute, one after the other (search/engines.py)
+        slow_fwd = slow_bwd = 1.0
+        forward, backward = fwd_compute + tp_fwd + zero_fwd, bwd_compute + tp_bwd + zero_bwd
     edge = max(0.0, 1.0 - slow_fwd) * zero_fwd + max(0.0, 1.0 - slow_bwd) * zero_bwd
     shard = replicas if zero >= 1 and replicas > 1 else 1
     tensors = param_tensors(cm.model.kinds[role], tied_head=role == "head" and cm.model.tie_embeddings)
