@@ -11,7 +11,8 @@ from partita.model import BUILTIN
 from partita.plan import LayerStrategy
 from partita.search.costs.memory import UNRUNNABLE_BYTES
 from partita.search.costs.model import CostModel
-from partita.search.experts import all_to_all_bytes
+from partita.search.engines import ENGINES
+from partita.search.experts import all_to_all_bytes, imbalance_s
 from partita.search.planner import PlanRequest, expert_options, make_plan
 from partita.search.uniform import SearchSpace
 from partita.units import round_up_to_grain
@@ -63,6 +64,23 @@ def test_all_to_all_and_imbalance_slow_the_block():
     assert balanced.tp_comm_s > 0  # the all-to-alls, on the critical path
     assert skewed.compute_s > balanced.compute_s and skewed.forward_s > balanced.forward_s
     assert cm.at_ep(1, 1.5) is cm  # without ep every rank runs its own tokens: no imbalance to wait for
+
+
+def test_the_busiest_rank_recomputes_only_the_expert_products_its_scope_runs_again():
+    # (imbalance - 1) x the balanced products: forward once, backward twice, and the forward's
+    # again only where the recomputation reruns them (full; torchtitan's policy: every second
+    # product, w3 of w1, w3, w2; never under Partita's "ops" scope or Megatron's attention core).
+    g = H100.groups[0]
+    for engine, selective_reruns in (("partita", 0.0), ("megatron", 0.0), ("torchtitan", None)):
+        cm = CostModel(MIXTRAL, H100, seq_len=4096, engine=ENGINES[engine]).at_ep(8, 1.5)
+        fwd, none = imbalance_s(cm, g, 1, 1, "none")
+        assert none == pytest.approx(2 * fwd) and fwd > 0
+        assert imbalance_s(cm, g, 1, 1, "full")[1] == pytest.approx(3 * fwd)
+        selective = imbalance_s(cm, g, 1, 1, "selective")[1] - none
+        if selective_reruns is not None:
+            assert selective == pytest.approx(selective_reruns)
+        else:  # w3: one of three equal-FLOP products
+            assert selective == pytest.approx(fwd / 3, rel=0.05)
 
 
 def test_a_dp_that_ep_does_not_divide_does_not_fit():
