@@ -96,7 +96,7 @@ The terms each behaviour selects, in one place each:
   layers' compute (FSDP's prefetch: Partita's runtime, torchtitan, Megatron's distributed
   optimizer) or after it, one after the other (DeepSpeed: False). DeepSpeed 0.6.2's published
   sweep on Azure (the 175B model at micro-batches 1 to 16 on 128 to 1,024 A100, the 530B at 1 to 8
-  on 512 and 1,024; docs/published_runs.md, "DeepSpeed ZeRO-3: the traffic beside the compute")
+  on 512 and 1,024; docs/published_runs.md, eleventh session, item 2)
   measured a step longer than its compute by the same seconds at every micro-batch of a GPU
   count, and by about the traffic priced serially: at micro-batch 16 the compute of a 175B
   module is sixteen times its gather, which any overlap would hide. Its prefetcher runs one
@@ -446,8 +446,8 @@ ENGINES: dict[str, Engine] = {
                        sp_inputs="sharded", p2p_buffers="per_transfer", glu_saves="input", qkv_saves="fused",
                        cp_ring="transformer_engine", rope="fused"),
     # DeepSpeed as partita export --to deepspeed writes it (ZeRO 0-3 with overlap_comm): ZeRO-3's
-    # module-by-module gathers, run after the compute they feed as its published runs measured, ZeRO-2's parameters whole and gathered once a step, a Hugging Face
-    # model's fp32 loss, torch SDPA.
+    # module-by-module gathers, run after the compute they feed as its published runs measured,
+    # ZeRO-2's parameters whole and gathered once a step, a Hugging Face model's fp32 loss, torch SDPA.
     "deepspeed": Engine("deepspeed", zero3_gathers="module", zero3_overlap=False, zero2_gather="step",
                         param_gather="after_step", loss="fp32", fp16_grad_reduce=True),
 }

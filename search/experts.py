@@ -50,8 +50,9 @@ from partita.cluster import NodeGroup
 from partita.devices import get_device
 from partita.errors import PartitaError
 from partita.model import ModelSpec
-from partita.search.analytic import Shard, alternate_recomputed, matmul_time_s
+from partita.search.analytic import Shard, matmul_time_s
 from partita.search.costs.compute import optimizer_s
+from partita.search.costs.layer_time import rerun_products
 from partita.search.costs.layer_time import zero_traffic as params_zero_traffic
 from partita.search.costs.links import Link, link_within
 from partita.search.roofline import cpu_adam_s
@@ -166,10 +167,7 @@ def all_to_all_s(cm, group: NodeGroup, tp: int, micro_batch: int, recompute: str
 def imbalance_s(cm, group: NodeGroup, tp: int, micro_batch: int, recompute: str) -> tuple[float, float]:
     """(forward, backward) extra seconds of the busiest rank's expert products: (imbalance - 1)
     x the balanced rows' products (the backward's two products a forward one, and the forward
-    products the recomputation runs again: all of them under full recomputation; under a
-    selective one those the engine's scope does not keep, ``analytic.alternate_recomputed``'s
-    under torchtitan's policy, none where every product's output is kept or only the attention
-    core is recomputed)."""
+    products the recomputation runs again, ``layer_time.rerun_products``)."""
     if cm.moe_imbalance == 1.0:
         return 0.0, 0.0
     kind = cm.model.kinds["block"]
@@ -177,15 +175,11 @@ def imbalance_s(cm, group: NodeGroup, tp: int, micro_batch: int, recompute: str)
     sh = Shard.of(kind, tp=tp, micro_batch=micro_batch, seq_len=cm.seq_len, dtype=cm.dtype)
     rows = sh.moe_tokens * kind.experts_per_token
     f, h = sh.ffn, sh.hidden
-    times = {"w1": matmul_time_s(dev, rows, f, h, cm.dtype), "w3": matmul_time_s(dev, rows, f, h, cm.dtype),
-             "w2": matmul_time_s(dev, rows, h, f, cm.dtype)}
+    up = matmul_time_s(dev, rows, f, h, cm.dtype)
+    times = {"w1": up, "w3": up, "w2": matmul_time_s(dev, rows, h, f, cm.dtype)}
     scale = (cm.moe_imbalance - 1.0) * cm.time_constants(group.device).compute_scale
     extra = scale * sum(times.values())
-    rerun = 0.0
-    if recompute == "full":
-        rerun = extra
-    elif recompute == "selective" and cm.engine.selective_scope == "alternate":
-        rerun = scale * sum(times[name] for name, *_ in alternate_recomputed(kind, sh)[1] if name in times)
+    rerun = scale * sum(times[name] for name in rerun_products(cm, kind, sh, recompute, times))
     return extra, 2 * extra + rerun
 
 

@@ -61,7 +61,9 @@ HOPPER_GEMM_OVERLAP_SLOWDOWN = 0.40
 def overlapped_s(compute_s: float, comm_s: float, slowdown: float) -> float:
     """A pass whose compute runs beside ``comm_s`` of communication: the compute slows by
     ``slowdown`` for as long as the two overlap, and the pass lasts at least the communication.
-    slowdown 0: max(compute, comm) (perfect overlap); 1: compute + comm (none)."""
+    slowdown 0: max(compute, comm) (perfect overlap); 1: compute + comm where the communication
+    is the shorter, max(comm, 2 x compute) where it is the longer (for transfers priced one after
+    the other whatever their length, the caller adds them: ``Engine.zero3_overlap``)."""
     return max(comm_s, compute_s + slowdown * min(compute_s, comm_s))
 
 

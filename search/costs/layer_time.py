@@ -237,14 +237,16 @@ def layer_time(cm, role: str, group: NodeGroup, *, tp: int, sp: bool, zero: int,
     # slowdown already charged (``zero_edge_s``; search/timing.py, docs/search.md).
     # A data-parallel collective slows the matrix products beside it more than the rest on
     # Hopper parts (persistent GEMM kernels; ``timing.HOPPER_GEMM_OVERLAP_SLOWDOWN``).
-    slow_fwd, slow_bwd = k.overlap_slowdown, k.overlap_slowdown
-    if k.gemm_overlap_slowdown is not None:
-        slow_fwd, slow_bwd = (k.collective_slowdown(share) for share in gemm_shares(cm, role, device, tp, micro_batch))
-    forward = overlapped_s(fwd_compute + tp_fwd, zero_fwd, slow_fwd)
-    backward = overlapped_s(bwd_compute + tp_bwd, zero_bwd, slow_bwd)
     if zero == 3 and not cm.engine.zero3_overlap:  # after the compute, one after the other (search/engines.py)
-        slow_fwd = slow_bwd = 1.0
+        slow_fwd = slow_bwd = 1.0  # nothing hides behind the passes: no edge, no window
         forward, backward = fwd_compute + tp_fwd + zero_fwd, bwd_compute + tp_bwd + zero_bwd
+    else:
+        slow_fwd, slow_bwd = k.overlap_slowdown, k.overlap_slowdown
+        if k.gemm_overlap_slowdown is not None:
+            slow_fwd, slow_bwd = (k.collective_slowdown(share)
+                                  for share in gemm_shares(cm, role, device, tp, micro_batch))
+        forward = overlapped_s(fwd_compute + tp_fwd, zero_fwd, slow_fwd)
+        backward = overlapped_s(bwd_compute + tp_bwd, zero_bwd, slow_bwd)
     edge = max(0.0, 1.0 - slow_fwd) * zero_fwd + max(0.0, 1.0 - slow_bwd) * zero_bwd
     shard = replicas if zero >= 1 and replicas > 1 else 1
     tensors = param_tensors(cm.model.kinds[role], tied_head=role == "head" and cm.model.tie_embeddings)
@@ -302,12 +304,8 @@ def tp_overlap_exposed_s(cm, role: str, device: str, tp: int, micro_batch: int, 
     times = linear_windows_s(cm, role, device, tp, micro_batch)
     fwd = lambda names: sum(times[n][0] for n in names if n in times)  # noqa: E731
     bwd = lambda names: sum(times[n][1] for n in names if n in times)  # noqa: E731
-    rerun = set()
-    if recompute == "full":
-        rerun = set(times)
-    elif recompute == "selective" and cm.engine.selective_scope == "alternate":
-        sh = Shard.of(kind, tp=tp, micro_batch=micro_batch, seq_len=cm.seq_len, dtype=cm.dtype)
-        rerun = {name for name, *_ in alternate_recomputed(kind, sh)[1]}
+    sh = Shard.of(kind, tp=tp, micro_batch=micro_batch, seq_len=cm.seq_len, dtype=cm.dtype)
+    rerun = rerun_products(cm, kind, sh, recompute, times)
     ag_copy, rs_copy = symm_copies_s(cm, device, tp, micro_batch)
 
     def fused(window: float, comm: float, copy: float) -> float:  # a collective chunked beside its products
@@ -330,6 +328,18 @@ def tp_overlap_exposed_s(cm, role: str, device: str, tp: int, micro_batch: int, 
         if rs_rerun:
             exposed_bwd += fused(fwd([row]) if row in rerun else 0.0, rs, rs_copy)
     return exposed_fwd, exposed_bwd
+
+
+def rerun_products(cm, kind, sh: Shard, recompute: str, names) -> set[str]:
+    """Which of a layer's forward products (``names``) its recomputation runs again: all under
+    full recomputation; under a selective one those the engine's scope does not keep
+    (``analytic.alternate_recomputed``'s under torchtitan's policy; none under the "ops" scope,
+    which keeps every product's output, or Megatron-LM's attention core)."""
+    if recompute == "full":
+        return set(names)
+    if recompute == "selective" and cm.engine.selective_scope == "alternate":
+        return {name for name, *_ in alternate_recomputed(kind, sh)[1]} & set(names)
+    return set()
 
 
 def symm_copies_s(cm, device: str, tp: int, micro_batch: int) -> tuple[float, float]:
