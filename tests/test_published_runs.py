@@ -379,3 +379,17 @@ def test_the_overlap_sweep_prices_the_rows_at_each_value_and_restores_the_consta
     assert at_value == {r.id: pr.price(r).error_pct for r in rows}
     assert off["mpt-13b-2k-8xH100-fsdp"] > at_value["mpt-13b-2k-8xH100-fsdp"] + 1.0
     assert off["tt-llama3-70b-64xA100-fsdp"] == at_value["tt-llama3-70b-64xA100-fsdp"]
+
+
+def test_the_zero3_overlap_check_prints_every_deepspeed_row_and_both_medians(capsys):
+    """benchmarks/zero3_overlap.py, the check behind ``Engine.zero3_overlap``: a line for each of
+    DeepSpeed's 28 ZeRO-3 rows and the two summaries, the one after the compute the priced rows'."""
+    spec = importlib.util.spec_from_file_location("zero3_overlap", BENCHMARKS / "zero3_overlap.py")
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    assert check.main([]) == 0
+    out = capsys.readouterr().out
+    assert sum(1 for line in out.splitlines() if line.startswith("| ds-azure-")) == len(DEEPSPEED_ZERO3) == 28
+    after = statistics.median(abs(pr.price(r).error_pct) for r in DEEPSPEED_ZERO3)
+    assert f"after the compute: 28 rows, median |error| {after:.1f} %" in out
+    assert "beside it: 28 rows" in out

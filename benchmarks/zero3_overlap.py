@@ -1,0 +1,46 @@
+"""Price DeepSpeed's published ZeRO-3 runs (the ``ds-azure-*`` rows: its 2022 Azure sweep) with
+the engine's ZeRO-3 traffic after the compute it feeds (``Engine.zero3_overlap`` False, what the
+deepspeed engine prices) and beside it (True, FSDP's prefetch), and print each row's error, the
+seconds its measured step spent beyond the priced compute, and the priced traffic one transfer
+after another: the check behind ``zero3_overlap`` (search/engines.py).
+
+    python benchmarks/zero3_overlap.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import published_runs as pr  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
+    runs = sorted((r for r in pr.load_runs() if r.engine.name == "deepspeed" and r.zero == 3),
+                  key=lambda r: (r.model.hidden, r.dp, r.micro_batch))
+    print("| run | measured step - priced compute (s) | priced ZeRO traffic, serial (s) "
+          "| error after the compute | error beside it |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    after, beside = [], []
+    for run in runs:
+        row, ev = pr.price(run), pr.evaluate_run(run)
+        measured_step = run.global_batch * run.seq_len / (row.measured_tokens_per_s_per_gpu * run.gpus)
+        other = dataclasses.replace(run, engine=dataclasses.replace(run.engine, zero3_overlap=True))
+        after.append(row.error_pct)
+        beside.append(pr.price(other).error_pct)
+        print(f"| {run.id} | {measured_step - ev.breakdown['compute']:.1f} | {ev.stages[0].zero_comm_s:.1f} "
+              f"| {after[-1]:+.1f} % | {beside[-1]:+.1f} % |")
+    for name, errors in (("after the compute", after), ("beside it", beside)):
+        print(f"{name}: {len(errors)} rows, median |error| {statistics.median(abs(e) for e in errors):.1f} %, "
+              f"max |error| {max(abs(e) for e in errors):.1f} %")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
