@@ -2,7 +2,10 @@
 the engine's ZeRO-3 traffic after the compute it feeds (``Engine.zero3_overlap`` False, what the
 deepspeed engine prices) and beside it (True, FSDP's prefetch), and print each row's error, the
 seconds its measured step spent beyond the priced compute, and the priced traffic one transfer
-after another: the check behind ``zero3_overlap`` (search/engines.py).
+after another: the check behind ``zero3_overlap`` (search/engines.py). Then, by GPU count, the
+median of the 175B rows' measured seconds against the priced traffic, and a straight line through each
+over the ranks (seconds a step a rank, and at no rank): the ring latency's share grows with the
+ranks, the bandwidth's does not (docs/calibration.md, "Collectives at scale").
 
     python benchmarks/zero3_overlap.py
 """
@@ -27,11 +30,13 @@ def main(argv: list[str] | None = None) -> int:
     print("| run | measured step - priced compute (s) | priced ZeRO traffic, serial (s) "
           "| error after the compute | error beside it |")
     print("| --- | ---: | ---: | ---: | ---: |")
-    after, beside = [], []
+    after, beside, excess = [], [], {}
     for run in runs:
         row, ev = pr.price(run), pr.evaluate_run(run)
         measured_step = run.global_batch * run.seq_len / (row.measured_tokens_per_s_per_gpu * run.gpus)
         other = dataclasses.replace(run, engine=dataclasses.replace(run.engine, zero3_overlap=True))
+        if run.model.hidden == 12288:  # the 175B's rows, at sequence 512 and 1024: the same traffic a step
+            excess.setdefault(run.gpus, []).append((measured_step - ev.breakdown['compute'], ev.stages[0].zero_comm_s))
         after.append(row.error_pct)
         beside.append(pr.price(other).error_pct)
         print(f"| {run.id} | {measured_step - ev.breakdown['compute']:.1f} | {ev.stages[0].zero_comm_s:.1f} "
@@ -39,6 +44,18 @@ def main(argv: list[str] | None = None) -> int:
     for name, errors in (("after the compute", after), ("beside it", beside)):
         print(f"{name}: {len(errors)} rows, median |error| {statistics.median(abs(e) for e in errors):.1f} %, "
               f"max |error| {max(abs(e) for e in errors):.1f} %")
+    print()
+    print("175B, sequence 512 and 1024:")
+    print("| GPUs | rows | measured step - priced compute, median (s) | priced traffic (s) |")
+    print("| ---: | ---: | ---: | ---: |")
+    for gpus, points in sorted(excess.items()):
+        print(f"| {gpus} | {len(points)} | {statistics.median(m for m, _ in points):.1f} "
+              f"| {statistics.median(p for _, p in points):.1f} |")
+    for name, pick in (("measured", 0), ("priced", 1)):
+        xs = [g for g, points in excess.items() for _ in points]
+        ys = [p[pick] for points in excess.values() for p in points]
+        slope, intercept = statistics.linear_regression(xs, ys)
+        print(f"{name}: {1e3 * slope:.1f} ms a step a rank, {intercept:.1f} s at no rank")
     return 0
 
 

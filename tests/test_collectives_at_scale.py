@@ -63,3 +63,27 @@ def test_a_ring_spanning_two_node_groups_is_capped_as_each_group_s_own_ring():
     spanning = links.spanning_dp_link(cluster, [g.name for g in cluster.groups], 1)
     alone = [links.dp_link(g, 16, 1) for g in cluster.groups]
     assert spanning.gbps == pytest.approx(min(link.gbps for link in alone))
+
+
+def test_the_collectives_check_prints_every_measurement_with_both_latency_models(capsys):
+    """benchmarks/collectives_at_scale.py: each public ring measurement beside the cost model's
+    time and NCCL's hop-by-hop composition of the latency, and each one's median |error|."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "collectives_at_scale.py"
+    spec = importlib.util.spec_from_file_location("collectives_at_scale", path)
+    check = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = check  # its dataclass looks its module up there
+    spec.loader.exec_module(check)
+    assert check.main([]) == 0
+    out = capsys.readouterr().out
+    assert sum(1 for line in out.splitlines() if line.startswith("| NVIDIA/")) == len(check.MEASUREMENTS) == 14
+    for m in check.MEASUREMENTS:  # the model column is the cost model's own ring
+        group = parse_short(f"{m.ranks // 8}x8xH100").groups[0]
+        t = links.collective_s({}, m.op, m.nbytes, m.ranks, links.dp_link(group, m.ranks, 1)) * 1e6
+        assert check.model_us(m) == pytest.approx(t)
+        assert check.hop_by_hop_us(m) <= t  # the hops inside a node at NVLink's latency
+    assert "model (every step at the network's latency): 14 measurements" in out
+    assert "hop by hop (NCCL's composition): 14 measurements" in out
