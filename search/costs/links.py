@@ -23,9 +23,12 @@ from partita.search.timing import LINK_EFFICIENCY
 # 2-core development machine: a 2-rank all-reduce of 4 KiB took ~1 ms for its 2 steps). A ring
 # that leaves a node pays the network's on every one of its steps (``ring_steps``: n - 1, or
 # 2 (n - 1) for all-reduce), so at a fixed shard it slows with the group: 2 GiB all-gathered over
-# 256 H100 (32 nodes, 8 x 400 Gb/s) at ~200 GB/s bus bandwidth (NVIDIA/nccl#1218, 2024), 223 here;
-# NCCL's tuning model (intra-node hops at NVLink latency) would say ~290 (docs/calibration.md,
-# "Collectives at scale"; tests/test_collectives_at_scale.py).
+# 256 H100 (32 nodes, 8 x 400 Gb/s) at ~200 GB/s bus bandwidth (NVIDIA/nccl#1218, 2024), 223 here.
+# The ring-time tables at 16 and 1,024 ranks (nccl-tests#309, #322) read 7-190 % slower here and
+# are matched by NCCL's hop-by-hop composition (intra-node hops at NVLink latency), as is the
+# slope of DeepSpeed's published ZeRO-3 runs over the ranks; their level is not, and 15 us a
+# step stays until the term it stands in for is found (docs/calibration.md, "Collectives at
+# scale"; benchmarks/collectives_at_scale.py; tests/test_collectives_at_scale.py).
 LINK_LATENCY_S = {"nvlink": 5e-6, "xgmi": 5e-6, "pcie": 10e-6, "network": 15e-6, "loopback": 500e-6}
 
 
