@@ -17,9 +17,7 @@ import sys
 from dataclasses import dataclass
 
 from partita.cluster import parse_short
-from partita.profile import bus_bytes
 from partita.search.costs import links
-from partita.search.timing import LINK_EFFICIENCY
 
 MiB, GiB = 2**20, 2**30
 
@@ -49,21 +47,24 @@ MEASUREMENTS = [
 ]
 
 
-def model_us(m: Measurement) -> float:
+def _link(m: Measurement) -> tuple[int, links.Link]:
+    """(GPUs a node, the ring's link) of the measurement's cluster: the catalog's H100 node."""
     group = parse_short(f"{m.ranks // 8}x8xH100").groups[0]
-    return links.collective_s({}, m.op, m.nbytes, m.ranks, links.dp_link(group, m.ranks, 1)) * 1e6
+    return group.gpus_per_node, links.dp_link(group, m.ranks, 1)
+
+
+def model_us(m: Measurement) -> float:
+    return links.collective_s({}, m.op, m.nbytes, m.ranks, _link(m)[1]) * 1e6
 
 
 def hop_by_hop_us(m: Measurement) -> float:
-    """The same ring with NCCL's composition of its latency: nodes - 1 steps (twice for
-    all-reduce) at the network's latency, the rest at NVLink's."""
-    group = parse_short(f"{m.ranks // 8}x8xH100").groups[0]
-    link = links.dp_link(group, m.ranks, 1)
+    """The cost model's ring with NCCL's composition of its latency in place of its own: nodes - 1
+    steps (twice for all-reduce) at the network's latency, the rest at NVLink's."""
+    per_node, link = _link(m)
     steps = links.ring_steps(m.op, m.ranks)
-    inter = (2 if m.op == "all_reduce" else 1) * (m.ranks // 8 - 1)
+    inter = (2 if m.op == "all_reduce" else 1) * (m.ranks // per_node - 1)
     latency = inter * links.LINK_LATENCY_S["network"] + (steps - inter) * links.LINK_LATENCY_S["nvlink"]
-    bus = bus_bytes(m.op, m.nbytes, m.ranks)
-    return (latency + bus / (LINK_EFFICIENCY["network"] * link.gbps * 1e9)) * 1e6
+    return model_us(m) + (latency - steps * link.latency_s) * 1e6
 
 
 def main(argv: list[str] | None = None) -> int:
