@@ -265,10 +265,14 @@ ATTENTION_TABLE_REF_HEADS = 16
 # H200, a Hopper-native kernel (causal forward 574-617 TFLOP/s at 8k tokens, as FlashAttention-3's
 # 602; backward 469-495, FlashAttention-3's causal backward by the rule above is 520). The data
 # stop at 8192 tokens, and the curves' asymptotes (0.717 and 0.588 of peak, 709 and 582 TFLOP/s)
-# lie above every published Hopper kernel's long-sequence rate, so past 8192 tokens the kernel is
-# held at the rate it reaches at 8192 with the same batch and heads (the published kernels gain
-# 0-2 % from 8k to 16k): the time grows with the FLOPs, s^2.
+# lie above every published Hopper kernel's long-sequence rate, so past 8192 tokens the kernel runs
+# at the rate it reaches at 8192 over the same query tiles (batch x heads x seq / 8192 sequences:
+# as many CTAs to fill the SMs), never above the largest call measured there (the published
+# kernels gain 0-2 % from 8k to 16k at 16 heads): at a fixed shape the time grows with the FLOPs,
+# s^2. Until 2026-12-07 the rate was held at the same batch and heads, which left a tensor-parallel
+# shard of a few heads at the rate of a few heads of 8k tokens however long its sequence.
 SDPA_MEASURED_SEQ = 8192
+SDPA_MEASURED_SEQUENCES = 256  # the largest batch x heads measured there (b 4, 64 heads)
 
 # On a non-Hopper part "flash2" and "cudnn" are priced by the fitted curves, which transfer by
 # peak (FlashAttention-2 reaches 50-73 % of A100's peak, Dao 2023, arXiv:2307.08691); "flash3"
@@ -405,10 +409,20 @@ def attention_time_s(dev: DeviceType, batch: int, heads: int, seq: int, head_dim
                          / (peak * table.efficiency(seq, causal=causal, backward=backward) * ratio))
         return times[0], times[1]
     if seq > SDPA_MEASURED_SEQ and not dev.is_cpu:
-        forward, backward = attention_time_s(dev, batch, heads, SDPA_MEASURED_SEQ, head_dim, causal=causal,
-                                             dtype=dtype, kernel="sdpa")
-        grow = (seq / SDPA_MEASURED_SEQ) ** 2
-        return forward * grow, backward * grow
+        # Past the measured lengths: the rate of a call at the measured length over as many query
+        # tiles (batch x heads x seq / tile rows: the CTAs that fill the SMs), each tile's loop over
+        # the keys as long as there: scale = seq / 8192 times the sequences of 8192 tokens, each
+        # scale times as long, so the shape's FLOPs / scale and its bytes, its time x scale. Never
+        # past the largest call the data measured at that length (SDPA_MEASURED_SEQUENCES: the
+        # fitted curves' asymptotes lie above every published Hopper kernel). Held instead at the
+        # same batch and heads, a one-sequence, four-head shard at 256k tokens would run at the rate
+        # of four heads of 8k tokens, a GPU a quarter filled.
+        scale = seq / SDPA_MEASURED_SEQ
+        fill = min(1.0, SDPA_MEASURED_SEQUENCES / (batch * heads * scale))
+        forward = _time_s(ATTENTION_FWD_CURVE, dev, flops / scale * fill, nbytes * fill, dtype) * scale / fill
+        backward = _time_s(ATTENTION_BWD_CURVE, dev, ATTENTION_BWD_FLOPS_RATIO * flops / scale * fill,
+                           2.0 * nbytes * fill, dtype) * scale / fill
+        return forward, backward
     forward = _time_s(ATTENTION_FWD_CURVE, dev, flops, nbytes, dtype)
     backward = _time_s(ATTENTION_BWD_CURVE, dev, ATTENTION_BWD_FLOPS_RATIO * flops, 2.0 * nbytes, dtype)
     return forward, backward
