@@ -187,13 +187,15 @@ def unfused_attention_time_s(dev: DeviceType, sh: Shard, dtype: str) -> tuple[fl
     return forward, backward
 
 
-def attention_s(dev: DeviceType, sh: Shard, dtype: str, attention: str) -> tuple[float, float]:
-    """(forward, backward) seconds of one block's attention core by the ``attention`` implementation."""
+def attention_s(dev: DeviceType, sh: Shard, dtype: str, attention: str, *, causal: bool = True) -> tuple[float, float]:
+    """(forward, backward) seconds of one block's attention core by the ``attention`` implementation
+    (``causal`` False: every query against every key, as a ring's off-diagonal steps run; the
+    unfused core computes the whole square either way)."""
     if attention not in ATTENTION:
         raise PartitaError(f"unknown attention implementation {attention!r}; valid: {', '.join(ATTENTION)}")
     if attention == "unfused":
         return unfused_attention_time_s(dev, sh, dtype)
-    return attention_time_s(dev, sh.batch, sh.heads, sh.seq, sh.head_dim, causal=True, dtype=dtype, kernel=attention)
+    return attention_time_s(dev, sh.batch, sh.heads, sh.seq, sh.head_dim, causal=causal, dtype=dtype, kernel=attention)
 
 
 # ---- time -----------------------------------------------------------------------------------

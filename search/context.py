@@ -12,43 +12,33 @@ per attention layer; the cost model multiplies by layers and micro-batches.
 
 Three variants (``VARIANTS``), matching ``partita.runtime.context``:
 
-* ``all_to_all`` (DeepSpeed-Ulysses: Jacobs et al. 2023, "DeepSpeed Ulysses: System
-  Optimizations for Enabling Training of Extreme Long Sequence Transformer Models",
-  arXiv:2309.14509, sec. 3). Four all-to-alls a forward (q, k, v to head shards; the output
-  back), the same four in the backward on the gradients. The paper's observation: the bytes
-  each rank sends shrink as 1/cp when s and cp grow together, so the traffic per link stays
-  constant, unlike an all-gather of the sequence.
+* ``all_to_all`` (DeepSpeed-Ulysses: Jacobs et al. 2023, arXiv:2309.14509, sec. 3). Four
+  all-to-alls a forward (q, k, v to head shards; the output back), the same four in the backward
+  on the gradients: the bytes a rank sends shrink as 1/cp when s and cp grow together, so the
+  traffic per link stays constant, unlike an all-gather of the sequence.
 * ``ring`` (Liu, Zaharia, Abbeel 2023, "Ring Attention with Blockwise Transformers for
-  Near-Infinite Context", arXiv:2310.01889, sec. 3): each rank keeps its queries and passes
-  its key/value block around the ring, overlapping each pass with the attention of the block
-  it already has. The runtime uses torch's ``context_parallel`` (see the PyTorch tutorial
-  "Introduction to Context Parallel" and torchtitan's ``context_parallel_degree`` /
-  ``context_parallel_rotate_method``), with head-tail load balancing: 2*cp chunks, rank r
-  holding chunks r and 2*cp-1-r, as Llama 3 does (Llama Team 2024, "The Llama 3 Herd of
-  Models", arXiv:2407.21783, sec. 3.3.2, which all-gathers K/V instead of passing them; the
-  ``allgather`` rotate method here).
-
+  Near-Infinite Context", arXiv:2310.01889, sec. 3): each rank keeps its queries and passes its
+  key/value block around the ring, overlapping each pass with the attention of the block it
+  has. The runtime uses torch's ``context_parallel`` (the PyTorch tutorial "Introduction to
+  Context Parallel"; torchtitan's ``context_parallel_rotate_method``) with head-tail load
+  balancing: 2*cp chunks, rank r holding chunks r and 2*cp-1-r, as Llama 3 does.
 * ``all_gather`` (Llama 3's: Llama Team 2024, arXiv:2407.21783, sec. 3.3.2): each rank all-gathers
-  the keys and values of the whole sequence at their own kv heads (under grouped-query attention
-  far fewer than the queries' heads: 1 a rank for Llama 3 405B at tp 8), then attends for its
+  the keys and values of the whole sequence at their own kv heads (far fewer than the queries'
+  under grouped-query attention: 1 a rank for Llama 3 405B at tp 8), then attends for its
   head_tail chunks (``gather_traffic``); the backward reduce-scatters dK and dV. Exposed: the
   attention waits for the gather. Transformer Engine's (``AttnFuncWithCPAndKVAllGather``, the
   megatron engine's ``cp_ring``) keeps the local k and v and gathers again in the backward.
 
-What torch's ring does, read from ``torch/distributed/tensor/experimental/_context_parallel/
-_attention.py`` (torch 2.13): the forward runs cp steps; before step i < cp-1 it starts sending
-the K/V block it holds to the next rank and computes on the block it has (rotate "alltoall"), or
-it all-gathers every rank's block once before step 0 (rotate "allgather", torch's default). The
-backward passes K/V the same way, and also passes the dK/dV accumulators around the ring at
-every one of the cp steps, in fp32 (``convert_to_f32``, the default), so each rank's gradients
-return to it. The runtime repeats kv heads before SDPA (``partita.runtime.models.Attention``), so
-the blocks the ring moves hold H heads, not KV: ``ring_kv_heads``.
-
+Torch's ring (``torch/distributed/tensor/experimental/_context_parallel/_attention.py``, torch
+2.13): cp forward steps, only the first masked (``_is_causal_behavior``); before step i < cp-1 it
+starts sending its K/V block to the next rank (rotate "alltoall"), or all-gathers every rank's
+block before step 0 ("allgather", torch's default). The backward passes K/V the same way and the
+dK/dV accumulators at every step, in fp32 (``convert_to_f32``), so each rank's gradients return
+to it. The runtime repeats kv heads before SDPA, so its blocks hold H heads: ``ring_kv_heads``.
 Transformer Engine's ring (``AttnFuncWithCPAndKVP2P``, Megatron-LM's: ``cp_ring``
 "transformer_engine", ``ring_heads``) passes the blocks at the kernel's kv heads in the compute
-dtype; its backward sends K/V on step 0, K/V with the dK/dV so far on the steps between, dK/dV
-alone on the last, each beside the step's attention (``te_ring_traffic``; TE 1.11's
-``pytorch/attention.py``, September 2024; ``dot_product_attention/context_parallel.py`` today).
+dtype; its backward sends K/V on step 0, K/V with the dK/dV so far between, dK/dV alone on the
+last, each beside the step's attention (``te_ring_traffic``; TE 1.11's ``pytorch/attention.py``).
 """
 
 from __future__ import annotations
@@ -268,32 +258,32 @@ def ring_traffic(*, batch: int, seq: int, kv_heads: int, head_dim: int, elem: in
     return Traffic(op, forward, forward + (grad,) * cp, float(kv_wire), float(kv_wire + cp * grad))
 
 
-def ring_forward_time_s(*, step_compute_s: float, step_comm_s: float, cp: int, rotate: str = "alltoall") -> float:
-    """The ring's forward attention time on the busiest rank, from one step's attention time
-    (all steps alike under head-tail balancing: ``ring_step_flops``) and one K/V pass's time.
-
-    Assumption: a transfer overlaps fully with the attention that runs while it is in flight
-    (separate streams; the SMs NCCL takes from the kernel are ignored), so a step costs
-    max(compute, comm) and only the excess of comm over compute is exposed. "alltoall" sends
-    block i+1 during step i: cp steps, cp-1 of them with a transfer behind them:
-        cp * a + (cp - 1) * max(0, c - a)
-    "allgather" (``step_comm_s`` = the one all-gather) must land before step 1:
-        cp * a + max(0, c - a)."""
-    if cp <= 1:
-        return step_compute_s
-    exposed = max(0.0, step_comm_s - step_compute_s)
-    return cp * step_compute_s + (exposed if rotate == "allgather" else (cp - 1) * exposed)
+def _ring_steps(a: float, cp: int, first: float | None) -> list[float]:
+    """The ring's cp step times: ``first`` (the masked one, the rank's own block), then a."""
+    return [a if first is None else first] + [a] * (cp - 1)
 
 
-def ring_backward_time_s(*, step_compute_s: float, kv_comm_s: float, grad_comm_s: float, cp: int) -> float:
-    """The ring's backward attention time: cp steps of ``step_compute_s`` (the step's attention
-    backward); during each of the first cp-1 the next K/V block and the previous step's dK/dV
-    share the link (``kv_comm_s + grad_comm_s``, the same overlap assumption as the forward),
-    and the last dK/dV pass, which brings each rank its own gradients, has nothing to hide
-    behind: cp * a + (cp - 1) * max(0, c_kv + c_grad - a) + c_grad."""
-    if cp <= 1:
-        return step_compute_s
-    return (cp * step_compute_s + (cp - 1) * max(0.0, kv_comm_s + grad_comm_s - step_compute_s) + grad_comm_s)
+def ring_forward_time_s(*, step_compute_s: float, step_comm_s: float, cp: int, rotate: str = "alltoall",
+                        first_step_s: float | None = None) -> float:
+    """The ring's forward attention time on the busiest rank from its steps' times a_i
+    (``_ring_steps``) and one K/V pass's time c. Assumption: a transfer overlaps fully with the
+    attention running while it is in flight (separate streams; the SMs NCCL takes from the
+    kernel are ignored), so only the excess of comm over compute is exposed. "alltoall" sends
+    block i+1 during step i, "allgather" (c: the one all-gather) lands before step 1:
+        sum a_i + sum over the first cp-1 (allgather: the first) of max(0, c - a_i)."""
+    steps = _ring_steps(step_compute_s, max(1, cp), first_step_s)
+    behind = steps[:1] if rotate == "allgather" and cp > 1 else steps[:-1]
+    return sum(steps) + sum(max(0.0, step_comm_s - a) for a in behind)
+
+
+def ring_backward_time_s(*, step_compute_s: float, kv_comm_s: float, grad_comm_s: float, cp: int,
+                         first_step_s: float | None = None) -> float:
+    """The ring's backward: in each of the first cp-1 steps the next K/V block and the last
+    step's dK/dV share the link (the forward's overlap); the last dK/dV pass, bringing each rank
+    its gradients, hides behind nothing: sum a_i + sum_{i<cp-1} max(0, c_kv + c_grad - a_i) + c_grad."""
+    steps = _ring_steps(step_compute_s, max(1, cp), first_step_s)
+    tail = sum(max(0.0, kv_comm_s + grad_comm_s - a) for a in steps[:-1]) + grad_comm_s if cp > 1 else 0.0
+    return sum(steps) + tail
 
 
 def te_ring_traffic(*, batch: int, seq: int, kv_heads: int, head_dim: int, elem: int, cp: int) -> Traffic:
@@ -309,11 +299,13 @@ def te_ring_traffic(*, batch: int, seq: int, kv_heads: int, head_dim: int, elem:
     return Traffic("p2p", forward, backward, float(sum(forward)), float(sum(backward)))
 
 
-def te_ring_backward_time_s(*, step_compute_s: float, step_comm_s: Sequence[float]) -> float:
+def te_ring_backward_time_s(*, step_compute_s: float, step_comm_s: Sequence[float],
+                            first_step_s: float | None = None) -> float:
     """Transformer Engine's ring backward: each step's pass (``te_ring_traffic``) is posted before
     the step's attention backward and waited for before the next, the last one before the dK/dV
-    correction: sum of max(a, c_i), the same overlap assumption as ``ring_forward_time_s``."""
-    return sum(max(step_compute_s, c) for c in step_comm_s)
+    correction: sum of max(a_i, c_i), the overlap assumption of ``ring_forward_time_s``."""
+    steps = _ring_steps(step_compute_s, len(step_comm_s), first_step_s)
+    return sum(max(a, c) for a, c in zip(steps, step_comm_s))
 
 
 # ---- memory ------------------------------------------------------------------------------------
@@ -403,8 +395,8 @@ def ring_transient_bytes(*, batch: int, seq: int, heads: int, kv_heads: int, hea
 # and the grid and CP-SAT search it unchanged. On top of them, for a block:
 #
 # * the attention core's time is the variant's (``attention_time``): all-to-all, the whole
-#   sequence for H/cp heads; ring, cp steps of one causal L-token block with the K/V passes
-#   overlapping them (``ring_forward_time_s``, ``ring_backward_time_s``); each core from the
+#   sequence for H/cp heads; ring, the rank's own causal L-token block and cp - 1 unmasked half
+#   blocks, the K/V passes overlapping them (``ring_forward_time_s``); each core from the
 #   profile's measured attention table where it covers the shape (``attention_core_s``);
 # * the variant's collectives on the cp group's link (cp x tp consecutive devices): 4 all-to-alls
 #   a forward and 4 a backward (4 more when the block is recomputed), priced by the profile's
@@ -496,19 +488,23 @@ def cp_link(cm, group: NodeGroup, tp: int) -> Link:
     return link_within(cm.real_cluster.group(group.name), cm.cp * tp)
 
 
-def attention_core_s(cm, device: str, sh: Shard) -> tuple[float, float]:
-    """(forward, backward) seconds of the causal attention core on shard ``sh``: read from the
-    device's profile where its attention table covers the shape (``profile.attention_time_at``;
-    the runtime's SDPA is what it times), else the roofline scaled by the device's compute
-    scale, as the layer's other analytic terms."""
+def attention_core_s(cm, device: str, sh: Shard, *, causal: bool = True) -> tuple[float, float]:
+    """(forward, backward) seconds of the attention core on shard ``sh`` (``causal`` False: every
+    query against every key): the device's profile where its table covers the shape
+    (``profile.attention_time_at``: the runtime's causal SDPA; the unmasked core by the roofline's
+    ratio of the two), else the roofline scaled by the device's compute scale."""
+    dev, kernel = get_device(device), cm.software.attention
     profile = cm.profiles.get(device)
-    if profile is not None and profile.dtype == cm.dtype and cm.software.attention == "sdpa":
+    measured = None
+    if profile is not None and profile.dtype == cm.dtype and kernel == "sdpa":
         measured = attention_time_at(profile, batch=sh.batch, heads=sh.heads, seq_len=sh.seq, head_dim=sh.head_dim)
-        if measured is not None:
-            return measured
+    if measured is not None and not causal:
+        full, masked = attention_s(dev, sh, cm.dtype, kernel, causal=False), attention_s(dev, sh, cm.dtype, kernel)
+        return tuple(m * f / c for m, f, c in zip(measured, full, masked))
+    if measured is not None:
+        return measured
     scale = cm.time_constants(device).compute_scale
-    fwd, bwd = attention_s(get_device(device), sh, cm.dtype, cm.software.attention)
-    return scale * fwd, scale * bwd
+    return tuple(scale * t for t in attention_s(dev, sh, cm.dtype, kernel, causal=causal))
 
 
 def attention_time(cm, group: NodeGroup, tp: int, micro_batch: int) -> AttentionTime:
@@ -539,16 +535,20 @@ def attention_time(cm, group: NodeGroup, tp: int, micro_batch: int) -> Attention
     shape = dict(batch=micro_batch, seq=cm.plan_seq_len, head_dim=local.head_dim, elem=cm.elem, cp=cm.cp)
     moved = ring_heads(cm, tp)
     traffic = te_ring_traffic(kv_heads=moved, **shape) if te else ring_traffic(kv_heads=moved, **shape)
+    # Step 0 is the rank's own block, causal; each other, half a block unmasked: half that core.
+    off_f, off_b = (t / 2 for t in attention_core_s(cm, device, local, causal=False))
     kv = cm.collective_s("p2p", traffic.forward_messages[0], 2, link, device)
-    fwd = ring_forward_time_s(step_compute_s=local_f, step_comm_s=kv, cp=cm.cp)
+    fwd = ring_forward_time_s(step_compute_s=off_f, step_comm_s=kv, cp=cm.cp, first_step_s=local_f)
     if te:
         passes = [cm.collective_s("p2p", m, 2, link, device) for m in traffic.backward_messages]
-        bwd = te_ring_backward_time_s(step_compute_s=local_b, step_comm_s=passes)
+        bwd = te_ring_backward_time_s(step_compute_s=off_b, step_comm_s=passes, first_step_s=local_b)
     else:
         grad = cm.collective_s("p2p", traffic.backward_messages[-1], 2, link, device)
-        bwd = ring_backward_time_s(step_compute_s=local_b, kv_comm_s=kv, grad_comm_s=grad, cp=cm.cp)
-    return AttentionTime(cm.cp * local_f, cm.cp * local_b, fwd - cm.cp * local_f, bwd - cm.cp * local_b,
-                         local_f, local_b)
+        bwd = ring_backward_time_s(step_compute_s=off_b, kv_comm_s=kv, grad_comm_s=grad, cp=cm.cp,
+                                   first_step_s=local_b)
+    compute_f = local_f + (cm.cp - 1) * off_f
+    compute_b = local_b + (cm.cp - 1) * off_b
+    return AttentionTime(compute_f, compute_b, fwd - compute_f, bwd - compute_b, local_f, local_b)
 
 
 def ring_heads(cm, tp: int) -> int:

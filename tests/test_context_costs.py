@@ -140,6 +140,38 @@ def test_ring_overlap_hides_what_fits_behind_each_step():
     assert ring_backward_time_s(step_compute_s=1.0, kv_comm_s=1.0, grad_comm_s=2.0, cp=4) == 4.0 + 3 * 2.0 + 2.0
     assert ring_backward_time_s(step_compute_s=1.0, kv_comm_s=0.2, grad_comm_s=0.3, cp=4) == 4.0 + 0.3
 
+    # a first step of its own (the masked one): the others as before, the transfers behind each
+    assert ring_forward_time_s(step_compute_s=1.0, step_comm_s=0.5, cp=4, first_step_s=2.0) == 5.0
+    assert ring_forward_time_s(step_compute_s=1.0, step_comm_s=1.5, cp=4, first_step_s=2.0) == 5.0 + 2 * 0.5
+    assert ring_forward_time_s(step_compute_s=1.0, step_comm_s=3.0, cp=1, first_step_s=2.0) == 2.0
+    assert ring_backward_time_s(step_compute_s=1.0, kv_comm_s=1.0, grad_comm_s=1.0, cp=3, first_step_s=2.0) == (
+        4.0 + 0.0 + 1.0 + 1.0)
+    assert te_ring_backward_time_s(step_compute_s=1.0, step_comm_s=[0.5, 1.5, 0.5], first_step_s=2.0) == 4.5
+
+
+def test_the_rings_steps_after_the_first_run_unmasked():
+    """Head-tail balanced, every step holds the same pairs, but only the first (the rank's own
+    block) is causal; each other step is half a block against a whole one with no mask, which a
+    fused kernel runs at its unmasked rate (the FlashAttention-3 paper's full-attention bars):
+    the ring's compute is the causal core at L = s/cp plus cp - 1 halves of the unmasked core."""
+    from partita.cluster import parse_short
+    from partita.search import context
+    from partita.search.costs.model import CostModel
+    from partita.search.engines import ENGINES
+
+    cluster = parse_short("2x8xH100")
+    for engine in ("megatron", "partita"):
+        cm = CostModel(LLAMA_8B, cluster, seq_len=131072, dtype="bf16", engine=ENGINES[engine]).at_cp(8, "ring", 0)
+        at = context.attention_time(cm, cm.cluster.groups[0], 2, 1)
+        local = context.Shard.of(LLAMA_8B.kinds["block"], tp=2, micro_batch=1, seq_len=cm.seq_len, dtype="bf16")
+        causal = context.attention_core_s(cm, "H100", local)
+        full = context.attention_core_s(cm, "H100", local, causal=False)
+        assert (at.local_forward_s, at.local_backward_s) == causal
+        assert at.forward_s == pytest.approx(causal[0] + 7 * full[0] / 2)
+        assert at.backward_s == pytest.approx(causal[1] + 7 * full[1] / 2)
+        # the same pairs as cp causal blocks, at the unmasked rate: faster, by less than 2x
+        assert 0.5 * 8 * causal[0] < at.forward_s < 8 * causal[0]
+
 
 # ---- compute --------------------------------------------------------------------------------------
 
