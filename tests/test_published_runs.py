@@ -282,6 +282,15 @@ def test_nemos_long_sequence_table_holds_from_4k_to_1m_tokens():
     assert abs(by_length[-1].error_pct - by_length[0].error_pct) <= 5
 
 
+def test_nemos_24_07_performance_table_holds_for_every_model():
+    """NeMo's 24.07 pre-training table (FP8, 8 to 512 H100: GPT-3 5B-175B, Llama 2 7B-70B,
+    Llama 3 8B and 70B with cp 2, Nemotron 8B-340B; FlashAttention-2 as the launcher of that
+    release set it): every row fits and is within 10 %."""
+    rows = [pr.price(r) for r in RUNS if r.id.startswith("nemo2407-")]
+    assert len(rows) == 12 and all(r.fits for r in rows)
+    assert all(abs(r.error_pct) <= 10 for r in rows)
+
+
 def test_fp8_products_speed_each_recipe_up_as_much_as_it_measured():
     """Each DGX Cloud recipe ran twice, in BF16 and with FP8 products, on the same layout and
     GPUs: the measured speedup is 1.32-1.55x, never the 2x of the datasheet's peaks. The FP8 term
