@@ -521,11 +521,12 @@ def attention_time(cm, group: NodeGroup, tp: int, micro_batch: int) -> Attention
         return AttentionTime(fwd, bwd, 0.0, 0.0, local_f, local_b)
     link = cp_link(cm, group, tp)
     if cm.cp_variant == "all_gather":
-        # 1/cp of the whole sequence's causal attention on this rank's heads (head_tail: every
-        # rank alike, ``attention_flops``), at the kernel's rate for the whole length; the gathers
-        # before it (again before its backward under Transformer Engine's) and the RS after, exposed.
+        # 1/cp of the causal pairs (head_tail): a rank's two chunks of c = s/(2 cp) against the keys
+        # to their ends, (2 cp - 1) c^2 pairs unmasked and c^2 masked, at the whole length's rates;
+        # the gathers (again before the backward under TE's) and the reduce-scatters, exposed.
         whole = Shard.of(kind, tp=tp, micro_batch=micro_batch, seq_len=cm.plan_seq_len, dtype=cm.dtype)
-        fwd, bwd = (t / cm.cp for t in attention_core_s(cm, device, whole))
+        full, masked = attention_core_s(cm, device, whole, causal=False), attention_core_s(cm, device, whole)
+        fwd, bwd = (f * (2 * cm.cp - 1) / (4 * cm.cp ** 2) + m / (2 * cm.cp ** 2) for f, m in zip(full, masked))
         traffic = block_gather_traffic(cm, tp, micro_batch)
         ag = sum(cm.collective_s("all_gather", m, cm.cp, link, device) for m in traffic.forward_messages)
         rs = sum(cm.collective_s("reduce_scatter", m, cm.cp, link, device) for m in traffic.backward_messages)
@@ -555,8 +556,7 @@ def ring_heads(cm, tp: int) -> int:
     """The heads of the K/V blocks the cost model's ring moves on a rank: the kv heads under
     Transformer Engine's ring, the query heads under torch's (``ring_kv_heads``)."""
     kind = cm.model.kinds["block"]
-    native = cm.engine.cp_ring == "transformer_engine"
-    return ring_kv_heads(kind.heads // tp, rank_kv_heads(kind, tp), repeated=not native)
+    return ring_kv_heads(kind.heads // tp, rank_kv_heads(kind, tp), repeated=cm.engine.cp_ring != "transformer_engine")
 
 
 def rank_kv_heads(kind: LayerKind, tp: int) -> int:

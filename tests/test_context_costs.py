@@ -306,8 +306,9 @@ def test_a_spec_with_gqa_heads_is_checked_like_the_runtime():
 def test_the_all_gather_variant_moves_kv_heads_and_does_1_over_cp_of_the_attention():
     """Llama 3's context parallelism (``gather_traffic``): K and V gathered at the rank's kv heads
     (llama-3-405b at tp 8: 1 of them, where the runtime's ring passes the 16 query heads'
-    repeated K/V); the attention 1/cp of the whole sequence's; the gathers and the gradients'
-    reduce-scatters exposed."""
+    repeated K/V); the attention 1/cp of the whole sequence's pairs, nearly all of them unmasked
+    (each of a rank's two chunks against the keys up to its end: only the chunk's own block is
+    under the lower-right mask); the gathers and the gradients' reduce-scatters exposed."""
     from partita.cluster import parse_short
     from partita.model import BUILTIN
     from partita.search import context
@@ -321,9 +322,13 @@ def test_the_all_gather_variant_moves_kv_heads_and_does_1_over_cp_of_the_attenti
     gather, ring = (base.at_cp(16, v, span_tp=8) for v in ("all_gather", "ring"))
     group = gather.cluster.groups[0]
     g, r = (context.attention_time(cm, group, 8, 1) for cm in (gather, ring))
-    whole = context.attention_core_s(base, "H100", context.Shard.of(model.kinds["block"], tp=8, micro_batch=1,
-                                                                     seq_len=131072, dtype="bf16"))
-    assert g.forward_s == pytest.approx(whole[0] / 16) and g.backward_s == pytest.approx(whole[1] / 16)
+    shard = context.Shard.of(model.kinds["block"], tp=8, micro_batch=1, seq_len=131072, dtype="bf16")
+    whole = context.attention_core_s(base, "H100", shard)
+    full = context.attention_core_s(base, "H100", shard, causal=False)
+    for i in (0, 1):  # 31 of 32 blocks' pairs unmasked, one under the mask: between the two rates
+        at = (g.forward_s, g.backward_s)[i]
+        assert at == pytest.approx(full[i] * 31 / 1024 + whole[i] / 512)
+        assert full[i] / 32 < at < whole[i] / 16
     assert 0 < g.exposed_forward_s < r.exposed_forward_s / 4
     saved = context.cp_activation_bytes(model.kinds["block"], variant="all_gather", cp=16, tp=8, micro_batch=1,
                                         seq_len=131072, dtype="bf16")
