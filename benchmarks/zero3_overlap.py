@@ -32,13 +32,13 @@ def main(argv: list[str] | None = None) -> int:
     print("| --- | ---: | ---: | ---: | ---: |")
     after, beside, excess = [], [], {}
     for run in runs:
-        row, ev = pr.price(run), pr.evaluate_run(run)
-        measured_step = run.global_batch * run.seq_len / (row.measured_tokens_per_s_per_gpu * run.gpus)
+        ev = pr.evaluate_run(run)  # each run priced once a way: its step and its breakdown
+        measured_step = run.global_batch * run.seq_len / (pr.measured_tokens_per_s_per_gpu(run) * run.gpus)
         other = dataclasses.replace(run, engine=dataclasses.replace(run.engine, zero3_overlap=True))
         if run.model.hidden == 12288:  # the 175B's rows, at sequence 512 and 1024: the same traffic a step
             excess.setdefault(run.gpus, []).append((measured_step - ev.breakdown['compute'], ev.stages[0].zero_comm_s))
-        after.append(row.error_pct)
-        beside.append(pr.price(other).error_pct)
+        after.append(100.0 * (measured_step / ev.step_time_s - 1))
+        beside.append(100.0 * (measured_step / pr.evaluate_run(other).step_time_s - 1))
         print(f"| {run.id} | {measured_step - ev.breakdown['compute']:.1f} | {ev.stages[0].zero_comm_s:.1f} "
               f"| {after[-1]:+.1f} % | {beside[-1]:+.1f} % |")
     for name, errors in (("after the compute", after), ("beside it", beside)):
