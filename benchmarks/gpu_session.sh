@@ -2,7 +2,7 @@
 # Every GPU check in one run, for a session lent a GPU (one H200 here). Results land in
 # ${OUT:-gpu-results}: commit them (profiles to configs/profiles/, tables to docs/).
 #
-#   OUT=/tmp/gpu bash benchmarks/gpu_session.sh          # about 12-14 minutes on one H200
+#   OUT=/tmp/gpu bash benchmarks/gpu_session.sh          # about 13-14 minutes on one H200
 #
 # 1. runtime vs a plain PyTorch loop on the ~1.1B llama (issue: runtime performance);
 # 1b. the calibration loop on one GPU (benchmarks/calibrate_gpu.sh: launch, calibrate, predict two
@@ -21,6 +21,10 @@
 #    roofline.HOPPER_SUSTAINED_TENSOR, which the kernel file only approximates (docs/calibration.md);
 # 4c. FP8 against bf16 products, shape by shape (benchmarks/fp8_gemm.py, into $OUT/fp8_gemm.json):
 #    the ratio behind roofline.FP8_OVER_BF16_SHARE, taken from an H100's published pair (seconds);
+# 4d. fused attention causal against unmasked (a ring's later step: half the queries against all
+#    the keys) and few heads at 8k-32k tokens (benchmarks/attention_masks.py, into
+#    $OUT/attention_masks.json): the check of the thirteenth session's two attention terms, priced
+#    then from published kernel tables (docs/published_runs.md); about half a minute;
 # 5. the GPU-only tests. The machine has torch, numpy, pyyaml, rich, pytest and hypothesis but no
 #    ortools: the package installs without dependencies, and nothing here plans.
 set -uo pipefail
@@ -50,6 +54,8 @@ timeout 90 "$PY" -m partita.cli profile --model llama-3-8b --device cuda --atten
 timeout 60 "$PY" benchmarks/sustained_gemm.py --device cuda --seconds 30 --out "$OUT/sustained_gemm.json" \
     2>&1 | tee "$OUT/sustained_gemm.txt"
 timeout 60 "$PY" benchmarks/fp8_gemm.py --device cuda --out "$OUT/fp8_gemm.json" 2>&1 | tee "$OUT/fp8_gemm.txt"
+timeout 90 "$PY" benchmarks/attention_masks.py --device cuda --seq-lens 8192,32768 --heads 4,32 --repeats 3 \
+    --out "$OUT/attention_masks.json" 2>&1 | tee "$OUT/attention_masks.txt"
 GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())")
 if [ "$GPUS" -ge 2 ]; then
     timeout 180 "$PY" -m partita.cli profile --comm-only --device cuda --comm-sizes 64KiB:256MiB \
