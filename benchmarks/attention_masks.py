@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 from partita.devices import get_device
@@ -64,22 +62,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _timed(torch, device: str, fn, repeats: int) -> float:
+    """The median of ``repeats`` calls of ``fn`` after two warm-ups, on the profiler's clock."""
+    from partita.profiler.timing import Clock, median
+
+    clock = Clock(torch.device(device))
     for _ in range(2):
         fn()
-    times = []
-    for _ in range(repeats):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return median([clock.time(fn) for _ in range(repeats)])
 
 
 def _call_times(torch, device: str, dtype, *, heads: int, queries: int, keys: int, head_dim: int, causal: bool,

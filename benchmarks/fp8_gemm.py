@@ -52,24 +52,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _median_s(torch, device: str, fn) -> float:
+    """The median of REPEATS calls of ``fn`` after WARMUPS, on the profiler's clock."""
+    from partita.profiler.timing import Clock, median
+
+    clock = Clock(torch.device(device))
     for _ in range(WARMUPS):
         fn()
-    times = []
-    for _ in range(REPEATS):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            import time
-
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return median([clock.time(fn) for _ in range(REPEATS)])
 
 
 def fp8_unavailable(torch, device: str) -> str:
