@@ -33,12 +33,13 @@ Torch's ring (``torch/distributed/tensor/experimental/_context_parallel/_attenti
 2.13): cp forward steps, only the first masked (``_is_causal_behavior``); before step i < cp-1 it
 starts sending its K/V block to the next rank (rotate "alltoall"), or all-gathers every rank's
 block before step 0 ("allgather", torch's default). The backward passes K/V the same way and the
-dK/dV accumulators at every step, in fp32 (``convert_to_f32``), so each rank's gradients return
-to it. The runtime repeats kv heads before SDPA, so its blocks hold H heads: ``ring_kv_heads``.
-Transformer Engine's ring (``AttnFuncWithCPAndKVP2P``, Megatron-LM's: ``cp_ring``
-"transformer_engine", ``ring_heads``) passes the blocks at the kernel's kv heads in the compute
-dtype; its backward sends K/V on step 0, K/V with the dK/dV so far between, dK/dV alone on the
-last, each beside the step's attention (``te_ring_traffic``; TE 1.11's ``pytorch/attention.py``).
+dK/dV accumulators at every step, in fp32 (``convert_to_f32``); the runtime repeats kv heads
+before SDPA (``runtime.models.Attention``), so its blocks hold H heads: ``ring_kv_heads``.
+Transformer Engine's ring (``AttnFuncWithCPAndKVP2P``, Megatron's ``cp_ring`` "transformer_engine":
+``ring_heads``, ``te_ring_traffic``; TE 1.11's ``pytorch/attention.py``, today's
+``dot_product_attention/context_parallel.py``) masks its first step only, passes the blocks at the
+kernel's kv heads in the compute dtype, and in its backward sends K/V, then K/V with the dK/dV so
+far, then dK/dV, each beside a step.
 """
 
 from __future__ import annotations
@@ -265,11 +266,10 @@ def _ring_steps(a: float, cp: int, first: float | None) -> list[float]:
 
 def ring_forward_time_s(*, step_compute_s: float, step_comm_s: float, cp: int, rotate: str = "alltoall",
                         first_step_s: float | None = None) -> float:
-    """The ring's forward attention time on the busiest rank from its steps' times a_i
-    (``_ring_steps``) and one K/V pass's time c. Assumption: a transfer overlaps fully with the
-    attention running while it is in flight (separate streams; the SMs NCCL takes from the
-    kernel are ignored), so only the excess of comm over compute is exposed. "alltoall" sends
-    block i+1 during step i, "allgather" (c: the one all-gather) lands before step 1:
+    """The ring's forward attention time on the busiest rank from its steps' times a_i (``_ring_steps``)
+    and one K/V pass's time c, a transfer wholly beside the attention that runs while it is in flight
+    (separate streams; the SMs NCCL takes are ignored): "alltoall" sends block i+1 during step i,
+    "allgather" (c: the one all-gather) lands before step 1; only comm beyond compute is exposed:
         sum a_i + sum over the first cp-1 (allgather: the first) of max(0, c - a_i)."""
     steps = _ring_steps(step_compute_s, max(1, cp), first_step_s)
     behind = steps[:1] if rotate == "allgather" and cp > 1 else steps[:-1]
