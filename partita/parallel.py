@@ -25,8 +25,9 @@ ZERO_BUBBLE = ("interleaved-zb", "zbv")  # the backward split into input (I) and
 ENGINES = ("partita", "torchtitan", "megatron", "deepspeed")
 CP_VARIANTS = ("all_to_all", "ring", "all_gather")
 # The engines that run a plan's FP8 products (``Plan.fp8``): Megatron-LM through Transformer
-# Engine. Partita's runtime, torchtitan's Float8 and DeepSpeed are priced in the compute dtype.
-FP8_ENGINES = ("megatron",)
+# Engine, torchtitan through torchao's Float8Linear. Partita's runtime and DeepSpeed are priced in
+# the compute dtype.
+FP8_ENGINES = ("megatron", "torchtitan")
 
 
 # ---- numerics -----------------------------------------------------------------------------------

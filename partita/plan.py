@@ -61,7 +61,8 @@ the same choices (so each layer's gradient is reduced over the same replicas); t
 the faster devices take the larger shares, and the step is the slowest replica's.
 
 FP8 (``fp8: true``): the blocks' linear layers multiply in FP8 (Transformer Engine's layers under
-Megatron-LM, the one engine that runs it: ``parallel.FP8_ENGINES``), the rest in ``dtype`` (bf16).
+Megatron-LM, torchao's Float8Linear under torchtitan: ``parallel.FP8_ENGINES``), the rest in
+``dtype`` (bf16).
 """
 
 from __future__ import annotations

@@ -273,8 +273,17 @@ The terms each behaviour selects, in one place each:
   parameters (``--fp8-param-gather``, NeMo's ``fp8_params``; ZeRO 1 and up) a weight and its
   transposed copy take the bytes one bf16 weight did; at ZeRO 0 the two FP8 copies sit beside the
   bf16 weight (``costs.memory.dense_memory``); the linears' inputs kept for the weight gradients
-  are FP8 (``analytic.activation_bytes``, ``fp8_inputs``). Only the megatron engine runs it
-  (``parallel.FP8_ENGINES``). Time and memory.
+  are FP8 (``analytic.activation_bytes``, ``fp8_inputs``). The megatron and torchtitan engines
+  run it (``parallel.FP8_ENGINES``). Time and memory.
+* ``fp8_impl``, ``fp8_gather``: whose FP8 layers run those products. "transformer_engine"
+  (megatron, above) or "torchao" (torchtitan's float8 converter: torchao's ``Float8Linear``,
+  dynamic tensorwise scaling, each input and output gradient abs-maxed and cast as it comes and
+  the FP8 operands transposed for the products that need them column-major: search/kernels.py,
+  ``fp8_casts``; it saves its FP8 input for the weight gradient, as Transformer Engine does).
+  ``fp8_gather``: FSDP all-gathers the linear layers' weights already cast to FP8 (torchao's
+  ``enable_fsdp_float8_all_gather`` with precomputed scales): a ZeRO 2-3 gather moves, copies and
+  holds a byte a linear weight instead of the compute dtype's (``CostModel.gather_bytes``). Time
+  and memory.
 * ``loss``: "chunked" (Partita's runtime: runtime.schedule.ChunkedCrossEntropy, the logits kept in
   the compute dtype and an fp32 chunk at a time), "fp32" (the logits cast to fp32 before torch's
   cross entropy, the fp32 log-probabilities kept for its backward, which makes new gradients:
@@ -356,6 +365,8 @@ class Engine:
     rope: str = "unfused"
     matmul: str = "compute"
     attention_padding: str = "none"
+    fp8_impl: str = "transformer_engine"
+    fp8_gather: bool = False
 
     def __post_init__(self) -> None:
         Software(attention=self.attention, grad_sync=self.grad_sync)  # its checks of the two names
@@ -380,7 +391,7 @@ class Engine:
         and v at their kv heads keeps them so)."""
         return Kernels(norm=self.norm, rope=self.rope, glu="fused" if self.glu_saves == "input" else "separate",
                        kv="native" if self.qkv_saves == "fused" else "repeated", matmul=self.matmul,
-                       attention_padding=self.attention_padding)
+                       attention_padding=self.attention_padding, fp8=self.fp8_impl)
 
     @property
     def selective_keeps(self) -> str:
@@ -426,8 +437,11 @@ ENGINES: dict[str, Engine] = {
     # per block, torch pipelining), eager (async TP needs compile); its loss casts the logits to
     # fp32 (torchtitan/components/loss.py, cross_entropy_loss: pred.flatten(0, 1).float()); its
     # selective recomputation is the "op" policy the export writes.
+    # Its FP8 products are torchao's Float8Linear (tensorwise dynamic scaling, the output layer
+    # left in bf16) with FSDP's float8 all-gather, as torchtitan's float8 docs recommend and the
+    # export writes.
     "torchtitan": Engine("torchtitan", p2p_overlap=True, loss="fp32", selective_scope="alternate", shard_copies="fsdp2",
-                         tp_overlap_impl="symmetric_memory"),
+                         tp_overlap_impl="symmetric_memory", fp8_impl="torchao", fp8_gather=True),
     # Megatron-LM as partita export --to megatron writes it: Transformer Engine's attention, which
     # on Hopper and later prefers cuDNN's fused attention over FlashAttention ("Disabling
     # FlashAttention to give FusedAttention preference on Hopper+", dot_product_attention/utils.py,

@@ -32,6 +32,19 @@ engine's fields select: ``Engine.kernels``, search/engines.py):
   the compute dtype's output), and are transposed (read 1, write 1). Backward, every linear's
   output gradient is cast and transposed (read e, write 1 + 1). The weights' casts run once a
   step (cached across micro-batches, ``is_first_microbatch``) and are not counted.
+* ``fp8``: whose FP8 layers those are: Transformer Engine's ("transformer_engine", above) or
+  torchao's ``Float8Linear`` with dynamic tensorwise scaling ("torchao": torchtitan's float8
+  converter; torchao/float8/float8_linear.py at eab345c, the torchao of torchtitan's Dec 2024
+  benchmarks). Each distinct linear input is scaled from its own amax and cast every forward
+  (an abs-max pass reading e bytes an element, then a cast reading e and writing 1; the
+  compiler's common-subexpression pass merges the casts of q, k and v's shared input, and of
+  w1 and w3's); backward, each output gradient is scaled and cast the same way
+  (``NoopFwToFloat8BwDynamic``), and the FP8 products' operand layouts (``_scaled_mm`` takes A
+  row-major and B column-major) make three transposed copies a linear (read 1, write 1): the
+  output gradient's and the saved FP8 input's for the weight gradient, and the FP8 weight's for
+  the input gradient. Weights gathered in FP8 by FSDP (``Engine.fp8_gather``) arrive cast, their
+  scales precomputed once a step over the shards. Counted kernel by kernel: what inductor fuses
+  into the kernels around them is not subtracted.
 * ``attention_padding``: the attention kernel called on the batch as it is ("none"), or through
   flash-attn's variable-length interface behind its ``bert_padding`` helpers ("unpad":
   llm-foundry's ``flash_attn_fn``, llmfoundry/models/layers/attention.py at 5e85bd62d, the path of
@@ -66,6 +79,7 @@ GLUS = ("separate", "fused")
 KVS = ("repeated", "native")
 ATTENTION_PADDINGS = ("none", "unpad")
 MATMULS = ("compute", "fp8")
+FP8_IMPLS = ("transformer_engine", "torchao")
 FP8_CASTS = ("fp8 casts attention", "fp8 casts mlp")  # forward_elementwise's names of the FP8 casts
 
 
@@ -96,10 +110,11 @@ class Kernels:
     kv: str = "repeated"
     matmul: str = "compute"
     attention_padding: str = "none"
+    fp8: str = "transformer_engine"
 
     def __post_init__(self) -> None:
         specio.check_choices(self, (("norm", NORMS), ("rope", ROPES), ("glu", GLUS), ("kv", KVS), ("matmul", MATMULS),
-                                    ("attention_padding", ATTENTION_PADDINGS)))
+                                    ("attention_padding", ATTENTION_PADDINGS), ("fp8", FP8_IMPLS)))
 
 
 def _rope_kernels(name: str, nbytes: float, rope: str) -> list[tuple[str, float]]:
@@ -138,7 +153,7 @@ def forward_elementwise(kind, sh, k: Kernels = Kernels()) -> list[tuple[str, flo
     if k.attention_padding == "unpad":  # k and v as the kernel takes them (repeated or not)
         taken = q_bytes if sh.heads != sh.kv_heads and k.kv == "repeated" else kv_bytes
         ops += [("unpad q k v", 2 * (q_bytes + 2 * taken)), ("pad output", 3 * q_bytes)]
-    fp8 = fp8_casts(kind, sh) if k.matmul == "fp8" else {}
+    fp8 = fp8_casts(kind, sh, k.fp8) if k.matmul == "fp8" else {}
     ops += [(name, forward) for name, (forward, _) in fp8.items() if name == FP8_CASTS[0]]
     ops += [("residual add", 3 * act), ("ffn norm", normed)]
     if kind.is_moe:
@@ -154,17 +169,28 @@ def forward_elementwise(kind, sh, k: Kernels = Kernels()) -> list[tuple[str, flo
     return ops + [("residual add", 3 * act)]
 
 
-def fp8_casts(kind, sh) -> dict[str, tuple[float, float]]:
+def fp8_casts(kind, sh, impl: str = "transformer_engine") -> dict[str, tuple[float, float]]:
     """{name: (forward, backward) bytes} of a block's FP8 casts (``Kernels.matmul`` "fp8"; the
     module docstring), its attention's and its MLP's (a mixture of experts' MLP runs its
-    products in the compute dtype: none). Forward: the norm output that feeds the first
-    products transposed (2 bytes an element), the last product's input cast and transposed
-    (e + 2); backward: each product's output gradient cast and transposed (e + 2)."""
+    products in the compute dtype: none), as ``impl`` (``Kernels.fp8``) runs them.
+    Transformer Engine: forward, the norm output that feeds the first products transposed (2
+    bytes an element), the last product's input cast and transposed (e + 2); backward, each
+    product's output gradient cast and transposed (e + 2). torchao: forward, each distinct input
+    abs-maxed and cast (2e + 1); backward, each output gradient abs-maxed, cast and transposed
+    (2e + 3), each saved FP8 input transposed (2) and each FP8 weight transposed (2 a parameter)."""
     e, t, h = sh.elem, sh.tokens, sh.hidden
     q, kv = sh.heads * sh.head_dim, sh.kv_heads * sh.head_dim
+    first = 2 * sh.ffn if kind.family == "llama" else sh.ffn  # w1 and w3, or gpt2's w1
+    if impl == "torchao":
+        weights = {"attention": h * (q + 2 * kv) + q * h, "mlp": first * h + sh.ffn * h}
+        casts = {FP8_CASTS[0]: (t * (2 * e + 1) * (h + q),
+                                t * (2 * e + 3) * (q + 2 * kv + h) + 2 * t * (h + q) + 2 * weights["attention"])}
+        if not kind.is_moe:
+            casts[FP8_CASTS[1]] = (t * (2 * e + 1) * (h + sh.ffn),
+                                   t * (2 * e + 3) * (first + h) + 2 * t * (h + sh.ffn) + 2 * weights["mlp"])
+        return casts
     casts = {FP8_CASTS[0]: (t * (2 * h + (e + 2) * q), t * (e + 2) * (q + 2 * kv + h))}
     if not kind.is_moe:
-        first = 2 * sh.ffn if kind.family == "llama" else sh.ffn  # w1 and w3, or gpt2's w1
         casts[FP8_CASTS[1]] = (t * (2 * h + (e + 2) * sh.ffn), t * (e + 2) * (first + h))
     return casts
 
@@ -184,7 +210,7 @@ def backward_elementwise(kind, sh, k: Kernels = Kernels()) -> list[tuple[str, fl
     what the forward read), a norm's its own (``norm_bytes_per_element``), a fused rotary or
     SwiGLU kernel's its own (``_BACKWARD_OVER_FORWARD``)."""
     backward = norm_bytes_per_element(k.norm if kind.family == "llama" else "fused", sh.elem)[1]
-    fp8 = fp8_casts(kind, sh) if k.matmul == "fp8" else {}
+    fp8 = fp8_casts(kind, sh, k.fp8) if k.matmul == "fp8" else {}
     return [(name, sh.tokens * sh.hidden * backward if name in NORM_PARTS
              else fp8[name][1] if name in fp8 else _BACKWARD_OVER_FORWARD.get(name, 2.0) * nbytes)
             for name, nbytes in forward_elementwise(kind, sh, k)]

@@ -43,6 +43,7 @@ from partita.errors import PartitaError
 ArrayLike = Union[float, np.ndarray]
 
 ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+FP8_ELEMENT_BYTES = 1  # e4m3 and e5m2
 
 
 def element_bytes(dtype: str) -> int:

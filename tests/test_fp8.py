@@ -54,9 +54,10 @@ def test_the_search_prices_fp8_faster_and_records_it(plans, tmp_path):
 
 def test_the_validator_refuses_fp8_where_it_does_not_run(plans):
     fp8 = plans[1]
-    for engine in ("partita", "torchtitan", "deepspeed"):
+    for engine in ("partita", "deepspeed"):
         with pytest.raises(PartitaError, match=f"engine {engine} does not run FP8"):
             validate_plan(dataclasses.replace(fp8, engine=engine), MODEL, H100)
+    validate_plan(dataclasses.replace(fp8, engine="torchtitan"), MODEL, H100)
 
 
 def test_the_megatron_export_turns_fp8_on_and_another_engine_prices_it_in_bf16(plans):
@@ -65,9 +66,49 @@ def test_the_megatron_export_turns_fp8_on_and_another_engine_prices_it_in_bf16(p
     assert ex.changes == () and ex.exported.fp8
     assert "--fp8-format hybrid" in ex.text and "--fp8-amax-history-len 1024" in ex.text
     assert "--fp8" not in export_plan(bf16, "megatron").text
+    ds = export_plan(fp8, "deepspeed")
+    assert not ds.exported.fp8 and ds.changes[0].startswith("products FP8 -> bf16")
+    assert ds.exported.prediction.step_time_s > fp8.prediction.step_time_s
+
+
+def test_the_torchtitan_export_runs_fp8_as_torchao_s_float8_and_prices_it_so(plans):
+    """torchtitan's float8 converter: the TOML turns it on (tensorwise, the output layer left in
+    bf16, FSDP's float8 all-gather, compiled), and the exported plan keeps FP8, priced with
+    torchao's casts, which cost more than Transformer Engine's fused ones."""
+    import tomllib
+
+    bf16, fp8 = plans
     tt = export_plan(fp8, "torchtitan")
-    assert not tt.exported.fp8 and tt.changes[0].startswith("products FP8 -> bf16")
-    assert tt.exported.prediction.step_time_s > fp8.prediction.step_time_s
+    assert tt.exported.fp8
+    cfg = tomllib.loads(tt.text)
+    assert cfg["model"]["converters"] == ["quantize.linear.float8"]
+    f8 = cfg["quantize"]["linear"]["float8"]
+    assert f8["recipe_name"] == "tensorwise" and f8["filter_fqns"] == ["output"]
+    assert f8["enable_fsdp_float8_all_gather"] == (fp8.layer_strategies()[0].zero >= 2 or tt.exported.layer_strategies()[0].zero >= 2)
+    assert cfg["compile"]["enable"] is True
+    assert "converters" not in tomllib.loads(export_plan(bf16, "torchtitan").text)["model"]
+    assert tt.exported.prediction.step_time_s < export_plan(bf16, "torchtitan").exported.prediction.step_time_s
+
+
+def test_torchao_s_float8_all_gather_moves_and_holds_a_byte_a_linear_weight():
+    """FSDP's float8 all-gather (``Engine.fp8_gather``): a ZeRO-3 block's gathers move a byte a
+    linear weight and two a norm weight, the gathered copy it holds shrinks alike; without FP8
+    products, or for Transformer Engine's layers, the compute dtype's bytes."""
+    from partita.search.costs.model import CostModel
+    from partita.search.engines import get_engine
+
+    block = MODEL.kinds["block"]
+    linear = block.matmul_params / block.params
+    gathered = {}
+    for engine, fp8 in (("torchtitan", True), ("torchtitan", False), ("megatron", True)):
+        cm = CostModel(MODEL, parse_short("4x8xH100"), seq_len=4096, dtype="bf16", engine=get_engine(engine, fp8))
+        gathered[engine, fp8] = (cm.gather_bytes("block"), cm.zero_traffic("block", cm.cluster.groups[0], 1, 3, 32)[0],
+                                 cm.layer_memory_of(("block", 1, False, 3, "none"), "H100", dp=32, micro_batch=1,
+                                                    num_micro_batches=1).copy)
+    assert gathered["torchtitan", True][0] == pytest.approx(linear + 2 * (1 - linear))
+    assert gathered["torchtitan", False][0] == gathered["megatron", True][0] == 2
+    assert 0.5 < gathered["torchtitan", True][1] / gathered["torchtitan", False][1] < 0.7  # half the bytes, the same latency
+    assert gathered["torchtitan", True][2] < 0.51 * gathered["torchtitan", False][2]
 
 
 @pytest.mark.parametrize("flags,message", [

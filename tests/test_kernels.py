@@ -53,8 +53,9 @@ def test_fused_kernels_by_hand():
 
 def test_each_engine_runs_its_kernels():
     assert ENGINES["megatron"].kernels == Kernels(norm="fused", rope="fused", glu="fused", kv="native")
-    for name in ("partita", "torchtitan", "deepspeed"):
+    for name in ("partita", "deepspeed"):
         assert ENGINES[name].kernels == Kernels()
+    assert ENGINES["torchtitan"].kernels == Kernels(fp8="torchao")  # its FP8 products are torchao's
     assert ENGINES["torchtitan"].with_options({"norm": "eager"}).kernels.norm == "eager"
     with pytest.raises(PartitaError, match="unknown norm 'compiled'; valid: fused, eager"):
         ENGINES["torchtitan"].with_options({"norm": "compiled"})
@@ -109,6 +110,25 @@ def test_fp8_casts_by_hand():
     assert {k: v for k, v in casts.items() if not k.startswith("fp8")} == plain
     with pytest.raises(PartitaError, match="unknown matmul"):
         Kernels(matmul="fp4")
+
+
+def test_torchao_fp8_casts_by_hand():
+    """torchao's Float8Linear (tensorwise dynamic scaling, torchtitan's float8): forward, each
+    distinct linear input (the two norm outputs, wo's and w2's inputs) abs-maxed (read 2) and cast
+    (read 2, write 1); backward, each output gradient abs-maxed, cast and transposed (2 + 3 + 2),
+    each saved FP8 input transposed (2) and each FP8 weight transposed (2 a parameter)."""
+    h, q, kv, f = 4096, 32 * 128, 8 * 128, 14336
+    k = Kernels(matmul="fp8", fp8="torchao")
+    casts = dict(forward_elementwise(KIND, SH, k))
+    assert casts["fp8 casts attention"] == T * 5 * (h + q)
+    assert casts["fp8 casts mlp"] == T * 5 * (h + f)
+    back = dict(backward_elementwise(KIND, SH, k))
+    assert back["fp8 casts attention"] == T * 7 * (q + 2 * kv + h) + 2 * T * (h + q) + 2 * (h * (q + 2 * kv) + q * h)
+    assert back["fp8 casts mlp"] == T * 7 * (2 * f + h) + 2 * T * (h + f) + 2 * 3 * h * f
+    te = dict(forward_elementwise(KIND, SH, Kernels(matmul="fp8")))
+    assert casts["fp8 casts mlp"] > te["fp8 casts mlp"]  # no norm that writes FP8: every input cast
+    with pytest.raises(PartitaError, match="unknown fp8"):
+        Kernels(matmul="fp8", fp8="te")
 
 
 def test_fp8_runs_a_block_s_linear_layers_only():

@@ -173,7 +173,17 @@ def config(plan: Plan, model: ModelSpec) -> dict:
     # A flavour torchtitan ships when one is the model; else the model's own name, to register
     # (the header says how): never another model's flavour, which would train another model.
     model_section = {"name": "llama3", "flavor": flavor(model) or model.name}
-    return {"model": model_section, "parallelism": par, "activation_checkpoint": ac, "training": training}
+    cfg = {"model": model_section, "parallelism": par, "activation_checkpoint": ac, "training": training}
+    if plan.fp8:
+        # torchao's Float8Linear on every linear but the output layer, tensorwise dynamic scaling,
+        # FSDP's float8 all-gather with scales precomputed once a step (where FSDP shards), under
+        # torch.compile, which float8 needs to run well (the torchtitan engine's fp8_impl "torchao").
+        model_section["converters"] = ["quantize.linear.float8"]
+        cfg["quantize.linear.float8"] = {"enable_fsdp_float8_all_gather": zero >= 2,
+                                         "precompute_float8_dynamic_scale_for_fsdp": zero >= 2,
+                                         "recipe_name": "tensorwise", "filter_fqns": ["output"]}
+        cfg["compile"] = {"enable": True, "components": ["model", "loss"]}
+    return cfg
 
 
 # Partita's schedules by torchtitan's names for them (its pipeline_parallel_schedule, which it
@@ -261,6 +271,9 @@ def notes(plan: Plan, model: ModelSpec, cluster: ClusterSpec) -> list[str]:
     if plan.dtype == "fp16":
         out.append("torchtitan trains in bfloat16 or float32, not fp16: the TOML says bfloat16, which this plan's "
                    "devices may lack")
+    if plan.fp8:
+        out.append("FP8 products: the [model] converters and [quantize.linear.float8] keys are torchtitan 0.2.2's; "
+                   "on torchtitan >= 0.3 set the same float8 converter in the config function")
     if plan.cp > 1:
         out.append("torchtitan >= 0.3 has no context_parallel_rotate_method: its ring all-gathers the K/V blocks "
                    "(torch's default) where this prediction passes them one step at a time")

@@ -80,7 +80,9 @@ def zero_traffic(cm, params: int, group: NodeGroup, *, tp: int, zero: int, repli
     # An engine that gathers a ZeRO-3 layer module by module (DeepSpeed) runs k rings of 1/k of
     # the bytes each, every one paying its n - 1 steps' latency (search/engines.py).
     k = zero3_gathers(cm.engine, cm.model.kinds[role], local_experts=local_experts) if zero == 3 else 1
-    ag = k * cm.collective_s("all_gather", params * cm.elem / k, replicas, dlink, device)
+    # ZeRO 2-3's per-micro-batch gathers move the bytes FSDP gathers (``CostModel.gather_bytes``).
+    gathered = cm.gather_bytes(role) if zero >= 2 else cm.elem
+    ag = k * cm.collective_s("all_gather", params * gathered / k, replicas, dlink, device)
     # ... and reduce-scatters its gradients a bucket at a time, a large gradient alone.
     r = reduce_flushes(cm.model.kinds[role], tp, cm.engine.reduce_bucket) if k > 1 else 1
     rs = r * cm.collective_s("reduce_scatter", params * cm.reduce_bytes / r, replicas, dlink, device)
@@ -99,7 +101,8 @@ def zero_traffic(cm, params: int, group: NodeGroup, *, tp: int, zero: int, repli
     return zero_fwd, zero_bwd, dp_sync, gather
 
 
-def shard_copies_s(cm, params: int, group: NodeGroup, *, zero: int, replicas: int) -> tuple[float, float, float]:
+def shard_copies_s(cm, params: int, group: NodeGroup, *, zero: int, replicas: int,
+                   role: str = "block") -> tuple[float, float, float]:
     """(forward, backward, beside the backward's reduction) per micro-batch of the copies an
     engine's FSDP runs around its per-micro-batch gathers and reductions (``Engine.shard_copies``,
     search/engines.py). "fsdp2", on the compute stream: each all-gather's output copied out into
@@ -120,7 +123,7 @@ def shard_copies_s(cm, params: int, group: NodeGroup, *, zero: int, replicas: in
     if cm.engine.shard_copies == "fsdp1":
         cast = memory_time_s(device, params * (cm.elem + cm.reduce_bytes)) if cm.reduce_bytes != cm.elem else 0.0
         return 0.0, memory_time_s(device, 2 * params * cm.elem), cast + memory_time_s(device, 2 * params * cm.reduce_bytes)
-    gather = memory_time_s(device, 2 * params * cm.elem)
+    gather = memory_time_s(device, 2 * params * cm.gather_bytes(role))
     reduce = memory_time_s(device, params * (cm.elem + cm.reduce_bytes))
     if zero == 3:
         return gather, gather + reduce, 0.0
@@ -223,7 +226,7 @@ def layer_time(cm, role: str, group: NodeGroup, *, tp: int, sp: bool, zero: int,
     # FSDP's copies, scaled as the optimizer's memory-bound passes are: on the compute stream, or
     # on FSDP1's post-backward stream ahead of the reduce-scatter they feed.
     copy_fwd, copy_bwd, copy_side = (k.compute_scale * s for s in shard_copies_s(cm, params, group, zero=zero,
-                                                                                  replicas=replicas))
+                                                                                  replicas=replicas, role=role))
     fwd_compute, bwd_compute = fwd_compute + copy_fwd, bwd_compute + copy_bwd
     zero_fwd, zero_bwd, dp_sync, gather = cm.zero_traffic(role, group, tp, zero, replicas)
     zero_bwd += copy_side

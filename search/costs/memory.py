@@ -190,12 +190,13 @@ def dense_memory(cm, role: str, device: str, *, tp: int, sp: bool, zero: int, re
     fsdp = replicas > 1 or e != MASTER_BYTES
     grad_bytes, master_bytes, adam_bytes = state_bytes(cm)
     weights = params * master_bytes // shard
-    if cm.engine.matmul == "fp8" and role == "block" and zero == 0:
+    if cm.engine.matmul == "fp8" and cm.engine.fp8_impl == "transformer_engine" and role == "block" and zero == 0:
         # FP8 products: Transformer Engine casts each weight once a step into an FP8 copy and its
         # transpose, kept all step beside the bf16 weight. With the distributed optimizer (ZeRO >= 1,
         # where the export writes --fp8-param-gather) the weight itself is FP8: no more bytes.
         weights += 2 * params
-    gathered = params * e if fsdp and z < 3 else 0
+    g = cm.gather_bytes(role)  # a gathered parameter's bytes (FP8 under a float8 all-gather)
+    gathered = (round(params * g) if z == 2 else params * e) if fsdp and z < 3 else 0
     if fsdp and z < 2 and num_micro_batches > 1:
         gradients = params * grad_bytes  # accumulated unsharded until the last micro-batch
     else:
@@ -219,11 +220,11 @@ def dense_memory(cm, role: str, device: str, *, tp: int, sp: bool, zero: int, re
     # layer's neighbours (``neighbour_peak``, which keeps the parts apart).
     # An engine that keeps ZeRO-2's parameters whole all step (DeepSpeed) gathers none per micro-batch.
     kept_whole = z == 2 and cm.engine.zero2_gather == "step"
-    gather_spike = 0 if kept_whole else {2: params * e, 3: 2 * params * e}.get(z, 0)
-    resident = 2 * params * e if z == 3 else 0
+    gather_spike = 0 if kept_whole else {2: round(params * g), 3: round(2 * params * g)}.get(z, 0)
+    resident = round(2 * params * g) if z == 3 else 0
     recompute_extra = max(0, full - plain)
     unsharded_grad = params * grad_bytes if fsdp and role != "head" else 0
-    copy = params * e
+    copy = round(params * g) if z >= 2 else params * e
     if z == 3 and fsdp and cm.engine.zero3_gathers == "module":
         # DeepSpeed gathers a module at a time into the parameter's own storage, the next one
         # prefetched, and reduces each module's gradient in the model dtype through its bucket:

@@ -49,6 +49,7 @@ from partita.search.costs.layer_time import LayerTime
 from partita.search.costs.links import Link
 from partita.search.costs.memory import LayerMemory
 from partita.search.engines import Engine, get_engine
+from partita.search.roofline import FP8_ELEMENT_BYTES
 from partita.search.timing import Software, TimeConstants
 
 
@@ -231,6 +232,17 @@ class CostModel:
         as_computed = (self.engine.fp16_grad_reduce and self.dtype == "fp16" or self.engine.grad_buffer == "compute"
                        or self.engine.reduce_dtype == "compute")
         return self.elem if as_computed else memory.REDUCE_BYTES
+
+    def gather_bytes(self, role: str) -> float:
+        """Bytes a parameter of a ``role`` layer takes when FSDP gathers it (ZeRO 2-3): the
+        compute dtype's, or, for a dense block whose FP8 products gather their weights cast
+        (``Engine.fp8_gather``, torchao's float8 all-gather), one byte a linear weight and the
+        compute dtype's for the rest (the norms)."""
+        kind = self.model.kinds[role]
+        if not (self.engine.fp8_gather and self.engine.matmul == "fp8" and role == "block" and not kind.is_moe):
+            return float(self.elem)
+        linear = kind.matmul_params / kind.params
+        return linear * FP8_ELEMENT_BYTES + (1 - linear) * self.elem
 
     # ---- links --------------------------------------------------------------------------
     def tp_link(self, group: NodeGroup, tp: int) -> Link:
