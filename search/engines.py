@@ -279,7 +279,9 @@ The terms each behaviour selects, in one place each:
   (megatron, above) or "torchao" (torchtitan's float8 converter: torchao's ``Float8Linear``,
   dynamic tensorwise scaling, each input and output gradient abs-maxed and cast as it comes and
   the FP8 operands transposed for the products that need them column-major: search/kernels.py,
-  ``fp8_casts``; it saves its FP8 input for the weight gradient, as Transformer Engine does).
+  ``fp8_casts``; it saves its FP8 input for the weight gradient, as Transformer Engine does), or
+  "torchao_hp" (torchao from 2025, the torchtitan engine's: the input saved in the compute dtype
+  and cast again in the backward).
   ``fp8_gather``: FSDP all-gathers the linear layers' weights already cast to FP8 (torchao's
   ``enable_fsdp_float8_all_gather`` with precomputed scales): a ZeRO 2-3 gather moves, copies and
   holds a byte a linear weight instead of the compute dtype's (``CostModel.gather_bytes``). Time
@@ -441,7 +443,7 @@ ENGINES: dict[str, Engine] = {
     # left in bf16) with FSDP's float8 all-gather, as torchtitan's float8 docs recommend and the
     # export writes.
     "torchtitan": Engine("torchtitan", p2p_overlap=True, loss="fp32", selective_scope="alternate", shard_copies="fsdp2",
-                         tp_overlap_impl="symmetric_memory", fp8_impl="torchao", fp8_gather=True),
+                         tp_overlap_impl="symmetric_memory", fp8_impl="torchao_hp", fp8_gather=True),
     # Megatron-LM as partita export --to megatron writes it: Transformer Engine's attention, which
     # on Hopper and later prefers cuDNN's fused attention over FlashAttention ("Disabling
     # FlashAttention to give FusedAttention preference on Hopper+", dot_product_attention/utils.py,

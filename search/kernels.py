@@ -44,7 +44,9 @@ engine's fields select: ``Engine.kernels``, search/engines.py):
   output gradient's and the saved FP8 input's for the weight gradient, and the FP8 weight's for
   the input gradient. Weights gathered in FP8 by FSDP (``Engine.fp8_gather``) arrive cast, their
   scales precomputed once a step over the shards. Counted kernel by kernel: what inductor fuses
-  into the kernels around them is not subtracted.
+  into the kernels around them is not subtracted. "torchao_hp": torchao from 2025
+  (``matmul_with_hp_or_float8_args`` at 0afa4c1, June 2025), which saves the input in the
+  compute dtype and abs-maxes and casts it again in the backward for the weight gradient.
 * ``attention_padding``: the attention kernel called on the batch as it is ("none"), or through
   flash-attn's variable-length interface behind its ``bert_padding`` helpers ("unpad":
   llm-foundry's ``flash_attn_fn``, llmfoundry/models/layers/attention.py at 5e85bd62d, the path of
@@ -79,7 +81,7 @@ GLUS = ("separate", "fused")
 KVS = ("repeated", "native")
 ATTENTION_PADDINGS = ("none", "unpad")
 MATMULS = ("compute", "fp8")
-FP8_IMPLS = ("transformer_engine", "torchao")
+FP8_IMPLS = ("transformer_engine", "torchao", "torchao_hp")
 FP8_CASTS = ("fp8 casts attention", "fp8 casts mlp")  # forward_elementwise's names of the FP8 casts
 
 
@@ -177,17 +179,19 @@ def fp8_casts(kind, sh, impl: str = "transformer_engine") -> dict[str, tuple[flo
     bytes an element), the last product's input cast and transposed (e + 2); backward, each
     product's output gradient cast and transposed (e + 2). torchao: forward, each distinct input
     abs-maxed and cast (2e + 1); backward, each output gradient abs-maxed, cast and transposed
-    (2e + 3), each saved FP8 input transposed (2) and each FP8 weight transposed (2 a parameter)."""
+    (2e + 3), each saved FP8 input transposed (2) and each FP8 weight transposed (2 a parameter);
+    "torchao_hp" casts each saved compute-dtype input again instead (2e + 3)."""
     e, t, h = sh.elem, sh.tokens, sh.hidden
     q, kv = sh.heads * sh.head_dim, sh.kv_heads * sh.head_dim
     first = 2 * sh.ffn if kind.family == "llama" else sh.ffn  # w1 and w3, or gpt2's w1
-    if impl == "torchao":
+    if impl in ("torchao", "torchao_hp"):
         weights = {"attention": h * (q + 2 * kv) + q * h, "mlp": first * h + sh.ffn * h}
+        saved = 2 if impl == "torchao" else 2 * e + 3  # the saved input transposed, or cast again
         casts = {FP8_CASTS[0]: (t * (2 * e + 1) * (h + q),
-                                t * (2 * e + 3) * (q + 2 * kv + h) + 2 * t * (h + q) + 2 * weights["attention"])}
+                                t * (2 * e + 3) * (q + 2 * kv + h) + saved * t * (h + q) + 2 * weights["attention"])}
         if not kind.is_moe:
             casts[FP8_CASTS[1]] = (t * (2 * e + 1) * (h + sh.ffn),
-                                   t * (2 * e + 3) * (first + h) + 2 * t * (h + sh.ffn) + 2 * weights["mlp"])
+                                   t * (2 * e + 3) * (first + h) + saved * t * (h + sh.ffn) + 2 * weights["mlp"])
         return casts
     casts = {FP8_CASTS[0]: (t * (2 * h + (e + 2) * q), t * (e + 2) * (q + 2 * kv + h))}
     if not kind.is_moe:

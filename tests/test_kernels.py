@@ -55,7 +55,7 @@ def test_each_engine_runs_its_kernels():
     assert ENGINES["megatron"].kernels == Kernels(norm="fused", rope="fused", glu="fused", kv="native")
     for name in ("partita", "deepspeed"):
         assert ENGINES[name].kernels == Kernels()
-    assert ENGINES["torchtitan"].kernels == Kernels(fp8="torchao")  # its FP8 products are torchao's
+    assert ENGINES["torchtitan"].kernels == Kernels(fp8="torchao_hp")  # its FP8 products are torchao's
     assert ENGINES["torchtitan"].with_options({"norm": "eager"}).kernels.norm == "eager"
     with pytest.raises(PartitaError, match="unknown norm 'compiled'; valid: fused, eager"):
         ENGINES["torchtitan"].with_options({"norm": "compiled"})
@@ -127,6 +127,8 @@ def test_torchao_fp8_casts_by_hand():
     assert back["fp8 casts mlp"] == T * 7 * (2 * f + h) + 2 * T * (h + f) + 2 * 3 * h * f
     te = dict(forward_elementwise(KIND, SH, Kernels(matmul="fp8")))
     assert casts["fp8 casts mlp"] > te["fp8 casts mlp"]  # no norm that writes FP8: every input cast
+    hp = dict(backward_elementwise(KIND, SH, Kernels(matmul="fp8", fp8="torchao_hp")))
+    assert hp["fp8 casts mlp"] - back["fp8 casts mlp"] == T * (7 - 2) * (h + f)  # the input cast again
     with pytest.raises(PartitaError, match="unknown fp8"):
         Kernels(matmul="fp8", fp8="te")
 

@@ -352,7 +352,9 @@ def test_published_peak_memory_is_priced_for_the_rank_that_holds_the_most():
     """torchtitan's 8B FSDP runs publish their peak reserved memory (Tables 1 and 3): the priced
     peak of the fullest rank stays within 15 % of it (priced as full recomputation, which those
     runs did not run, it was 42-50 % under)."""
-    rows = [pr.price(r) for r in RUNS if r.measured_memory_gib is not None]
+    # (torchtitan's 405B 3D rows, compiled with Float8 and async TP, publish theirs too and are
+    # priced 42-55 % under it: docs/published_runs.md, "What is still off, and why".)
+    rows = [pr.price(r) for r in RUNS if r.measured_memory_gib is not None and r.id.startswith("tt-llama3.1-8b")]
     assert len(rows) >= 4 and all(r.memory_error_pct is not None for r in rows)
     assert all(abs(r.memory_error_pct) <= 15 for r in rows)
 
@@ -365,7 +367,8 @@ def test_the_script_writes_json_rows_and_the_summary(tmp_path, capsys):
     assert {s["label"] for s in data["summary"]} >= {"priced (exact + closest)", "exact only", "ZeRO-3 / FSDP rows",
                                                      "engine torchtitan", "engine megatron"}
     printed = capsys.readouterr().out
-    assert "median |error|" in printed and "not expressible" in printed
+    assert "median |error|" in printed
+    assert ("not expressible" in printed) == any(r.pricing == "not_expressible" for r in RUNS)
     assert "memory against published peaks" in printed
     assert any(r["measured_memory_gib"] and r["predicted_peak_gib"] for r in data["rows"])
 
@@ -417,3 +420,19 @@ def test_the_zero3_overlap_check_prints_every_deepspeed_row_and_both_medians(cap
     after = statistics.median(abs(pr.price(r).error_pct) for r in DEEPSPEED_ZERO3)
     assert f"after the compute: 45 rows, median |error| {after:.1f} %" in out
     assert "beside it: 45 rows" in out
+
+
+def test_torchtitan_s_float8_runs_hold_from_8_to_512_gpus_and_at_32k_tokens():
+    """torchtitan's Float8 runs (torchao's Float8Linear under torch.compile, the torchtitan
+    engine's fp8_impl: Dec 2024's on H100 from 8 to 512 GPUs, FSDP to 3D, and at 32k tokens;
+    Trainy's of June 2025 on 32 and 64 H200) are priced within 8 %, and the speedup Float8 gave
+    the compiled 8B run on 8 and 128 GPUs (Tables 1 and 3: 1.28, 1.29) within 10 %."""
+    fp8 = {r.id: pr.price(r) for r in RUNS if r.engine.name == "torchtitan" and r.engine.matmul == "fp8"}
+    assert len(fp8) == 7
+    assert all(abs(row.error_pct) <= 8 for row in fp8.values()), {k: r.error_pct for k, r in fp8.items()}
+    by_id = {r.id: r for r in RUNS}
+    for gpus in (8, 128):
+        bf16, f8 = (by_id[f"tt-llama3.1-8b-{gpus}xH100-fsdp-compile{s}"] for s in ("", "-fp8"))
+        measured = pr.measured_tokens_per_s_per_gpu(f8) / pr.measured_tokens_per_s_per_gpu(bf16)
+        predicted = pr.price(f8).predicted_tokens_per_s_per_gpu / pr.price(bf16).predicted_tokens_per_s_per_gpu
+        assert abs(predicted / measured - 1) <= 0.10

@@ -123,7 +123,8 @@ def layer_memory(cm, role: str, device: str, *, tp: int, sp: bool, zero: int, re
 def _kernels_keep(engine: Engine) -> dict[str, str]:
     """What ``engine``'s kernels keep for the backward, as ``analytic.activation_bytes`` takes it."""
     return dict(glu_saves=engine.glu_saves, qkv_saves=engine.qkv_saves, norm=engine.norm,
-                selective_keeps=engine.selective_keeps, fp8_inputs=engine.matmul == "fp8")
+                selective_keeps=engine.selective_keeps,
+                fp8_inputs=engine.matmul == "fp8" and engine.fp8_impl != "torchao_hp")
 
 
 def _activations(cm, role: str, device: str, *, tp: int, sp: bool, recompute: str, micro_batch: int):
