@@ -221,3 +221,29 @@ def test_the_fp8_pairs_benchmark_prints_what_the_docs_quote_and_restores_the_ter
     assert (roofline.FP8_OVER_BF16_SHARE, kernels.fp8_casts) == (share, casts)
     assert priced[1] <= 10 and doubled[1] > priced[1] and no_casts[1] > priced[1]
     assert 0.10 < fp8_pairs.saved_inputs_share("llama-3-8b", 1, False) < 0.15
+
+
+def test_torchao_s_float8_tensor_parallelism_gathers_a_byte_an_element():
+    """torchao's Float8ColwiseParallel casts a block's sequence-parallel inputs to FP8 before the
+    all-gather (and Float8RowwiseParallel the output gradients before the backward's): a tp 8
+    block's forward collectives under torchtitan's FP8 move half the all-gathered bytes, the
+    reduce-scatters as many; Transformer Engine's FP8 (megatron) gathers as bf16 does."""
+    from partita.search.costs.layer_time import tp_pass
+    from partita.search.costs.model import CostModel
+    from partita.search.engines import get_engine
+
+    cluster = parse_short("1x8xH100")
+    group = cluster.groups[0]
+    fwd = {}
+    for engine, fp8 in (("torchtitan", False), ("torchtitan", True), ("megatron", False), ("megatron", True)):
+        cm = CostModel(MODEL, cluster, seq_len=4096, dtype="bf16",
+                       engine=get_engine(engine, fp8).with_options({"tp_overlap": False, "dgrad_overlap": False,
+                                                                    "sp_inputs": "whole"}))
+        fwd[engine, fp8] = tp_pass(cm, "block", group, tp=8, sp=True, recompute="none", micro_batch=1)[2]
+        link = cm.tp_link(group, 8)
+        act = 4096 * MODEL.hidden * 2
+        rs, ag = (cm.collective_s(op, act, 8, link, "H100") for op in ("reduce_scatter", "all_gather"))
+        half = cm.collective_s("all_gather", act // 2, 8, link, "H100")
+    assert fwd["torchtitan", False] == pytest.approx(2 * (ag + rs))
+    assert fwd["torchtitan", True] == pytest.approx(2 * (half + rs))
+    assert fwd["megatron", True] == pytest.approx(fwd["megatron", False])

@@ -41,7 +41,7 @@ from partita.search.costs.compute import (dgrad_windows_s, gemm_shares, linear_w
                                           sequence_parallel_savings)
 from partita.search.costs.links import Link
 from partita.search.engines import recompute_regathers, reduce_flushes, zero3_gathers
-from partita.search.roofline import cpu_adam_s, memory_time_s
+from partita.search.roofline import FP8_ELEMENT_BYTES, cpu_adam_s, memory_time_s
 from partita.search.timing import OPTIMIZER_OPS_PER_TENSOR, overlapped_s, param_tensors
 
 @dataclass(frozen=True)
@@ -156,8 +156,14 @@ def tp_pass(cm, role: str, group: NodeGroup, *, tp: int, sp: bool, recompute: st
     if role == "block" and cm.model.is_moe:  # the attention's pair only: the MoE runs on sequence shards
         n_fwd, n_bwd = 1, 1
     one = cm.collective_s("all_reduce", act_bytes, tp, link, device)
+    # torchao's float8 tensor parallelism casts a block's sequence-parallel inputs, and backward
+    # the output gradients, to FP8 before their all-gathers (Float8ColwiseParallel,
+    # PrepareFloat8ModuleInput, Float8RowwiseParallel: torchao/float8/float8_tensor_parallel.py);
+    # the reduce-scatters carry the products' compute-dtype outputs.
+    torchao_fp8 = cm.engine.matmul == "fp8" and cm.engine.fp8_impl != "transformer_engine" and role == "block"
+    ag_bytes = act_bytes * FP8_ELEMENT_BYTES // cm.elem if torchao_fp8 and not cm.model.is_moe else act_bytes
     if sp:  # all-gather + reduce-scatter of the same volume, and ring steps
-        one = (cm.collective_s("all_gather", act_bytes, tp, link, device)
+        one = (cm.collective_s("all_gather", ag_bytes, tp, link, device)
                + cm.collective_s("reduce_scatter", act_bytes, tp, link, device))
     tp_fwd, tp_bwd = n_fwd * one, n_bwd * one
     if role == "head":  # the vocab-parallel loss: all-reduces of each token's max, sum and target logit
@@ -181,7 +187,7 @@ def tp_pass(cm, role: str, group: NodeGroup, *, tp: int, sp: bool, recompute: st
         fwd_compute, bwd_compute = fwd_compute - save_fwd, bwd_compute - save_bwd
     slowdown = cm.time_constants(device).overlap_slowdown
     if cm.engine.tp_overlap and sp and tp > 1 and role == "block":  # each beside its own products
-        ag = cm.collective_s("all_gather", act_bytes, tp, link, device)
+        ag = cm.collective_s("all_gather", ag_bytes, tp, link, device)
         rs = cm.collective_s("reduce_scatter", act_bytes, tp, link, device)
         tp_fwd, tp_bwd = tp_overlap_exposed_s(cm, role, device, tp, micro_batch, recompute, ag, rs, slowdown)
     elif cm.engine.tp_overlap and sp and tp > 1:  # chunked beside the pass's products (search/engines.py)
