@@ -428,8 +428,11 @@ def test_torchtitan_s_float8_runs_hold_from_8_to_512_gpus_and_at_32k_tokens():
     June 2025's FSDP + TP, vanilla and async, on 64 and 256 H100; Trainy's FSDP on 32 and 64
     H200) meet issue 23's line (median |error| <= 5 %, none beyond 15 %), and the speedup Float8
     gave the compiled 8B run on 8 and 128 GPUs (Tables 1 and 3: 1.28, 1.29) is priced within 10 %."""
-    fp8 = {r.id: pr.price(r) for r in RUNS if r.engine.name == "torchtitan" and r.engine.matmul == "fp8"}
-    assert len(fp8) == 13
+    # (Tables 2 and 6 at 64k-262k tokens run torch's context parallelism of December 2024, which
+    # measured slower than priced by more the larger cp: docs/published_runs.md, "What is still
+    # off, and why".)
+    fp8 = {r.id: pr.price(r) for r in RUNS if r.engine.name == "torchtitan" and r.engine.matmul == "fp8" and r.cp == 1}
+    assert len(fp8) == 14
     errors = [abs(row.error_pct) for row in fp8.values()]
     assert statistics.median(errors) <= 5 and max(errors) <= 15, {k: r.error_pct for k, r in fp8.items()}
     by_id = {r.id: r for r in RUNS}
