@@ -249,6 +249,38 @@ def schedule_layers_rule(schedule: str, layers: Iterable[tuple[str, int, str]]) 
     return None
 
 
+# Engines whose FSDP runs as ZeRO 1 inside a pipeline: torch.distributed.pipelining, meeting a
+# stage module that is an FSDP module, turns off its resharding after backward and its gradient
+# reduction for every micro-batch's backward but the last (``_PipelineStageBase.
+# backward_maybe_with_nosync``: ``set_reshard_after_backward(False)``,
+# ``set_requires_gradient_sync(False)``), and torchtitan's ``apply_fsdp`` does not reshard after
+# forward under pipeline parallelism (torchtitan/parallelisms/parallelize_llama.py at 9dec370; the
+# "default" reshard policy of torchtitan 0.2.2): the parameters stay gathered all step and the
+# gradients accumulate unsharded until the last micro-batch, as ZeRO 1 holds them. (Partita's
+# runtime sets each unit's policy itself, runtime/schedule.py.)
+PIPELINED_FSDP_AS_ZERO1 = ("torchtitan",)
+
+
+def pipeline_zero_rule(engine: str, pp: int, layers: Iterable[tuple[str, int]]) -> str | None:
+    """Why layers given as (name, zero) do not run as planned on ``engine`` in a pipeline of
+    ``pp`` stages, or None: ZeRO 2 and 3, which that engine's FSDP runs as ZeRO 1 there
+    (``PIPELINED_FSDP_AS_ZERO1``)."""
+    if pp <= 1 or engine not in PIPELINED_FSDP_AS_ZERO1:
+        return None
+    sharded = [name for name, zero in layers if zero >= 2]
+    if not sharded:
+        return None
+    return (f"engine {engine} runs FSDP inside a pipeline as ZeRO 1 (torch's pipelining keeps each stage's "
+            f"parameters gathered and its gradients unsharded until the last micro-batch's backward); "
+            f"{_some(sharded)} have zero >= 2 at pp {pp}: use zero 0 or 1, or pp 1")
+
+
+def pipeline_zero_levels(engine: str, pp: int, zeros: Iterable[int]) -> tuple[int, ...]:
+    """The ZeRO levels of ``zeros`` that ``pipeline_zero_rule`` lets a layer of a ``pp``-stage
+    plan on ``engine`` take."""
+    return tuple(z for z in zeros if not pipeline_zero_rule(engine, pp, [("", z)]))
+
+
 def schedule_model_rule(schedule: str, model: "ModelSpec") -> str | None:
     """Why ``model`` does not train under ``schedule``, or None: a mixture of experts not under
     the zero-bubble schedules, whose split backward the experts' all-to-alls do not survive."""

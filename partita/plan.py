@@ -60,9 +60,8 @@ the first replica's; empty: every replica on ``group``). Every replica runs the 
 the same choices (so each layer's gradient is reduced over the same replicas); the replicas on
 the faster devices take the larger shares, and the step is the slowest replica's.
 
-FP8 (``fp8: true``): the blocks' linear layers multiply in FP8 (Transformer Engine's layers under
-Megatron-LM, torchao's Float8Linear under torchtitan: ``parallel.FP8_ENGINES``), the rest in
-``dtype`` (bf16).
+FP8 (``fp8: true``): the blocks' linear layers multiply in FP8 (Transformer Engine's or torchao's
+layers: ``parallel.FP8_ENGINES``), the rest in ``dtype`` (bf16).
 """
 
 from __future__ import annotations

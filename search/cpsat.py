@@ -61,6 +61,7 @@ from dataclasses import dataclass, field
 from ortools.sat.python import cp_model
 
 import ortools
+from partita import parallel
 from partita.plan import Plan, SolverReport
 from partita.search.costs.model import CostModel
 from partita.search.cpsat_fit import StageFit
@@ -483,6 +484,9 @@ def _primal_incumbent(cm: CostModel, queue: list[Problem], levels: dict[tuple, l
                         continue
                 tried += 1
                 for lay in shape_plans(q, tables.setdefault(p.shape, {})):
+                    if parallel.pipeline_zero_rule(cm.engine.name, lay.pp,
+                                                   ((s.name, s.zero) for stage in lay.stage_layers for s in stage)):
+                        continue  # the heuristic does not know the rule; the CP-SAT model does
                     ev = evaluate_layout(cm, list(zip(lay.stage_groups, lay.stage_layers)), dp=lay.dp, tp=lay.tp,
                                          micro_batch=lay.micro_batch, num_micro_batches=lay.num_micro_batches)
                     if not ev.fits:  # the evaluator has the last word on memory

@@ -55,6 +55,7 @@ class PlanModel:
     def build(self) -> None:
         self.add_stage_fit_cuts()
         self.add_slot_placement()
+        self.add_pipeline_zero()
         self.add_group_capacity()
         self.add_block_cover()
         self.add_embed_and_head()
@@ -129,6 +130,27 @@ class PlanModel:
         self.m.add(self.used[0] == 1)
         if self.pipeline:  # the user pinned the pipeline degrees allowed
             self.m.add_linear_expression_in_domain(sum(self.used), cp_model.Domain.from_values(list(self.pipeline)))
+
+    # (Z) an engine that runs FSDP as ZeRO 1 inside a pipeline (``parallel.pipeline_zero_rule``):
+    # once a second slot is used, no layer takes ZeRO 2 or 3.
+    def add_pipeline_zero(self) -> None:
+        p = self.p
+        if not p.zero1_when_pipelined or p.slots < 2:
+            return
+        G = len(p.groups)
+        pipelined = self.used[1]
+        for r in range(p.slots):
+            for k, s in enumerate(p.block.strategies):
+                if s.zero >= 2:
+                    self.m.add_implication(pipelined, self.u[r][k].Not())
+            for g in range(G):
+                for k, s in enumerate(p.embed.strategies):
+                    if s.zero >= 2:
+                        self.m.add_implication(pipelined, self.e[r][g][k].Not())
+        for g in range(G):
+            for k, s in enumerate(p.head.strategies):
+                if s.zero >= 2:
+                    self.m.add_implication(pipelined, self.h[g][k].Not())
 
     # (C) a group hosts at most size // S stages.
     def add_group_capacity(self) -> None:

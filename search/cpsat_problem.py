@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
+from partita import parallel
 from partita.cluster import NodeGroup
 from partita.plan import LayerStrategy, boundary_split, gives_whole
 from partita.search.costs.memory import activation_message_bytes, kept_output_bytes, receive_buffers
@@ -100,6 +101,9 @@ class Problem:
     # at most the ceiling, and the edge term Z at least the floor; None: the whole shape.
     edge_ceiling_us: int | None = None
     edge_floor_us: int = 0
+    # The engine runs FSDP as ZeRO 1 inside a pipeline (``parallel.pipeline_zero_rule``): with
+    # two stages or more no layer takes ZeRO 2 or 3.
+    zero1_when_pipelined: bool = False
     # The cost objective's bound on the devices used (``SearchSpace.price_cap``), micro-dollars
     # per hour, and what a stage on each group costs; None: no bound.
     price_cap: int | None = None
@@ -275,7 +279,8 @@ def _build_problem(cm: CostModel, shape: Shape, space: SearchSpace) -> Problem |
                    receive_bytes=to_grains(receive_buffers(cm, shape.num_micro_batches)
                                            * activation_message_bytes(cm, shape.micro_batch, shape.tp)),
                    gather_us=tuple(_gather_us(cm, g, shape) for g in groups),
-                   step_overhead_us=to_us(cm.step_overhead_s))
+                   step_overhead_us=to_us(cm.step_overhead_s),
+                   zero1_when_pipelined=bool(parallel.pipeline_zero_rule(cm.engine.name, 2, [("", 3)])))
 
 
 def with_extras(cm: CostModel, p: Problem, space: SearchSpace) -> Problem:

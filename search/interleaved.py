@@ -21,7 +21,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from partita.parallel import schedule_counts_rule, schedule_layers_rule, schedules_for
+from partita.parallel import pipeline_zero_rule, schedule_counts_rule, schedule_layers_rule, schedules_for
 from partita.search.costs.model import CostModel
 from partita.search.costs.stage import choice_of
 from partita.search.evaluate import Evaluation, evaluate_interleaved
@@ -128,7 +128,8 @@ def interleaved_search(cm: CostModel, *, global_batch: int, space: SearchSpace, 
         shares = replica_counts(global_batch, dp, mb, m)
         for schedule, v in variants:
             if (pp * v > model.n_layers or schedule_counts_rule(schedule, pp, v, shares)
-                    or schedule_layers_rule(schedule, ((n, s.zero, s.recompute) for n, s in kinds.items()))):
+                    or schedule_layers_rule(schedule, ((n, s.zero, s.recompute) for n, s in kinds.items()))
+                    or pipeline_zero_rule(cm.engine.name, pp, ((n, s.zero) for n, s in kinds.items()))):
                 continue
             names = chunk_names(model.n_layers, pp, v, schedule)
             counts = [[_counts(chunk, choice) for chunk in stage] for stage in names]

@@ -350,7 +350,8 @@ def uniform_search(cm: CostModel, *, global_batch: int, space: SearchSpace = Sea
             break
         if space.price_cap is not None and layout_price(stage_groups, dp * tp) > space.price_cap:
             continue
-        for zero in zero_levels(space, global_batch, dp, mb, m):
+        for zero in parallel.pipeline_zero_levels(cm.engine.name, len(stage_groups),
+                                                  zero_levels(space, global_batch, dp, mb, m)):
             for recompute in space.recompute:
                 for sp in sp_choices(cm, tp, space):
                     choice = uniform_choices(model, tp=tp, sp=sp, zero=zero, recompute=recompute)

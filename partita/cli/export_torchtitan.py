@@ -17,7 +17,10 @@ What maps how:
     one part per virtual stage; data parallelism by ZeRO level: 0 is
     ``data_parallel_replicate_degree`` = dp (DDP), 2 is ``data_parallel_shard_degree`` = dp with
     ``fsdp_reshard_after_forward = "never"`` (FSDP2 keeping parameters gathered from forward to
-    backward), 3 the same with ``"always"``. torchtitan has no ZeRO-1.
+    backward), 3 the same with ``"always"``. torchtitan has no ZeRO-1, except inside a pipeline,
+    where its FSDP is one: torch's pipelining keeps an FSDP stage's parameters gathered and its
+    gradients unsharded until the last micro-batch's backward (``parallel.pipeline_zero_rule``),
+    so a plan with pp > 1 exports at ZeRO 0 or 1, ZeRO 1 as FSDP with ``"never"``.
   * ``[activation_checkpoint]``: ``mode = "none"`` or ``"full"`` (every block), or ``"selective"``
     with ``selective_ac_option = "k"``: every k-th block of each stage fully recomputed (counted
     from 1 in ``torchtitan/distributed/activation_checkpoint.py``, ``_apply_layer_sac``), or
@@ -55,7 +58,7 @@ from partita.model import ModelSpec
 from partita.plan import Plan
 
 FILE = "torchtitan.toml"
-RESHARD = {2: "never", 3: "always"}
+RESHARD = {1: "never", 2: "never", 3: "always"}  # ZeRO 1: FSDP inside a pipeline
 MAX_SELECTIVE = 8  # every k-th block, k = 2..8
 OP = -1  # ``recompute_rule``'s k for selective_ac_option "op"
 # torchtitan 0.2.2's llama3 flavours (torchtitan/models/llama3/__init__.py, llama3_configs), with
@@ -131,8 +134,11 @@ def variants(plan: Plan, model: ModelSpec) -> Iterator[Plan]:
                            f"llama4, qwen3 MoE), none of them {model.name}'s blocks, so a job TOML cannot train this "
                            f"model; export it --to megatron, or register a torchtitan flavour for it")
     plan = context_variant(plan, model, ("ring",), "torchtitan")
-    # with cp, torchtitan always runs FSDP over dp x cp (ParallelDims.fsdp_enabled)
+    # with cp, torchtitan always runs FSDP over dp x cp (ParallelDims.fsdp_enabled); in a pipeline
+    # its FSDP runs as ZeRO 1 (parallel.pipeline_zero_rule)
     zeros = (2, 3) if plan.cp > 1 else (0, 2, 3) if plan.dp > 1 else (0,)
+    if plan.pp > 1:
+        zeros = tuple(sorted({min(z, 1) for z in zeros}))
     most = max(blocks_per_stage(plan))
     for zero in zeros:
         for k in [*range(0, min(MAX_SELECTIVE, most) + 1), OP]:
@@ -179,8 +185,8 @@ def config(plan: Plan, model: ModelSpec) -> dict:
         # FSDP's float8 all-gather with scales precomputed once a step (where FSDP shards), under
         # torch.compile, which float8 needs to run well (the torchtitan engine's fp8_impl "torchao").
         model_section["converters"] = ["quantize.linear.float8"]
-        cfg["quantize.linear.float8"] = {"enable_fsdp_float8_all_gather": zero >= 2,
-                                         "precompute_float8_dynamic_scale_for_fsdp": zero >= 2,
+        cfg["quantize.linear.float8"] = {"enable_fsdp_float8_all_gather": zero >= 1,
+                                         "precompute_float8_dynamic_scale_for_fsdp": zero >= 1,
                                          "recipe_name": "tensorwise", "filter_fqns": ["output"]}
         cfg["compile"] = {"enable": True, "components": ["model", "loss"]}
     return cfg

@@ -80,8 +80,8 @@ def zero_traffic(cm, params: int, group: NodeGroup, *, tp: int, zero: int, repli
     # An engine that gathers a ZeRO-3 layer module by module (DeepSpeed) runs k rings of 1/k of
     # the bytes each, every one paying its n - 1 steps' latency (search/engines.py).
     k = zero3_gathers(cm.engine, cm.model.kinds[role], local_experts=local_experts) if zero == 3 else 1
-    # ZeRO 2-3's per-micro-batch gathers move the bytes FSDP gathers (``CostModel.gather_bytes``).
-    gathered = cm.gather_bytes(role) if zero >= 2 else cm.elem
+    # FSDP's gathers move the bytes it gathers (``CostModel.gather_bytes``: FP8 under a float8 all-gather).
+    gathered = cm.gather_bytes(role)
     ag = k * cm.collective_s("all_gather", params * gathered / k, replicas, dlink, device)
     # ... and reduce-scatters its gradients a bucket at a time, a large gradient alone.
     r = reduce_flushes(cm.model.kinds[role], tp, cm.engine.reduce_bucket) if k > 1 else 1

@@ -197,7 +197,7 @@ def dense_memory(cm, role: str, device: str, *, tp: int, sp: bool, zero: int, re
         # where the export writes --fp8-param-gather) the weight itself is FP8: no more bytes.
         weights += 2 * params
     g = cm.gather_bytes(role)  # a gathered parameter's bytes (FP8 under a float8 all-gather)
-    gathered = (round(params * g) if z == 2 else params * e) if fsdp and z < 3 else 0
+    gathered = (round(params * g) if z >= 1 else params * e) if fsdp and z < 3 else 0
     if fsdp and z < 2 and num_micro_batches > 1:
         gradients = params * grad_bytes  # accumulated unsharded until the last micro-batch
     else:

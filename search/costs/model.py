@@ -234,7 +234,7 @@ class CostModel:
         return self.elem if as_computed else memory.REDUCE_BYTES
 
     def gather_bytes(self, role: str) -> float:
-        """Bytes a parameter of a ``role`` layer takes when FSDP gathers it (ZeRO 2-3): the
+        """Bytes a parameter of a ``role`` layer takes when FSDP gathers it (ZeRO 1-3): the
         compute dtype's, or, for a dense block whose FP8 products gather their weights cast
         (``Engine.fp8_gather``, torchao's float8 all-gather), one byte a linear weight and the
         compute dtype's for the rest (the norms)."""
