@@ -32,7 +32,7 @@ from functools import lru_cache
 from typing import Sequence
 
 from partita.cluster import NodeGroup
-from partita.parallel import ZERO_BUBBLE, schedule_counts_rule
+from partita.parallel import ZERO_BUBBLE, pipeline_zero_levels, schedule_counts_rule
 from partita.search.costs.memory import (activation_message_bytes, kept_output_bytes, receive_buffers,
                                         retained_logits_bytes)
 from partita.search.costs.model import CostModel
@@ -52,7 +52,8 @@ def _choices(cm: CostModel, group: NodeGroup, name: str, *, tp: int, dp: int, mb
     the zero-bubble schedules take ZeRO 0/1 without recomputation, and hide no sync behind their
     backward: ``evaluate._split_backward``)."""
     out = []
-    zeros = space.zero_levels if dp > 1 else (0,)
+    # (every interleaved schedule pipelines: an engine's pipelined ZeRO rule applies, parallel.pipeline_zero_rule)
+    zeros = pipeline_zero_levels(cm.engine.name, 2, space.zero_levels if dp > 1 else (0,))
     recomputes = space.recompute if name.startswith("layers.") else ("none",)
     for sp in sp_choices(cm, tp, space):
         for z in zeros:

@@ -76,6 +76,11 @@ KNOWN = [
     "--model llama-2-70b --cluster 3x4xL4+3x4xL4+3x4xL4 --global-batch 378 --pp 4 --zero 3 --time-limit 3",
     # and expert parallelism proposed on replicas of unequal shares, which the validator refuses
     "--model mixtral-8x7b --cluster 2x4xL4+7x8xH200+7x8xH200 --global-batch 1920 --micro-batch 2,4,8 --time-limit 3",
+    # torchtitan's FSDP inside a pipeline is ZeRO 1 (parallel.pipeline_zero_rule): pinned to pp 2
+    # and ZeRO 3 nothing runs; left free, the searches plan within the rule
+    "--model llama-3-8b --cluster 2x8xH100 --global-batch 64 --engine torchtitan --pp 2 --zero 3 --time-limit 3",
+    "--model llama-3-70b --cluster 4x8xA100-40GB --global-batch 96 --engine torchtitan --pp 2,4 --time-limit 3",
+    "--model llama-3-70b --cluster 4x8xA100-40GB --global-batch 96 --engine torchtitan --pp 2,4 --search uniform",
 ]
 
 
@@ -165,6 +170,8 @@ def requests(draw) -> list[str]:
         args += ["--recompute", draw(modes.map(",".join))]
     if draw(st.integers(0, 5)) == 0:
         args.append("--no-sequence-parallel")
+    if draw(st.integers(0, 3)) == 0:  # an engine whose rules differ (torchtitan: ZeRO 0/1 in a pipeline)
+        args += ["--engine", draw(st.sampled_from(["torchtitan", "megatron", "deepspeed"]))]
     if gpus > CPSAT_MAX_GPUS or draw(st.booleans()):
         args += ["--search", "uniform"]
         if draw(st.integers(0, 3)) == 0:
