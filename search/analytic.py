@@ -36,7 +36,7 @@ from partita.errors import PartitaError
 from partita.model import LayerKind
 from partita.plan import RECOMPUTE
 from partita.profile import LayerCost, Profile, Provenance
-from partita.search.kernels import (INDEX_BYTES, Kernels, backward_elementwise, forward_elementwise,
+from partita.search.kernels import (FP8_INPUT_CASTS, INDEX_BYTES, Kernels, backward_elementwise, forward_elementwise,
                                     norm_bytes_per_element)
 from partita.search.roofline import (ATTENTION_KERNELS, attention_time_s, batched_matmul_time_s, element_bytes,
                                      matmul_time_s, memory_time_s)
@@ -248,7 +248,9 @@ def selective_recompute_time_s(kind: LayerKind, dev: DeviceType, sh: Shard, dtyp
 # The memory-bound kernels a layer runs outside its tensor-parallel region, on the residual
 # stream: under sequence parallelism each runs on the rank's t/tp tokens (Megatron-LM's and
 # DTensor's SequenceParallel norms; the residual adds on the sequence shards between them).
-SEQUENCE_SHARDED = {"block": ("attention norm", "residual add", "ffn norm"), "head": ("norm",)}
+# The residual stream's kernels, which sequence parallelism runs on the rank's 1/tp of the tokens
+# (torchao's FP8 casts of it among them: kernels.FP8_INPUT_CASTS).
+SEQUENCE_SHARDED = {"block": ("attention norm", "residual add", "ffn norm", *FP8_INPUT_CASTS), "head": ("norm",)}
 
 
 def sequence_parallel_savings_s(kind: LayerKind, dev: DeviceType, sh: Shard, tp: int,

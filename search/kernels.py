@@ -83,6 +83,11 @@ ATTENTION_PADDINGS = ("none", "unpad")
 MATMULS = ("compute", "fp8")
 FP8_IMPLS = ("transformer_engine", "torchao", "torchao_hp")
 FP8_CASTS = ("fp8 casts attention", "fp8 casts mlp")  # forward_elementwise's names of the FP8 casts
+# ... and of the parts of torchao's that run on the residual stream: the norm output's cast, and
+# backward the cast of the output gradient of the product that writes the residual stream (wo,
+# w2). Under sequence parallelism torchao's float8 styles cast them on the rank's sequence shard,
+# before the all-gather (``analytic.SEQUENCE_SHARDED``).
+FP8_INPUT_CASTS = ("fp8 casts attention input", "fp8 casts mlp input")
 
 
 def norm_bytes_per_element(norm: str, elem: int) -> tuple[int, int]:
@@ -156,7 +161,7 @@ def forward_elementwise(kind, sh, k: Kernels = Kernels()) -> list[tuple[str, flo
         taken = q_bytes if sh.heads != sh.kv_heads and k.kv == "repeated" else kv_bytes
         ops += [("unpad q k v", 2 * (q_bytes + 2 * taken)), ("pad output", 3 * q_bytes)]
     fp8 = fp8_casts(kind, sh, k.fp8) if k.matmul == "fp8" else {}
-    ops += [(name, forward) for name, (forward, _) in fp8.items() if name == FP8_CASTS[0]]
+    ops += [(name, forward) for name, (forward, _) in fp8.items() if name.startswith(FP8_CASTS[0])]
     ops += [("residual add", 3 * act), ("ffn norm", normed)]
     if kind.is_moe:
         return ops + moe_elementwise(kind, sh) + [("residual add", 3 * act)]
@@ -167,7 +172,7 @@ def forward_elementwise(kind, sh, k: Kernels = Kernels()) -> list[tuple[str, flo
         ops += [("silu", 2 * mlp), ("gate mul", 3 * mlp)]
     else:
         ops += [("gelu", 2 * mlp)]
-    ops += [(name, forward) for name, (forward, _) in fp8.items() if name == FP8_CASTS[1]]
+    ops += [(name, forward) for name, (forward, _) in fp8.items() if name.startswith(FP8_CASTS[1])]
     return ops + [("residual add", 3 * act)]
 
 
@@ -180,18 +185,25 @@ def fp8_casts(kind, sh, impl: str = "transformer_engine") -> dict[str, tuple[flo
     product's output gradient cast and transposed (e + 2). torchao: forward, each distinct input
     abs-maxed and cast (2e + 1); backward, each output gradient abs-maxed, cast and transposed
     (2e + 3), each saved FP8 input transposed (2) and each FP8 weight transposed (2 a parameter);
-    "torchao_hp" casts each saved compute-dtype input again instead (2e + 3)."""
+    "torchao_hp" casts each saved compute-dtype input again instead (2e + 3). torchao's casts of
+    the residual stream (the norm outputs; backward, wo's and w2's output gradients) are their own
+    entries (``FP8_INPUT_CASTS``), which sequence parallelism shards."""
     e, t, h = sh.elem, sh.tokens, sh.hidden
     q, kv = sh.heads * sh.head_dim, sh.kv_heads * sh.head_dim
     first = 2 * sh.ffn if kind.family == "llama" else sh.ffn  # w1 and w3, or gpt2's w1
     if impl in ("torchao", "torchao_hp"):
         weights = {"attention": h * (q + 2 * kv) + q * h, "mlp": first * h + sh.ffn * h}
         saved = 2 if impl == "torchao" else 2 * e + 3  # the saved input transposed, or cast again
-        casts = {FP8_CASTS[0]: (t * (2 * e + 1) * (h + q),
-                                t * (2 * e + 3) * (q + 2 * kv + h) + saved * t * (h + q) + 2 * weights["attention"])}
+        # the residual stream's casts (FP8_INPUT_CASTS): the norm output's, and backward the
+        # abs-max and cast of wo's (w2's) output gradient, whose transpose stays with the rest
+        stream = t * (2 * e + 1) * h
+        casts = {FP8_CASTS[0]: (t * (2 * e + 1) * q, t * (2 * e + 3) * (q + 2 * kv) + 2 * t * h
+                                + saved * t * (h + q) + 2 * weights["attention"]),
+                 FP8_INPUT_CASTS[0]: (stream, stream)}
         if not kind.is_moe:
-            casts[FP8_CASTS[1]] = (t * (2 * e + 1) * (h + sh.ffn),
-                                   t * (2 * e + 3) * (first + h) + saved * t * (h + sh.ffn) + 2 * weights["mlp"])
+            casts[FP8_CASTS[1]] = (t * (2 * e + 1) * sh.ffn, t * (2 * e + 3) * first + 2 * t * h
+                                   + saved * t * (h + sh.ffn) + 2 * weights["mlp"])
+            casts[FP8_INPUT_CASTS[1]] = (stream, stream)
         return casts
     casts = {FP8_CASTS[0]: (t * (2 * h + (e + 2) * q), t * (e + 2) * (q + 2 * kv + h))}
     if not kind.is_moe:

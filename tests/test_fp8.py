@@ -247,3 +247,24 @@ def test_torchao_s_float8_tensor_parallelism_gathers_a_byte_an_element():
     assert fwd["torchtitan", False] == pytest.approx(2 * (ag + rs))
     assert fwd["torchtitan", True] == pytest.approx(2 * (half + rs))
     assert fwd["megatron", True] == pytest.approx(fwd["megatron", False])
+
+
+def test_sequence_parallelism_shards_torchao_s_casts_of_the_residual_stream():
+    """Under sequence parallelism torchao's float8 styles cast the norm outputs (and backward the
+    output gradients of wo and w2) on the rank's sequence shard, before the FP8 all-gather: those
+    casts, and only those of the FP8 casts, save (tp - 1)/tp of their bytes."""
+    from partita.devices import get_device
+    from partita.search.analytic import Shard, sequence_parallel_savings_s
+    from partita.search.kernels import Kernels, forward_elementwise
+
+    kind, dev = MODEL.kinds["block"], get_device("H100")
+    sh = Shard.of(kind, tp=8, micro_batch=1, seq_len=8192, dtype="bf16")
+    for impl in ("torchao", "torchao_hp", "transformer_engine"):
+        k = Kernels(matmul="fp8", fp8=impl)
+        saved = dict(zip((n for n, _ in forward_elementwise(kind, sh, k)), sequence_parallel_savings_s(kind, dev, sh, 8, k)))
+        casts = {n: v for n, v in saved.items() if n.startswith("fp8 casts")}
+        if impl == "transformer_engine":
+            assert all(v == (0.0, 0.0) for v in casts.values())
+        else:
+            assert casts["fp8 casts attention input"][0] > 0 and casts["fp8 casts mlp input"][1] > 0
+            assert casts["fp8 casts attention"] == casts["fp8 casts mlp"] == (0.0, 0.0)

@@ -119,16 +119,18 @@ def test_torchao_fp8_casts_by_hand():
     each saved FP8 input transposed (2) and each FP8 weight transposed (2 a parameter)."""
     h, q, kv, f = 4096, 32 * 128, 8 * 128, 14336
     k = Kernels(matmul="fp8", fp8="torchao")
-    casts = dict(forward_elementwise(KIND, SH, k))
-    assert casts["fp8 casts attention"] == T * 5 * (h + q)
-    assert casts["fp8 casts mlp"] == T * 5 * (h + f)
-    back = dict(backward_elementwise(KIND, SH, k))
-    assert back["fp8 casts attention"] == T * 7 * (q + 2 * kv + h) + 2 * T * (h + q) + 2 * (h * (q + 2 * kv) + q * h)
-    assert back["fp8 casts mlp"] == T * 7 * (2 * f + h) + 2 * T * (h + f) + 2 * 3 * h * f
+    fwd, bwd = dict(forward_elementwise(KIND, SH, k)), dict(backward_elementwise(KIND, SH, k))
+    both = lambda d, part: d[f"fp8 casts {part}"] + d[f"fp8 casts {part} input"]  # noqa: E731
+    assert both(fwd, "attention") == T * 5 * (h + q) and both(fwd, "mlp") == T * 5 * (h + f)
+    assert both(bwd, "attention") == T * 7 * (q + 2 * kv + h) + 2 * T * (h + q) + 2 * (h * (q + 2 * kv) + q * h)
+    assert both(bwd, "mlp") == T * 7 * (2 * f + h) + 2 * T * (h + f) + 2 * 3 * h * f
+    # the residual stream's part, which sequence parallelism shards: the norm output's cast, and
+    # backward wo's (w2's) output gradient's abs-max and cast
+    assert fwd["fp8 casts mlp input"] == bwd["fp8 casts mlp input"] == T * 5 * h
     te = dict(forward_elementwise(KIND, SH, Kernels(matmul="fp8")))
-    assert casts["fp8 casts mlp"] > te["fp8 casts mlp"]  # no norm that writes FP8: every input cast
+    assert both(fwd, "mlp") > te["fp8 casts mlp"]  # no norm that writes FP8: every input cast
     hp = dict(backward_elementwise(KIND, SH, Kernels(matmul="fp8", fp8="torchao_hp")))
-    assert hp["fp8 casts mlp"] - back["fp8 casts mlp"] == T * (7 - 2) * (h + f)  # the input cast again
+    assert both(hp, "mlp") - both(bwd, "mlp") == T * (7 - 2) * (h + f)  # the input cast again
     with pytest.raises(PartitaError, match="unknown fp8"):
         Kernels(matmul="fp8", fp8="te")
 
