@@ -275,6 +275,13 @@ The terms each behaviour selects, in one place each:
   bf16 weight (``costs.memory.dense_memory``); the linears' inputs kept for the weight gradients
   are FP8 (``analytic.activation_bytes``, ``fp8_inputs``). The megatron and torchtitan engines
   run it (``parallel.FP8_ENGINES``). Time and memory.
+* ``zero1_reduce``: how ZeRO 1 reduces the step's gradients before each rank updates its shard:
+  "reduce_scatter" (Megatron's distributed optimizer, FSDP, DeepSpeed's ZeRO 1 in fp16) or
+  "all_reduce" (DeepSpeed's BF16_Optimizer, which bf16 training under its pipeline engine runs at
+  ZeRO stage 0 as its own ZeRO 1: ``PipelineEngine._bf16_reduce_grads`` all-reduces the fp32
+  gradients, ``buffered_allreduce_fallback``, before the sharded update and its all-gather;
+  deepspeed/runtime/pipe/engine.py at v0.6.7): twice the reduce-scatter's bytes. A published
+  run's option (BLOOM's). Time.
 * ``fp8_impl``, ``fp8_gather``: whose FP8 layers run those products. "transformer_engine"
   (megatron, above) or "torchao" (torchtitan's float8 converter: torchao's ``Float8Linear``,
   dynamic tensorwise scaling, each input and output gradient abs-maxed and cast as it comes and
@@ -328,6 +335,7 @@ LOSSES = ("chunked", "fp32", "fp32_in_place")
 SP_INPUTS = ("whole", "sharded")
 COLUMN_LINEARS = ("separate", "fused")
 CP_RINGS = ("torch", "transformer_engine")
+ZERO1_REDUCES = ("reduce_scatter", "all_reduce")
 DTYPE_CHOICES = ("fp32", "compute")
 
 
@@ -369,6 +377,7 @@ class Engine:
     attention_padding: str = "none"
     fp8_impl: str = "transformer_engine"
     fp8_gather: bool = False
+    zero1_reduce: str = "reduce_scatter"
 
     def __post_init__(self) -> None:
         Software(attention=self.attention, grad_sync=self.grad_sync)  # its checks of the two names
@@ -379,7 +388,8 @@ class Engine:
                                     ("qkv_saves", QKV_SAVES), ("column_linears", COLUMN_LINEARS), ("cp_ring", CP_RINGS),
                                     ("grad_buffer", DTYPE_CHOICES), ("reduce_dtype", DTYPE_CHOICES),
                                     ("optimizer_state", DTYPE_CHOICES), ("expert_tp", EXPERT_TPS),
-                                    ("expert_ranks", EXPERT_RANKS), ("tp_overlap_impl", TP_OVERLAP_IMPLS)))
+                                    ("expert_ranks", EXPERT_RANKS), ("tp_overlap_impl", TP_OVERLAP_IMPLS),
+                                    ("zero1_reduce", ZERO1_REDUCES)))
 
     @property
     def software(self) -> Software:

@@ -742,3 +742,22 @@ def test_torch_s_symmetric_memory_tp_adds_a_shard_copy_and_a_partial_sum_per_fus
     per_backward = 2 * memory_time_s(dev, 2 * act / 8)
     assert t["symm"].tp_comm_s - t["ub"].tp_comm_s == pytest.approx(per_forward + per_backward, rel=1e-6)
     assert t["symm"].compute_s == pytest.approx(t["ub"].compute_s)
+
+
+def test_deepspeed_s_bf16_optimizer_all_reduces_the_gradients_zero_1_reduce_scatters():
+    """``zero1_reduce``: DeepSpeed's BF16_Optimizer (bf16 under its pipeline engine) all-reduces
+    the fp32 gradients before its sharded update (``PipelineEngine._bf16_reduce_grads``), twice
+    the bytes of ZeRO 1's reduce-scatter; the all-gather after the update is the same."""
+    model, cluster = BUILTIN["llama-3-8b"], parse_short("4x8xH100")
+    group = cluster.groups[0]
+    sync = {}
+    for reduce in ("reduce_scatter", "all_reduce"):
+        cm = CostModel(model, cluster, seq_len=4096, engine=ENGINES["deepspeed"].with_options({"zero1_reduce": reduce}))
+        sync[reduce] = cm.zero_traffic("block", group, 1, 1, 32)
+        link, params = cm.dp_link(group, 32, 1), cm.param_count("block", 1)
+        rs = cm.collective_s("reduce_scatter", params * cm.reduce_bytes, 32, link, group.device)
+        ar = cm.collective_s("all_reduce", params * cm.reduce_bytes, 32, link, group.device)
+    assert sync["all_reduce"][2] - sync["reduce_scatter"][2] == pytest.approx(ar - rs)
+    assert sync["all_reduce"][3] == sync["reduce_scatter"][3]  # the parameters' gather
+    with pytest.raises(PartitaError, match="zero1_reduce"):
+        ENGINES["deepspeed"].with_options({"zero1_reduce": "allreduce"})

@@ -91,6 +91,8 @@ def zero_traffic(cm, params: int, group: NodeGroup, *, tp: int, zero: int, repli
         if zero == 0:
             dp_sync = cm.collective_s("all_reduce", params * cm.reduce_bytes, replicas, dlink, device)
         elif zero == 1:
+            if cm.engine.zero1_reduce == "all_reduce":  # DeepSpeed's BF16_Optimizer (search/engines.py)
+                rs = cm.collective_s("all_reduce", params * cm.reduce_bytes, replicas, dlink, device)
             dp_sync, gather = ag + rs, ag
         elif zero == 2 and cm.engine.zero2_gather == "step":  # DeepSpeed: whole parameters, gathered after the step
             zero_bwd, dp_sync, gather = rs, ag, ag
