@@ -481,14 +481,20 @@ DEFAULT_ENGINE = "partita"
 assert tuple(ENGINES) == parallel.ENGINES, "the rule book names the same engines"
 
 
+# What else an engine changes when it runs a plan's FP8 products: torchtitan's float8 runs under
+# torch.compile (the export turns it on), which since 2025 compiles the loss too (torchtitan/
+# components/loss.py): no fp32 logits kept, as "chunked" prices it.
+FP8_RUNS = {"torchtitan": {"loss": "chunked"}}
+
+
 def get_engine(name: str | None, fp8: bool = False) -> Engine:
     """The engine by name (None: Partita's runtime), with its blocks' products in FP8 where the
-    plan asks (``Plan.fp8``: ``matmul`` "fp8"); an unknown name is one clear error."""
+    plan asks (``Plan.fp8``: ``matmul`` "fp8", and ``FP8_RUNS``); an unknown name is one clear error."""
     if name is None:
         name = DEFAULT_ENGINE
     if name not in ENGINES:
         raise PartitaError(f"unknown engine {name!r}; valid: {', '.join(ENGINES)}")
-    return dataclasses.replace(ENGINES[name], matmul="fp8") if fp8 else ENGINES[name]
+    return dataclasses.replace(ENGINES[name], matmul="fp8", **FP8_RUNS.get(name, {})) if fp8 else ENGINES[name]
 
 
 def plan_engine(plan) -> Engine:

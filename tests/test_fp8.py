@@ -86,6 +86,8 @@ def test_the_torchtitan_export_runs_fp8_as_torchao_s_float8_and_prices_it_so(pla
     assert f8["recipe_name"] == "tensorwise" and f8["filter_fqns"] == ["output"]
     assert f8["enable_fsdp_float8_all_gather"] == (fp8.layer_strategies()[0].zero >= 2 or tt.exported.layer_strategies()[0].zero >= 2)
     assert cfg["compile"]["enable"] is True
+    from partita.search.engines import get_engine
+    assert get_engine("torchtitan", True).loss == "chunked" and get_engine("torchtitan").loss == "fp32"  # the loss compiled
     assert "converters" not in tomllib.loads(export_plan(bf16, "torchtitan").text)["model"]
     assert tt.exported.prediction.step_time_s < export_plan(bf16, "torchtitan").exported.prediction.step_time_s
 
