@@ -132,25 +132,23 @@ class PlanModel:
             self.m.add_linear_expression_in_domain(sum(self.used), cp_model.Domain.from_values(list(self.pipeline)))
 
     # (Z) an engine that runs FSDP as ZeRO 1 inside a pipeline (``parallel.pipeline_zero_rule``):
-    # once a second slot is used, no layer takes ZeRO 2 or 3.
+    # once a second slot is used, no layer takes a ZeRO level outside ``p.pipelined_zeros``.
     def add_pipeline_zero(self) -> None:
         p = self.p
-        if not p.zero1_when_pipelined or p.slots < 2:
+        if p.slots < 2:
             return
         G = len(p.groups)
         pipelined = self.used[1]
+        barred = lambda table: [k for k, s in enumerate(table.strategies) if s.zero not in p.pipelined_zeros]  # noqa: E731
         for r in range(p.slots):
-            for k, s in enumerate(p.block.strategies):
-                if s.zero >= 2:
-                    self.m.add_implication(pipelined, self.u[r][k].Not())
+            for k in barred(p.block):
+                self.m.add_implication(pipelined, self.u[r][k].Not())
             for g in range(G):
-                for k, s in enumerate(p.embed.strategies):
-                    if s.zero >= 2:
-                        self.m.add_implication(pipelined, self.e[r][g][k].Not())
+                for k in barred(p.embed):
+                    self.m.add_implication(pipelined, self.e[r][g][k].Not())
         for g in range(G):
-            for k, s in enumerate(p.head.strategies):
-                if s.zero >= 2:
-                    self.m.add_implication(pipelined, self.h[g][k].Not())
+            for k in barred(p.head):
+                self.m.add_implication(pipelined, self.h[g][k].Not())
 
     # (C) a group hosts at most size // S stages.
     def add_group_capacity(self) -> None:

@@ -10,7 +10,7 @@ from typing import Sequence
 
 from partita import parallel
 from partita.cluster import NodeGroup
-from partita.plan import LayerStrategy, boundary_split, gives_whole
+from partita.plan import ZERO_LEVELS, LayerStrategy, boundary_split, gives_whole
 from partita.search.costs.memory import activation_message_bytes, kept_output_bytes, receive_buffers
 from partita.search.costs.model import CostModel
 from partita.search.costs.stage import boundary_gather_s, boundary_s, canonical_order, choice_of, stage_cost_counts
@@ -101,9 +101,9 @@ class Problem:
     # at most the ceiling, and the edge term Z at least the floor; None: the whole shape.
     edge_ceiling_us: int | None = None
     edge_floor_us: int = 0
-    # The engine runs FSDP as ZeRO 1 inside a pipeline (``parallel.pipeline_zero_rule``): with
-    # two stages or more no layer takes ZeRO 2 or 3.
-    zero1_when_pipelined: bool = False
+    # The ZeRO levels a layer may take once the pipeline has two stages or more
+    # (``parallel.pipeline_zero_levels``: ZeRO 0 and 1 where the engine runs FSDP as ZeRO 1 there).
+    pipelined_zeros: tuple[int, ...] = ZERO_LEVELS
     # The cost objective's bound on the devices used (``SearchSpace.price_cap``), micro-dollars
     # per hour, and what a stage on each group costs; None: no bound.
     price_cap: int | None = None
@@ -280,7 +280,7 @@ def _build_problem(cm: CostModel, shape: Shape, space: SearchSpace) -> Problem |
                                            * activation_message_bytes(cm, shape.micro_batch, shape.tp)),
                    gather_us=tuple(_gather_us(cm, g, shape) for g in groups),
                    step_overhead_us=to_us(cm.step_overhead_s),
-                   zero1_when_pipelined=bool(parallel.pipeline_zero_rule(cm.engine.name, 2, [("", 3)])))
+                   pipelined_zeros=parallel.pipeline_zero_levels(cm.engine.name, 2, ZERO_LEVELS))
 
 
 def with_extras(cm: CostModel, p: Problem, space: SearchSpace) -> Problem:

@@ -312,7 +312,7 @@ from typing import Mapping
 from partita import parallel, specio
 from partita.errors import PartitaError
 from partita.search.analytic import GLU_SAVES, QKV_SAVES
-from partita.search.kernels import Kernels
+from partita.search.kernels import FP8_IMPLS, Kernels
 from partita.search.timing import Software
 
 ZERO3_GATHERS = ("layer", "module")
@@ -381,7 +381,6 @@ class Engine:
 
     def __post_init__(self) -> None:
         Software(attention=self.attention, grad_sync=self.grad_sync)  # its checks of the two names
-        _ = self.kernels  # its checks of the norm, rotary and matmul names (kernels.Kernels)
         specio.check_choices(self, (("zero3_gathers", ZERO3_GATHERS), ("selective_scope", SELECTIVE_SCOPES),
                                     ("zero2_gather", ZERO2_GATHERS), ("shard_copies", SHARD_COPIES), ("param_gather", PARAM_GATHERS), ("loss", LOSSES),
                                     ("p2p_buffers", P2P_BUFFERS), ("sp_inputs", SP_INPUTS), ("glu_saves", GLU_SAVES),
@@ -389,7 +388,8 @@ class Engine:
                                     ("grad_buffer", DTYPE_CHOICES), ("reduce_dtype", DTYPE_CHOICES),
                                     ("optimizer_state", DTYPE_CHOICES), ("expert_tp", EXPERT_TPS),
                                     ("expert_ranks", EXPERT_RANKS), ("tp_overlap_impl", TP_OVERLAP_IMPLS),
-                                    ("zero1_reduce", ZERO1_REDUCES)))
+                                    ("zero1_reduce", ZERO1_REDUCES), ("fp8_impl", FP8_IMPLS)))
+        _ = self.kernels  # its checks of the norm, rotary and matmul names (kernels.Kernels)
 
     @property
     def software(self) -> Software:

@@ -761,3 +761,5 @@ def test_deepspeed_s_bf16_optimizer_all_reduces_the_gradients_zero_1_reduce_scat
     assert sync["all_reduce"][3] == sync["reduce_scatter"][3]  # the parameters' gather
     with pytest.raises(PartitaError, match="zero1_reduce"):
         ENGINES["deepspeed"].with_options({"zero1_reduce": "allreduce"})
+    with pytest.raises(PartitaError, match="unknown fp8_impl 'te'"):  # the engine's own option named
+        ENGINES["torchtitan"].with_options({"fp8_impl": "te"})

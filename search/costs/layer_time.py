@@ -104,7 +104,7 @@ def zero_traffic(cm, params: int, group: NodeGroup, *, tp: int, zero: int, repli
 
 
 def shard_copies_s(cm, params: int, group: NodeGroup, *, zero: int, replicas: int,
-                   role: str = "block") -> tuple[float, float, float]:
+                   role: str) -> tuple[float, float, float]:
     """(forward, backward, beside the backward's reduction) per micro-batch of the copies an
     engine's FSDP runs around its per-micro-batch gathers and reductions (``Engine.shard_copies``,
     search/engines.py). "fsdp2", on the compute stream: each all-gather's output copied out into

@@ -196,8 +196,10 @@ def dense_memory(cm, role: str, device: str, *, tp: int, sp: bool, zero: int, re
         # transpose, kept all step beside the bf16 weight. With the distributed optimizer (ZeRO >= 1,
         # where the export writes --fp8-param-gather) the weight itself is FP8: no more bytes.
         weights += 2 * params
-    g = cm.gather_bytes(role)  # a gathered parameter's bytes (FP8 under a float8 all-gather)
-    gathered = (round(params * g) if z >= 1 else params * e) if fsdp and z < 3 else 0
+    # A gathered parameter's bytes: FSDP's (FP8 under a float8 all-gather, ``CostModel.gather_bytes``)
+    # when it shards, else the compute-dtype copy mixed precision keeps.
+    g = cm.gather_bytes(role) if z >= 1 else e
+    gathered = round(params * g) if fsdp and z < 3 else 0
     if fsdp and z < 2 and num_micro_batches > 1:
         gradients = params * grad_bytes  # accumulated unsharded until the last micro-batch
     else:
@@ -225,7 +227,7 @@ def dense_memory(cm, role: str, device: str, *, tp: int, sp: bool, zero: int, re
     resident = round(2 * params * g) if z == 3 else 0
     recompute_extra = max(0, full - plain)
     unsharded_grad = params * grad_bytes if fsdp and role != "head" else 0
-    copy = round(params * g) if z >= 2 else params * e
+    copy = round(params * g)
     if z == 3 and fsdp and cm.engine.zero3_gathers == "module":
         # DeepSpeed gathers a module at a time into the parameter's own storage, the next one
         # prefetched, and reduces each module's gradient in the model dtype through its bucket:
