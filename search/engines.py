@@ -282,6 +282,12 @@ The terms each behaviour selects, in one place each:
   gradients, ``buffered_allreduce_fallback``, before the sharded update and its all-gather;
   deepspeed/runtime/pipe/engine.py at v0.6.7): twice the reduce-scatter's bytes. A published
   run's option (BLOOM's). Time.
+* ``grad_accumulate``: how a micro-batch's gradients join the step's. "in_place" (written where
+  they accumulate: Megatron's fused weight-gradient products into ``main_grad``, FSDP's
+  reductions, autograd's ``.grad``; no pass of its own) or "cast_add" (DeepSpeed's BF16_Optimizer:
+  after every micro-batch's backward each bf16 gradient is cast to fp32 and added into its fp32
+  copy, ``update_hp_grads``, deepspeed/runtime/bf16_optimizer.py at v0.6.7: the compute dtype
+  read, 4 + 12 fp32 bytes a parameter; ZeRO 0-1; ``layer_time.grad_accumulate_s``). BLOOM's. Time.
 * ``fp8_impl``, ``fp8_gather``: whose FP8 layers run those products. "transformer_engine"
   (megatron, above) or "torchao" (torchtitan's float8 converter: torchao's ``Float8Linear``,
   dynamic tensorwise scaling, each input and output gradient abs-maxed and cast as it comes and
@@ -336,6 +342,7 @@ SP_INPUTS = ("whole", "sharded")
 COLUMN_LINEARS = ("separate", "fused")
 CP_RINGS = ("torch", "transformer_engine")
 ZERO1_REDUCES = ("reduce_scatter", "all_reduce")
+GRAD_ACCUMULATES = ("in_place", "cast_add")
 DTYPE_CHOICES = ("fp32", "compute")
 
 
@@ -378,6 +385,7 @@ class Engine:
     fp8_impl: str = "transformer_engine"
     fp8_gather: bool = False
     zero1_reduce: str = "reduce_scatter"
+    grad_accumulate: str = "in_place"
 
     def __post_init__(self) -> None:
         Software(attention=self.attention, grad_sync=self.grad_sync)  # its checks of the two names
@@ -388,7 +396,8 @@ class Engine:
                                     ("grad_buffer", DTYPE_CHOICES), ("reduce_dtype", DTYPE_CHOICES),
                                     ("optimizer_state", DTYPE_CHOICES), ("expert_tp", EXPERT_TPS),
                                     ("expert_ranks", EXPERT_RANKS), ("tp_overlap_impl", TP_OVERLAP_IMPLS),
-                                    ("zero1_reduce", ZERO1_REDUCES), ("fp8_impl", FP8_IMPLS)))
+                                    ("zero1_reduce", ZERO1_REDUCES), ("fp8_impl", FP8_IMPLS),
+                                    ("grad_accumulate", GRAD_ACCUMULATES)))
         _ = self.kernels  # its checks of the norm, rotary and matmul names (kernels.Kernels)
 
     @property

@@ -659,6 +659,7 @@ def test_fsdp2_copies_its_gathers_out_and_its_gradients_in_on_the_compute_stream
     stream (``Engine.shard_copies`` "fsdp2"): a ZeRO-3 block's passes run two copies of its
     gathered bytes and one of its gradients longer than with FSDP1's flat parameters ("none");
     ZeRO 2 gathering each micro-batch, one gather and one reduction; unsharded, nothing."""
+    from partita.search.costs.layer_time import layer_time
     from partita.search.roofline import memory_time_s
 
     model, cluster = BUILTIN["llama-3-8b"], parse_short("4x8xH100")
@@ -689,6 +690,7 @@ def test_fsdp1_concatenates_the_gradients_then_casts_and_divides_them_beside_the
     divides it in place before the reduce-scatter: ZeRO traffic, not compute. Reduced in bf16
     (``reduce_dtype`` "compute", fms-fsdp's bfSixteen policy) there is no cast, the division
     moves half the bytes, and so does the reduce-scatter."""
+    from partita.search.costs.layer_time import layer_time
     from partita.search.roofline import memory_time_s
 
     model, cluster = BUILTIN["llama-3-8b"], parse_short("4x8xH100")
@@ -723,6 +725,7 @@ def test_torch_s_symmetric_memory_tp_adds_a_shard_copy_and_a_partial_sum_per_fus
     buffer (2 x act/tp bytes) and a fused reduce-scatter sums the tp partial chunks it pulled
     (act + act/tp), both on the compute stream; Transformer Engine's userbuffers are priced
     without them. A block's forward fuses two of each."""
+    from partita.search.costs.layer_time import layer_time
     from partita.search.roofline import memory_time_s
 
     model, cluster = BUILTIN["llama-3-70b"], parse_short("1x8xH100")
@@ -763,3 +766,37 @@ def test_deepspeed_s_bf16_optimizer_all_reduces_the_gradients_zero_1_reduce_scat
         ENGINES["deepspeed"].with_options({"zero1_reduce": "allreduce"})
     with pytest.raises(PartitaError, match="unknown fp8_impl 'te'"):  # the engine's own option named
         ENGINES["torchtitan"].with_options({"fp8_impl": "te"})
+
+
+def test_deepspeed_s_bf16_optimizer_adds_each_micro_batch_s_gradients_in_a_pass_of_its_own():
+    """``grad_accumulate`` "cast_add": after every micro-batch's backward BF16_Optimizer casts each
+    bf16 gradient to fp32 and adds it into its fp32 copy (``update_hp_grads``): 2 + 16 bytes a
+    parameter of the rank's tensor-parallel shard, in the backward at ZeRO 0-1, and so once a
+    micro-batch in a step; at ZeRO 2-3 the gradients are reduced as they come, and nothing changes."""
+    from partita.search.costs.layer_time import layer_time
+    from partita.search.roofline import memory_time_s
+
+    model, cluster = BUILTIN["llama-3-8b"], parse_short("2x8xA100-80GB")
+    group = cluster.groups[0]
+    cms = {a: CostModel(model, cluster, seq_len=2048, engine=ENGINES["deepspeed"].with_options({"grad_accumulate": a}))
+           for a in ("in_place", "cast_add")}
+    params = cms["cast_add"].param_count("block", 2)
+    scale = cms["cast_add"].time_constants(group.device).compute_scale
+    for zero in (0, 1, 2, 3):
+        t = {a: layer_time(cm, "block", group, tp=2, sp=False, zero=zero, recompute="none", replicas=8, micro_batch=1)
+             for a, cm in cms.items()}
+        extra = scale * memory_time_s(group.device_type, params * 18) if zero <= 1 else 0.0
+        assert t["cast_add"].backward_s - t["in_place"].backward_s == pytest.approx(extra, rel=1e-9, abs=1e-12)
+        assert t["cast_add"].forward_s == t["in_place"].forward_s
+    assert extra == 0.0 and params * 18 > 1e9  # a 2 GB pass a micro-batch at tp 2: milliseconds, not noise
+    steps = {}
+    for a, cm in cms.items():
+        for m in (1, 8):
+            ev = evaluate_layout(cm, [(group, layers(model, tp=2, zero=1))], dp=8, tp=2, micro_batch=1,
+                                 num_micro_batches=m)
+            steps[a, m] = ev.step_time_s
+    one = scale * memory_time_s(group.device_type, params * 18) * model.n_layers
+    assert steps["cast_add", 1] - steps["in_place", 1] > 0.9 * one
+    assert steps["cast_add", 8] - steps["in_place", 8] == pytest.approx(8 * (steps["cast_add", 1] - steps["in_place", 1]), rel=0.05)
+    with pytest.raises(PartitaError, match="grad_accumulate"):
+        ENGINES["deepspeed"].with_options({"grad_accumulate": "fp32"})

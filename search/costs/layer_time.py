@@ -132,6 +132,21 @@ def shard_copies_s(cm, params: int, group: NodeGroup, *, zero: int, replicas: in
     return (gather if cm.engine.zero2_gather == "micro_batch" else 0.0), reduce, 0.0
 
 
+# DeepSpeed's BF16_Optimizer's pass: the gradient's cast to fp32 (4 bytes written) and its add
+# into the fp32 copy (two read, one written), beside the compute-dtype gradient read.
+CAST_ADD_FP32_BYTES = 4 + 3 * 4
+
+
+def grad_accumulate_s(cm, params: int, group: NodeGroup) -> float:
+    """Seconds a micro-batch's backward spends joining ``params`` parameters' gradients to the
+    step's in a pass of its own (``Engine.grad_accumulate``): none where they accumulate as they
+    are written; "cast_add" (DeepSpeed's BF16_Optimizer, whose fp32 gradients are whole at ZeRO 0-1)
+    casts each to fp32 and adds it, memory-bound, on the compute stream."""
+    if cm.engine.grad_accumulate != "cast_add":
+        return 0.0
+    return memory_time_s(group.device_type, params * (cm.elem + CAST_ADD_FP32_BYTES))
+
+
 def zero3_recompute_s(cm, role: str, group: NodeGroup, *, tp: int, replicas: int) -> float:
     """What a fully recomputed ZeRO-3 layer's backward gathers beyond its one pass of gathers: under
     an engine that gathers module by module (DeepSpeed), the modules its recomputed forward
@@ -236,6 +251,8 @@ def layer_time(cm, role: str, group: NodeGroup, *, tp: int, sp: bool, zero: int,
     copy_fwd, copy_bwd, copy_side = (k.compute_scale * s for s in shard_copies_s(cm, params, group, zero=zero,
                                                                                   replicas=replicas, role=role))
     fwd_compute, bwd_compute = fwd_compute + copy_fwd, bwd_compute + copy_bwd
+    if zero <= 1:
+        bwd_compute += k.compute_scale * grad_accumulate_s(cm, params, group)
     zero_fwd, zero_bwd, dp_sync, gather = cm.zero_traffic(role, group, tp, zero, replicas)
     zero_bwd += copy_side
     if zero == 3 and recompute == "full" and replicas > 1:
