@@ -67,7 +67,7 @@ from partita.search.uniform import split_blocks, stage_layer_names, strategy
 DEFAULT_RUNS = Path(__file__).with_name("published_runs.yaml")
 PRICINGS = ("exact", "closest", "not_expressible")
 METRICS = ("tokens_per_s_per_gpu", "tflops_per_gpu", "step_time_s")
-FLOPS_FORMULAS = ("megatron_recompute", "palm", "megatron_core")
+FLOPS_FORMULAS = ("megatron_recompute", "palm", "megatron_core", "neox")
 # What a published peak memory counts: torch's caching allocator's peak reserved bytes
 # (torch.cuda.memory_stats()["reserved_bytes.all.peak"], which torchtitan logs as max_reserved).
 MEMORY_METRICS = ("max_reserved",)
@@ -434,6 +434,13 @@ def palm_flops_per_token(model: ModelSpec, seq_len: int) -> float:
     return 6.0 * model.n_params + 12.0 * model.n_layers * model.hidden * seq_len
 
 
+def neox_flops_per_token(model: ModelSpec, seq_len: int) -> float:
+    """FLOPs a token GPT-NeoX's training log counted with in 2022 (megatron/logging.py,
+    ``get_flops``, at the commit of the 20B release): 6 N + 60 s h l, N every parameter of the
+    model (``model.total_params``), recomputation not counted."""
+    return 6.0 * model.n_params + 60.0 * seq_len * model.hidden * model.n_layers
+
+
 def megatron_flops_per_token(model: ModelSpec, seq_len: int) -> float:
     """FLOPs per token Megatron-LM counts with full recomputation (Narayanan et al. 2021,
     Appendix): 96 B s l h^2 (1 + s/6h + V/16lh) per step of B sequences of s tokens."""
@@ -463,6 +470,8 @@ def measured_tokens_per_s_per_gpu(run: PublishedRun) -> float:
         return m.value * 1e12 / megatron_flops_per_token(run.model, run.seq_len)
     if m.flops == "palm":
         return m.value * 1e12 / palm_flops_per_token(run.model, run.seq_len)
+    if m.flops == "neox":
+        return m.value * 1e12 / neox_flops_per_token(run.model, run.seq_len)
     if m.flops == "megatron_core":
         return m.value * 1e12 / megatron_core_flops_per_token(run.model, run.seq_len)
     raise PartitaError(f"{run.id}: no conversion for {m.metric} counted as {m.flops}")

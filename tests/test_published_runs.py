@@ -157,6 +157,16 @@ def test_a_context_parallel_run_is_priced_on_its_cp_view():
             pr.run_from_dict(_with(index, **changes)["runs"][0], "runs[0]")
 
 
+def test_gpt_neox_s_teraflops_are_counted_as_its_2022_log_counted_them():
+    """GPT-NeoX-20B's 117 TFLOP/s a GPU: 6 N + 60 s h l a token (megatron/logging.py at the 20B
+    release), N the model's 20.6 B parameters; not Megatron's recompute count, which is 8 % more."""
+    run = {r.id: r for r in RUNS}["neox-20b-96xA100-3d"]
+    assert 20.4e9 < run.model.n_params < 20.7e9  # the paper's 20,554,567,680, LayerNorms aside
+    per_token = 6 * run.model.n_params + 60 * 2048 * 6144 * 44
+    assert pr.measured_tokens_per_s_per_gpu(run) == pytest.approx(117e12 / per_token)
+    assert pr.megatron_flops_per_token(run.model, run.seq_len) / per_token == pytest.approx(1.087, abs=0.005)
+
+
 def test_mfu_of_a_published_row_matches_the_figure_its_source_prints():
     """torchtitan prints MFU beside tokens/s for the 70B A100 run (51.7 %) over the A100's 312
     TFLOP/s bf16 peak; its FLOPs per token then also counted the embedding table's parameters
