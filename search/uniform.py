@@ -47,6 +47,33 @@ class SearchSpace:
     # None: no bound. The cost objective (``planner.make_plan``) walks the time/price frontier with it.
     price_cap: int | None = None
 
+    def leaves(self, plan) -> str | None:
+        """How a plan (``partita.plan.Plan``) leaves this space, in the ``partita plan`` options'
+        words (an engine's closest plan may: ``cli.engine_fit``); None where it stays inside."""
+        layers = plan.layer_strategies()
+        out = [(f"ZeRO {z}", "--zero") for z in sorted({s.zero for s in layers}) if z not in self.zero_levels]
+        out += [(f"{r} recompute", "--recompute") for r in sorted({s.recompute for s in layers if s.name.startswith(
+            "layers.")}) if r not in self.recompute]
+        out += [(f"sequence parallelism {'on' if v else 'off'}", "--no-sequence-parallel") for v in sorted(
+            {s.sequence_parallel for s in layers if s.tensor_parallel > 1}) if v not in self.sequence_parallel]
+        for value, allowed, flag in ((plan.tp, self.tensor_parallel, "--tp"), (plan.pp, self.pipeline, "--pp"),
+                                     (plan.micro_batch, self.micro_batches, "--micro-batch"),
+                                     (plan.schedule, self.schedules or None, "--schedule")):
+            if allowed is not None and value not in allowed:
+                out.append((f"{flag[2:]} {value}", flag))
+        return "; ".join(f"{what}, which {flag} leaves out" for what, flag in out) or None
+
+    def options(self) -> str:
+        """The restrictions this space puts on a search, as ``partita plan`` options ("" if none)."""
+        default = SearchSpace()
+        out = [f"--zero {','.join(map(str, self.zero_levels))}"] if self.zero_levels != default.zero_levels else []
+        out += [f"--recompute {','.join(self.recompute)}"] if set(self.recompute) != set(default.recompute) else []
+        out += ["--no-sequence-parallel"] if self.sequence_parallel == (False,) else []
+        out += [f"{flag} {','.join(map(str, values))}" for flag, values in (
+            ("--tp", self.tensor_parallel), ("--pp", self.pipeline), ("--micro-batch", self.micro_batches),
+            ("--schedule", self.schedules)) if values]
+        return " ".join(out)
+
 
 def device_price(group: NodeGroup) -> int:
     """One device of the group per hour, in integer micro-dollars (prices sum exactly)."""

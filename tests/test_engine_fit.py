@@ -47,3 +47,29 @@ def test_the_engines_plan_is_never_slower_than_the_search_s_best_uniform_plan():
     assert export_plan(chosen, "megatron").changes == ()
     assert chosen.prediction.step_time_s <= uniform.prediction.step_time_s * (1 + 1e-9)
     assert chosen.prediction.step_time_s >= best.prediction.step_time_s * (1 - 1e-9)
+
+
+def test_the_engines_plan_stays_inside_the_request_s_options(tmp_path):
+    """DeepSpeed sets one ZeRO level and one recomputation for all layers: Llama 3 8B on 16 A100 at
+    --zero 1 searched to ZeRO 1 with 5 blocks selectively recomputed, which DeepSpeed cannot run;
+    without recomputation it does not fit at ZeRO 1, and the closest plan used to be ZeRO 2 on
+    every layer, a level the request left out. The engine's plan keeps to --zero (and every
+    other option): here another shape at ZeRO 1."""
+    import yaml
+
+    from partita.cli import main
+    from partita.search.uniform import SearchSpace
+
+    out = tmp_path / "plan.yaml"
+    args = ["plan", "--model", "llama-3-8b", "--cluster", "2x8xA100-80GB", "--seq-len", "4096",
+            "--global-batch", "256", "--engine", "deepspeed", "-o", str(out)]
+    assert main(args + ["--zero", "1"]) == 0
+    layers = [layer for stage in yaml.safe_load(out.read_text())["stages"] for layer in stage["layers"]]
+    assert {layer["zero"] for layer in layers} == {1}
+    assert main(args) == 0  # unrestricted, the fastest plan DeepSpeed runs takes ZeRO 2
+    assert {layer["zero"] for stage in yaml.safe_load(out.read_text())["stages"] for layer in stage["layers"]} == {2}
+    from partita.plan import Plan
+    plan = Plan.load(out)
+    assert SearchSpace(zero_levels=(0, 1)).leaves(plan) == "ZeRO 2, which --zero leaves out"
+    assert SearchSpace(zero_levels=(2,), tensor_parallel=(2,)).leaves(plan) == "tp 1, which --tp leaves out"
+    assert SearchSpace().leaves(plan) is None

@@ -117,12 +117,32 @@ def assert_keeps_the_promise(args: list[str], out_dir: Path) -> int:
     model_ref, cluster_ref = args[args.index("--model") + 1], args[args.index("--cluster") + 1]
     plan = Plan.load(plan_path)
     validate_plan(plan, load_model(model_ref), parse_short(cluster_ref))
+    left = options_left(plan, args)
+    assert not left, f"{shown}: the plan takes what the options leave out: {left}"
     check_code, _, check_err = run_cli(["check", str(plan_path), "--cluster", cluster_ref])
     assert check_code == 0, f"{shown}: the plan fails `partita check`: exit {check_code}: {error_line(check_err)}"
     again = out_dir / "again.yaml"
     plan.save(again)
     assert Plan.load(again) == plan, f"{shown}: the plan does not round-trip"
     return code
+
+
+def options_left(plan: Plan, args: list[str]) -> list[str]:
+    """What of ``plan`` the request's options leave out (``--zero``, ``--tp``, ``--pp``, ``--cp``,
+    ``--micro-batch``, ``--recompute``, ``--no-sequence-parallel``): an engine's closest plan too
+    must stay inside them."""
+    def allowed(flag: str) -> set[str] | None:
+        return set(args[args.index(flag) + 1].split(",")) if flag in args else None
+
+    layers = plan.layer_strategies()
+    found = {"--zero": {str(s.zero) for s in layers}, "--tp": {str(plan.tp)}, "--pp": {str(plan.pp)},
+             "--cp": {str(plan.cp)}, "--micro-batch": {str(plan.micro_batch)},
+             "--recompute": {s.recompute for s in layers if s.name.startswith("layers.")}}
+    left = [f"{flag} {','.join(sorted(values - allowed(flag)))}" for flag, values in found.items()
+            if allowed(flag) is not None and values - allowed(flag)]
+    if "--no-sequence-parallel" in args and any(s.sequence_parallel for s in layers):
+        left.append("sequence parallelism")
+    return left
 
 
 def degrees(values: list[int]) -> st.SearchStrategy[str]:

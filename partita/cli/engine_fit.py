@@ -42,16 +42,18 @@ def uniform_candidate(cm, plan: Plan, uni) -> Plan | None:
 
 
 def restrict_to_engine(plan: Plan, engine: str, alternatives: Callable[[int], list[Plan]],
-                       profiles=()) -> tuple[Plan, str]:
+                       profiles=(), space=None) -> tuple[Plan, str]:
     """The fastest plan ``engine`` runs as it is, among the closest ones in the shapes of
-    ``plan`` and of ``alternatives(SHAPES)``; and a note of what changed (empty if nothing did)."""
+    ``plan`` and of ``alternatives(SHAPES)``, inside ``space`` (the request's ``SearchSpace``:
+    an engine's closest plan never takes a ZeRO level, recompute mode or degree the options
+    left out); and a note of what changed (empty if nothing did)."""
     from partita.cli.export import export_plan
 
     exports, refusals = [], []
 
     def consider(candidate: Plan):
         try:
-            ex = export_plan(candidate, engine, profiles=profiles)
+            ex = export_plan(candidate, engine, profiles=profiles, space=space)
         except PartitaError as e:  # this shape is not one the engine runs (e.g. cp with tp on DeepSpeed)
             refusals.append(" ".join(str(e).split()))
             return None
@@ -65,8 +67,12 @@ def restrict_to_engine(plan: Plan, engine: str, alternatives: Callable[[int], li
             consider(candidate)
     if not exports:
         why = f" ({refusals[0]})" if refusals else ""
-        raise InfeasibleError(f"--engine {engine}: no plan {engine} runs fits in the {1 + SHAPES} best shapes the "
-                              f"search found{why}; drop --engine to see Partita's own plan, or give more devices")
+        given = space.options() if space is not None else ""
+        inside = f" inside {given}" if given else ""
+        loosen = "loosen those options, " if given else ""
+        raise InfeasibleError(f"--engine {engine}: no plan {engine} runs fits{inside} in the {1 + SHAPES} best shapes "
+                              f"the search found{why}; {loosen}drop --engine to see Partita's own plan, or give more "
+                              f"devices")
     best = min(exports, key=lambda ex: ex.exported.prediction.step_time_s)
     chosen = best.exported
     if plan.solver is not None:

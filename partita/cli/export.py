@@ -224,8 +224,9 @@ def _fits(p: Plan) -> bool:
     return _peak_fraction(p) <= 1.0
 
 
-def export_plan(plan: Plan, target: str, *, profiles: Sequence = ()) -> Export:
-    """Price the plan and the closest one the target runs; render the target's file."""
+def export_plan(plan: Plan, target: str, *, profiles: Sequence = (), space=None) -> Export:
+    """Price the plan and the closest one the target runs; render the target's file. ``space``
+    (a ``search.uniform.SearchSpace``: ``partita plan``'s options) keeps the variants inside it."""
     from partita.search.costs.model import CostModel
     from partita.search.engines import get_engine, plan_engine
     from partita.search.plans import attach_prediction
@@ -253,7 +254,14 @@ def export_plan(plan: Plan, target: str, *, profiles: Sequence = ()) -> Export:
     cm = CostModel(model, cluster, seq_len=plan.seq_len, dtype=plan.dtype, profiles=profiles,
                    engine=get_engine(target, fp8))
     price = lambda p: attach_prediction(dataclasses.replace(p, engine=target, fp8=fp8), cm)  # noqa: E731
-    exported, fits = closest(plan, mod.variants(plan, model), price)
+    variants = list(mod.variants(plan, model))
+    if space is not None:
+        inside = [v for v in variants if space.leaves(v) is None]
+        if not inside:
+            raise PartitaError(f"--to {target}: every plan {target} runs in this plan's shape leaves the options "
+                               f"(the closest: {space.leaves(variants[0]) if variants else 'none'})")
+        variants = inside
+    exported, fits = closest(plan, variants, price)
     notes = list(mod.notes(exported, model, cluster)) + mixed_device_notes(exported, cluster)
     return Export(target=target, original=original, exported=exported,
                   changes=tuple(describe_changes(plan, exported)), text=mod.render(exported, model),

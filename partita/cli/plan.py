@@ -98,7 +98,8 @@ def _plan(args: argparse.Namespace) -> int:
                     uniform = uniform_candidate(cost_model(req), best, uni)
                     return ([uniform] if uniform is not None else []) + _alternatives(req, best, k)
 
-                result, engine_note = restrict_to_engine(best, req.engine, candidates, profiles=profiles)
+                result, engine_note = restrict_to_engine(best, req.engine, candidates, profiles=profiles,
+                                                         space=req.space)
             if top > 1:
                 status.update(f"the best plans of {top - 1} other shapes")
                 alternatives = _alternatives(req, result, top - 1)
