@@ -259,20 +259,26 @@ def schedule_layers_rule(schedule: str, layers: Iterable[tuple[str, int, str]]) 
 # gradients accumulate unsharded until the last micro-batch, as ZeRO 1 holds them. (Partita's
 # runtime sets each unit's policy itself, runtime/schedule.py.)
 PIPELINED_FSDP_AS_ZERO1 = ("torchtitan",)
+# Engines whose pipeline refuses ZeRO 2 and 3: DeepSpeed's PipelineEngine asserts
+# ``zero_optimization_stage() < 2``, "ZeRO-2 and ZeRO-3 are incompatible with pipeline
+# parallelism" (deepspeed/runtime/pipe/engine.py, v0.6.7 to 2026).
+PIPELINE_ZERO_AT_MOST_1 = ("deepspeed",)
 
 
 def pipeline_zero_rule(engine: str, pp: int, layers: Iterable[tuple[str, int]]) -> str | None:
     """Why layers given as (name, zero) do not run as planned on ``engine`` in a pipeline of
     ``pp`` stages, or None: ZeRO 2 and 3, which that engine's FSDP runs as ZeRO 1 there
-    (``PIPELINED_FSDP_AS_ZERO1``)."""
-    if pp <= 1 or engine not in PIPELINED_FSDP_AS_ZERO1:
+    (``PIPELINED_FSDP_AS_ZERO1``) or its pipeline refuses (``PIPELINE_ZERO_AT_MOST_1``)."""
+    if pp <= 1 or engine not in PIPELINED_FSDP_AS_ZERO1 + PIPELINE_ZERO_AT_MOST_1:
         return None
     sharded = [name for name, zero in layers if zero >= 2]
     if not sharded:
         return None
-    return (f"engine {engine} runs FSDP inside a pipeline as ZeRO 1 (torch's pipelining keeps each stage's "
-            f"parameters gathered and its gradients unsharded until the last micro-batch's backward); "
-            f"{_some(sharded)} have zero >= 2 at pp {pp}: use zero 0 or 1, or pp 1")
+    why = ("runs FSDP inside a pipeline as ZeRO 1 (torch's pipelining keeps each stage's parameters gathered and "
+           "its gradients unsharded until the last micro-batch's backward)" if engine in PIPELINED_FSDP_AS_ZERO1 else
+           "refuses ZeRO 2 and 3 in a pipeline (its PipelineEngine: \"ZeRO-2 and ZeRO-3 are incompatible with "
+           "pipeline parallelism\")")
+    return f"engine {engine} {why}; {_some(sharded)} have zero >= 2 at pp {pp}: use zero 0 or 1, or pp 1"
 
 
 def pipeline_zero_levels(engine: str, pp: int, zeros: Iterable[int]) -> tuple[int, ...]:

@@ -73,3 +73,25 @@ def test_the_engines_plan_stays_inside_the_request_s_options(tmp_path):
     assert SearchSpace(zero_levels=(0, 1)).leaves(plan) == "ZeRO 2, which --zero leaves out"
     assert SearchSpace(zero_levels=(2,), tensor_parallel=(2,)).leaves(plan) == "tp 1, which --tp leaves out"
     assert SearchSpace().leaves(plan) is None
+
+
+def test_deepspeed_s_plan_is_never_slower_than_the_best_uniform_plan_deepspeed_runs():
+    """The uniform grid's best may recompute selectively, which DeepSpeed cannot (every block or
+    none): the best uniform plan inside DeepSpeed's own options (``engine_uniform``, its export
+    module's ``UNIFORM_SPACE``) is a candidate too. Llama 2 13B on 8 A100-40GB: the other
+    candidates mapped to 42.76 s, the uniform plan DeepSpeed runs is 40.25 s (2026-12-07)."""
+    from partita.cli.engine_fit import engine_uniform, uniform_candidate
+    from partita.search.planner import cost_model
+
+    model = load_model("llama-2-13b")
+    req = PlanRequest(model=model, cluster=parse_short("1x8xA100-40GB"), seq_len=4096, global_batch=128,
+                      engine="deepspeed", dtype="bf16")
+    best, uni = make_plan(req)
+    mine = engine_uniform(req, best)
+    assert mine is not None and export_plan(mine, "deepspeed").changes == ()
+    assert {l.recompute for l in mine.layer_strategies()} <= {"none", "full"}
+    others = [p for p in [uniform_candidate(cost_model(req), best, uni)] if p is not None]
+    without, _ = restrict_to_engine(best, "deepspeed", lambda k: others + _alternatives(req, best, k))
+    chosen, _ = restrict_to_engine(best, "deepspeed", lambda k: others + [mine] + _alternatives(req, best, k))
+    assert chosen.prediction.step_time_s <= mine.prediction.step_time_s * (1 + 1e-9)
+    assert chosen.prediction.step_time_s < 0.97 * without.prediction.step_time_s

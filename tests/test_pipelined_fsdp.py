@@ -1,7 +1,8 @@
 """torchtitan's FSDP inside a pipeline runs as ZeRO 1 (``parallel.pipeline_zero_rule``): torch's
 pipelining keeps an FSDP stage's parameters gathered and its gradients unsharded until the last
-micro-batch's backward, and torchtitan does not reshard after forward under pp. The rule, the
-validator, the searches that obey it, and the export that writes it."""
+micro-batch's backward, and torchtitan does not reshard after forward under pp; DeepSpeed's
+pipeline engine refuses ZeRO 2 and 3. The rule, the validator, the searches that obey it, and the
+export that writes it."""
 
 import dataclasses
 
@@ -28,13 +29,18 @@ def test_the_rule_names_the_engine_the_layers_and_the_way_out():
     assert "2 layers (layers.0, layers.1)" in why and "use zero 0 or 1, or pp 1" in why
     assert parallel.pipeline_zero_levels("torchtitan", 2, (0, 1, 2, 3)) == (0, 1)
     assert parallel.pipeline_zero_levels("torchtitan", 1, (0, 1, 2, 3)) == (0, 1, 2, 3)
+    # DeepSpeed's pipeline engine refuses ZeRO 2 and 3 outright (its PipelineEngine's assertion)
+    why = parallel.pipeline_zero_rule("deepspeed", 2, [("layers.0", 2)])
+    assert "engine deepspeed refuses ZeRO 2 and 3 in a pipeline" in why and "use zero 0 or 1, or pp 1" in why
+    assert parallel.pipeline_zero_levels("deepspeed", 4, (0, 1, 2, 3)) == (0, 1)
+    assert parallel.pipeline_zero_levels("deepspeed", 1, (0, 1, 2, 3)) == (0, 1, 2, 3)
 
 
 @pytest.fixture(scope="module", params=["uniform", "cpsat"])
 def pipelined(request):
     """torchtitan and Partita's runtime planned at pp 2 (pinned) with every ZeRO level allowed."""
     plans = {}
-    for engine in ("torchtitan", "partita"):
+    for engine in ("torchtitan", "deepspeed", "partita"):
         req = PlanRequest(model=MODEL, cluster=CLUSTER, seq_len=4096, global_batch=64, engine=engine, dtype="bf16",
                           search=request.param, time_limit_s=20,
                           space=SearchSpace(pipeline=(2,), zero_levels=(0, 1, 2, 3)))
@@ -46,7 +52,10 @@ def test_the_search_plans_torchtitan_s_pipelines_at_zero_1_at_most(pipelined):
     tt = pipelined["torchtitan"]
     assert tt.pp == 2 and max(l.zero for l in tt.layer_strategies()) <= 1
     validate_plan(tt, MODEL, CLUSTER)
-    assert pipelined["partita"].pp == 2  # the rule is torchtitan's only
+    ds = pipelined["deepspeed"]
+    assert ds.pp == 2 and max(l.zero for l in ds.layer_strategies()) <= 1
+    validate_plan(ds, MODEL, CLUSTER)
+    assert pipelined["partita"].pp == 2  # the rule is torchtitan's and DeepSpeed's
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +72,8 @@ def test_the_validator_refuses_zero_3_in_a_torchtitan_pipeline(zero3_pipeline):
     validate_plan(zero3_pipeline, MODEL, CLUSTER)
     with pytest.raises(PartitaError, match="engine torchtitan runs FSDP inside a pipeline as ZeRO 1"):
         validate_plan(dataclasses.replace(zero3_pipeline, engine="torchtitan"), MODEL, CLUSTER)
+    with pytest.raises(PartitaError, match="engine deepspeed refuses ZeRO 2 and 3 in a pipeline"):
+        validate_plan(dataclasses.replace(zero3_pipeline, engine="deepspeed"), MODEL, CLUSTER)
 
 
 def test_the_torchtitan_export_of_a_pipelined_zero_3_plan_writes_fsdp_as_zero_1(zero3_pipeline):

@@ -41,6 +41,29 @@ def uniform_candidate(cm, plan: Plan, uni) -> Plan | None:
     return layout_to_plan(view, uni.best, global_batch=plan.global_batch, solver=None)
 
 
+def engine_uniform(req, plan: Plan) -> Plan | None:
+    """The uniform grid's best plan inside the request's options and the uniform plans the engine
+    runs as they are (its export module's ``UNIFORM_SPACE``), one more candidate where the grid's
+    own best is not one of them (DeepSpeed: a selectively recomputed uniform plan); None where the
+    engine declares no such space, the space is empty, the plan was found at cp > 1 or on a
+    mixture's expert view, or nothing there fits."""
+    from partita.cli.export import target_module
+    from partita.search.planner import cost_model
+    from partita.search.plans import layout_to_plan
+    from partita.search.uniform import uniform_search
+
+    narrower = getattr(target_module(req.engine), "UNIFORM_SPACE", None)
+    if narrower is None or plan.cp > 1 or req.model.is_moe:
+        return None
+    fields = {k: tuple(v for v in getattr(req.space, k) if v in allowed) if getattr(req.space, k) else allowed
+              for k, allowed in narrower.items()}
+    if not all(fields.values()):
+        return None
+    cm = cost_model(req)
+    uni = uniform_search(cm, global_batch=req.global_batch, space=dataclasses.replace(req.space, **fields))
+    return layout_to_plan(cm, uni.best, global_batch=req.global_batch, solver=None) if uni.best else None
+
+
 def restrict_to_engine(plan: Plan, engine: str, alternatives: Callable[[int], list[Plan]],
                        profiles=(), space=None) -> tuple[Plan, str]:
     """The fastest plan ``engine`` runs as it is, among the closest ones in the shapes of

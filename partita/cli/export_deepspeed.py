@@ -51,6 +51,11 @@ from partita.plan import Plan
 FILE = "deepspeed.json"
 
 
+# What of a uniform plan DeepSpeed runs as it is (``variants``): every block recomputed or none,
+# no sequence parallelism (AutoTP), the pipeline engine's 1F1B (``engine_fit.engine_uniform``).
+UNIFORM_SPACE = {"recompute": ("none", "full"), "sequence_parallel": (False,), "schedules": ("1f1b",)}
+
+
 def variants(plan: Plan, model: ModelSpec) -> Iterator[Plan]:
     from partita.search.uniform import split_blocks
 

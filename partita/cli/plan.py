@@ -88,15 +88,15 @@ def _plan(args: argparse.Namespace) -> int:
                         device_price(g)
                 result, uni = make_plan(req, progress=lambda what: status.update(what))
             if req.engine != "partita" and not (objective == "cost" and release):
-                from partita.cli.engine_fit import restrict_to_engine, uniform_candidate
+                from partita.cli.engine_fit import engine_uniform, restrict_to_engine, uniform_candidate
                 from partita.search.planner import cost_model
 
                 status.update(f"the closest plans {req.engine} runs as they are")
                 best = result
 
                 def candidates(k: int) -> list[Plan]:  # asked only when the search's best does not map as it is
-                    uniform = uniform_candidate(cost_model(req), best, uni)
-                    return ([uniform] if uniform is not None else []) + _alternatives(req, best, k)
+                    uniform = [uniform_candidate(cost_model(req), best, uni), engine_uniform(req, best)]
+                    return [p for p in uniform if p is not None] + _alternatives(req, best, k)
 
                 result, engine_note = restrict_to_engine(best, req.engine, candidates, profiles=profiles,
                                                          space=req.space)
