@@ -259,25 +259,29 @@ def schedule_layers_rule(schedule: str, layers: Iterable[tuple[str, int, str]]) 
 # gradients accumulate unsharded until the last micro-batch, as ZeRO 1 holds them. (Partita's
 # runtime sets each unit's policy itself, runtime/schedule.py.)
 PIPELINED_FSDP_AS_ZERO1 = ("torchtitan",)
-# Engines whose pipeline refuses ZeRO 2 and 3: DeepSpeed's PipelineEngine asserts
-# ``zero_optimization_stage() < 2``, "ZeRO-2 and ZeRO-3 are incompatible with pipeline
-# parallelism" (deepspeed/runtime/pipe/engine.py, v0.6.7 to 2026).
-PIPELINE_ZERO_AT_MOST_1 = ("deepspeed",)
+# Engines whose pipeline refuses ZeRO 2 and 3, and why: DeepSpeed's PipelineEngine asserts
+# ``zero_optimization_stage() < 2`` (deepspeed/runtime/pipe/engine.py, v0.6.7 to 2026); Megatron-LM
+# runs ZeRO 2 and 3 as Megatron-FSDP, which refuses pipeline parallelism
+# (megatron/core/distributed/fsdp/mcore_fsdp_adapter.py; torch's FSDP2 under Megatron likewise:
+# "--use-torch-fsdp2 is not supported with pipeline parallelism", megatron/training/arguments.py).
+PIPELINE_ZERO_AT_MOST_1 = {
+    "deepspeed": "its PipelineEngine: \"ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism\"",
+    "megatron": "they are Megatron-FSDP, which does not run under pipeline parallelism",
+}
 
 
 def pipeline_zero_rule(engine: str, pp: int, layers: Iterable[tuple[str, int]]) -> str | None:
     """Why layers given as (name, zero) do not run as planned on ``engine`` in a pipeline of
     ``pp`` stages, or None: ZeRO 2 and 3, which that engine's FSDP runs as ZeRO 1 there
     (``PIPELINED_FSDP_AS_ZERO1``) or its pipeline refuses (``PIPELINE_ZERO_AT_MOST_1``)."""
-    if pp <= 1 or engine not in PIPELINED_FSDP_AS_ZERO1 + PIPELINE_ZERO_AT_MOST_1:
+    if pp <= 1 or engine not in PIPELINED_FSDP_AS_ZERO1 + tuple(PIPELINE_ZERO_AT_MOST_1):
         return None
     sharded = [name for name, zero in layers if zero >= 2]
     if not sharded:
         return None
     why = ("runs FSDP inside a pipeline as ZeRO 1 (torch's pipelining keeps each stage's parameters gathered and "
            "its gradients unsharded until the last micro-batch's backward)" if engine in PIPELINED_FSDP_AS_ZERO1 else
-           "refuses ZeRO 2 and 3 in a pipeline (its PipelineEngine: \"ZeRO-2 and ZeRO-3 are incompatible with "
-           "pipeline parallelism\")")
+           f"refuses ZeRO 2 and 3 in a pipeline ({PIPELINE_ZERO_AT_MOST_1[engine]})")
     return f"engine {engine} {why}; {_some(sharded)} have zero >= 2 at pp {pp}: use zero 0 or 1, or pp 1"
 
 

@@ -51,7 +51,9 @@ class SearchSpace:
         """How a plan (``partita.plan.Plan``) leaves this space, in the ``partita plan`` options'
         words (an engine's closest plan may: ``cli.engine_fit``); None where it stays inside."""
         layers = plan.layer_strategies()
-        out = [(f"ZeRO {z}", "--zero") for z in sorted({s.zero for s in layers}) if z not in self.zero_levels]
+        # without data-parallel replicas a plan's layers are at ZeRO 0, whatever --zero allows (``zero_levels``)
+        zeros = {s.zero for s in layers} - ({0} if plan.dp == 1 else set())
+        out = [(f"ZeRO {z}", "--zero") for z in sorted(zeros) if z not in self.zero_levels]
         out += [(f"{r} recompute", "--recompute") for r in sorted({s.recompute for s in layers if s.name.startswith(
             "layers.")}) if r not in self.recompute]
         out += [(f"sequence parallelism {'on' if v else 'off'}", "--no-sequence-parallel") for v in sorted(

@@ -1,7 +1,7 @@
 """torchtitan's FSDP inside a pipeline runs as ZeRO 1 (``parallel.pipeline_zero_rule``): torch's
 pipelining keeps an FSDP stage's parameters gathered and its gradients unsharded until the last
 micro-batch's backward, and torchtitan does not reshard after forward under pp; DeepSpeed's
-pipeline engine refuses ZeRO 2 and 3. The rule, the validator, the searches that obey it, and the
+pipeline engine and Megatron-FSDP refuse ZeRO 2 and 3 under pp. The rule, the validator, the searches that obey it, and the
 export that writes it."""
 
 import dataclasses
@@ -34,13 +34,17 @@ def test_the_rule_names_the_engine_the_layers_and_the_way_out():
     assert "engine deepspeed refuses ZeRO 2 and 3 in a pipeline" in why and "use zero 0 or 1, or pp 1" in why
     assert parallel.pipeline_zero_levels("deepspeed", 4, (0, 1, 2, 3)) == (0, 1)
     assert parallel.pipeline_zero_levels("deepspeed", 1, (0, 1, 2, 3)) == (0, 1, 2, 3)
+    # Megatron-LM's ZeRO 2 and 3 are Megatron-FSDP, which refuses pipeline parallelism
+    assert "engine megatron refuses ZeRO 2 and 3 in a pipeline" in parallel.pipeline_zero_rule(
+        "megatron", 2, [("layers.0", 3)])
+    assert parallel.pipeline_zero_levels("megatron", 2, (0, 1, 2, 3)) == (0, 1)
 
 
 @pytest.fixture(scope="module", params=["uniform", "cpsat"])
 def pipelined(request):
     """torchtitan and Partita's runtime planned at pp 2 (pinned) with every ZeRO level allowed."""
     plans = {}
-    for engine in ("torchtitan", "deepspeed", "partita"):
+    for engine in ("torchtitan", "deepspeed", "megatron", "partita"):
         req = PlanRequest(model=MODEL, cluster=CLUSTER, seq_len=4096, global_batch=64, engine=engine, dtype="bf16",
                           search=request.param, time_limit_s=20,
                           space=SearchSpace(pipeline=(2,), zero_levels=(0, 1, 2, 3)))
@@ -52,10 +56,11 @@ def test_the_search_plans_torchtitan_s_pipelines_at_zero_1_at_most(pipelined):
     tt = pipelined["torchtitan"]
     assert tt.pp == 2 and max(l.zero for l in tt.layer_strategies()) <= 1
     validate_plan(tt, MODEL, CLUSTER)
-    ds = pipelined["deepspeed"]
-    assert ds.pp == 2 and max(l.zero for l in ds.layer_strategies()) <= 1
-    validate_plan(ds, MODEL, CLUSTER)
-    assert pipelined["partita"].pp == 2  # the rule is torchtitan's and DeepSpeed's
+    for engine in ("deepspeed", "megatron"):  # pipelines that refuse ZeRO 2 and 3
+        plan = pipelined[engine]
+        assert plan.pp == 2 and max(l.zero for l in plan.layer_strategies()) <= 1
+        validate_plan(plan, MODEL, CLUSTER)
+    assert pipelined["partita"].pp == 2  # Partita's runtime sets each unit's policy itself
 
 
 @pytest.fixture(scope="module")
