@@ -118,7 +118,7 @@ def strategies_for(cm: CostModel, role: str, shape: Shape, space: SearchSpace) -
     """Every choice the runtime executes for this layer kind in this shape."""
     out = []
     tps = sorted({1, layer_tp(cm.model, role, shape.tp)})
-    zeros = (0,) if shape.dp == 1 else tuple(z for z in space.zero_levels if z <= 1 or not shape.uneven)
+    zeros = (0,) if shape.dp * cm.cp == 1 else tuple(z for z in space.zero_levels if z <= 1 or not shape.uneven)
     recomputes = space.recompute if role == "block" else ("none",)
     for t in tps:
         for sp in sp_choices(cm, t, space):

@@ -115,7 +115,7 @@ def interleaved_search(cm: CostModel, *, global_batch: int, space: SearchSpace, 
             least += count * min(cm.layer_time(role, g, strategy(model, name, tp=tp, sp=sp, zero=z, recompute=rc),
                                                dp=dp, micro_batch=mb).total_s
                                  for g in set(stage_groups) for sp in sp_choices(cm, tp, space)
-                                 for z in (space.zero_levels if dp > 1 else (0,)) for rc in space.recompute)
+                                 for z in (space.zero_levels if dp * cm.cp > 1 else (0,)) for rc in space.recompute)
         result.bound_us = min(result.bound_us, m * least / pp * 1e6)
         result.entries.append((m * least / pp * 1e6, (stage_groups, tp, dp, mb, m)))
     for _, (stage_groups, _blocks, tp, dp, mb, m, sp, zero, recompute) in candidates:

@@ -223,7 +223,7 @@ def _shapes(cm: CostModel, span: CostModel, groups: Sequence[NodeGroup], global_
                 rows = global_batch // m
                 if space.micro_batches and not any(b in space.micro_batches for b in range(1, rows + 1)):
                     continue
-                for zero in parallel.pipeline_zero_levels(cm.engine.name, pp, space.zero_levels if dp > 1 else (0,)):
+                for zero in parallel.pipeline_zero_levels(cm.engine.name, pp, space.zero_levels if dp * cm.cp > 1 else (0,)):
                     for recompute in space.recompute:
                         for sp in sp_choices(cm, tp, space):
                             yield (used, tp, pp, m, sp, zero, recompute)

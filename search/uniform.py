@@ -51,8 +51,8 @@ class SearchSpace:
         """How a plan (``partita.plan.Plan``) leaves this space, in the ``partita plan`` options'
         words (an engine's closest plan may: ``cli.engine_fit``); None where it stays inside."""
         layers = plan.layer_strategies()
-        # without data-parallel replicas a plan's layers are at ZeRO 0, whatever --zero allows (``zero_levels``)
-        zeros = {s.zero for s in layers} - ({0} if plan.dp == 1 else set())
+        # without parameter replicas (dp x cp) a plan's layers are at ZeRO 0, whatever --zero allows (``zero_levels``)
+        zeros = {s.zero for s in layers} - ({0} if plan.dp * plan.cp == 1 else set())
         out = [(f"ZeRO {z}", "--zero") for z in sorted(zeros) if z not in self.zero_levels]
         out += [(f"{r} recompute", "--recompute") for r in sorted({s.recompute for s in layers if s.name.startswith(
             "layers.")}) if r not in self.recompute]
@@ -349,11 +349,13 @@ def batch_shares(global_batch: int, dp: int, micro_batch: int, num_micro_batches
     return tuple(base + 1 if d < extra else base for d in range(dp))
 
 
-def zero_levels(space: SearchSpace, global_batch: int, dp: int, micro_batch: int, num_micro_batches: int) -> tuple[int, ...]:
-    """The ZeRO levels a shape may use: none without data parallelism; at most 1 when replicas
-    run different micro-batch counts (ZeRO 2 and 3 gather or reduce every micro-batch, which
-    replicas must do together)."""
-    if dp == 1:
+def zero_levels(space: SearchSpace, global_batch: int, dp: int, micro_batch: int, num_micro_batches: int,
+                cp: int = 1) -> tuple[int, ...]:
+    """The ZeRO levels a shape may use: none without parameter replicas (dp x cp: under context
+    parallelism ZeRO shards over the cp ranks too, as torchtitan's FSDP over dp x cp does and the
+    validator allows); at most 1 when replicas run different micro-batch counts (ZeRO 2 and 3
+    gather or reduce every micro-batch, which replicas must do together)."""
+    if dp * cp == 1:
         return (0,)
     if batch_shares(global_batch, dp, micro_batch, num_micro_batches):
         return tuple(z for z in space.zero_levels if z <= 1)
@@ -380,7 +382,7 @@ def uniform_search(cm: CostModel, *, global_batch: int, space: SearchSpace = Sea
         if space.price_cap is not None and layout_price(stage_groups, dp * tp) > space.price_cap:
             continue
         for zero in parallel.pipeline_zero_levels(cm.engine.name, len(stage_groups),
-                                                  zero_levels(space, global_batch, dp, mb, m)):
+                                                  zero_levels(space, global_batch, dp, mb, m, cm.cp)):
             for recompute in space.recompute:
                 for sp in sp_choices(cm, tp, space):
                     choice = uniform_choices(model, tp=tp, sp=sp, zero=zero, recompute=recompute)

@@ -139,6 +139,22 @@ def test_a_long_sequence_plan_uses_cp_and_records_why():
     assert Plan.from_dict(plan.to_dict()) == plan
 
 
+def test_zero_shards_over_the_cp_ranks_without_data_parallelism():
+    """torchtitan's December 2024 Table 2 ran Llama 3.1 8B at 262,144 tokens on 8 H100 as FSDP 1 x
+    CP 8: FSDP over dp x cp, the 8B's state sharded over the 8 cp ranks. The search once kept ZeRO
+    0 wherever dp was 1 and refused it (137.6 GiB of state a device); the validator and the
+    runtime's ``dp_cp`` mesh already sharded over dp x cp, and now every search does too."""
+    from partita.search.planner import make_plan
+
+    for search in ("uniform", "cpsat"):
+        plan, _ = make_plan(_request("llama-3-8b", "1x8xH100", seq_len=262144, global_batch=1, search=search,
+                                     context_parallel=(8,)))
+        assert (plan.dp, plan.cp) == (1, 8)
+        assert all(m.peak_bytes <= m.capacity_bytes for m in plan.prediction.memory)
+        assert max(l.zero for l in plan.layer_strategies()) >= 1  # ZeRO 0 everywhere needs 137.6 GiB
+        validate_plan(plan, spec_of(plan), parse_short("1x8xH100"))
+
+
 def test_short_sequences_plan_as_before():
     from partita.search.planner import make_plan
 

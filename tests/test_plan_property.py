@@ -135,8 +135,8 @@ def options_left(plan: Plan, args: list[str]) -> list[str]:
         return set(args[args.index(flag) + 1].split(",")) if flag in args else None
 
     layers = plan.layer_strategies()
-    # without data-parallel replicas the layers are at ZeRO 0 whatever --zero allows (uniform.zero_levels)
-    found = {"--zero": {str(s.zero) for s in layers} - ({"0"} if plan.dp == 1 else set()),
+    # without parameter replicas (dp x cp) the layers are at ZeRO 0 whatever --zero allows (uniform.zero_levels)
+    found = {"--zero": {str(s.zero) for s in layers} - ({"0"} if plan.dp * plan.cp == 1 else set()),
              "--tp": {str(plan.tp)}, "--pp": {str(plan.pp)},
              "--cp": {str(plan.cp)}, "--micro-batch": {str(plan.micro_batch)},
              "--recompute": {s.recompute for s in layers if s.name.startswith("layers.")}}
