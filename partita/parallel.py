@@ -193,9 +193,18 @@ def rounds(pp: int, m: int) -> tuple[int, int]:
     return n, m // n
 
 
-def schedule_rule(schedule: str, pp: int, v: int, m: int) -> str | None:
-    """Why torch's schedule does not run ``pp`` ranks of ``v`` stages each over ``m``
-    micro-batches (one replica's count), or None."""
+# Engines whose 1F1B runs fewer micro-batches than stages: Megatron-LM warms up min(pp - rank - 1, m)
+# micro-batches (megatron/core/pipeline_parallel/schedules.py,
+# forward_backward_pipelining_without_interleaving) and DeepSpeed's TrainSchedule runs
+# 2 (m + pp - 1) steps for any m (BLOOM's ramp-up: one micro-batch on 12 stages). torch's
+# Schedule1F1B (Partita's runtime, torchtitan) refuses m < pp.
+SHORT_PIPELINES = ("megatron", "deepspeed")
+
+
+def schedule_rule(schedule: str, pp: int, v: int, m: int, engine: str = "partita") -> str | None:
+    """Why ``engine``'s schedule does not run ``pp`` ranks of ``v`` stages each over ``m``
+    micro-batches (one replica's count), or None: torch's schedules' rules, but 1F1B over fewer
+    micro-batches than ranks on ``SHORT_PIPELINES``."""
     if schedule not in SCHEDULES:
         return f"unknown pipeline schedule {schedule!r}; valid: {', '.join(SCHEDULES)}"
     if schedule == "1f1b" and v != 1:
@@ -204,7 +213,7 @@ def schedule_rule(schedule: str, pp: int, v: int, m: int) -> str | None:
         return "zbv runs two stages per rank, in a V (virtual_stages 2)"
     if schedule in INTERLEAVED and v < 2:
         return f"{schedule} needs at least two stages per rank (virtual_stages >= 2)"
-    if pp > 1 and m < pp:
+    if pp > 1 and m < pp and not (schedule == "1f1b" and engine in SHORT_PIPELINES):
         return f"{schedule} needs at least as many micro-batches as ranks: {m} < {pp}"
     if schedule in INTERLEAVED:
         n, _ = rounds(pp, m)
@@ -213,11 +222,12 @@ def schedule_rule(schedule: str, pp: int, v: int, m: int) -> str | None:
     return None
 
 
-def schedule_counts_rule(schedule: str, pp: int, v: int, counts: Iterable[int]) -> str | None:
+def schedule_counts_rule(schedule: str, pp: int, v: int, counts: Iterable[int],
+                         engine: str = "partita") -> str | None:
     """``schedule_rule`` for every replica's micro-batch count (a plan's batch shares differ)."""
     distinct = sorted(set(counts))
     for m in distinct:
-        why = schedule_rule(schedule, pp, v, m)
+        why = schedule_rule(schedule, pp, v, m, engine)
         if why:
             return why + (f" (a replica's batch share of {m})" if len(distinct) > 1 else "")
     return None

@@ -232,7 +232,7 @@ def _check_layers(plan: Plan, model: ModelSpec) -> None:
     if plan.schedule != "1f1b" and (len(counts) != 1 or v < 2):
         raise PartitaError(f"schedule {plan.schedule} needs every stage split into the same number (>= 2) of "
                            f"chunks; the plan has {[list(s.chunks) for s in plan.stages]}")
-    why = parallel.schedule_counts_rule(plan.schedule, plan.pp, v, plan.replica_micro_batches())
+    why = parallel.schedule_counts_rule(plan.schedule, plan.pp, v, plan.replica_micro_batches(), plan.engine)
     if why:
         raise PartitaError(f"{why}; choose another schedule or number of micro-batches")
     names = [l.name for l in plan.layer_strategies()]

@@ -273,8 +273,11 @@ def sp_choices(cm: CostModel, tp: int, space: SearchSpace) -> tuple[bool, ...]:
 
 
 def max_stages(cm: CostModel, fewest_micro_batches: int) -> int:
-    """The deepest pipeline the runtime runs: every replica needs at least as many micro-batches
-    as stages (``parallel.schedule_rule``), so the replica with the fewest sets it."""
+    """The deepest 1F1B pipeline the engine runs: under torch's schedules every replica needs at
+    least as many micro-batches as stages (``parallel.schedule_rule``), so the replica with the
+    fewest sets it; Megatron's and DeepSpeed's run fewer (``parallel.SHORT_PIPELINES``)."""
+    if cm.engine.name in parallel.SHORT_PIPELINES:
+        return cm.model.n_layers
     return max(1, min(cm.model.n_layers, fewest_micro_batches))
 
 

@@ -95,3 +95,29 @@ def test_deepspeed_s_plan_is_never_slower_than_the_best_uniform_plan_deepspeed_r
     chosen, _ = restrict_to_engine(best, "deepspeed", lambda k: others + [mine] + _alternatives(req, best, k))
     assert chosen.prediction.step_time_s <= mine.prediction.step_time_s * (1 + 1e-9)
     assert chosen.prediction.step_time_s < 0.97 * without.prediction.step_time_s
+
+
+def test_megatron_and_deepspeed_run_a_1f1b_pipeline_on_fewer_micro_batches_than_stages(tmp_path):
+    """torch's Schedule1F1B refuses fewer micro-batches than stages (Partita's runtime,
+    torchtitan); Megatron-LM's 1F1B warms up min(pp - rank - 1, m) and DeepSpeed's TrainSchedule
+    takes any m, as BLOOM's ramp-up ran one micro-batch on 12 stages. The rule book says so
+    (``parallel.SHORT_PIPELINES``), the validator and the search follow it: at global batch 16
+    on 12 stages of dp 2, Megatron and DeepSpeed plan 8 micro-batches of 1, torchtitan keeps
+    16 on one replica."""
+    import yaml
+
+    from partita import parallel
+    from partita.cli import main
+
+    assert parallel.schedule_rule("1f1b", 12, 1, 1, "deepspeed") is None
+    assert parallel.schedule_rule("1f1b", 12, 1, 8, "megatron") is None
+    assert "at least as many micro-batches as ranks: 8 < 12" in parallel.schedule_rule("1f1b", 12, 1, 8, "torchtitan")
+    assert parallel.schedule_rule("interleaved-1f1b", 12, 2, 8, "megatron") is not None  # 1F1B's only
+    counts = {}
+    for engine in ("deepspeed", "megatron", "torchtitan"):
+        out = tmp_path / f"{engine}.yaml"
+        assert main(["plan", "--model", "llama-2-70b", "--cluster", "12x8xA100-80GB", "--seq-len", "2048",
+                     "--global-batch", "16", "--engine", engine, "--pp", "12", "--tp", "4", "-o", str(out)]) == 0
+        plan = yaml.safe_load(out.read_text())
+        counts[engine] = plan["num_micro_batches"]
+    assert counts["deepspeed"] < 12 and counts["megatron"] < 12 and counts["torchtitan"] >= 12

@@ -243,7 +243,7 @@ def _space(args: argparse.Namespace, model: ModelSpec, cluster: ClusterSpec, glo
         if min(args.pp) > cluster.world_size:
             raise PartitaError(f"--pp {_csv(args.pp)}: the cluster has {cluster.world_size} devices, one stage needs "
                                f"at least one")
-        if min(args.pp) > global_batch:
+        if min(args.pp) > global_batch and getattr(args, "engine", None) not in parallel.SHORT_PIPELINES:
             raise PartitaError(f"--pp {_csv(args.pp)}: 1F1B needs a micro-batch per stage, and global batch "
                                f"{global_batch} makes at most {global_batch}; raise --global-batch or lower --pp")
     if args.micro_batch and min(args.micro_batch) > global_batch:
