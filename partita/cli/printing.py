@@ -197,6 +197,8 @@ def print_plan(p: Plan, notes: Sequence[str] = ()) -> None:
             if r.uniform_objective_us:
                 gain = r.uniform_objective_us / r.objective_us if r.objective_us else 1.0
                 line += f"; {gain:.3f}x the best uniform plan ({fmt_seconds(r.uniform_objective_us / 1e6)})"
+                if gain < 1 and p.engine != "partita":  # after an engine's fit (cli/engine_fit.py): not one it runs
+                    line += f", which {p.engine} does not run as it is"
         else:
             line += f", {r.candidates} candidates"
         line += f"; {r.wall_s:.2f} s"
