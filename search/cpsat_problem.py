@@ -15,7 +15,7 @@ from partita.search.costs.memory import activation_message_bytes, kept_output_by
 from partita.search.costs.model import CostModel
 from partita.search.costs.stage import boundary_gather_s, boundary_s, canonical_order, choice_of, stage_cost_counts
 from partita.search.uniform import (SearchSpace, batch_shares, batch_splits, divisors, hosts, device_price, layer_tp,
-                                    max_stages, sp_choices, stage_sizes, tp_allowed, zero_levels)
+                                    max_stages, replicated_zeros, sp_choices, stage_sizes, tp_allowed, zero_levels)
 from partita.units import capacity_grains, to_grains, to_us
 
 NEVER = 1 << 61  # the bound of a shape proven to hold no plan at all
@@ -118,7 +118,7 @@ def strategies_for(cm: CostModel, role: str, shape: Shape, space: SearchSpace) -
     """Every choice the runtime executes for this layer kind in this shape."""
     out = []
     tps = sorted({1, layer_tp(cm.model, role, shape.tp)})
-    zeros = (0,) if shape.dp * cm.cp == 1 else tuple(z for z in space.zero_levels if z <= 1 or not shape.uneven)
+    zeros = tuple(z for z in replicated_zeros(space, shape.dp, cm.cp) if z <= 1 or not shape.uneven)
     recomputes = space.recompute if role == "block" else ("none",)
     for t in tps:
         for sp in sp_choices(cm, t, space):

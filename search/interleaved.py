@@ -25,7 +25,8 @@ from partita.parallel import pipeline_zero_rule, schedule_counts_rule, schedule_
 from partita.search.costs.model import CostModel
 from partita.search.costs.stage import choice_of
 from partita.search.evaluate import Evaluation, evaluate_interleaved
-from partita.search.uniform import Layout, SearchSpace, grid, replica_counts, sp_choices, split_blocks, strategy
+from partita.search.uniform import (Layout, SearchSpace, grid, replica_counts, replicated_zeros, sp_choices,
+                                    split_blocks, strategy)
 
 # The (schedule, virtual stages per rank) pairs tried.
 VARIANTS = (("interleaved-1f1b", 2), ("interleaved-1f1b", 4), ("interleaved-zb", 2), ("interleaved-zb", 4),
@@ -115,7 +116,7 @@ def interleaved_search(cm: CostModel, *, global_batch: int, space: SearchSpace, 
             least += count * min(cm.layer_time(role, g, strategy(model, name, tp=tp, sp=sp, zero=z, recompute=rc),
                                                dp=dp, micro_batch=mb).total_s
                                  for g in set(stage_groups) for sp in sp_choices(cm, tp, space)
-                                 for z in (space.zero_levels if dp * cm.cp > 1 else (0,)) for rc in space.recompute)
+                                 for z in replicated_zeros(space, dp, cm.cp) for rc in space.recompute)
         result.bound_us = min(result.bound_us, m * least / pp * 1e6)
         result.entries.append((m * least / pp * 1e6, (stage_groups, tp, dp, mb, m)))
     for _, (stage_groups, _blocks, tp, dp, mb, m, sp, zero, recompute) in candidates:

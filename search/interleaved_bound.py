@@ -42,7 +42,7 @@ from partita.search.interleaved import VARIANTS, InterleavedLayout, chunk_names
 from partita.search.knapsack import least_time_s, least_whole, moment_least_s
 from partita.search.schedules import (chunk_in_flight, closed_form_s, held_moments, in_flight_chunks,
                                       pending_weight_grads)
-from partita.search.uniform import SearchSpace, replica_counts, sp_choices, strategy
+from partita.search.uniform import SearchSpace, replica_counts, replicated_zeros, sp_choices, strategy
 
 
 def _choices(cm: CostModel, group: NodeGroup, name: str, *, tp: int, dp: int, mb: int, m: int,
@@ -53,7 +53,7 @@ def _choices(cm: CostModel, group: NodeGroup, name: str, *, tp: int, dp: int, mb
     backward: ``evaluate._split_backward``)."""
     out = []
     # (every interleaved schedule pipelines: an engine's pipelined ZeRO rule applies, parallel.pipeline_zero_rule)
-    zeros = pipeline_zero_levels(cm.engine.name, 2, space.zero_levels if dp * cm.cp > 1 else (0,))
+    zeros = pipeline_zero_levels(cm.engine.name, 2, replicated_zeros(space, dp, cm.cp))
     recomputes = space.recompute if name.startswith("layers.") else ("none",)
     for sp in sp_choices(cm, tp, space):
         for z in zeros:

@@ -48,8 +48,8 @@ from partita.cluster import NodeGroup
 from partita.plan import Plan, Stage
 from partita.search.costs.model import CostModel
 from partita.search.evaluate import evaluate_counts
-from partita.search.uniform import (MAX_MICRO_BATCH, SearchSpace, device_price, divisors, sp_choices, split_blocks,
-                                    stage_counts, stage_layer_names, strategy, tp_allowed,
+from partita.search.uniform import (MAX_MICRO_BATCH, SearchSpace, device_price, divisors, replicated_zeros, sp_choices,
+                                    split_blocks, stage_counts, stage_layer_names, strategy, tp_allowed,
                                     uniform_choices)
 
 # Evaluations the search may spend (deterministic; each is one replica kind's pipeline priced).
@@ -223,7 +223,7 @@ def _shapes(cm: CostModel, span: CostModel, groups: Sequence[NodeGroup], global_
                 rows = global_batch // m
                 if space.micro_batches and not any(b in space.micro_batches for b in range(1, rows + 1)):
                     continue
-                for zero in parallel.pipeline_zero_levels(cm.engine.name, pp, space.zero_levels if dp * cm.cp > 1 else (0,)):
+                for zero in parallel.pipeline_zero_levels(cm.engine.name, pp, replicated_zeros(space, dp, cm.cp)):
                     for recompute in space.recompute:
                         for sp in sp_choices(cm, tp, space):
                             yield (used, tp, pp, m, sp, zero, recompute)

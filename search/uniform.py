@@ -352,17 +352,22 @@ def batch_shares(global_batch: int, dp: int, micro_batch: int, num_micro_batches
     return tuple(base + 1 if d < extra else base for d in range(dp))
 
 
+def replicated_zeros(space: SearchSpace, dp: int, cp: int) -> tuple[int, ...]:
+    """The ZeRO levels a layer may take: the space's, or 0 alone without parameter replicas
+    (dp x cp: under context parallelism ZeRO shards over the cp ranks too, as torchtitan's FSDP
+    over dp x cp does and the validator allows)."""
+    return space.zero_levels if dp * cp > 1 else (0,)
+
+
 def zero_levels(space: SearchSpace, global_batch: int, dp: int, micro_batch: int, num_micro_batches: int,
                 cp: int = 1) -> tuple[int, ...]:
-    """The ZeRO levels a shape may use: none without parameter replicas (dp x cp: under context
-    parallelism ZeRO shards over the cp ranks too, as torchtitan's FSDP over dp x cp does and the
-    validator allows); at most 1 when replicas run different micro-batch counts (ZeRO 2 and 3
-    gather or reduce every micro-batch, which replicas must do together)."""
-    if dp * cp == 1:
-        return (0,)
+    """The ZeRO levels a shape may use (``replicated_zeros``), at most 1 when replicas run
+    different micro-batch counts (ZeRO 2 and 3 gather or reduce every micro-batch, which replicas
+    must do together)."""
+    zeros = replicated_zeros(space, dp, cp)
     if batch_shares(global_batch, dp, micro_batch, num_micro_batches):
-        return tuple(z for z in space.zero_levels if z <= 1)
-    return space.zero_levels
+        return tuple(z for z in zeros if z <= 1)
+    return zeros
 
 
 def uniform_search(cm: CostModel, *, global_batch: int, space: SearchSpace = SearchSpace(),

@@ -259,7 +259,7 @@ def export_plan(plan: Plan, target: str, *, profiles: Sequence = (), space=None)
         inside = [v for v in variants if space.leaves(v) is None]
         if not inside:
             raise PartitaError(f"--to {target}: every plan {target} runs in this plan's shape leaves the options "
-                               f"(the closest: {space.leaves(variants[0]) if variants else 'none'})")
+                               f"(e.g. {space.leaves(variants[0]) if variants else 'no variant at all'})")
         variants = inside
     exported, fits = closest(plan, variants, price)
     notes = list(mod.notes(exported, model, cluster)) + mixed_device_notes(exported, cluster)

@@ -137,12 +137,13 @@ def shard_copies_s(cm, params: int, group: NodeGroup, *, zero: int, replicas: in
 CAST_ADD_FP32_BYTES = 4 + 3 * 4
 
 
-def grad_accumulate_s(cm, params: int, group: NodeGroup) -> float:
+def grad_accumulate_s(cm, params: int, group: NodeGroup, *, zero: int) -> float:
     """Seconds a micro-batch's backward spends joining ``params`` parameters' gradients to the
     step's in a pass of its own (``Engine.grad_accumulate``): none where they accumulate as they
     are written; "cast_add" (DeepSpeed's BF16_Optimizer, whose fp32 gradients are whole at ZeRO 0-1)
-    casts each to fp32 and adds it, memory-bound, on the compute stream."""
-    if cm.engine.grad_accumulate != "cast_add":
+    casts each to fp32 and adds it, memory-bound, on the compute stream; at ZeRO 2-3 the gradients
+    are reduced as they come, with no such pass."""
+    if cm.engine.grad_accumulate != "cast_add" or zero >= 2:
         return 0.0
     return memory_time_s(group.device_type, params * (cm.elem + CAST_ADD_FP32_BYTES))
 
@@ -251,8 +252,7 @@ def layer_time(cm, role: str, group: NodeGroup, *, tp: int, sp: bool, zero: int,
     copy_fwd, copy_bwd, copy_side = (k.compute_scale * s for s in shard_copies_s(cm, params, group, zero=zero,
                                                                                   replicas=replicas, role=role))
     fwd_compute, bwd_compute = fwd_compute + copy_fwd, bwd_compute + copy_bwd
-    if zero <= 1:
-        bwd_compute += k.compute_scale * grad_accumulate_s(cm, params, group)
+    bwd_compute += k.compute_scale * grad_accumulate_s(cm, params, group, zero=zero)
     zero_fwd, zero_bwd, dp_sync, gather = cm.zero_traffic(role, group, tp, zero, replicas)
     zero_bwd += copy_side
     if zero == 3 and recompute == "full" and replicas > 1:
