@@ -419,7 +419,13 @@ def _check_run(run: PublishedRun, where: str) -> None:
                 parallel.cp_locality_rule(run.cp, run.tp, run.cluster.groups[0].gpus_per_node))
     if run.cp == 1 and run.cp_variant != "all_to_all":
         raise PartitaError(f"{where}: cp_variant {run.cp_variant} needs cp of 2 or more")
-    for why in (parallel.ep_rule(block, run.ep, run.dp), parallel.tp_rule(block, run.tp)) + cp_rules:
+    # the rule book the search and the validator obey: a row's engine must run its layout
+    engine_rules = (parallel.pipeline_zero_rule(run.engine.name, run.pp, [("blocks", run.zero)]),
+                    parallel.schedule_rule(run.schedule, run.pp, run.virtual_stages, run.num_micro_batches,
+                                           run.engine.name),
+                    parallel.fp8_rule(run.engine.name, run.dtype, run.cluster.groups, moe=run.model.is_moe)
+                    if run.engine.matmul == "fp8" else None)
+    for why in (parallel.ep_rule(block, run.ep, run.dp), parallel.tp_rule(block, run.tp)) + cp_rules + engine_rules:
         if why:
             raise PartitaError(f"{where}: {why}")
     if run.sequence_parallel and run.tp == 1:

@@ -289,10 +289,16 @@ def pipeline_zero_rule(engine: str, pp: int, layers: Iterable[tuple[str, int]]) 
     sharded = [name for name, zero in layers if zero >= 2]
     if not sharded:
         return None
-    why = ("runs FSDP inside a pipeline as ZeRO 1 (torch's pipelining keeps each stage's parameters gathered and "
-           "its gradients unsharded until the last micro-batch's backward)" if engine in PIPELINED_FSDP_AS_ZERO1 else
-           f"refuses ZeRO 2 and 3 in a pipeline ({PIPELINE_ZERO_AT_MOST_1[engine]})")
-    return f"engine {engine} {why}; {_some(sharded)} have zero >= 2 at pp {pp}: use zero 0 or 1, or pp 1"
+    return f"{pipeline_zero_why(engine)}; {_some(sharded)} have zero >= 2 at pp {pp}: use zero 0 or 1, or pp 1"
+
+
+def pipeline_zero_why(engine: str) -> str:
+    """What ``engine`` does with ZeRO 2 and 3 inside a pipeline ("engine X ..."), for the
+    messages of ``pipeline_zero_rule`` and of the plan command's flags."""
+    return (f"engine {engine} runs FSDP inside a pipeline as ZeRO 1 (torch's pipelining keeps each stage's "
+            "parameters gathered and its gradients unsharded until the last micro-batch's backward)"
+            if engine in PIPELINED_FSDP_AS_ZERO1 else
+            f"engine {engine} refuses ZeRO 2 and 3 in a pipeline ({PIPELINE_ZERO_AT_MOST_1[engine]})")
 
 
 def pipeline_zero_levels(engine: str, pp: int, zeros: Iterable[int]) -> tuple[int, ...]:

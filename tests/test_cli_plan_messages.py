@@ -144,3 +144,37 @@ def test_a_hugging_face_model_folder_is_a_model(tmp_path):
     shutil.copy(DATA / "llama-3-8b.json", folder / "config.json")
     spec = load_model(str(folder))
     assert spec.name == "Llama-3-8B" and spec.hidden == json.loads((folder / "config.json").read_text())["hidden_size"]
+
+
+def test_zero_2_in_a_pipeline_on_an_engine_that_refuses_it_is_one_clear_error(tmp_path, capsys):
+    """--zero 2 with --pp 16 on megatron leaves only plans without data-parallel replicas (where
+    ZeRO is 0): before, the plan command returned one on 128 of 8,192 GPUs. Now the flags are
+    refused up front with the engine's reason and the fix, exit 2; the engine that runs it plans."""
+    args = ["--model", "llama-3-405b", "--cluster", "1024x8xH100", "--seq-len", "8192", "--global-batch", "2048",
+            "--tp", "8", "--pp", "16", "--zero", "2"]
+    for engine, why in (("megatron", "refuses ZeRO 2 and 3 in a pipeline"),
+                        ("deepspeed", "refuses ZeRO 2 and 3 in a pipeline"),
+                        ("torchtitan", "runs FSDP inside a pipeline as ZeRO 1")):
+        code, out = _plan(tmp_path, *args, "--engine", engine)
+        err = " ".join(capsys.readouterr().err.split())
+        assert code == 2 and not out.exists()
+        assert f"--zero 2 with --pp 16: engine {engine} {why}" in err and "allow --zero 1" in err
+    code, out = _plan(tmp_path, "--model", "llama-3-8b", "--cluster", "2x8xH100", "--seq-len", "4096",
+                      "--global-batch", "64", "--pp", "1,2", "--zero", "2", "--engine", "megatron")  # pp 1 is allowed
+    assert code == 0 and Plan.load(out).pp == 1
+
+
+def test_the_uniform_search_names_the_engine_s_pipeline_zero_rule_when_it_empties_the_space():
+    """Asked of the search itself (no flag check in front), the message names the ZeRO rule, not
+    the --tp limit it used to blame."""
+    from partita.search.planner import PlanRequest, make_plan
+    from partita.search.uniform import SearchSpace
+    from partita.errors import PartitaError
+    import pytest
+
+    space = SearchSpace(zero_levels=(2,), tensor_parallel=(8,), pipeline=(16,), micro_batches=(1,), recompute=("none",))
+    req = PlanRequest(model=load_model("llama-3-405b"), cluster=parse_short("1024x8xH100"), seq_len=8192,
+                      global_batch=2048, search="uniform", engine="megatron", space=space)
+    with pytest.raises(PartitaError, match=r"meets --zero 2: every layout the space allows pipelines data-parallel "
+                                           r"replicas, and engine megatron refuses ZeRO 2 and 3 in a pipeline"):
+        make_plan(req)

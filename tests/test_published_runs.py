@@ -452,3 +452,25 @@ def test_torchtitan_s_float8_runs_hold_from_8_to_512_gpus_and_at_32k_tokens():
         measured = pr.measured_tokens_per_s_per_gpu(f8) / pr.measured_tokens_per_s_per_gpu(bf16)
         predicted = pr.price(f8).predicted_tokens_per_s_per_gpu / pr.price(bf16).predicted_tokens_per_s_per_gpu
         assert abs(predicted / measured - 1) <= 0.10
+
+
+def test_a_row_is_priced_only_on_an_engine_that_runs_its_layout():
+    """The rule book the search and the validator obey holds for the benchmark's rows too: Llama
+    3's ZeRO-2 under pp 16 is a layout Megatron-LM refuses (its ZeRO 2 and 3 are Megatron-FSDP,
+    parallel.PIPELINE_ZERO_AT_MOST_1), so the row is priced on Partita's runtime with Megatron's
+    kernels, which gives the figures the megatron engine gave, and asking it of megatron or
+    DeepSpeed is refused with the rule's words."""
+    index = next(i for i, r in enumerate(RAW["runs"]) if r["id"] == "llama3-405b-8192xH100-3d")
+    row = RAW["runs"][index]
+    assert (row["engine"], row["zero"], row["pp"]) == ("partita", 2, 16)
+    options = dict(row["engine_options"])
+    as_partita = pr.run_from_dict(row, "runs[0]")
+    for engine, message in (("megatron", "engine megatron refuses ZeRO 2 and 3 in a pipeline"),
+                            ("deepspeed", "engine deepspeed refuses ZeRO 2 and 3 in a pipeline")):
+        with pytest.raises(PartitaError, match=message):
+            pr.run_from_dict(_with(index, engine=engine)["runs"][0], "runs[0]")
+    # the same terms priced under the megatron engine's name (at ZeRO 2, bypassing the load check)
+    megatron = dataclasses.replace(as_partita, engine=ENGINES["megatron"].with_options(
+        {k: v for k, v in options.items() if k in ("tp_overlap", "attention", "zero2_gather")}, "test"))
+    assert pr.evaluate_run(megatron).step_time_s == pytest.approx(pr.evaluate_run(as_partita).step_time_s, rel=1e-9)
+    assert pr.run_from_dict(_with(index, zero=1)["runs"][0], "runs[0]").zero == 1  # ZeRO 1 is allowed
