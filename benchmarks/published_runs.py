@@ -176,6 +176,7 @@ class Row:
     breakdown: dict[str, float] = dataclasses.field(default_factory=dict)
     remark: str = ""  # the differences of a closest row, the reason of a not-expressible one
     gap: str = ""  # a known gap of the cost model on the row (``PublishedRun.gap``)
+    engine_refuses: str = ""  # why the row's engine does not run its layout (``engine_refusal``), if so
     # The published peak memory and the priced peak of the fullest rank (GiB), where published.
     measured_memory_gib: float | None = None
     predicted_peak_gib: float | None = None
@@ -419,17 +420,24 @@ def _check_run(run: PublishedRun, where: str) -> None:
                 parallel.cp_locality_rule(run.cp, run.tp, run.cluster.groups[0].gpus_per_node))
     if run.cp == 1 and run.cp_variant != "all_to_all":
         raise PartitaError(f"{where}: cp_variant {run.cp_variant} needs cp of 2 or more")
-    # the rule book the search and the validator obey: a row's engine must run its layout
-    engine_rules = (parallel.pipeline_zero_rule(run.engine.name, run.pp, [("blocks", run.zero)]),
-                    parallel.schedule_rule(run.schedule, run.pp, run.virtual_stages, run.num_micro_batches,
-                                           run.engine.name),
-                    parallel.fp8_rule(run.engine.name, run.dtype, run.cluster.groups, moe=run.model.is_moe)
-                    if run.engine.matmul == "fp8" else None)
-    for why in (parallel.ep_rule(block, run.ep, run.dp), parallel.tp_rule(block, run.tp)) + cp_rules + engine_rules:
+    for why in (parallel.ep_rule(block, run.ep, run.dp), parallel.tp_rule(block, run.tp)) + cp_rules:
         if why:
             raise PartitaError(f"{where}: {why}")
     if run.sequence_parallel and run.tp == 1:
         raise PartitaError(f"{where}: sequence parallelism needs tp > 1")
+
+
+def engine_refusal(run: PublishedRun) -> str:
+    """Why the row's engine, by the rule book the search and the validator obey, does not run the
+    row's layout ("" where it does): a pipeline's ZeRO level, the schedule's micro-batches, FP8.
+    Such a row is still priced (a runs file of someone else's may hold one) and says so."""
+    with catalog_with(run.devices):
+        rules = (parallel.pipeline_zero_rule(run.engine.name, run.pp, [("blocks", run.zero)]),
+                 parallel.schedule_rule(run.schedule, run.pp, run.virtual_stages, run.num_micro_batches,
+                                        run.engine.name),
+                 parallel.fp8_rule(run.engine.name, run.dtype, run.cluster.groups, moe=run.model.is_moe)
+                 if run.engine.matmul == "fp8" else None)
+    return "; ".join(why for why in rules if why)
 
 
 # ---- the common metric -----------------------------------------------------------------------
@@ -545,7 +553,7 @@ def _price(run: PublishedRun) -> Row:
     return Row(**base, predicted_tokens_per_s_per_gpu=predicted, predicted_mfu=mfu(run, predicted),
                predicted_step_time_s=ev.step_time_s, error_pct=100.0 * (predicted - measured) / measured,
                fits=ev.fits, breakdown={k: round(v, 6) for k, v in ev.breakdown.items()},
-               remark="; ".join(run.differences),
+               remark="; ".join(run.differences), engine_refuses=engine_refusal(run),
                predicted_peak_gib=max(s.peak_bytes for s in ev.stages) / 2**30)
 
 
@@ -592,7 +600,8 @@ def render(rows: Sequence[Row], console: Console) -> None:
             predicted, error = "not expressible", "-"
         else:
             predicted = (f"{r.predicted_tokens_per_s_per_gpu:,.1f} tok/s/GPU\nMFU {100 * (r.predicted_mfu or 0):.1f} %\n"
-                         f"step {r.predicted_step_time_s:.2f} s" + ("" if r.fits else "\n(over memory)"))
+                         f"step {r.predicted_step_time_s:.2f} s" + ("" if r.fits else "\n(over memory)")
+                         + ("\n(engine refuses)" if r.engine_refuses else ""))
             error = f"{r.error_pct:+.1f}"
         run = r.id + ("" if r.pricing == "exact" else f"\n[{r.pricing.replace('_', ' ')}]")
         table.add_row(run, r.source, r.config, measured, predicted, error)
@@ -601,6 +610,9 @@ def render(rows: Sequence[Row], console: Console) -> None:
         if r.remark:
             label = "closest, differs by" if r.pricing == "closest" else "not priced"
             console.print(f"- {r.id} ({label}): {r.remark.removeprefix('not expressible: ')}")
+    for r in rows:
+        if r.engine_refuses:
+            console.print(f"- {r.id} (priced, but its engine does not run the layout): {r.engine_refuses}")
     console.print()
     for s in summaries(rows):
         if s.count:
@@ -608,6 +620,9 @@ def render(rows: Sequence[Row], console: Console) -> None:
                           f"max |error| {s.max_abs_error_pct:.1f} % ({s.worst})")
         else:
             console.print(f"{s.label}: no rows")
+    refused = [r.id for r in rows if r.engine_refuses]
+    console.print(f"rows whose engine does not run the layout (the rule book, partita.parallel): {len(refused)}"
+                  + (f" ({', '.join(refused)})" if refused else ""))
     with_memory = [r for r in rows if r.memory_error_pct is not None]
     if with_memory:
         console.print()

@@ -139,7 +139,7 @@ def test_a_mixture_of_experts_run_is_priced_with_its_expert_parallelism():
 def test_a_context_parallel_run_is_priced_on_its_cp_view():
     """Llama 3 405B at 131,072 tokens (Table 4): tp 8 x cp 16 spans 16 nodes, each cp rank holds
     8,192 tokens, and its K/V all-gathers are priced (search/context.py); the GPUs count cp, and
-    a cp the sequence or the node layout cannot take is refused with the rule's words."""
+    a cp the sequence or the node layout cannot take is said, with the rule's words, beside its price."""
     run = {r.id: r for r in RUNS}["llama3-405b-16384xH100-cp16"]
     assert (run.cp, run.cp_variant, run.gpus) == (16, "all_gather", 16384)
     assert "tp8 cp16 all-gather pp16 dp8" in run.config
@@ -459,18 +459,22 @@ def test_a_row_is_priced_only_on_an_engine_that_runs_its_layout():
     3's ZeRO-2 under pp 16 is a layout Megatron-LM refuses (its ZeRO 2 and 3 are Megatron-FSDP,
     parallel.PIPELINE_ZERO_AT_MOST_1), so the row is priced on Partita's runtime with Megatron's
     kernels, which gives the figures the megatron engine gave, and asking it of megatron or
-    DeepSpeed is refused with the rule's words."""
+    DeepSpeed is said, with the rule's words, beside its price."""
     index = next(i for i, r in enumerate(RAW["runs"]) if r["id"] == "llama3-405b-8192xH100-3d")
     row = RAW["runs"][index]
     assert (row["engine"], row["zero"], row["pp"]) == ("partita", 2, 16)
     options = dict(row["engine_options"])
     as_partita = pr.run_from_dict(row, "runs[0]")
+    assert pr.engine_refusal(as_partita) == ""
     for engine, message in (("megatron", "engine megatron refuses ZeRO 2 and 3 in a pipeline"),
                             ("deepspeed", "engine deepspeed refuses ZeRO 2 and 3 in a pipeline")):
-        with pytest.raises(PartitaError, match=message):
-            pr.run_from_dict(_with(index, engine=engine)["runs"][0], "runs[0]")
-    # the same terms priced under the megatron engine's name (at ZeRO 2, bypassing the load check)
+        other = pr.run_from_dict(_with(index, engine=engine)["runs"][0], "runs[0]")
+        assert message in pr.engine_refusal(other)
+        assert message in pr.price(other).engine_refuses  # priced still (another runs file may hold one), and said
+    # the same terms priced under the megatron engine's name
     megatron = dataclasses.replace(as_partita, engine=ENGINES["megatron"].with_options(
         {k: v for k, v in options.items() if k in ("tp_overlap", "attention", "zero2_gather")}, "test"))
     assert pr.evaluate_run(megatron).step_time_s == pytest.approx(pr.evaluate_run(as_partita).step_time_s, rel=1e-9)
-    assert pr.run_from_dict(_with(index, zero=1)["runs"][0], "runs[0]").zero == 1  # ZeRO 1 is allowed
+    assert pr.engine_refusal(dataclasses.replace(megatron, zero=1)) == ""  # ZeRO 1 it runs
+    # and no row of the project's file is priced on an engine that refuses its layout
+    assert [r.id for r in RUNS if r.pricing != "not_expressible" and pr.engine_refusal(r)] == []
