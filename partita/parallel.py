@@ -280,16 +280,49 @@ PIPELINE_ZERO_AT_MOST_1 = {
 }
 
 
-def pipeline_zero_rule(engine: str, pp: int, layers: Iterable[tuple[str, int]]) -> str | None:
-    """Why layers given as (name, zero) do not run as planned on ``engine`` in a pipeline of
-    ``pp`` stages, or None: ZeRO 2 and 3, which that engine's FSDP runs as ZeRO 1 there
-    (``PIPELINED_FSDP_AS_ZERO1``) or its pipeline refuses (``PIPELINE_ZERO_AT_MOST_1``)."""
-    if pp <= 1 or engine not in PIPELINED_FSDP_AS_ZERO1 + tuple(PIPELINE_ZERO_AT_MOST_1):
+# torchtitan's data parallelism is DDP (``data_parallel_replicate_degree``) or FSDP2
+# (``data_parallel_shard_degree``), whose reshard policies are ZeRO 3 ("always") and ZeRO 2
+# ("never"); its training loop reduces every micro-batch's gradients (torchtitan/train.py at
+# v0.2.2: no ``set_requires_gradient_sync`` around its gradient accumulation), so outside a
+# pipeline it has no ZeRO 1; and under context parallelism it always shards the parameters over
+# dp x cp (``ParallelDims.fsdp_enabled`` is ``dp_shard_enabled or cp_enabled``), so no ZeRO 0.
+NO_UNPIPELINED_ZERO1 = ("torchtitan",)
+SHARDS_UNDER_CP = ("torchtitan",)
+
+
+def engine_zeros(engine: str, pp: int, cp: int = 1) -> tuple[tuple[int, ...], str]:
+    """The ZeRO levels ``engine`` runs a layer at in a plan of ``pp`` stages and context-parallel
+    degree ``cp``, and why the others not ("" where all four run)."""
+    why = []
+    zeros = [0, 1, 2, 3]
+    if pp > 1 and engine in PIPELINED_FSDP_AS_ZERO1 + tuple(PIPELINE_ZERO_AT_MOST_1):
+        zeros = [0, 1]
+        why.append(pipeline_zero_why(engine))
+    if pp == 1 and engine in NO_UNPIPELINED_ZERO1:
+        zeros.remove(1)
+        why.append(f"engine {engine} has no ZeRO 1 outside a pipeline (its data parallelism is DDP or FSDP2, "
+                   f"whose reshard policies are ZeRO 2 and 3, and it reduces every micro-batch's gradients)")
+    if cp > 1 and engine in SHARDS_UNDER_CP:
+        zeros.remove(0)
+        why.append(f"engine {engine} shards the parameters over dp x cp under context parallelism (no ZeRO 0)")
+    return tuple(zeros), "; ".join(why)
+
+
+def pipeline_zero_rule(engine: str, pp: int, layers: Iterable[tuple[str, int]], cp: int = 1) -> str | None:
+    """Why layers given as (name, zero) do not run as planned on ``engine`` in a plan of ``pp``
+    stages (1: no pipeline) at context-parallel degree ``cp``, or None (``engine_zeros``): ZeRO 2
+    and 3 in a pipeline, which that engine's FSDP runs as ZeRO 1 there (``PIPELINED_FSDP_AS_ZERO1``)
+    or its pipeline refuses (``PIPELINE_ZERO_AT_MOST_1``); torchtitan's ZeRO 1 outside a pipeline
+    and ZeRO 0 under context parallelism, which it does not run."""
+    allowed, why = engine_zeros(engine, pp, cp)
+    barred = [(name, zero) for name, zero in layers if zero not in allowed]
+    if not barred:
         return None
-    sharded = [name for name, zero in layers if zero >= 2]
-    if not sharded:
-        return None
-    return f"{pipeline_zero_why(engine)}; {_some(sharded)} have zero >= 2 at pp {pp}: use zero 0 or 1, or pp 1"
+    levels = "/".join(map(str, sorted({z for _, z in barred})))
+    where = f"pp {pp}" + (f" and cp {cp}" if cp > 1 else "")
+    use = " or ".join(map(str, allowed))
+    return f"{why}; {_some([n for n, _ in barred])} have zero {levels} at {where}: use zero {use}" + (
+        ", or pp 1" if pp > 1 and 2 not in allowed else "")
 
 
 def pipeline_zero_why(engine: str) -> str:
@@ -301,10 +334,11 @@ def pipeline_zero_why(engine: str) -> str:
             f"engine {engine} refuses ZeRO 2 and 3 in a pipeline ({PIPELINE_ZERO_AT_MOST_1[engine]})")
 
 
-def pipeline_zero_levels(engine: str, pp: int, zeros: Iterable[int]) -> tuple[int, ...]:
+def pipeline_zero_levels(engine: str, pp: int, zeros: Iterable[int], cp: int = 1) -> tuple[int, ...]:
     """The ZeRO levels of ``zeros`` that ``pipeline_zero_rule`` lets a layer of a ``pp``-stage
-    plan on ``engine`` take."""
-    return tuple(z for z in zeros if not pipeline_zero_rule(engine, pp, [("", z)]))
+    plan on ``engine`` at context-parallel degree ``cp`` take."""
+    allowed = engine_zeros(engine, pp, cp)[0]
+    return tuple(z for z in zeros if z in allowed)
 
 
 def schedule_model_rule(schedule: str, model: "ModelSpec") -> str | None:

@@ -74,7 +74,7 @@ def _check_runtime_limits(plan: Plan, model: ModelSpec) -> None:
                                         ((l.name, l.zero, l.recompute) for l in plan.layer_strategies()))
     if why:
         raise PartitaError(why)
-    why = parallel.pipeline_zero_rule(plan.engine, plan.pp, ((l.name, l.zero) for l in plan.layer_strategies()))
+    why = parallel.pipeline_zero_rule(plan.engine, plan.pp, ((l.name, l.zero) for l in plan.layer_strategies()), plan.cp)
     if why:
         raise PartitaError(why)
     what = "seq_len" if plan.cp == 1 else f"each rank's tokens (seq_len {plan.seq_len} / cp {plan.cp})"

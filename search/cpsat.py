@@ -485,7 +485,8 @@ def _primal_incumbent(cm: CostModel, queue: list[Problem], levels: dict[tuple, l
                 tried += 1
                 for lay in shape_plans(q, tables.setdefault(p.shape, {})):
                     if parallel.pipeline_zero_rule(cm.engine.name, lay.pp,
-                                                   ((s.name, s.zero) for stage in lay.stage_layers for s in stage)):
+                                                   ((s.name, s.zero) for stage in lay.stage_layers for s in stage),
+                                                   cm.cp):
                         continue  # the heuristic does not know the rule; the CP-SAT model does
                     ev = evaluate_layout(cm, list(zip(lay.stage_groups, lay.stage_layers)), dp=lay.dp, tp=lay.tp,
                                          micro_batch=lay.micro_batch, num_micro_batches=lay.num_micro_batches)

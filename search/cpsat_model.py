@@ -131,24 +131,34 @@ class PlanModel:
         if self.pipeline:  # the user pinned the pipeline degrees allowed
             self.m.add_linear_expression_in_domain(sum(self.used), cp_model.Domain.from_values(list(self.pipeline)))
 
-    # (Z) an engine that runs FSDP as ZeRO 1 inside a pipeline (``parallel.pipeline_zero_rule``):
-    # once a second slot is used, no layer takes a ZeRO level outside ``p.pipelined_zeros``.
+    # (Z) the ZeRO levels the engine runs (``parallel.pipeline_zero_rule``): once a second slot is
+    # used, no layer takes a level outside ``p.pipelined_zeros``; while one is, outside
+    # ``p.unpipelined_zeros``.
     def add_pipeline_zero(self) -> None:
         p = self.p
-        if p.slots < 2:
-            return
         G = len(p.groups)
-        pipelined = self.used[1]
-        barred = lambda table: [k for k, s in enumerate(table.strategies) if s.zero not in p.pipelined_zeros]  # noqa: E731
-        for r in range(p.slots):
-            for k in barred(p.block):
-                self.m.add_implication(pipelined, self.u[r][k].Not())
+        cases = [(self.used[1] if p.slots >= 2 else None, p.pipelined_zeros),
+                 (self.used[1].Not() if p.slots >= 2 else True, p.unpipelined_zeros)]
+        for when, zeros in cases:
+            if when is None:
+                continue
+            barred = lambda table: [k for k, s in enumerate(table.strategies) if s.zero not in zeros]  # noqa: E731
+            for r in range(p.slots):
+                for k in barred(p.block):
+                    self._bar(when, self.u[r][k])
+                for g in range(G):
+                    for k in barred(p.embed):
+                        self._bar(when, self.e[r][g][k])
             for g in range(G):
-                for k in barred(p.embed):
-                    self.m.add_implication(pipelined, self.e[r][g][k].Not())
-        for g in range(G):
-            for k in barred(p.head):
-                self.m.add_implication(pipelined, self.h[g][k].Not())
+                for k in barred(p.head):
+                    self._bar(when, self.h[g][k])
+
+    def _bar(self, when, var) -> None:
+        """``var`` is 0 whenever ``when`` holds (always, when ``when`` is True)."""
+        if when is True:
+            self.m.add(var == 0)
+        else:
+            self.m.add_implication(when, var.Not())
 
     # (C) a group hosts at most size // S stages.
     def add_group_capacity(self) -> None:

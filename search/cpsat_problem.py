@@ -101,9 +101,11 @@ class Problem:
     # at most the ceiling, and the edge term Z at least the floor; None: the whole shape.
     edge_ceiling_us: int | None = None
     edge_floor_us: int = 0
-    # The ZeRO levels a layer may take once the pipeline has two stages or more
-    # (``parallel.pipeline_zero_levels``: ZeRO 0 and 1 where the engine runs FSDP as ZeRO 1 there).
+    # The ZeRO levels a layer may take once the pipeline has two stages or more, and while it has
+    # one (``parallel.pipeline_zero_levels``: ZeRO 0 and 1 where the engine runs FSDP as ZeRO 1 in
+    # a pipeline; torchtitan's no ZeRO 1 outside one, nor ZeRO 0 under context parallelism).
     pipelined_zeros: tuple[int, ...] = ZERO_LEVELS
+    unpipelined_zeros: tuple[int, ...] = ZERO_LEVELS
     # The cost objective's bound on the devices used (``SearchSpace.price_cap``), micro-dollars
     # per hour, and what a stage on each group costs; None: no bound.
     price_cap: int | None = None
@@ -280,7 +282,8 @@ def _build_problem(cm: CostModel, shape: Shape, space: SearchSpace) -> Problem |
                                            * activation_message_bytes(cm, shape.micro_batch, shape.tp)),
                    gather_us=tuple(_gather_us(cm, g, shape) for g in groups),
                    step_overhead_us=to_us(cm.step_overhead_s),
-                   pipelined_zeros=parallel.pipeline_zero_levels(cm.engine.name, 2, ZERO_LEVELS))
+                   pipelined_zeros=parallel.pipeline_zero_levels(cm.engine.name, 2, ZERO_LEVELS, cm.cp),
+                   unpipelined_zeros=parallel.pipeline_zero_levels(cm.engine.name, 1, ZERO_LEVELS, cm.cp))
 
 
 def with_extras(cm: CostModel, p: Problem, space: SearchSpace) -> Problem:

@@ -84,11 +84,13 @@ def no_layout_message(cm: CostModel, global_batch: int, space: SearchSpace) -> s
                 f"data-parallel degree the space allows, and replicas that run different numbers of micro-batches "
                 f"take ZeRO 0 or 1 only; allow --zero 0,1, or a global batch the replicas divide")
     engine = cm.engine.name
-    if found and not any(parallel.pipeline_zero_levels(engine, len(groups), zero_levels(space, global_batch, dp, mb, m, cm.cp))
+    if found and not any(parallel.pipeline_zero_levels(engine, len(groups), zero_levels(space, global_batch, dp, mb, m, cm.cp),
+                                                       cm.cp)
                          for groups, _, dp, mb, m in found):
-        return (f"{where} meets --zero {_csv(space.zero_levels)}: every layout the space allows pipelines data-parallel "
-                f"replicas, and {parallel.pipeline_zero_why(engine)}; allow --zero 1, or --pp 1, or plan without "
-                f"--engine {engine}")
+        rules = {parallel.engine_zeros(engine, len(groups), cm.cp) for groups, *_ in found}
+        allowed = sorted({z for levels, _ in rules for z in levels})
+        return (f"{where} meets --zero {_csv(space.zero_levels)}: {'; '.join(why for _, why in sorted(rules))}; "
+                f"allow --zero {_csv(allowed)}, or plan without --engine {engine}")
     if space.tensor_parallel and not any(n % t == 0 for t in space.tensor_parallel for n in node_sizes):
         return (f"{where}: --tp {_csv(space.tensor_parallel)}: a tensor-parallel group stays inside one node, and "
                 f"the nodes here have {' or '.join(map(str, node_sizes))} devices; choose a degree that divides it")

@@ -130,7 +130,7 @@ def interleaved_search(cm: CostModel, *, global_batch: int, space: SearchSpace, 
         for schedule, v in variants:
             if (pp * v > model.n_layers or schedule_counts_rule(schedule, pp, v, shares)
                     or schedule_layers_rule(schedule, ((n, s.zero, s.recompute) for n, s in kinds.items()))
-                    or pipeline_zero_rule(cm.engine.name, pp, ((n, s.zero) for n, s in kinds.items()))):
+                    or pipeline_zero_rule(cm.engine.name, pp, ((n, s.zero) for n, s in kinds.items()), cm.cp)):
                 continue
             names = chunk_names(model.n_layers, pp, v, schedule)
             counts = [[_counts(chunk, choice) for chunk in stage] for stage in names]

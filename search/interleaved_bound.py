@@ -53,7 +53,7 @@ def _choices(cm: CostModel, group: NodeGroup, name: str, *, tp: int, dp: int, mb
     backward: ``evaluate._split_backward``)."""
     out = []
     # (every interleaved schedule pipelines: an engine's pipelined ZeRO rule applies, parallel.pipeline_zero_rule)
-    zeros = pipeline_zero_levels(cm.engine.name, 2, replicated_zeros(space, dp, cm.cp))
+    zeros = pipeline_zero_levels(cm.engine.name, 2, replicated_zeros(space, dp, cm.cp), cm.cp)
     recomputes = space.recompute if name.startswith("layers.") else ("none",)
     for sp in sp_choices(cm, tp, space):
         for z in zeros:

@@ -223,7 +223,7 @@ def _shapes(cm: CostModel, span: CostModel, groups: Sequence[NodeGroup], global_
                 rows = global_batch // m
                 if space.micro_batches and not any(b in space.micro_batches for b in range(1, rows + 1)):
                     continue
-                for zero in parallel.pipeline_zero_levels(cm.engine.name, pp, replicated_zeros(space, dp, cm.cp)):
+                for zero in parallel.pipeline_zero_levels(cm.engine.name, pp, replicated_zeros(space, dp, cm.cp), cm.cp):
                     for recompute in space.recompute:
                         for sp in sp_choices(cm, tp, space):
                             yield (used, tp, pp, m, sp, zero, recompute)

@@ -390,7 +390,7 @@ def uniform_search(cm: CostModel, *, global_batch: int, space: SearchSpace = Sea
         if space.price_cap is not None and layout_price(stage_groups, dp * tp) > space.price_cap:
             continue
         for zero in parallel.pipeline_zero_levels(cm.engine.name, len(stage_groups),
-                                                  zero_levels(space, global_batch, dp, mb, m, cm.cp)):
+                                                  zero_levels(space, global_batch, dp, mb, m, cm.cp), cm.cp):
             for recompute in space.recompute:
                 for sp in sp_choices(cm, tp, space):
                     choice = uniform_choices(model, tp=tp, sp=sp, zero=zero, recompute=recompute)

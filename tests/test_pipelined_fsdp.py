@@ -28,7 +28,16 @@ def test_the_rule_names_the_engine_the_layers_and_the_way_out():
     why = parallel.pipeline_zero_rule("torchtitan", 2, [("layers.0", 3), ("layers.1", 2), ("head", 1)])
     assert "2 layers (layers.0, layers.1)" in why and "use zero 0 or 1, or pp 1" in why
     assert parallel.pipeline_zero_levels("torchtitan", 2, (0, 1, 2, 3)) == (0, 1)
-    assert parallel.pipeline_zero_levels("torchtitan", 1, (0, 1, 2, 3)) == (0, 1, 2, 3)
+    # outside a pipeline torchtitan has no ZeRO 1 (DDP, or FSDP2 reducing every micro-batch), and under
+    # context parallelism no ZeRO 0 (it shards over dp x cp): what its export writes, the rule now says
+    assert parallel.pipeline_zero_levels("torchtitan", 1, (0, 1, 2, 3)) == (0, 2, 3)
+    assert parallel.pipeline_zero_levels("torchtitan", 1, (0, 1, 2, 3), cp=2) == (2, 3)
+    assert parallel.pipeline_zero_levels("torchtitan", 2, (0, 1, 2, 3), cp=2) == (1,)
+    why = parallel.pipeline_zero_rule("torchtitan", 1, [("layers.0", 1), ("head", 2)])
+    assert "engine torchtitan has no ZeRO 1 outside a pipeline" in why and "1 layers (layers.0) have zero 1 at pp 1" in why
+    assert "use zero 0 or 2 or 3" in why
+    assert "no ZeRO 0" in parallel.pipeline_zero_rule("torchtitan", 1, [("layers.0", 0)], cp=2)
+    assert parallel.pipeline_zero_levels("partita", 1, (0, 1, 2, 3), cp=2) == (0, 1, 2, 3)
     # DeepSpeed's pipeline engine refuses ZeRO 2 and 3 outright (its PipelineEngine's assertion)
     why = parallel.pipeline_zero_rule("deepspeed", 2, [("layers.0", 2)])
     assert "engine deepspeed refuses ZeRO 2 and 3 in a pipeline" in why and "use zero 0 or 1, or pp 1" in why

@@ -251,10 +251,12 @@ def _space(args: argparse.Namespace, model: ModelSpec, cluster: ClusterSpec, glo
     if any(z > 3 for z in args.zero or ()):
         raise PartitaError(f"--zero {_csv(args.zero)}: ZeRO levels are 0, 1, 2 and 3")
     engine = getattr(args, "engine", None)
-    if engine and args.pp and args.zero and min(args.pp) > 1 and not parallel.pipeline_zero_levels(engine, 2, args.zero):
+    if engine and args.pp and args.zero and not any(parallel.pipeline_zero_levels(engine, pp, args.zero) for pp in args.pp):
         # left to the search, only plans without data-parallel replicas (ZeRO 0) would remain
-        raise PartitaError(f"--zero {_csv(args.zero)} with --pp {_csv(args.pp)}: {parallel.pipeline_zero_why(engine)}; "
-                           f"allow --zero 1 (the optimizer state sharded), or --pp 1, or plan without --engine {engine}")
+        rules = {parallel.engine_zeros(engine, pp) for pp in args.pp}
+        allowed = sorted({z for levels, _ in rules for z in levels})
+        raise PartitaError(f"--zero {_csv(args.zero)} with --pp {_csv(args.pp)}: {'; '.join(w for _, w in sorted(rules))}; "
+                           f"allow --zero {_csv(allowed)}, or another --pp, or plan without --engine {engine}")
     recompute = getattr(args, "recompute", None)
     if args.no_recompute and recompute not in (None, ("none",)):
         raise PartitaError(f"--no-recompute and --recompute {','.join(recompute)} disagree; give one of them")
