@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 
+from partita import parallel
 from partita.cli import main
 from partita.cluster import parse_short
 from partita.devices import CATALOG
@@ -77,7 +78,7 @@ KNOWN = [
     # and expert parallelism proposed on replicas of unequal shares, which the validator refuses
     "--model mixtral-8x7b --cluster 2x4xL4+7x8xH200+7x8xH200 --global-batch 1920 --micro-batch 2,4,8 --time-limit 3",
     # torchtitan's FSDP inside a pipeline is ZeRO 1 (parallel.pipeline_zero_rule): pinned to pp 2
-    # and ZeRO 3 nothing runs; left free, the searches plan within the rule
+    # and ZeRO 3 the flags contradict the engine (exit 2); left free, the searches plan within the rule
     "--model llama-3-8b --cluster 2x8xH100 --global-batch 64 --engine torchtitan --pp 2 --zero 3 --time-limit 3",
     "--model llama-3-70b --cluster 4x8xA100-40GB --global-batch 96 --engine torchtitan --pp 2,4 --time-limit 3",
     "--model llama-3-70b --cluster 4x8xA100-40GB --global-batch 96 --engine torchtitan --pp 2,4 --search uniform",
@@ -110,6 +111,9 @@ def assert_keeps_the_promise(args: list[str], out_dir: Path) -> int:
     argv = ["plan", *args, "-o", str(plan_path)]
     code, _, err = run_cli(argv)
     shown = f"partita {shlex.join(argv[:-2])}"
+    if engine_refuses_the_flags(args):  # bad input by design: one line naming the engine's rule, exit 2
+        assert code == 2 and "allow --zero" in error_line(err), f"{shown}: exit {code}: {error_line(err)}"
+        return code
     allowed = {0, 3, 4} if "--time-limit" in args else {0, 3}
     assert code in allowed, f"{shown}: exit {code}: {error_line(err)}"
     if code != 0:
@@ -125,6 +129,18 @@ def assert_keeps_the_promise(args: list[str], out_dir: Path) -> int:
     plan.save(again)
     assert Plan.load(again) == plan, f"{shown}: the plan does not round-trip"
     return code
+
+
+def engine_refuses_the_flags(args: list[str]) -> bool:
+    """Whether ``--engine``, ``--pp`` and ``--zero`` leave the engine no ZeRO level at every pinned
+    pipeline degree (``parallel.pipeline_zero_levels``): only plans without replicas would remain,
+    so the command refuses the flags (exit 2) rather than plan one."""
+    if not all(flag in args for flag in ("--engine", "--pp", "--zero")):
+        return False
+    def values(flag: str) -> list[int]:
+        return [int(v) for v in args[args.index(flag) + 1].split(",")]
+    engine = args[args.index("--engine") + 1]
+    return not any(parallel.pipeline_zero_levels(engine, pp, values("--zero")) for pp in values("--pp"))
 
 
 def options_left(plan: Plan, args: list[str]) -> list[str]:
