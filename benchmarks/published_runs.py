@@ -126,6 +126,10 @@ class PublishedRun:
     # A known gap of the cost model on this row: what it does not price and why the row stays
     # (priced and printed like every row; the issue-10 regression test leaves it out).
     gap: str = ""
+    # Whether the source gives the run's micro-batch and schedule (False: Megatron-LM's 2024 scaling
+    # study gives the degrees and the batch only, and the row prices an assumed split, which moves
+    # its prediction by tens of percent: benchmarks/published_unknowns.py --megatron-readme).
+    split_published: bool = True
     # The run's published peak device memory (GiB), where the source gives it, and what it
     # counts (``MEMORY_METRICS``): compared with the priced peak of the fullest rank.
     measured_memory_gib: float | None = None
@@ -177,6 +181,7 @@ class Row:
     remark: str = ""  # the differences of a closest row, the reason of a not-expressible one
     gap: str = ""  # a known gap of the cost model on the row (``PublishedRun.gap``)
     engine_refuses: str = ""  # why the row's engine does not run its layout (``engine_refusal``), if so
+    split_published: bool = True  # ``PublishedRun.split_published``
     # The published peak memory and the priced peak of the fullest rank (GiB), where published.
     measured_memory_gib: float | None = None
     predicted_peak_gib: float | None = None
@@ -285,6 +290,7 @@ def run_from_dict(data: Any, where: str, devices: Sequence[DeviceType] = ()) -> 
         differences=tuple(_strings(data, "differences", where)), assumed=tuple(_strings(data, "assumed", where)),
         why=_optional_str(data, "why", where), notes=_optional_str(data, "notes", where),
         gap=_optional_str(data, "gap", where),
+        split_published=specio.get_bool(data, "split_published", where) if "split_published" in data else True,
         **_measured_memory(data, where), **ints)
     _check_run(run, where)
     return run
@@ -543,6 +549,7 @@ def _price(run: PublishedRun) -> Row:
     measured = measured_tokens_per_s_per_gpu(run)
     base = dict(id=run.id, source=f"{run.source['title']} -- {run.source['where']}", url=run.source["url"],
                 config=run.config, pricing=run.pricing, zero=run.zero, engine=run.engine.name, gap=run.gap,
+                split_published=run.split_published,
                 measured_as_published=as_published(run.measured),
                 measured_tokens_per_s_per_gpu=measured, measured_mfu=mfu(run, measured),
                 measured_memory_gib=run.measured_memory_gib)
@@ -580,7 +587,9 @@ def summaries(rows: Sequence[Row]) -> list[Summary]:
     return [summarise("priced (exact + closest)", rows),
             summarise("exact only", [r for r in rows if r.pricing == "exact"]),
             summarise("ZeRO-3 / FSDP rows", [r for r in rows if r.zero == 3]),
-            summarise("rows without a known gap", [r for r in rows if not r.gap])] + [
+            summarise("rows without a known gap", [r for r in rows if not r.gap]),
+            summarise("rows whose micro-batch and schedule the source does not give (assumed)",
+                      [r for r in rows if not r.split_published])] + [
             summarise(f"engine {name}", [r for r in rows if r.engine == name])
             for name in ENGINES if any(r.engine == name for r in rows)]
 

@@ -4,11 +4,13 @@
   YAML assumes the links' nominal 6.25 GB/s; docs/published_runs.md, "What is still off").
 * ``--mtnlg``: MT-NLG 530B's three rows at micro-batch 1, 2 and 4 (the paper gives none; the
   YAML takes 2, the one whose priced scaling from 2,240 to 3,360 GPUs matches the measured one).
+* ``--megatron-readme``: Megatron-LM's 2024 H100 scaling study (``mlm2407-*``) at every micro-batch
+  and virtual-stage split that fits (the README gives neither).
 * ``--refusals``: every priced row's layout asked of the search itself (``make_plan`` on the
   uniform grid, its degrees, micro-batch, ZeRO level and recomputation pinned, its engine by
   name without the row's own options), and the ones it refuses with why.
 
-    python benchmarks/published_unknowns.py [--bloom] [--mtnlg] [--refusals]   (none: all three)
+    python benchmarks/published_unknowns.py [--bloom] [--mtnlg] [--megatron-readme] [--refusals]   (none: all)
 """
 
 from __future__ import annotations
@@ -71,6 +73,31 @@ def mtnlg(runs: list[pr.PublishedRun]) -> None:
               for b in MTNLG_MICRO_BATCHES))
 
 
+def megatron_readme(runs: list[pr.PublishedRun]) -> None:
+    """Megatron-LM's July 2024 H100 scaling study (``mlm2407-*``) gives each run's degrees and batch,
+    not its micro-batch nor its virtual stages: every row priced at each micro-batch that divides
+    its sequences a data-parallel rank (up to 8) and, in a pipeline, each even split of a rank's
+    layers into virtual stages, only where it fits; the YAML's split marked *."""
+    rows = [r for r in runs if r.id.startswith("mlm2407-")]
+    print("| run | at the YAML's split | lowest | highest | splits that fit |")
+    print("|---|---:|---:|---:|---|")
+    for run in rows:
+        per_rank, layers = run.global_batch // run.dp, run.model.n_layers // run.pp
+        found = []
+        for mb in (b for b in (1, 2, 4, 8) if per_rank % b == 0):
+            for v in (d for d in range(1, layers + 1) if layers % d == 0) if run.pp > 1 else (1,):
+                split = dataclasses.replace(run, micro_batch=mb, virtual_stages=v,
+                                            schedule="interleaved-1f1b" if v > 1 else "1f1b")
+                if pr.engine_refusal(split) or not pr.evaluate_run(split).fits:
+                    continue
+                mark = "*" if (mb, v) == (run.micro_batch, run.virtual_stages) else ""
+                found.append((error(split), f"mb {mb} v {v}{mark}"))
+        low, high = min(found), max(found)
+        print(f"| {run.id} | {error(run):+.1f} % (mb {run.micro_batch} v {run.virtual_stages}) | {low[0]:+.1f} % ({low[1]}) | "
+              f"{high[0]:+.1f} % ({high[1]}) | "
+              f"{len(found)} |")
+
+
 def refusals(runs: list[pr.PublishedRun]) -> None:
     counts: collections.Counter[str] = collections.Counter()
     for run in (r for r in runs if r.pricing != "not_expressible"):
@@ -93,12 +120,13 @@ def refusals(runs: list[pr.PublishedRun]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    for flag in ("--bloom", "--mtnlg", "--refusals"):
+    for flag in ("--bloom", "--mtnlg", "--megatron-readme", "--refusals"):
         parser.add_argument(flag, action="store_true")
     args = parser.parse_args(argv)
-    every = not (args.bloom or args.mtnlg or args.refusals)
+    every = not (args.bloom or args.mtnlg or args.megatron_readme or args.refusals)
     runs = pr.load_runs()
-    for wanted, section in ((args.bloom, bloom), (args.mtnlg, mtnlg), (args.refusals, refusals)):
+    for wanted, section in ((args.bloom, bloom), (args.mtnlg, mtnlg), (args.megatron_readme, megatron_readme),
+                            (args.refusals, refusals)):
         if wanted or every:
             section(runs)
             print()
