@@ -290,22 +290,24 @@ NO_UNPIPELINED_ZERO1 = ("torchtitan",)
 SHARDS_UNDER_CP = ("torchtitan",)
 
 
-def engine_zeros(engine: str, pp: int, cp: int = 1) -> tuple[tuple[int, ...], str]:
+def engine_zeros(engine: str, pp: int, cp: int = 1) -> tuple[tuple[int, ...], dict[int, str]]:
     """The ZeRO levels ``engine`` runs a layer at in a plan of ``pp`` stages and context-parallel
-    degree ``cp``, and why the others not ("" where all four run)."""
-    why = []
-    zeros = [0, 1, 2, 3]
+    degree ``cp``, and, for each level it does not, why ("engine X ...")."""
+    barred: dict[int, str] = {}
     if pp > 1 and engine in PIPELINED_FSDP_AS_ZERO1 + tuple(PIPELINE_ZERO_AT_MOST_1):
-        zeros = [0, 1]
-        why.append(pipeline_zero_why(engine))
+        barred |= {2: pipeline_zero_why(engine), 3: pipeline_zero_why(engine)}
     if pp == 1 and engine in NO_UNPIPELINED_ZERO1:
-        zeros.remove(1)
-        why.append(f"engine {engine} has no ZeRO 1 outside a pipeline (its data parallelism is DDP or FSDP2, "
-                   f"whose reshard policies are ZeRO 2 and 3, and it reduces every micro-batch's gradients)")
+        barred[1] = (f"engine {engine} has no ZeRO 1 outside a pipeline (its data parallelism is DDP or FSDP2, "
+                     f"whose reshard policies are ZeRO 2 and 3, and it reduces every micro-batch's gradients)")
     if cp > 1 and engine in SHARDS_UNDER_CP:
-        zeros.remove(0)
-        why.append(f"engine {engine} shards the parameters over dp x cp under context parallelism (no ZeRO 0)")
-    return tuple(zeros), "; ".join(why)
+        barred[0] = f"engine {engine} shards the parameters over dp x cp under context parallelism (no ZeRO 0)"
+    return tuple(z for z in (0, 1, 2, 3) if z not in barred), barred
+
+
+def zero_reasons(barred: Iterable[dict[int, str]], levels: Iterable[int]) -> str:
+    """The reasons (``engine_zeros``' second half) that bar ``levels``, each once, in order."""
+    levels = tuple(levels)
+    return "; ".join(dict.fromkeys(why for b in barred for z in levels if (why := b.get(z))))
 
 
 def pipeline_zero_rule(engine: str, pp: int, layers: Iterable[tuple[str, int]], cp: int = 1) -> str | None:
@@ -314,10 +316,11 @@ def pipeline_zero_rule(engine: str, pp: int, layers: Iterable[tuple[str, int]], 
     and 3 in a pipeline, which that engine's FSDP runs as ZeRO 1 there (``PIPELINED_FSDP_AS_ZERO1``)
     or its pipeline refuses (``PIPELINE_ZERO_AT_MOST_1``); torchtitan's ZeRO 1 outside a pipeline
     and ZeRO 0 under context parallelism, which it does not run."""
-    allowed, why = engine_zeros(engine, pp, cp)
+    allowed, reasons = engine_zeros(engine, pp, cp)
     barred = [(name, zero) for name, zero in layers if zero not in allowed]
     if not barred:
         return None
+    why = zero_reasons([reasons], sorted({z for _, z in barred}))
     levels = "/".join(map(str, sorted({z for _, z in barred})))
     where = f"pp {pp}" + (f" and cp {cp}" if cp > 1 else "")
     use = " or ".join(map(str, allowed))

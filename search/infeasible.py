@@ -87,10 +87,11 @@ def no_layout_message(cm: CostModel, global_batch: int, space: SearchSpace) -> s
     if found and not any(parallel.pipeline_zero_levels(engine, len(groups), zero_levels(space, global_batch, dp, mb, m, cm.cp),
                                                        cm.cp)
                          for groups, _, dp, mb, m in found):
-        rules = {parallel.engine_zeros(engine, len(groups), cm.cp) for groups, *_ in found}
+        rules = [parallel.engine_zeros(engine, len(groups), cm.cp) for groups, *_ in found]
         allowed = sorted({z for levels, _ in rules for z in levels})
-        return (f"{where} meets --zero {_csv(space.zero_levels)}: {'; '.join(why for _, why in sorted(rules))}; "
-                f"allow --zero {_csv(allowed)}, or plan without --engine {engine}")
+        why = parallel.zero_reasons([barred for _, barred in rules], space.zero_levels)
+        return (f"{where} meets --zero {_csv(space.zero_levels)}: {why}; allow --zero {_csv(allowed)}, or plan without "
+                f"--engine {engine}")
     if space.tensor_parallel and not any(n % t == 0 for t in space.tensor_parallel for n in node_sizes):
         return (f"{where}: --tp {_csv(space.tensor_parallel)}: a tensor-parallel group stays inside one node, and "
                 f"the nodes here have {' or '.join(map(str, node_sizes))} devices; choose a degree that divides it")

@@ -103,3 +103,14 @@ def test_the_torchtitan_export_of_a_pipelined_zero_3_plan_writes_fsdp_as_zero_1(
     assert any("zero" in c.lower() for c in ex.changes)
     grads = lambda p: max(m.gradients_bytes for m in p.prediction.memory)  # noqa: E731
     assert grads(ex.exported) > 4 * grads(plan)  # unsharded over dp 8 where ZeRO 3 shards them
+
+
+def test_the_reasons_are_the_barred_levels_own_and_said_once():
+    """``engine_zeros`` bars each level with its own reason; a message names only the reasons of
+    the levels asked for, each once (before, a torchtitan plan at cp 2 asked for ZeRO 0 listed
+    every rule of both pipeline depths, the context-parallel one twice)."""
+    allowed, barred = parallel.engine_zeros("torchtitan", 2, cp=2)
+    assert allowed == (1,) and set(barred) == {0, 2, 3}
+    why = parallel.zero_reasons([barred, parallel.engine_zeros("torchtitan", 1, cp=2)[1]], [0])
+    assert why == "engine torchtitan shards the parameters over dp x cp under context parallelism (no ZeRO 0)"
+    assert parallel.engine_zeros("partita", 4, cp=8) == ((0, 1, 2, 3), {})

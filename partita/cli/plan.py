@@ -253,10 +253,11 @@ def _space(args: argparse.Namespace, model: ModelSpec, cluster: ClusterSpec, glo
     engine = getattr(args, "engine", None)
     if engine and args.pp and args.zero and not any(parallel.pipeline_zero_levels(engine, pp, args.zero) for pp in args.pp):
         # left to the search, only plans without data-parallel replicas (ZeRO 0) would remain
-        rules = {parallel.engine_zeros(engine, pp) for pp in args.pp}
+        rules = [parallel.engine_zeros(engine, pp) for pp in args.pp]
         allowed = sorted({z for levels, _ in rules for z in levels})
-        raise PartitaError(f"--zero {_csv(args.zero)} with --pp {_csv(args.pp)}: {'; '.join(w for _, w in sorted(rules))}; "
-                           f"allow --zero {_csv(allowed)}, or another --pp, or plan without --engine {engine}")
+        why = parallel.zero_reasons([barred for _, barred in rules], args.zero)
+        raise PartitaError(f"--zero {_csv(args.zero)} with --pp {_csv(args.pp)}: {why}; allow --zero {_csv(allowed)}, "
+                           f"or another --pp, or plan without --engine {engine}")
     recompute = getattr(args, "recompute", None)
     if args.no_recompute and recompute not in (None, ("none",)):
         raise PartitaError(f"--no-recompute and --recompute {','.join(recompute)} disagree; give one of them")
