@@ -446,6 +446,20 @@ def engine_refusal(run: PublishedRun) -> str:
     return "; ".join(why for why in rules if why)
 
 
+def splits(run: PublishedRun) -> Iterator[PublishedRun]:
+    """The run at each split of its batch its source leaves open (``split_published`` false): each
+    micro-batch up to 8 that divides its sequences a data-parallel rank and, in a pipeline, each
+    even split of a rank's layers into virtual stages (interleaved 1F1B), where its engine runs it
+    and it fits."""
+    per_rank, layers = run.global_batch // run.dp, run.model.n_layers // run.pp
+    for mb in (b for b in (1, 2, 4, 8) if per_rank % b == 0):
+        for v in (d for d in range(1, layers + 1) if layers % d == 0) if run.pp > 1 else (1,):
+            split = dataclasses.replace(run, micro_batch=mb, virtual_stages=v,
+                                        schedule="interleaved-1f1b" if v > 1 else "1f1b")
+            if not engine_refusal(split) and evaluate_run(split).fits:
+                yield split
+
+
 # ---- the common metric -----------------------------------------------------------------------
 def palm_flops_per_token(model: ModelSpec, seq_len: int) -> float:
     """PaLM's model FLOPs a token (Chowdhery et al. 2022, Appendix B): 6 N + 12 L H Q T, every

@@ -82,16 +82,9 @@ def megatron_readme(runs: list[pr.PublishedRun]) -> None:
     print("| run | at the YAML's split | lowest | highest | splits that fit |")
     print("|---|---:|---:|---:|---|")
     for run in rows:
-        per_rank, layers = run.global_batch // run.dp, run.model.n_layers // run.pp
-        found = []
-        for mb in (b for b in (1, 2, 4, 8) if per_rank % b == 0):
-            for v in (d for d in range(1, layers + 1) if layers % d == 0) if run.pp > 1 else (1,):
-                split = dataclasses.replace(run, micro_batch=mb, virtual_stages=v,
-                                            schedule="interleaved-1f1b" if v > 1 else "1f1b")
-                if pr.engine_refusal(split) or not pr.evaluate_run(split).fits:
-                    continue
-                mark = "*" if (mb, v) == (run.micro_batch, run.virtual_stages) else ""
-                found.append((error(split), f"mb {mb} v {v}{mark}"))
+        found = [(error(s), f"mb {s.micro_batch} v {s.virtual_stages}"
+                  + ("*" if (s.micro_batch, s.virtual_stages) == (run.micro_batch, run.virtual_stages) else ""))
+                 for s in pr.splits(run)]
         low, high = min(found), max(found)
         print(f"| {run.id} | {error(run):+.1f} % (mb {run.micro_batch} v {run.virtual_stages}) | {low[0]:+.1f} % ({low[1]}) | "
               f"{high[0]:+.1f} % ({high[1]}) | "
