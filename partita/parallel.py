@@ -310,6 +310,15 @@ def zero_reasons(barred: Iterable[dict[int, str]], levels: Iterable[int]) -> str
     return "; ".join(dict.fromkeys(why for b in barred for z in levels if (why := b.get(z))))
 
 
+def zero_advice(engine: str, pps: Iterable[int], levels: Iterable[int], cp: int = 1) -> str:
+    """Why ``engine`` runs none of ``levels`` at any of the pipeline degrees ``pps``, and the
+    levels it runs there: "<reasons>; allow --zero <levels>" (the plan command's and the search's
+    messages)."""
+    rules = [engine_zeros(engine, pp, cp) for pp in pps]
+    allowed = sorted({z for zeros, _ in rules for z in zeros})
+    return f"{zero_reasons([barred for _, barred in rules], levels)}; allow --zero {','.join(map(str, allowed))}"
+
+
 def pipeline_zero_rule(engine: str, pp: int, layers: Iterable[tuple[str, int]], cp: int = 1) -> str | None:
     """Why layers given as (name, zero) do not run as planned on ``engine`` in a plan of ``pp``
     stages (1: no pipeline) at context-parallel degree ``cp``, or None (``engine_zeros``): ZeRO 2

@@ -136,29 +136,33 @@ class PlanModel:
     # ``p.unpipelined_zeros``.
     def add_pipeline_zero(self) -> None:
         p = self.p
-        G = len(p.groups)
-        cases = [(self.used[1] if p.slots >= 2 else None, p.pipelined_zeros),
-                 (self.used[1].Not() if p.slots >= 2 else True, p.unpipelined_zeros)]
-        for when, zeros in cases:
-            if when is None:
-                continue
-            barred = lambda table: [k for k, s in enumerate(table.strategies) if s.zero not in zeros]  # noqa: E731
-            for r in range(p.slots):
-                for k in barred(p.block):
-                    self._bar(when, self.u[r][k])
-                for g in range(G):
-                    for k in barred(p.embed):
-                        self._bar(when, self.e[r][g][k])
-            for g in range(G):
-                for k in barred(p.head):
-                    self._bar(when, self.h[g][k])
-
-    def _bar(self, when, var) -> None:
-        """``var`` is 0 whenever ``when`` holds (always, when ``when`` is True)."""
-        if when is True:
-            self.m.add(var == 0)
+        if p.slots >= 2:
+            self._bar_zeros(self.used[1], p.pipelined_zeros)
+            self._bar_zeros(self.used[1].Not(), p.unpipelined_zeros)
         else:
-            self.m.add_implication(when, var.Not())
+            self._bar_zeros(None, p.unpipelined_zeros)
+
+    def _bar_zeros(self, when, zeros: tuple[int, ...]) -> None:
+        """No layer takes a ZeRO level outside ``zeros`` whenever the literal ``when`` holds
+        (always, for None)."""
+        p = self.p
+
+        def bar(var) -> None:
+            if when is None:
+                self.m.add(var == 0)
+            else:
+                self.m.add_implication(when, var.Not())
+
+        barred = lambda table: [k for k, s in enumerate(table.strategies) if s.zero not in zeros]  # noqa: E731
+        for r in range(p.slots):
+            for k in barred(p.block):
+                bar(self.u[r][k])
+            for g in range(len(p.groups)):
+                for k in barred(p.embed):
+                    bar(self.e[r][g][k])
+        for g in range(len(p.groups)):
+            for k in barred(p.head):
+                bar(self.h[g][k])
 
     # (C) a group hosts at most size // S stages.
     def add_group_capacity(self) -> None:

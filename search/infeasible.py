@@ -15,7 +15,7 @@ from partita import parallel
 from partita.errors import InfeasibleError, PartitaError
 from partita.mesh import Mesh
 from partita.search.costs.model import CostModel
-from partita.search.uniform import SearchSpace, UniformResult, grid, zero_levels
+from partita.search.uniform import SearchSpace, UniformResult, grid, shape_zeros, zero_levels
 from partita.units import fmt_bytes
 
 
@@ -83,15 +83,9 @@ def no_layout_message(cm: CostModel, global_batch: int, space: SearchSpace) -> s
         return (f"{where} meets --zero {_csv(space.zero_levels)}: the global batch splits unevenly over every "
                 f"data-parallel degree the space allows, and replicas that run different numbers of micro-batches "
                 f"take ZeRO 0 or 1 only; allow --zero 0,1, or a global batch the replicas divide")
-    engine = cm.engine.name
-    if found and not any(parallel.pipeline_zero_levels(engine, len(groups), zero_levels(space, global_batch, dp, mb, m, cm.cp),
-                                                       cm.cp)
-                         for groups, _, dp, mb, m in found):
-        rules = [parallel.engine_zeros(engine, len(groups), cm.cp) for groups, *_ in found]
-        allowed = sorted({z for levels, _ in rules for z in levels})
-        why = parallel.zero_reasons([barred for _, barred in rules], space.zero_levels)
-        return (f"{where} meets --zero {_csv(space.zero_levels)}: {why}; allow --zero {_csv(allowed)}, or plan without "
-                f"--engine {engine}")
+    if found and not any(shape_zeros(cm, space, global_batch, len(groups), dp, mb, m) for groups, _, dp, mb, m in found):
+        advice = parallel.zero_advice(cm.engine.name, sorted({len(groups) for groups, *_ in found}), space.zero_levels, cm.cp)
+        return f"{where} meets --zero {_csv(space.zero_levels)}: {advice}, or plan without --engine {cm.engine.name}"
     if space.tensor_parallel and not any(n % t == 0 for t in space.tensor_parallel for n in node_sizes):
         return (f"{where}: --tp {_csv(space.tensor_parallel)}: a tensor-parallel group stays inside one node, and "
                 f"the nodes here have {' or '.join(map(str, node_sizes))} devices; choose a degree that divides it")

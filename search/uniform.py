@@ -370,6 +370,14 @@ def zero_levels(space: SearchSpace, global_batch: int, dp: int, micro_batch: int
     return zeros
 
 
+def shape_zeros(cm: CostModel, space: SearchSpace, global_batch: int, pp: int, dp: int, micro_batch: int,
+                num_micro_batches: int) -> tuple[int, ...]:
+    """The ZeRO levels a uniform shape of ``pp`` stages may use: ``zero_levels`` less those the
+    engine does not run there (``parallel.pipeline_zero_levels``)."""
+    return parallel.pipeline_zero_levels(cm.engine.name, pp, zero_levels(space, global_batch, dp, micro_batch,
+                                                                         num_micro_batches, cm.cp), cm.cp)
+
+
 def uniform_search(cm: CostModel, *, global_batch: int, space: SearchSpace = SearchSpace(),
                    deadline: float | None = None) -> UniformResult:
     """Evaluate every uniform candidate; keep the fastest that fits and the closest to fitting.
@@ -389,8 +397,7 @@ def uniform_search(cm: CostModel, *, global_batch: int, space: SearchSpace = Sea
             break
         if space.price_cap is not None and layout_price(stage_groups, dp * tp) > space.price_cap:
             continue
-        for zero in parallel.pipeline_zero_levels(cm.engine.name, len(stage_groups),
-                                                  zero_levels(space, global_batch, dp, mb, m, cm.cp), cm.cp):
+        for zero in shape_zeros(cm, space, global_batch, len(stage_groups), dp, mb, m):
             for recompute in space.recompute:
                 for sp in sp_choices(cm, tp, space):
                     choice = uniform_choices(model, tp=tp, sp=sp, zero=zero, recompute=recompute)

@@ -225,6 +225,7 @@ def _space(args: argparse.Namespace, model: ModelSpec, cluster: ClusterSpec, glo
     """The search space the flags allow; a choice that cannot work is one clear error."""
     from partita.search.uniform import SearchSpace
 
+    engine = getattr(args, "engine", None)
     node_sizes = sorted({g.gpus_per_node for g in cluster.groups})
     for tp in args.tp or ():
         why = parallel.tp_rule(model.kinds["block"], tp) if tp > 0 else "it must be >= 1"
@@ -243,21 +244,18 @@ def _space(args: argparse.Namespace, model: ModelSpec, cluster: ClusterSpec, glo
         if min(args.pp) > cluster.world_size:
             raise PartitaError(f"--pp {_csv(args.pp)}: the cluster has {cluster.world_size} devices, one stage needs "
                                f"at least one")
-        if min(args.pp) > global_batch and getattr(args, "engine", None) not in parallel.SHORT_PIPELINES:
+        if min(args.pp) > global_batch and engine not in parallel.SHORT_PIPELINES:
             raise PartitaError(f"--pp {_csv(args.pp)}: 1F1B needs a micro-batch per stage, and global batch "
                                f"{global_batch} makes at most {global_batch}; raise --global-batch or lower --pp")
     if args.micro_batch and min(args.micro_batch) > global_batch:
         raise PartitaError(f"--micro-batch {_csv(args.micro_batch)}: larger than the global batch {global_batch}")
     if any(z > 3 for z in args.zero or ()):
         raise PartitaError(f"--zero {_csv(args.zero)}: ZeRO levels are 0, 1, 2 and 3")
-    engine = getattr(args, "engine", None)
     if engine and args.pp and args.zero and not any(parallel.pipeline_zero_levels(engine, pp, args.zero) for pp in args.pp):
         # left to the search, only plans without data-parallel replicas (ZeRO 0) would remain
-        rules = [parallel.engine_zeros(engine, pp) for pp in args.pp]
-        allowed = sorted({z for levels, _ in rules for z in levels})
-        why = parallel.zero_reasons([barred for _, barred in rules], args.zero)
-        raise PartitaError(f"--zero {_csv(args.zero)} with --pp {_csv(args.pp)}: {why}; allow --zero {_csv(allowed)}, "
-                           f"or another --pp, or plan without --engine {engine}")
+        raise PartitaError(f"--zero {_csv(args.zero)} with --pp {_csv(args.pp)}: "
+                           f"{parallel.zero_advice(engine, args.pp, args.zero)}, or another --pp, or plan without "
+                           f"--engine {engine}")
     recompute = getattr(args, "recompute", None)
     if args.no_recompute and recompute not in (None, ("none",)):
         raise PartitaError(f"--no-recompute and --recompute {','.join(recompute)} disagree; give one of them")
