@@ -174,12 +174,17 @@ def tp_pass(cm, role: str, group: NodeGroup, *, tp: int, sp: bool, recompute: st
     if role == "block" and cm.model.is_moe:  # the attention's pair only: the MoE runs on sequence shards
         n_fwd, n_bwd = 1, 1
     one = cm.collective_s("all_reduce", act_bytes, tp, link, device)
-    # torchao's float8 tensor parallelism casts a block's sequence-parallel inputs, and backward
-    # the output gradients, to FP8 before their all-gathers (Float8ColwiseParallel,
-    # PrepareFloat8ModuleInput, Float8RowwiseParallel: torchao/float8/float8_tensor_parallel.py);
-    # the reduce-scatters carry the products' compute-dtype outputs.
-    torchao_fp8 = cm.engine.matmul == "fp8" and cm.engine.fp8_impl != "transformer_engine" and role == "block"
-    ag_bytes = act_bytes * FP8_ELEMENT_BYTES // cm.elem if torchao_fp8 and not cm.model.is_moe else act_bytes
+    # FP8 layers cast a block's sequence-parallel inputs, and backward the output gradients, to
+    # FP8 before their all-gathers; the reduce-scatters carry the products' compute-dtype outputs.
+    # torchao's float8 tensor parallelism (Float8ColwiseParallel, PrepareFloat8ModuleInput,
+    # Float8RowwiseParallel: torchao/float8/float8_tensor_parallel.py), and Transformer Engine's
+    # modules: LayerNormLinear and LayerNormMLP write the norm's output in FP8 and gather that
+    # (userbuffers or NCCL), Linear's backward casts the output gradient and then gathers it
+    # (TE 1.9 to today: module/layernorm_linear.py forward, base.py grad_output_preprocess). A
+    # mixture's attention is a Transformer Engine block's like any other.
+    fp8_gathers = cm.engine.matmul == "fp8" and role == "block" and (
+        cm.engine.fp8_impl == "transformer_engine" or not cm.model.is_moe)
+    ag_bytes = act_bytes * FP8_ELEMENT_BYTES // cm.elem if fp8_gathers else act_bytes
     if sp:  # all-gather + reduce-scatter of the same volume, and ring steps
         one = (cm.collective_s("all_gather", ag_bytes, tp, link, device)
                + cm.collective_s("reduce_scatter", act_bytes, tp, link, device))
@@ -228,8 +233,10 @@ def tp_pass(cm, role: str, group: NodeGroup, *, tp: int, sp: bool, recompute: st
         # The linears' inputs kept as sequence shards are gathered again for the weight
         # gradients, beside the input-gradient products (search/engines.py, ``sp_inputs``): the
         # block's two (the attention's one when its MoE runs on sequence shards), the head's one.
+        # Saved in FP8 they are gathered in FP8 (Transformer Engine's ln_out; torchao's but "torchao_hp"'s).
         n_inputs = 1 if role == "head" or cm.model.is_moe else 2
-        regather = n_inputs * cm.collective_s("all_gather", act_bytes, tp, link, device)
+        saved = ag_bytes if cm.engine.fp8_impl != "torchao_hp" else act_bytes
+        regather = n_inputs * cm.collective_s("all_gather", saved, tp, link, device)
         tp_bwd += overlapped_s(bwd_compute, regather, slowdown) - bwd_compute
     return fwd_compute, bwd_compute, tp_fwd, tp_bwd
 
