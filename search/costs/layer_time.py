@@ -93,6 +93,9 @@ def zero_traffic(cm, params: int, group: NodeGroup, *, tp: int, zero: int, repli
         elif zero == 1:
             if cm.engine.zero1_reduce == "all_reduce":  # DeepSpeed's BF16_Optimizer (search/engines.py)
                 rs = cm.collective_s("all_reduce", params * cm.reduce_bytes, replicas, dlink, device)
+            step = cm.step_gather_bytes(role)  # FP8 under Megatron's --fp8-param-gather
+            if step != gathered:
+                ag = cm.collective_s("all_gather", params * step, replicas, dlink, device)
             dp_sync, gather = ag + rs, ag
         elif zero == 2 and cm.engine.zero2_gather == "step":  # DeepSpeed: whole parameters, gathered after the step
             zero_bwd, dp_sync, gather = rs, ag, ag

@@ -244,6 +244,23 @@ class CostModel:
         linear = kind.matmul_params / kind.params
         return linear * FP8_ELEMENT_BYTES + (1 - linear) * self.elem
 
+    def step_gather_bytes(self, role: str) -> float:
+        """Bytes a parameter of a ``role`` layer moves in the once-a-step gather of the updated
+        parameters (ZeRO 1, ZeRO 2 gathered once a step): ``gather_bytes``', or, for a dense
+        block whose FP8 products are Transformer Engine's under the distributed optimizer,
+        one byte a linear weight: ``--fp8-param-gather`` (which ``partita export --to megatron``
+        writes for an FP8 plan at ZeRO 1, as NVIDIA's recipes set ``fp8_params``) keeps those
+        weights as FP8 tensors, which the distributed optimizer all-gathers as they are
+        (megatron/core/optimizer/distrib_optimizer.py, the FP8 parameters' bucket). The bytes the
+        rank holds are unchanged (``costs.memory.dense_memory``: the FP8 weight and its FP8
+        transpose, one compute-dtype weight's)."""
+        kind = self.model.kinds[role]
+        if not (self.engine.matmul == "fp8" and self.engine.fp8_impl == "transformer_engine" and role == "block"
+                and not kind.is_moe):
+            return self.gather_bytes(role)
+        linear = kind.matmul_params / kind.params
+        return linear * FP8_ELEMENT_BYTES + (1 - linear) * self.elem
+
     # ---- links --------------------------------------------------------------------------
     def tp_link(self, group: NodeGroup, tp: int) -> Link:
         return links.link_within(group, tp)
