@@ -245,8 +245,8 @@ class CostModel:
         return linear * FP8_ELEMENT_BYTES + (1 - linear) * self.elem
 
     def step_gather_bytes(self, role: str) -> float:
-        """Bytes a parameter of a ``role`` layer moves in the once-a-step gather of the updated
-        parameters (ZeRO 1, ZeRO 2 gathered once a step): ``gather_bytes``', or, for a dense
+        """Bytes a parameter of a ``role`` layer moves in ZeRO 1's once-a-step gather of the
+        updated parameters (``layer_time.zero_traffic``): ``gather_bytes``', or, for a dense
         block whose FP8 products are Transformer Engine's under the distributed optimizer,
         one byte a linear weight: ``--fp8-param-gather`` (which ``partita export --to megatron``
         writes for an FP8 plan at ZeRO 1, as NVIDIA's recipes set ``fp8_params``) keeps those
