@@ -279,3 +279,37 @@ def test_sequence_parallelism_shards_torchao_s_casts_of_the_residual_stream():
         else:
             assert casts["fp8 casts attention input"][0] > 0 and casts["fp8 casts mlp input"][1] > 0
             assert casts["fp8 casts attention"] == casts["fp8 casts mlp"] == (0.0, 0.0)
+
+
+def test_megatron_s_fp8_parameters_are_gathered_as_fp8_once_a_step():
+    """Under the distributed optimizer (ZeRO 1) ``--fp8-param-gather``, which the export writes for
+    an FP8 plan, keeps a block's linear weights as FP8 tensors and the once-a-step all-gather of
+    the updated parameters moves them as they are: a byte a linear weight, the norms in bf16.
+    Without FP8 products, or outside a block, the gather moves bf16; torchtitan's FP8 keeps its
+    own (FSDP's float8 all-gather, ``gather_bytes``)."""
+    from partita.search.costs.layer_time import zero_traffic
+    from partita.search.costs.model import CostModel
+    from partita.search.engines import get_engine
+
+    cluster = parse_short("4x8xH100")
+    group = cluster.groups[0]
+    gathers = {}
+    for fp8 in (False, True):
+        cm = CostModel(MODEL, cluster, seq_len=4096, dtype="bf16", engine=get_engine("megatron", fp8))
+        for role in ("block", "head"):
+            params = cm.param_count(role, 1)
+            gathers[fp8, role] = zero_traffic(cm, params, group, tp=1, zero=1, replicas=32, role=role)[3]
+            if not fp8 and role == "block":
+                assert cm.step_gather_bytes("block") == cm.gather_bytes("block") == 2
+            if fp8 and role == "block":
+                kind = MODEL.kinds["block"]
+                linear = kind.matmul_params / kind.params
+                assert cm.step_gather_bytes("block") == pytest.approx(linear + (1 - linear) * 2)
+                assert 1.0 < cm.step_gather_bytes("block") < 1.01
+                dlink = cm.dp_link(group, 32, 1)
+                assert gathers[fp8, role] == pytest.approx(
+                    cm.collective_s("all_gather", params * cm.step_gather_bytes("block"), 32, dlink, group.device))
+    assert gathers[True, "block"] < gathers[False, "block"]
+    assert gathers[True, "head"] == pytest.approx(gathers[False, "head"])
+    torchtitan = CostModel(MODEL, cluster, seq_len=4096, dtype="bf16", engine=get_engine("torchtitan", True))
+    assert torchtitan.step_gather_bytes("block") == torchtitan.gather_bytes("block")
