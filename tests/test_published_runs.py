@@ -549,3 +549,16 @@ def test_the_unknowns_script_prints_the_scaling_study_s_splits(capsys):
     assert len(lines) == 11
     error = pr.price({r.id: r for r in MLM}["mlm2407-gpt-32b-384xH100"]).error_pct
     assert any(line.startswith(f"| mlm2407-gpt-32b-384xH100 | {error:+.1f} % (mb 1 v 1) |") for line in lines)
+
+
+def test_the_summary_shows_each_engine_on_the_rows_its_target_is_held_on():
+    """Beside each engine's line over all its rows, the summary gives its rows of a published
+    split and no known gap (the rows issue 23's per-engine target tests hold), where they differ."""
+    rows = [pr.price(r) for r in RUNS]
+    by_label = {s.label: s for s in pr.summaries(rows)}
+    for name in ("megatron", "torchtitan", "deepspeed"):
+        kept = [r for r in rows if r.engine == name and r.split_published and not r.gap and r.error_pct is not None]
+        line = by_label[f"engine {name}, split published, no known gap"]
+        assert line.count == len(kept) < by_label[f"engine {name}"].count
+        assert line.max_abs_error_pct == max(abs(r.error_pct) for r in kept)
+    assert "engine partita, split published, no known gap" not in by_label  # the same rows as its own line
