@@ -553,7 +553,7 @@ def test_the_unknowns_script_prints_the_scaling_study_s_splits(capsys):
 
 def test_the_summary_shows_each_engine_on_the_rows_its_target_is_held_on():
     """Beside each engine's line over all its rows, the summary gives its rows of a published
-    split and no known gap (the rows issue 23's per-engine target tests hold), where they differ."""
+    split and no known gap (the rows issue 23's per-engine line is read on), where they differ."""
     rows = [pr.price(r) for r in RUNS]
     by_label = {s.label: s for s in pr.summaries(rows)}
     for name in ("megatron", "torchtitan", "deepspeed"):
