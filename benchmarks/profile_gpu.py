@@ -27,8 +27,11 @@ import torch
 
 from partita.cli.profile import main as profile_main
 from partita.cli.profile_compare import compare
+from partita.cluster import parse_short
+from partita.model_io import load_model
 from partita.profile import Profile
 from partita.profiler.provenance import catalog_device
+from partita.search.costs.model import CostModel
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET_S = 60.0  # every width and micro-batch of a 32-block 7B-class model on one GPU
@@ -65,6 +68,29 @@ def main() -> int:
     return 0
 
 
+def planner_block_errors(model: str, prof: Profile) -> dict[str, tuple[int, float, float]]:
+    """Issue 23 (item 5): the measured decoder blocks against what the planner prices them at
+    with no profile, the analytic default (kernels on the roofline, the host's dispatch floor):
+    per measured block point, priced / measured - 1 of forward + backward ("plain") and of
+    forward + backward + the recomputed forward ("recompute"), as the issue counts it. Returns,
+    for each, the number of points, the median |error| and the largest error by size, signed,
+    in % (negative: the block ran slower than priced)."""
+    spec = load_model(model)
+    cluster = parse_short(f"1x1x{prof.device}")
+    models: dict[int, CostModel] = {}
+    errors: dict[str, list[float]] = {"plain": [], "recompute": []}
+    for p in prof.layers:
+        if p.kind.role != "block":
+            continue
+        cm = models.setdefault(p.seq_len, CostModel(spec, cluster, seq_len=p.seq_len, dtype=prof.dtype))
+        priced = cm.compute("block", prof.device, p.tp, p.micro_batch)
+        plain = priced.forward_s + priced.backward_s
+        errors["plain"].append(100.0 * (plain / (p.forward_s + p.backward_s) - 1))
+        errors["recompute"].append(100.0 * ((plain + priced.recompute_s)
+                                            / (p.forward_s + p.backward_s + p.recompute_s) - 1))
+    return {k: (len(v), statistics.median(abs(e) for e in v), max(v, key=abs)) for k, v in errors.items() if v}
+
+
 def summarize(results: list[tuple[str, float, Profile]]) -> None:
     print("\n=== summary")
     for model, wall, prof in results:
@@ -79,6 +105,9 @@ def summarize(results: list[tuple[str, float, Profile]]) -> None:
                           for f in ("forward_s", "backward_s", "recompute_s", "activation_bytes")}
                 print(f"  {role:5s} median measured/analytic: " +
                       ", ".join(f"{f.removesuffix('_s').removesuffix('_bytes')} {r:.2f}" for f, r in ratios.items()))
+        for label, (n, median, worst) in planner_block_errors(model, prof).items():
+            print(f"  decoder blocks against the planner's analytic default ({label}, {n} points): "
+                  f"median |error| {median:.1f} %, worst {worst:+.1f} % (issue 23: median <= 8 %, worst <= 30 %)")
 
 
 if __name__ == "__main__":
