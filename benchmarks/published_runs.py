@@ -607,8 +607,9 @@ def summaries(rows: Sequence[Row]) -> list[Summary]:
             summarise(f"engine {name}", [r for r in rows if r.engine == name])
             for name in ENGINES if any(r.engine == name for r in rows)] + [
             # Where the two differ, the engine's rows of a published split and no known gap of
-            # the cost model: the rows issue 23's per-engine line is read on (the megatron
-            # engine's is held by tests/test_published_runs.py; the others do not meet it yet).
+            # the cost model: the rows issue 23's per-engine line is read on (tests/
+            # test_published_runs.py holds the megatron and torchtitan engines' lines; the
+            # deepspeed engine's does not meet it yet).
             summarise(f"engine {name}, split published, no known gap", kept)
             for name in ENGINES
             for kept in [[r for r in rows if r.engine == name and r.split_published and not r.gap]]
