@@ -598,22 +598,22 @@ def summarise(label: str, rows: Sequence[Row]) -> Summary:
 
 
 def summaries(rows: Sequence[Row]) -> list[Summary]:
-    return [summarise("priced (exact + closest)", rows),
-            summarise("exact only", [r for r in rows if r.pricing == "exact"]),
-            summarise("ZeRO-3 / FSDP rows", [r for r in rows if r.zero == 3]),
-            summarise("rows without a known gap", [r for r in rows if not r.gap]),
-            summarise("rows whose micro-batch and schedule the source does not give (assumed)",
-                      [r for r in rows if not r.split_published])] + [
-            summarise(f"engine {name}", [r for r in rows if r.engine == name])
-            for name in ENGINES if any(r.engine == name for r in rows)] + [
-            # Where the two differ, the engine's rows of a published split and no known gap of
-            # the cost model: the rows issue 23's per-engine line is read on (tests/
-            # test_published_runs.py holds the megatron and torchtitan engines' lines; the
-            # deepspeed engine's does not meet it yet).
-            summarise(f"engine {name}, split published, no known gap", kept)
-            for name in ENGINES
-            for kept in [[r for r in rows if r.engine == name and r.split_published and not r.gap]]
-            if kept and len(kept) < sum(1 for r in rows if r.engine == name)]
+    out = [summarise("priced (exact + closest)", rows),
+           summarise("exact only", [r for r in rows if r.pricing == "exact"]),
+           summarise("ZeRO-3 / FSDP rows", [r for r in rows if r.zero == 3]),
+           summarise("rows without a known gap", [r for r in rows if not r.gap]),
+           summarise("rows whose micro-batch and schedule the source does not give (assumed)",
+                     [r for r in rows if not r.split_published])]
+    by_engine = {name: [r for r in rows if r.engine == name] for name in ENGINES}
+    out += [summarise(f"engine {name}", own) for name, own in by_engine.items() if own]
+    # Where the two differ, the engine's rows of a published split and no known gap of the cost
+    # model: the rows issue 23's per-engine line is read on (tests/test_published_runs.py holds
+    # the megatron and torchtitan engines' lines; the deepspeed engine's does not meet it yet).
+    for name, own in by_engine.items():
+        kept = [r for r in own if r.split_published and not r.gap]
+        if kept and len(kept) < len(own):
+            out.append(summarise(f"engine {name}, split published, no known gap", kept))
+    return out
 
 
 # ---- output -----------------------------------------------------------------------------------

@@ -238,11 +238,7 @@ class CostModel:
         compute dtype's, or, for a dense block whose FP8 products gather their weights cast
         (``Engine.fp8_gather``, torchao's float8 all-gather), one byte a linear weight and the
         compute dtype's for the rest (the norms)."""
-        kind = self.model.kinds[role]
-        if not (self.engine.fp8_gather and self.engine.matmul == "fp8" and role == "block" and not kind.is_moe):
-            return float(self.elem)
-        linear = kind.matmul_params / kind.params
-        return linear * FP8_ELEMENT_BYTES + (1 - linear) * self.elem
+        return self._weight_bytes(role, fp8=self.engine.fp8_gather)
 
     def step_gather_bytes(self, role: str) -> float:
         """Bytes a parameter of a ``role`` layer moves in ZeRO 1's once-a-step gather of the
@@ -254,10 +250,15 @@ class CostModel:
         (megatron/core/optimizer/distrib_optimizer.py, the FP8 parameters' bucket). The bytes the
         rank holds are unchanged (``costs.memory.dense_memory``: the FP8 weight and its FP8
         transpose, one compute-dtype weight's)."""
+        return self._weight_bytes(role, fp8=self.engine.fp8_gather or self.engine.fp8_impl == "transformer_engine")
+
+    def _weight_bytes(self, role: str, *, fp8: bool) -> float:
+        """Bytes a parameter of a ``role`` layer moves gathered: one a linear weight and the
+        compute dtype's for the rest where ``fp8`` and the layer is a dense block whose products
+        run in FP8, the compute dtype's otherwise."""
         kind = self.model.kinds[role]
-        if not (self.engine.matmul == "fp8" and self.engine.fp8_impl == "transformer_engine" and role == "block"
-                and not kind.is_moe):
-            return self.gather_bytes(role)
+        if not (fp8 and self.engine.matmul == "fp8" and role == "block" and not kind.is_moe):
+            return float(self.elem)
         linear = kind.matmul_params / kind.params
         return linear * FP8_ELEMENT_BYTES + (1 - linear) * self.elem
 
